@@ -1,0 +1,111 @@
+"""Memory-sharing LayerNorm and RMSNorm, without affine parameters.
+
+MS-BP (Yang et al., ICML 2024, arXiv:2406.16282): the exact backward of a
+normalisation can be written with its output ``y`` and the per-row ``rstd``
+instead of its input ``x``. When the next layer is a matmul, it saves ``y``
+anyway, so the norm adds only one float32 per row. Any affine ``g, b`` of a
+pretrained norm is folded into the next linear layer (`lowmem_jax.fold`).
+
+Per row of the last axis, statistics in float32, biased variance:
+
+    LayerNorm: y = (x - mean(x)) * rstd,  rstd = 1 / sqrt(var(x) + eps)
+               dx = rstd * (dy - mean(dy) - y * mean(dy * y))
+    RMSNorm:   y = x * rstd,              rstd = 1 / sqrt(mean(x^2) + eps)
+               dx = rstd * (dy - y * mean(dy * y))
+
+The sharing is real only when the next layer consumes ``y`` as it is: emit the
+dtype the next matmul computes in (``dtype=``), or a cast makes a second array.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax import names
+from lowmem_jax._checks import check_float_array, check_out_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  centered: bool  # LayerNorm (True) or RMSNorm (False)
+  eps: float
+  x_dtype: jnp.dtype
+  y_dtype: jnp.dtype
+
+
+def _normalize(x, spec):
+  """float32 ``(y, rstd)`` of the rows of ``x``: ``[..., n]`` and ``[...]``."""
+  x = x.astype(jnp.float32)
+  if spec.centered:
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(jnp.square(x), axis=-1, keepdims=True), 0.0)
+  rstd = jax.lax.rsqrt(var + spec.eps)
+  return x * rstd, rstd[..., 0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ms_norm(spec, x):
+  return _normalize(x, spec)[0].astype(spec.y_dtype)
+
+
+def _ms_norm_fwd(spec, x):
+  y, rstd = _normalize(x, spec)
+  y = checkpoint_name(y.astype(spec.y_dtype), names.NORM_OUT)
+  return y, (y, checkpoint_name(rstd, names.NORM_RSTD))
+
+
+def _ms_norm_bwd(spec, res, dy):
+  y, rstd = res
+  dy = dy.astype(jnp.float32)
+  y = y.astype(jnp.float32)
+  g = dy - y * jnp.mean(dy * y, axis=-1, keepdims=True)
+  if spec.centered:
+    g = g - jnp.mean(dy, axis=-1, keepdims=True)
+  return ((rstd[..., None] * g).astype(spec.x_dtype),)
+
+
+_ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
+
+
+def _public(centered: bool):
+  def norm(x: jax.Array, *, eps: float = 1e-6, dtype=None) -> jax.Array:
+    check_float_array(x, "x")
+    if not eps > 0:
+      raise ValueError(f"eps must be > 0, got {eps!r}.")
+    x_dtype = jnp.dtype(x.dtype)
+    return _ms_norm(_Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype), x)
+  return norm
+
+
+ms_layer_norm = _public(centered=True)
+ms_layer_norm.__name__ = "ms_layer_norm"
+ms_layer_norm.__doc__ = """LayerNorm without affine whose backward needs only ``y`` and ``rstd``.
+
+Args:
+  x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+  eps: added to the (biased) variance.
+  dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
+    computes in, so that layer saves this very array.
+
+Returns:
+  ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
+  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact.
+"""
+
+ms_rms_norm = _public(centered=False)
+ms_rms_norm.__name__ = "ms_rms_norm"
+ms_rms_norm.__doc__ = """RMSNorm without affine whose backward needs only ``y`` and ``rstd``.
+
+Args:
+  x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+  eps: added to ``mean(x**2)``.
+  dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
+    computes in, so that layer saves this very array.
+
+Returns:
+  ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
+  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact.
+"""

@@ -1,0 +1,107 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+
+
+def layer_norm(x, eps=1e-6):
+  x = x.astype(jnp.float32)
+  mu = jnp.mean(x, -1, keepdims=True)
+  return (x - mu) / jnp.sqrt(jnp.mean(jnp.square(x - mu), -1, keepdims=True) + eps)
+
+
+def rms_norm(x, eps=1e-6):
+  x = x.astype(jnp.float32)
+  return x / jnp.sqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps)
+
+
+PAIRS = {"layer": (lm.ms_layer_norm, layer_norm), "rms": (lm.ms_rms_norm, rms_norm)}
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize("shape", [(7,), (4, 33), (2, 3, 64)])
+def test_forward_and_gradient_match_plain_norm(kind, shape):
+  ms, plain = PAIRS[kind]
+  x = 3 * jax.random.normal(jax.random.key(0), shape) + 1
+  w = jax.random.normal(jax.random.key(1), shape)
+  chex.assert_trees_all_close(ms(x), plain(x), atol=1e-5)
+  loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x)) * w))
+  chex.assert_trees_all_close(jax.grad(loss(ms))(x), jax.grad(loss(plain))(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize("dtype,out", [(jnp.bfloat16, None), (jnp.float16, None), (jnp.float32, jnp.bfloat16)])
+def test_dtypes(kind, dtype, out):
+  ms, plain = PAIRS[kind]
+  x = jax.random.normal(jax.random.key(0), (4, 64)).astype(dtype)
+  y, vjp = jax.vjp(lambda x: ms(x, dtype=out), x)
+  assert y.dtype == (out or dtype)
+  (dx,) = vjp(jnp.ones_like(y))
+  assert dx.dtype == dtype
+  chex.assert_trees_all_close(y.astype(jnp.float32), plain(x), atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_residuals_are_y_and_float32_rstd(kind):
+  ms, _ = PAIRS[kind]
+  x = jax.ShapeDtypeStruct((4, 5, 64), jnp.bfloat16)
+  res = lm.memory.saved_residuals(lambda x: ms(x).astype(jnp.float32).sum(), x)
+  got = sorted((r.name, r.shape, str(r.dtype)) for r in res.rows)
+  assert got == [("norm_out", (4, 5, 64), "bfloat16"), ("norm_rstd", (4, 5), "float32")]
+
+
+def _block(norm, dtype):
+  def f(x, w):
+    return jnp.sum(jnp.tanh(jnp.dot(norm(x, dtype=dtype), w.astype(dtype)).astype(jnp.float32)))
+  return f
+
+
+def _plain(x, dtype):
+  return layer_norm(x).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ms_norm_and_matmul_save_y_once(dtype):
+  """The norm's output is the matmul's saved input: one array, not two."""
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+  w = jax.ShapeDtypeStruct((512, 128), jnp.float32)
+  ms = lm.memory.saved_residuals(_block(lm.ms_layer_norm, dtype), x, w)
+  y_like = [r for r in ms.rows if r.shape == (256, 512) and not r.is_argument]
+  assert len(y_like) == 1 and y_like[0].name == lm.names.NORM_OUT
+  plain = lm.memory.saved_residuals(_block(_plain, dtype), x, w)
+  assert plain.activation_bytes > ms.activation_bytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ms_norm_lowers_compiled_temp_bytes(dtype):
+  x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+  w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+  grad = lambda f: jax.grad(f, argnums=(0, 1))
+  ms = lm.memory.analyze(grad(_block(lm.ms_layer_norm, dtype)), x, w)
+  plain = lm.memory.analyze(grad(_block(_plain, dtype)), x, w)
+  assert ms.temp_bytes < plain.temp_bytes
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_transformations(kind):
+  ms, plain = PAIRS[kind]
+  x = jax.random.normal(jax.random.key(0), (3, 4, 16))
+  loss = lambda f: (lambda x: jnp.sum(f(x) ** 3))
+  g = jax.grad(loss(plain))(x)
+  chex.assert_trees_all_close(jax.jit(jax.grad(loss(ms)))(x), g, atol=1e-5)
+  chex.assert_trees_all_close(jax.vmap(jax.grad(loss(ms)))(x), g, atol=1e-5)
+  chex.assert_trees_all_close(jax.grad(jax.checkpoint(loss(ms)))(x), g, atol=1e-5)
+  scanned = jax.grad(lambda x: jax.lax.scan(lambda c, xi: (c + loss(ms)(xi), None), 0.0, x)[0])(x)
+  chex.assert_trees_all_close(scanned, g, atol=1e-5)
+
+
+def test_bad_input():
+  with pytest.raises(TypeError, match=r"\bx\b"):
+    lm.ms_layer_norm(jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="eps"):
+    lm.ms_rms_norm(jnp.zeros((3,)), eps=0.0)
+  with pytest.raises(TypeError, match="dtype"):
+    lm.ms_rms_norm(jnp.zeros((3,)), dtype=jnp.int8)

@@ -1,0 +1,48 @@
+"""Flax linen substitutes: drop-in modules over the functional core.
+
+The approximate activations are plain functions and serve as ``activation=``
+arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
+
+
+class MSLayerNorm(nn.Module):
+  """LayerNorm without affine whose backward keeps only y and 1/sigma.
+
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
+  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.fold`.
+
+  Attributes:
+    epsilon: added to the variance.
+    dtype: dtype of the output; give the dtype the next layer computes in.
+      Defaults to the input's.
+  """
+  epsilon: float = 1e-6
+  dtype: Any = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
+
+
+class MSRMSNorm(nn.Module):
+  """RMSNorm without scale whose backward keeps only y and 1/rms.
+
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
+  a pretrained ``scale`` into the next Dense with `lowmem_jax.fold`.
+
+  Attributes:
+    epsilon: added to the mean square.
+    dtype: dtype of the output; give the dtype the next layer computes in.
+      Defaults to the input's.
+  """
+  epsilon: float = 1e-6
+  dtype: Any = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return ms_rms_norm(x, eps=self.epsilon, dtype=self.dtype)

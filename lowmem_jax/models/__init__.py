@@ -1,0 +1,99 @@
+"""Reference models and their training workloads, by name.
+
+`workload` builds what the benchmarks and the CLI measure: a model, the
+abstract shapes of its parameters and batch, and its loss.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowmem_jax.models import llama, vit
+from lowmem_jax.models.llama import Llama, LlamaConfig
+from lowmem_jax.models.vit import ViT
+
+VIT_CONFIGS = {
+    "vit-b16": dict(patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12),
+    "vit-l16": dict(patch_size=16, width=1024, depth=24, mlp_dim=4096, num_heads=16),
+}
+NAMES = tuple(VIT_CONFIGS) + tuple(llama.CONFIGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """A reference model with the shapes of one training batch.
+
+  Attributes:
+    name: the reference name, e.g. "vit-b16".
+    model: the Flax module.
+    inputs: ``ShapeDtypeStruct`` of the input batch (images or tokens).
+    labels: ``ShapeDtypeStruct`` of the int32 labels.
+  """
+  name: str
+  model: nn.Module
+  inputs: jax.ShapeDtypeStruct
+  labels: jax.ShapeDtypeStruct
+
+  def init(self, rng: jax.Array) -> Any:
+    """Real parameters."""
+    return self.model.init(rng, jnp.zeros(self.inputs.shape, self.inputs.dtype))["params"]
+
+  def abstract_params(self) -> Any:
+    """``ShapeDtypeStruct`` pytree of the parameters; allocates nothing."""
+    return jax.eval_shape(self.init, jax.random.key(0))
+
+  def batch(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A random batch of the workload's shapes."""
+    k1, k2 = jax.random.split(rng)
+    if jnp.issubdtype(self.inputs.dtype, jnp.integer):
+      inputs = jax.random.randint(k1, self.inputs.shape, 0, self._classes(), self.inputs.dtype)
+    else:
+      inputs = jax.random.normal(k1, self.inputs.shape, self.inputs.dtype)
+    return inputs, jax.random.randint(k2, self.labels.shape, 0, self._classes(), jnp.int32)
+
+  def _classes(self) -> int:
+    return self.model.config.vocab_size if isinstance(self.model, Llama) else self.model.num_classes
+
+  def loss(self, params: Any, inputs: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean cross-entropy, float32 scalar."""
+    logits = self.model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
+             dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+             activation: str = "exact", norm: str = "plain", remat: bool = False,
+             remat_policy: Callable | None = None) -> Workload:
+  """The reference workload ``name`` (one of `NAMES`).
+
+  Args:
+    name: "vit-b16", "vit-l16", "llama-100m", "llama-1b" or "llama-7b".
+    batch: examples per batch.
+    seq: tokens per example (LLaMA).
+    image: image side in pixels (ViT).
+    dtype: compute dtype; param_dtype: parameter dtype.
+    activation, norm, remat, remat_policy: the models' switches.
+  """
+  if name not in NAMES:
+    raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
+  if batch < 1:
+    raise ValueError(f"batch must be >= 1, got {batch}.")
+  vit.check_switches(activation, norm)
+  switches = dict(activation=activation, norm=norm, remat=remat, remat_policy=remat_policy,
+                  dtype=dtype, param_dtype=param_dtype)
+  if name in VIT_CONFIGS:
+    model = ViT(**VIT_CONFIGS[name], **switches)
+    inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  else:
+    model = Llama(llama.CONFIGS[name], **switches)
+    inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    labels = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  return Workload(name, model, inputs, labels)
+
+
+__all__ = ["Llama", "LlamaConfig", "NAMES", "ViT", "Workload", "workload"]

@@ -1,0 +1,156 @@
+"""LLaMA-style decoder: pre-RMSNorm, SwiGLU MLP, rotary positions, grouped-query heads.
+
+Parameter layout (``tok_embeddings``, ``layers_{i}/{attention_norm,
+attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
+``output``) follows Meta's reference code, so `lowmem_jax.fold.LLAMA_RULES`
+folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
+
+Switches: ``activation`` ("exact" SiLU or "approx" ReSiLU2 on the gate),
+``norm`` ("plain" RMSNorm with scale, or "ms" MS-RMSNorm with the scale folded
+into the next Dense), and ``remat`` / ``remat_policy`` for the layers.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax import linen as lm_linen, names
+from lowmem_jax.activations import resilu2
+from lowmem_jax.models.vit import check_switches
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Sizes of a LLaMA-style decoder."""
+  vocab_size: int = 32000
+  dim: int = 768
+  n_layers: int = 12
+  n_heads: int = 12
+  n_kv_heads: int | None = None  # None: as many as n_heads
+  ffn_dim: int = 2048
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+
+
+CONFIGS = {
+    "llama-100m": LlamaConfig(),  # 134M parameters with its 32k vocabulary
+    "llama-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
+    "llama-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
+}
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding of ``x: [batch, length, heads, head_dim]`` (rotate-half)."""
+  length, head_dim = x.shape[1], x.shape[-1]
+  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq
+  cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+  sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  half = head_dim // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _rms_norm(norm, eps, dtype, param_dtype, name):
+  if norm == "ms":
+    return lm_linen.MSRMSNorm(epsilon=eps, dtype=dtype, name=name)
+  return nn.RMSNorm(epsilon=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+class Attention(nn.Module):
+  config: LlamaConfig
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    head_dim = cfg.dim // cfg.n_heads
+    kv_heads = cfg.n_kv_heads or cfg.n_heads
+    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
+                                     param_dtype=self.param_dtype, name=name)
+    b, length, _ = x.shape
+    q = dense(cfg.n_heads * head_dim, "wq")(x).reshape(b, length, cfg.n_heads, head_dim)
+    k = dense(kv_heads * head_dim, "wk")(x).reshape(b, length, kv_heads, head_dim)
+    v = dense(kv_heads * head_dim, "wv")(x).reshape(b, length, kv_heads, head_dim)
+    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = checkpoint_name(out.reshape(b, length, cfg.n_heads * head_dim), names.ATTN_OUT)
+    return dense(cfg.dim, "wo")(out)
+
+
+class FeedForward(nn.Module):
+  config: LlamaConfig
+  activation: str
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
+                                     param_dtype=self.param_dtype, name=name)
+    gate = checkpoint_name(dense(self.config.ffn_dim, "w1")(x), names.MLP_HIDDEN)
+    gate = resilu2(gate) if self.activation == "approx" else nn.silu(gate)
+    return dense(self.config.dim, "w2")(gate * dense(self.config.ffn_dim, "w3")(x))
+
+
+class TransformerBlock(nn.Module):
+  config: LlamaConfig
+  activation: str
+  norm: str
+  dtype: Any
+  param_dtype: Any
+
+  def _normed(self, x, name):
+    y = _rms_norm(self.norm, self.config.norm_eps, self.dtype, self.param_dtype, name)(x)
+    return y if self.norm == "ms" else checkpoint_name(y, names.NORM_OUT)
+
+  @nn.compact
+  def __call__(self, x):
+    x = checkpoint_name(x, names.BLOCK_IN)
+    x = x + Attention(self.config, self.dtype, self.param_dtype, name="attention")(
+        self._normed(x, "attention_norm"))
+    ff = FeedForward(self.config, self.activation, self.dtype, self.param_dtype, name="feed_forward")
+    return x + ff(self._normed(x, "ffn_norm"))
+
+
+class Llama(nn.Module):
+  """LLaMA-style causal language model.
+
+  Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``.
+
+  Attributes:
+    config: the sizes (`CONFIGS` has the named ones).
+    activation: "exact" (SiLU) or "approx" (`lowmem_jax.resilu2`).
+    norm: "plain" (RMSNorm with scale) or "ms" (`MSRMSNorm`, scale folded).
+    remat: wrap each layer in `nn.remat` with ``remat_policy``.
+    remat_policy: a `jax.checkpoint` policy; None saves nothing.
+    dtype: compute dtype; param_dtype: parameter dtype.
+  """
+  config: LlamaConfig = LlamaConfig()
+  activation: str = "exact"
+  norm: str = "plain"
+  remat: bool = False
+  remat_policy: Callable | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens):
+    check_switches(self.activation, self.norm)
+    cfg = self.config
+    x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                 name="tok_embeddings")(tokens)
+    block = nn.remat(TransformerBlock, policy=self.remat_policy) if self.remat else TransformerBlock
+    for i in range(cfg.n_layers):
+      x = block(cfg, self.activation, self.norm, self.dtype, self.param_dtype, name=f"layers_{i}")(x)
+    x = _rms_norm(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm")(x)
+    logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                      param_dtype=self.param_dtype, name="output")(x)
+    return logits.astype(jnp.float32)

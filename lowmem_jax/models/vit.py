@@ -1,0 +1,149 @@
+"""Vision Transformer in big_vision's parameter layout (Dosovitskiy et al. 2021).
+
+Pre-LN encoder blocks; the parameter tree matches big_vision's ``vit.py``
+(``Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0,
+LayerNorm_1, MlpBlock_0}``, ``Transformer/encoder_norm``, ``embedding``,
+``pos_embedding``, ``cls``, ``head``; class token pooling), so its
+checkpoints load, and `lowmem_jax.fold.VIT_RULES` folds it.
+
+Switches: ``activation`` ("exact" GELU or "approx" ReGELU2), ``norm``
+("plain" LayerNorm with affine, or "ms" MS-LayerNorm with the affine folded
+into the next Dense), and ``remat`` / ``remat_policy`` for the blocks.
+"""
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax import linen as lm_linen, names
+from lowmem_jax.activations import regelu2
+
+ACTIVATIONS = ("exact", "approx")
+NORMS = ("plain", "ms")
+
+
+def check_switches(activation: str, norm: str) -> None:
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
+
+
+def _gelu(x):
+  return nn.gelu(x, approximate=False)
+
+
+class MlpBlock(nn.Module):
+  mlp_dim: int
+  activation: str = "exact"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype)(x)
+    h = checkpoint_name(h, names.MLP_HIDDEN)
+    h = regelu2(h) if self.activation == "approx" else _gelu(h)
+    return nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.param_dtype)(h)
+
+
+def layer_norm(norm: str, dtype, param_dtype, name: str) -> nn.Module:
+  """The block's norm: plain LayerNorm (eps 1e-6) or MS-LayerNorm emitting ``dtype``."""
+  if norm == "ms":
+    return lm_linen.MSLayerNorm(epsilon=1e-6, dtype=dtype, name=name)
+  return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+class Encoder1DBlock(nn.Module):
+  mlp_dim: int
+  num_heads: int
+  activation: str = "exact"
+  norm: str = "plain"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def _normed(self, x, name):
+    y = layer_norm(self.norm, self.dtype, self.param_dtype, name)(x)
+    # The MS norm names its own output, which it shares with the next matmul.
+    return y if self.norm == "ms" else checkpoint_name(y, names.NORM_OUT)
+
+  @nn.compact
+  def __call__(self, x):
+    x = checkpoint_name(x, names.BLOCK_IN)
+    y = self._normed(x, "LayerNorm_0")
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
+        deterministic=True, name="MultiHeadDotProductAttention_0")(y, y)
+    x = x + y
+    y = self._normed(x, "LayerNorm_1")
+    y = MlpBlock(self.mlp_dim, self.activation, self.dtype, self.param_dtype, name="MlpBlock_0")(y)
+    return x + y
+
+
+class ViT(nn.Module):
+  """ViT classifier; defaults are ViT-B/16.
+
+  Input ``float[batch, image, image, 3]``; output ``float32[batch, num_classes]``.
+
+  Attributes:
+    patch_size, width, depth, mlp_dim, num_heads, num_classes: the size.
+    activation: "exact" (erf GELU) or "approx" (`lowmem_jax.regelu2`).
+    norm: "plain" (LayerNorm with affine) or "ms" (`MSLayerNorm`, affine folded).
+    remat: wrap each block in `nn.remat` with ``remat_policy``.
+    remat_policy: a `jax.checkpoint` policy; None saves nothing.
+    dtype: compute dtype; param_dtype: parameter dtype.
+  """
+  patch_size: int = 16
+  width: int = 768
+  depth: int = 12
+  mlp_dim: int = 3072
+  num_heads: int = 12
+  num_classes: int = 1000
+  activation: str = "exact"
+  norm: str = "plain"
+  remat: bool = False
+  remat_policy: Callable | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, images):
+    check_switches(self.activation, self.norm)
+    p = self.patch_size
+    x = nn.Conv(self.width, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
+                param_dtype=self.param_dtype, name="embedding")(images.astype(self.dtype))
+    b, h, w, c = x.shape
+    x = x.reshape(b, h * w, c)
+    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, h * w, c),
+                     self.param_dtype)
+    x = x + pos.astype(self.dtype)
+    cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
+    x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
+    x = Encoder(self.depth, self.mlp_dim, self.num_heads, self.activation, self.norm,
+                self.remat, self.remat_policy, self.dtype, self.param_dtype,
+                name="Transformer")(x)
+    head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
+    return head(x[:, 0]).astype(jnp.float32)
+
+
+class Encoder(nn.Module):
+  depth: int
+  mlp_dim: int
+  num_heads: int
+  activation: str
+  norm: str
+  remat: bool
+  remat_policy: Callable | None
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(Encoder1DBlock, policy=self.remat_policy) if self.remat else Encoder1DBlock
+    for i in range(self.depth):
+      x = block(self.mlp_dim, self.num_heads, self.activation, self.norm, self.dtype,
+                self.param_dtype, name=f"encoderblock_{i}")(x)
+    return layer_norm(self.norm, self.dtype, self.param_dtype, "encoder_norm")(x)

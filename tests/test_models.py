@@ -61,13 +61,14 @@ def test_switches_and_remat(make, inputs):
 
 
 def test_approx_and_ms_variants_save_less():
+  """ViT-B/16 at batch 64, bfloat16 compute: tracing only, nothing compiles."""
   def saved(**switches):
-    wl = models.workload("vit-b16", batch=2, image=32, **switches)
+    wl = models.workload("vit-b16", batch=64, **switches)
     labels = jnp.zeros(wl.labels.shape, jnp.int32)
     return lm.memory.saved_residuals(lambda p, x: wl.loss(p, x, labels), wl.abstract_params(),
                                      wl.inputs)
   base, both = saved(), saved(activation="approx", norm="ms")
-  assert both.activation_bytes < 0.6 * base.activation_bytes
+  assert both.activation_bytes < 0.5 * base.activation_bytes  # 0.42 measured
   assert both.by_name()[lm.names.ACT_CODE] > 0
 
 

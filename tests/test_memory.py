@@ -1,0 +1,81 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import memory
+
+
+def _mlp_grad():
+  def loss(w, x):
+    h = x
+    for _ in range(3):
+      h = jnp.tanh(h @ w)
+    return h.sum()
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+  return jax.grad(loss), w, x
+
+
+def test_analyze_on_abstract_shapes():
+  grad, w, x = _mlp_grad()
+  stats = memory.analyze(grad, w, x)
+  assert stats.argument_bytes == memory.tree_bytes((w, x)) == (256 + 1024) * 256 * 4
+  assert stats.output_bytes == 256 * 256 * 4
+  # Three tanh outputs of [1024, 256] are needed for backward, so temp holds them.
+  assert stats.temp_bytes >= 3 * 1024 * 256 * 4
+  assert stats.peak_bytes >= stats.argument_bytes + stats.temp_bytes
+  assert memory.analyze(jax.jit(grad), w, x) == stats  # a jitted function is used as it is
+
+
+def test_analyze_sees_donation():
+  x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+  donated = memory.analyze(jax.jit(lambda x: x * 2, donate_argnums=0), x)
+  assert donated.alias_bytes == 512 * 512 * 4
+  assert memory.analyze(lambda x: x * 2, x).alias_bytes == 0
+
+
+def test_saved_residuals_rows():
+  def f(w, x):
+    h = jax.ad_checkpoint.checkpoint_name(jnp.sin(x @ w), "hidden")
+    return jnp.sum(h @ w)
+  res = memory.saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+  named = [r for r in res.rows if r.name == "hidden"]
+  assert len(named) == 1 and named[0].shape == (4, 8) and named[0].nbytes == 128
+  assert any(r.is_argument for r in res.rows)
+  assert res.activation_bytes == sum(r.nbytes for r in res.rows if not r.is_argument)
+  assert res.by_name()["hidden"] == 128
+  assert "hidden" in str(res)
+
+
+def test_live_buffers_at_peak():
+  grad, w, x = _mlp_grad()
+  peak = memory.live_buffers_at_peak(grad, w, x, top=None)
+  assert peak.peak_bytes <= memory.analyze(grad, w, x).peak_bytes
+  assert peak.peak_bytes >= memory.tree_bytes((w, x))
+  sizes = [b.nbytes for b in peak.buffers]
+  assert sizes == sorted(sizes, reverse=True) and sum(sizes) == peak.peak_bytes
+  assert any("tanh" in b.op_name or "dot_general" in b.op_name for b in peak.buffers)
+  assert any(b.source.endswith(".py:" + b.source.rsplit(":", 1)[-1]) and "test_memory.py" in b.source
+             for b in peak.buffers)
+  assert len(memory.live_buffers_at_peak(grad, w, x, top=2).buffers) == 2
+
+
+def test_bad_fn():
+  with pytest.raises(TypeError, match="fn"):
+    memory.analyze(3, jnp.ones(3))
+  with pytest.raises(TypeError, match="fn"):
+    memory.saved_residuals("f", jnp.ones(3))
+
+
+def test_cli_report_json(capsys):
+  from lowmem_jax import cli
+  assert cli.main(["report", "--model", "llama-100m", "--batch", "1", "--seq", "16",
+                   "--activation", "approx", "--norm", "ms", "--top", "3", "--json"]) == 0
+  import json
+  report = json.loads(capsys.readouterr().out)
+  assert report["parameter_bytes"] > 4 * 120e6
+  assert report["saved_activation_bytes_by_name"]["act_code"] > 0
+  assert len(report["largest_live_at_peak"]) == 3
+  assert report["compiled"]["peak_bytes"] >= report["compiled"]["argument_bytes"]

@@ -14,6 +14,7 @@ kinks, packed along the last axis (2 bits for 2-3 kinks, 1 bit for one).
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -43,8 +44,12 @@ class _Fit:
     return 1 if len(self.c) == 1 else 2
 
   def code(self, x: jax.Array) -> jax.Array:
-    """``uint8`` code of each element: how many kinks lie below it."""
-    return sum((x > ci).astype(jnp.uint8) for ci in self.c)
+    """``uint8`` code of each element: how many kinks lie below it.
+
+    Compared in float32, so the kinks are not rounded to x's dtype.
+    """
+    x = x.astype(jnp.float32)
+    return sum((x > jnp.float32(ci)).astype(jnp.uint8) for ci in self.c)
 
   def slope(self, code: jax.Array) -> jax.Array:
     """``float32`` ``s[code] = a_1 + .. + a_code``, elementwise (no gather)."""
@@ -87,8 +92,15 @@ def approx_activation(
     ``uint8[..., ceil(n * bits / 8)]`` code (``n = x.shape[-1]``; 1 bit for
     one kink, 2 bits for two or three), tagged ``act_code``.
   """
-  a = tuple(float(v) for v in a)
-  c = tuple(float(v) for v in c)
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+  try:
+    a = tuple(float(v) for v in a)
+    c = tuple(float(v) for v in c)
+  except TypeError as e:
+    raise TypeError(f"a and c must be sequences of numbers, got a={a!r}, c={c!r}.") from e
+  if not all(math.isfinite(v) for v in a + c):
+    raise ValueError(f"a and c must be finite, got a={a}, c={c}.")
   if not 1 <= len(a) <= 3 or len(a) != len(c):
     raise ValueError(
         f"a and c must have the same length, between 1 and 3 (kinks), got "

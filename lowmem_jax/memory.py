@@ -121,8 +121,9 @@ class Residual:
     source: where it comes from: ``"argument <name>"``, ``"named <name>"`` for
       a `checkpoint_name`, or ``"output of <primitive>"``, with the source line.
     name: the `checkpoint_name` if it has one, else None.
-    is_argument: True for a function input (a parameter, say), which lives
-      anyway and is not activation memory.
+    is_argument: True for a function input, a closed-over constant (the
+      ``params`` of ``lambda x: model.apply(params, x)``) or a literal: memory
+      that lives anyway, not activation memory.
   """
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -186,7 +187,7 @@ def saved_residuals(fn: Callable, *args, **kwargs) -> Residuals:
     rows.append(Residual(
         shape=shape, dtype=dtype, nbytes=math.prod(shape) * dtype.itemsize,
         source=source, name=named.group(1) if named else None,
-        is_argument=source.startswith("from the argument")))
+        is_argument=source.startswith(("from the argument", "from a constant", "from a literal"))))
   return Residuals(tuple(rows))
 
 
@@ -222,6 +223,7 @@ class PeakBuffers:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+) ")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _LIVE = re.compile(r"^\s+(?P<name>[\w.\-]+)\{[\d,]*\}: (?P<bytes>\d+) bytes")
@@ -244,7 +246,7 @@ def _parse_hlo(text: str) -> dict[str, tuple[str, str, str]]:
       locations[m.group(1)] = f"{files.get(m.group(2), '?')}:{m.group(3)}"
     elif section == "StackFrames" and (m := _FRAME.match(line)):
       frames[m.group(1)] = locations.get(m.group(2), "")
-    elif (m := _INSTR.match(line)):
+    elif (m := _INSTR.match(_COMMENT.sub("", line))):
       shape = re.sub(r"\{[^{}]*\}", "", m.group("shape"))
       op = _OP_NAME.search(line)
       frame = _FRAME_ID.search(line)
@@ -271,7 +273,9 @@ def live_buffers_at_peak(fn: Callable, *args, top: int | None = 20, **kwargs) ->
       live_text = f.read()
     with open(hlo) as f:
       instructions = _parse_hlo(f.read())
-  at_peak = live_text.split("(peak):", 1)[-1].split("Stack trace breakdown", 1)[0]
+  if "(peak):" not in live_text:
+    raise RuntimeError(f"XLA's live-range dump has no peak section; its format may have changed: {live_range}")
+  at_peak = live_text.split("(peak):", 1)[1].split("Stack trace breakdown", 1)[0]
   buffers = []
   for line in at_peak.splitlines():
     if m := _LIVE.match(line):
@@ -283,7 +287,9 @@ def live_buffers_at_peak(fn: Callable, *args, top: int | None = 20, **kwargs) ->
 
 def _only(paths: list[str]) -> str:
   if len(paths) != 1:
-    raise RuntimeError(f"Expected one XLA dump file, found {paths}; is the backend CPU or GPU?")
+    raise RuntimeError(
+        f"Expected one XLA dump file, found {paths}: a persistent compilation cache hit "
+        "compiles nothing, and backends other than CPU and GPU may dump differently.")
   return paths[0]
 
 

@@ -15,4 +15,3 @@ MLP_IN = "mlp_in"  # input of the MLP's first matmul
 MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer
 ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
 
-ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, MLP_IN, MLP_HIDDEN, ACT_CODE)

@@ -73,8 +73,8 @@ _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
 def _public(centered: bool):
   def norm(x: jax.Array, *, eps: float = 1e-6, dtype=None) -> jax.Array:
     check_float_array(x, "x")
-    if not eps > 0:
-      raise ValueError(f"eps must be > 0, got {eps!r}.")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+      raise ValueError(f"eps must be a number > 0, got {eps!r}.")
     x_dtype = jnp.dtype(x.dtype)
     return _ms_norm(_Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype), x)
   return norm
@@ -92,7 +92,8 @@ Args:
 
 Returns:
   ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
-  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact.
+  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
+  rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
 """
 
 ms_rms_norm = _public(centered=False)
@@ -107,5 +108,6 @@ Args:
 
 Returns:
   ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
-  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact.
+  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
+  rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
 """

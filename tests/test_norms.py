@@ -39,9 +39,13 @@ def test_dtypes(kind, dtype, out):
   x = jax.random.normal(jax.random.key(0), (4, 64)).astype(dtype)
   y, vjp = jax.vjp(lambda x: ms(x, dtype=out), x)
   assert y.dtype == (out or dtype)
-  (dx,) = vjp(jnp.ones_like(y))
+  dy = jax.random.normal(jax.random.key(1), y.shape).astype(y.dtype)
+  (dx,) = vjp(dy)
   assert dx.dtype == dtype
   chex.assert_trees_all_close(y.astype(jnp.float32), plain(x), atol=2e-2)
+  # Exact up to the rounding of the saved y (and dy) to a 16-bit dtype.
+  (dx_plain,) = jax.vjp(plain, x.astype(jnp.float32))[1](dy.astype(jnp.float32))
+  chex.assert_trees_all_close(dx.astype(jnp.float32), dx_plain, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("kind", list(PAIRS))
@@ -82,7 +86,8 @@ def test_ms_norm_lowers_compiled_temp_bytes(dtype):
   grad = lambda f: jax.grad(f, argnums=(0, 1))
   ms = lm.memory.analyze(grad(_block(lm.ms_layer_norm, dtype)), x, w)
   plain = lm.memory.analyze(grad(_block(_plain, dtype)), x, w)
-  assert ms.temp_bytes < plain.temp_bytes
+  # The plain norm keeps at least one more array of y's size.
+  assert plain.temp_bytes - ms.temp_bytes >= 256 * 512 * jnp.dtype(dtype).itemsize
 
 
 @pytest.mark.parametrize("kind", list(PAIRS))

@@ -62,7 +62,7 @@ def _print(report: dict) -> None:
   for col in ("MiB", "shape", "op", "source"):
     top.add_column(col, justify="right" if col == "MiB" else "left")
   for b in report["largest_live_at_peak"]:
-    top.add_row(mib(b["bytes"]), b["shape"], b["op"], b["source"])
+    top.add_row(mib(b["bytes"]), b["shape"], b["op"] or "(made by XLA: no JAX op)", b["source"])
   console.print(top)
 
 

@@ -47,9 +47,22 @@ def memory_rows(model, batch, dtype, explain):
     saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
     rows.append((variant, stats, saved))
     if explain:
-      print(f"\n{variant}, {jnp.dtype(dtype).name} compute:")
-      print(lm.memory.live_buffers_at_peak(grad, params, wl.inputs, wl.labels, top=explain))
+      peak = lm.memory.live_buffers_at_peak(grad, params, wl.inputs, wl.labels, top=None)
+      print(f"\n{variant}, {jnp.dtype(dtype).name} compute: live at the peak "
+            f"{peak.peak_bytes / 2**20:,.0f} MiB; largest groups by the op that made them:")
+      for (op, kind), (nbytes, count) in group_by_op(peak)[:explain]:
+        print(f"  {nbytes / 2**20:9,.0f} MiB in {count:4d} {kind} buffers from {op}")
   return rows
+
+
+def group_by_op(peak):
+  """``[((op, element type), (bytes, count))]``, largest first."""
+  groups = {}
+  for b in peak.buffers:
+    key = (b.op_name.rsplit("/", 1)[-1] or "XLA itself (no JAX op)", b.shape.split("[", 1)[0])
+    nbytes, count = groups.get(key, (0, 0))
+    groups[key] = (nbytes + b.nbytes, count + 1)
+  return sorted(groups.items(), key=lambda kv: -kv[1][0])
 
 
 def time_rows(model, batch, image, dtype, repeats):
@@ -78,7 +91,7 @@ def main(argv=None):
   parser.add_argument("--time-image", type=int, default=112)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--explain", type=int, default=0, metavar="N",
-                      help="also list the N largest buffers live at the compiled peak")
+                      help="also list the N largest groups of buffers live at the compiled peak")
   parser.add_argument("--no-timing", action="store_true")
   args = parser.parse_args(argv)
   console = Console()

@@ -12,7 +12,16 @@ import jax
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 
 
-class MSLayerNorm(nn.Module):
+class _MSNorm(nn.Module):
+  epsilon: float = 1e-6
+  dtype: Any = None
+  _norm = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype)
+
+
+class MSLayerNorm(_MSNorm):
   """LayerNorm without affine whose backward keeps only y and 1/sigma.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
@@ -23,14 +32,10 @@ class MSLayerNorm(nn.Module):
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
   """
-  epsilon: float = 1e-6
-  dtype: Any = None
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
+  _norm = staticmethod(ms_layer_norm)
 
 
-class MSRMSNorm(nn.Module):
+class MSRMSNorm(_MSNorm):
   """RMSNorm without scale whose backward keeps only y and 1/rms.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
@@ -41,8 +46,4 @@ class MSRMSNorm(nn.Module):
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
   """
-  epsilon: float = 1e-6
-  dtype: Any = None
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return ms_rms_norm(x, eps=self.epsilon, dtype=self.dtype)
+  _norm = staticmethod(ms_rms_norm)

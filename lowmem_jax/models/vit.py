@@ -32,10 +32,6 @@ def check_switches(activation: str, norm: str) -> None:
     raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
 
 
-def _gelu(x):
-  return nn.gelu(x, approximate=False)
-
-
 class MlpBlock(nn.Module):
   mlp_dim: int
   activation: str = "exact"
@@ -46,7 +42,7 @@ class MlpBlock(nn.Module):
   def __call__(self, x):
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype)(x)
     h = checkpoint_name(h, names.MLP_HIDDEN)
-    h = regelu2(h) if self.activation == "approx" else _gelu(h)
+    h = regelu2(h) if self.activation == "approx" else nn.gelu(h, approximate=False)
     return nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.param_dtype)(h)
 
 

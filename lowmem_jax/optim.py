@@ -1,0 +1,461 @@
+"""AdamA: optimizer accumulation, Adam whose moments absorb each micro-batch gradient.
+
+Gradient accumulation over k micro-batches keeps a gradient-sized accumulator
+alive for the whole step. AdamA folds each micro-batch gradient g_i (of that
+micro-batch's mean loss) straight into Adam's moments, so no accumulator
+exists and each gradient can die as soon as it is folded in:
+
+- at the first micro-batch of a step: m <- b1 m, v <- b2 v;
+- at every micro-batch i: m <- m + (1 - b1) g_i / k, v <- v + (1 - b2) w g_i^2;
+- at the k-th: t <- t + 1 and the direction is m_hat / (sqrt(v_hat + eps_root) + eps).
+
+m is exactly Adam's m for the mean gradient. v cannot be Adam's, which needs
+the square of the whole sum; ``nu_scale`` picks the weight w:
+
+- ``"mean_sq"`` (default), w = 1/k^2: what public AdamA implementations
+  compute (they square the gradients of loss/k). Equals Adam's v in
+  expectation when micro-batch noise dominates the gradient.
+- ``"mean"``, w = 1/k: the mean of squares, as in batch-size-invariant Adam.
+  Equals Adam's v when the gradient signal dominates, and is never below it.
+
+With k = 1 both are Adam, bit for bit against `optax.adam`.
+
+References:
+  Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
+  Activations and Gradients for Large-scale DNN Training"
+  (https://arxiv.org/abs/2305.19982).
+  Wang & Aitchison, 2024, "Batch size invariant Adam"
+  (https://arxiv.org/abs/2402.18824).
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import tree_utils as otu
+
+NU_SCALES = ("mean_sq", "mean")
+
+
+class AdamAState(NamedTuple):
+  """State of `adama`; no gradient-sized accumulator."""
+  micro_step: jax.Array  # int32 [], micro-batches folded into the step in progress, 0..k-1
+  count: jax.Array  # int32 [], optimizer steps completed
+  mu: optax.Updates  # first moment: the params' shapes, in mu_dtype
+  nu: optax.Updates  # second moment: the params' shapes and dtypes
+
+
+def _check_k(k: Any, name: str = "k") -> None:
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(
+        f"`{name}` must be a positive Python int (the micro-batches per optimizer step), "
+        f"got {k!r}. Under `optax.inject_hyperparams`, pass `static_args=('{name}',)`.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentFold:
+  """How one micro-batch gradient enters AdamA's moments (see the module docstring).
+
+  Attributes:
+    k: micro-batches per optimizer step.
+    b1, b2: Adam's decay rates.
+    nu_scale: "mean_sq" (w = 1/k^2) or "mean" (w = 1/k).
+  """
+  k: int
+  b1: Any = 0.9
+  b2: Any = 0.999
+  nu_scale: str = "mean_sq"
+
+  def __post_init__(self):
+    _check_k(self.k)
+    if self.nu_scale not in NU_SCALES:
+      raise ValueError(f"`nu_scale` must be one of {NU_SCALES}, got {self.nu_scale!r}.")
+
+  def __call__(self, g: jax.Array, mu: jax.Array, nu: jax.Array,
+               first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Folds one leaf ``g`` into ``(mu, nu)``; ``first``: bool [], the step's first micro-batch.
+
+    Returns the moments in the promoted dtype, as `optax.scale_by_adam` computes
+    them before casting for storage.
+    """
+    mu_weight = (1 - self.b1) / self.k
+    nu_weight = (1 - self.b2) / (self.k ** 2 if self.nu_scale == "mean_sq" else self.k)
+    if self.k == 1:
+      new_mu, new_nu = self.b1 * mu, self.b2 * nu
+    else:
+      new_mu = jnp.where(first, self.b1 * mu, mu)
+      new_nu = jnp.where(first, self.b2 * nu, nu)
+    return mu_weight * g + new_mu, nu_weight * (g * g) + new_nu
+
+
+def adama(
+    k: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    mu_dtype: Any | None = None,
+    nu_scale: str = "mean_sq",
+) -> optax.GradientTransformationExtraArgs:
+  r"""Scale updates by AdamA: Adam over k micro-batches without a gradient accumulator.
+
+  Call ``update`` once per micro-batch with that micro-batch's gradient. It
+  returns zero updates on micro-steps 1..k-1 and Adam's direction
+  :math:`\hat m / (\sqrt{\hat v + \epsilon_{root}} + \epsilon)` on the k-th,
+  so ``optax.chain(adama(k), optax.scale_by_learning_rate(lr))`` is the full
+  optimizer. A learning-rate schedule there counts micro-steps: `adamaw`
+  counts optimizer steps.
+
+  Every transformation after ``adama`` in a chain runs on every micro-step, so
+  it must map zero updates to zero and keep no per-call state that should
+  count optimizer steps: ``add_decayed_weights`` would decay the weights k
+  times per step, and a schedule would advance k times faster. Wrap such
+  transformations in ``optax.conditionally_transform``, as `adamaw` does.
+
+  Extra argument: ``folded``, a pytree with the gradient's structure whose
+  leaves are either None (fold that leaf's gradient here) or a ``(mu, nu)``
+  pair already folded for this micro-batch, e.g. by `scan_layers` in the
+  backward pass; the gradient of such a leaf is ignored.
+
+  Args:
+    k: micro-batches per optimizer step, a positive Python int.
+    b1, b2: decay rates of the first and second moments.
+    eps, eps_root: as in `optax.adam`.
+    mu_dtype: dtype of the first moment; None keeps the params' dtypes.
+    nu_scale: "mean_sq" (default, w = 1/k^2) or "mean" (w = 1/k): the weight of
+      each squared micro-batch gradient in v (module docstring).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state `AdamAState`.
+
+  Example:
+    >>> import optax, jax.numpy as jnp, lowmem_jax as lm
+    >>> tx = optax.chain(lm.adama(2), optax.scale_by_learning_rate(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state)  # micro-step 1 of 2
+    >>> updates["w"]
+    Array([0., 0., 0.], dtype=float32)
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state)  # micro-step 2 of 2
+    >>> updates["w"]
+    Array([-0.1, -0.1, -0.1], dtype=float32)
+  """
+  fold = MomentFold(k, b1, b2, nu_scale)
+  mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
+
+  def init_fn(params):
+    return AdamAState(
+        micro_step=jnp.zeros([], jnp.int32),
+        count=jnp.zeros([], jnp.int32),
+        mu=otu.tree_zeros_like(params, dtype=mu_dtype),
+        nu=otu.tree_zeros_like(params))
+
+  def update_fn(updates, state, params=None, *, folded=None, **extra_args):
+    del params, extra_args
+    if jax.tree.structure(updates) != jax.tree.structure(state.mu):
+      raise ValueError(
+          "`updates` (the gradient) and the AdamA state have different tree structures: "
+          f"{jax.tree.structure(updates)} vs {jax.tree.structure(state.mu)}. "
+          "Build the state with `init` on the params you differentiate.")
+    if folded is None:
+      folded = jax.tree.map(lambda _: None, updates)
+    first = state.micro_step == 0
+    last = state.micro_step == k - 1
+    moments = jax.tree.map(
+        lambda g, m, v, done: fold(g, m, v, first) if done is None else done,
+        updates, state.mu, state.nu, folded)
+    mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
+    nu = jax.tree.map(lambda _, mv: mv[1], updates, moments)
+    count_inc = optax.safe_int32_increment(state.count)
+    mu_hat = otu.tree_bias_correction(mu, b1, count_inc)
+    nu_hat = otu.tree_bias_correction(nu, b2, count_inc)
+    direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+    mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
+    if k == 1:
+      return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu)
+    direction = jax.tree.map(lambda d: jnp.where(last, d, jnp.zeros_like(d)), direction)
+    return direction, AdamAState(
+        micro_step=jnp.where(last, 0, state.micro_step + 1).astype(jnp.int32),
+        count=jnp.where(last, count_inc, state.count),
+        mu=mu, nu=nu)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adamaw(
+    learning_rate: optax.ScalarOrSchedule,
+    k: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    mu_dtype: Any | None = None,
+    nu_scale: str = "mean_sq",
+    weight_decay: float = 1e-4,
+    mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """AdamA with decoupled weight decay: `optax.adamw` over k micro-batches.
+
+  The chain is ``adama``, then, on the k-th micro-step only (through
+  ``optax.conditionally_transform``), ``add_decayed_weights`` and
+  ``scale_by_learning_rate``. So the weights decay once per optimizer step and
+  a learning-rate schedule counts optimizer steps, not micro-steps. With
+  k = 1 it is `optax.adamw`.
+
+  With ``optax.inject_hyperparams``, ``k`` must be static and a callable
+  ``mask`` or a schedule that should count optimizer steps must be too:
+  ``optax.inject_hyperparams(adamaw, static_args=("k", "learning_rate"))``.
+  A schedule injected by ``inject_hyperparams`` itself counts micro-steps.
+
+  Args:
+    learning_rate: a float or an `optax.Schedule` over optimizer steps.
+    k, b1, b2, eps, eps_root, mu_dtype, nu_scale: as in `adama`.
+    weight_decay: the decoupled weight decay rate.
+    mask: as in `optax.adamw`: which params decay.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+  """
+  _check_k(k)
+  return optax.chain(
+      adama(k, b1, b2, eps, eps_root, mu_dtype=mu_dtype, nu_scale=nu_scale),
+      optax.conditionally_transform(
+          optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                      optax.scale_by_learning_rate(learning_rate)),
+          lambda micro_step: micro_step % k == k - 1))
+
+
+def find_adama_state(opt_state: Any) -> AdamAState | None:
+  """The `AdamAState` inside ``opt_state`` (e.g. of a chain), or None if there is none.
+
+  Raises:
+    ValueError: if ``opt_state`` holds more than one.
+  """
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, AdamAState))
+           if isinstance(s, AdamAState)]
+  if len(found) > 1:
+    raise ValueError(f"`opt_state` holds {len(found)} AdamA states; expected at most one.")
+  return found[0] if found else None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["mu", "nu", "first"],
+                   meta_fields=["fold"])
+@dataclasses.dataclass(frozen=True)
+class LayerMoments:
+  """AdamA moments of stacked layers, handed to `scan_layers` to fold into in backward.
+
+  Attributes:
+    mu, nu: the moments of the stacked params, each leaf ``[layers, ...]``.
+    first: bool [], whether this is the step's first micro-batch.
+    fold: the `MomentFold` rule (static).
+  """
+  mu: Any
+  nu: Any
+  first: jax.Array
+  fold: MomentFold
+
+
+def scan_layers(layer_fn: Callable[[Any, jax.Array], jax.Array], x: jax.Array,
+                stacked_params: Any, moments: LayerMoments | None = None) -> jax.Array:
+  """Applies ``layer_fn`` once per layer, ``lax.scan`` over stacked params.
+
+  With ``moments`` it is the optimizer-in-backward path: the backward pass is a
+  reverse scan that recomputes each layer from its saved input (like
+  ``nn.remat`` inside ``nn.scan``), takes that layer's parameter gradient and
+  folds it at once into the layer's slice of ``moments`` by `MomentFold`. The
+  stacked parameter gradient never exists: its cotangent is zero, and the
+  cotangent of ``moments.mu`` / ``moments.nu`` is the folded moments. A
+  ``lax.scan`` over layers otherwise returns the whole stacked gradient at the
+  end of backward, which defeats the early release AdamA relies on.
+  `microbatch_step` with ``fold_in_backward`` drives this.
+
+  Args:
+    layer_fn: ``(layer_params, h) -> h`` for one layer; h keeps its shape and dtype.
+    x: the input of the first layer.
+    stacked_params: params of all layers, each leaf ``[layers, ...]``.
+    moments: None for a plain scan, or the moments to fold into.
+
+  Returns:
+    The output of the last layer, like ``x``.
+  """
+  if moments is None:
+    return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
+  return _folding_scan(layer_fn, moments.fold, x, stacked_params, moments.mu, moments.nu,
+                       moments.first)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _folding_scan(layer_fn, fold, x, stacked_params, mu, nu, first):
+  del fold, mu, nu, first
+  return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
+
+
+def _folding_scan_fwd(layer_fn, fold, x, stacked_params, mu, nu, first):
+  del fold
+  y, layer_inputs = jax.lax.scan(lambda h, p: (layer_fn(p, h), h), x, stacked_params)
+  return y, (layer_inputs, stacked_params, mu, nu, first)
+
+
+def _folding_scan_bwd(layer_fn, fold, residuals, dy):
+  layer_inputs, stacked_params, mu, nu, first = residuals
+  n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+
+  def layer_backward(carry, xs):
+    dh, mu, nu = carry
+    h, p, i = xs
+    _, vjp = jax.vjp(layer_fn, p, h)
+    dp, dh = vjp(dh)
+    at = lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False)
+    folded = jax.tree.map(lambda g, m, v: fold(g, at(m), at(v), first), dp, mu, nu)
+    put = lambda t, pair, j: jax.lax.dynamic_update_index_in_dim(t, pair[j].astype(t.dtype), i, 0)
+    mu = jax.tree.map(lambda t, _, pair: put(t, pair, 0), mu, dp, folded)
+    nu = jax.tree.map(lambda t, _, pair: put(t, pair, 1), nu, dp, folded)
+    return (dh, mu, nu), None
+
+  (dx, mu, nu), _ = jax.lax.scan(
+      layer_backward, (dy, mu, nu),
+      (layer_inputs, stacked_params, jnp.arange(n_layers)), reverse=True)
+  return dx, jax.tree.map(jnp.zeros_like, stacked_params), mu, nu, None
+
+
+_folding_scan.defvjp(_folding_scan_fwd, _folding_scan_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldInBackward:
+  """Options of `microbatch_step`'s optimizer-in-backward path (AdamA only).
+
+  The params must be a dict whose entry ``key`` holds the stacked layers, and
+  ``loss_fn(params, batch, moments)`` must pass ``moments`` (a `LayerMoments`)
+  to `scan_layers` over ``params[key]``. ``b1``, ``b2`` and ``nu_scale`` must be
+  the ones given to `adama`.
+
+  Attributes:
+    key: the entry of the params dict with the stacked layers.
+    b1, b2, nu_scale: as in `adama`.
+  """
+  key: str = "layers"
+  b1: float = 0.9
+  b2: float = 0.999
+  nu_scale: str = "mean_sq"
+
+
+def microbatch_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    k: int,
+    *,
+    has_aux: bool = False,
+    fold_in_backward: FoldInBackward | None = None,
+) -> Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]:
+  """A train step over k micro-batches in one ``lax.scan``.
+
+  The batch's leading axis is split into k micro-batches. With an AdamA ``tx``
+  (one whose state holds an `AdamAState`), each micro-batch gradient is folded
+  into the moments inside the scan body by ``tx.update``, so no gradient
+  accumulator exists; jitted with ``donate_argnums=(0, 1)``, XLA frees each
+  gradient leaf as soon as it is folded. With any other ``tx`` the step sums
+  the gradients in an accumulator and calls ``tx.update`` once with their
+  mean: plain accumulation, for comparison on the same call.
+
+  Args:
+    loss_fn: ``loss_fn(params, micro_batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), the mean loss over the micro-batch, float32 [].
+      With ``fold_in_backward``: ``loss_fn(params, micro_batch, moments)``.
+    tx: the optimizer.
+    k: micro-batches per step, a positive Python int; for AdamA the same k.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    fold_in_backward: fold the stacked layers' gradients into the moments in
+      the backward pass (`scan_layers`); AdamA only.
+
+  Returns:
+    ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where
+    ``metrics["loss"]`` is the mean micro-batch loss and, with ``has_aux``,
+    ``metrics["aux"]`` stacks the micro-batches' aux along a leading k axis.
+  """
+  _check_k(k)
+  if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
+    raise ValueError(f"`fold_in_backward` must be a FoldInBackward or None, got {fold_in_backward!r}.")
+  loss_and_aux = loss_fn if has_aux else lambda *args: (loss_fn(*args), None)
+
+  def step(params, opt_state, batch):
+    adama_state = find_adama_state(opt_state)
+    if adama_state is None and fold_in_backward is not None:
+      raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
+                       "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
+    if adama_state is not None and jax.tree.structure(adama_state.mu) != jax.tree.structure(params):
+      raise ValueError("`params` and `opt_state` have different tree structures: "
+                       f"{jax.tree.structure(params)} vs {jax.tree.structure(adama_state.mu)}.")
+    micro_batches = _split(batch, k)
+    if adama_state is None:
+      return _accumulate(loss_and_aux, tx, k, params, opt_state, micro_batches)
+    return _fold(loss_and_aux, tx, fold_in_backward, k, params, opt_state, micro_batches)
+
+  return step
+
+
+def _split(batch: Any, k: int) -> Any:
+  def split(x):
+    if x.ndim == 0 or x.shape[0] % k:
+      raise ValueError(f"`batch` leaves need a leading axis divisible by k={k}, got shape {x.shape}.")
+    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+def _metrics(losses, aux):
+  metrics = {"loss": jnp.mean(losses)}
+  if aux is not None:
+    metrics["aux"] = aux
+  return metrics
+
+
+def _accumulate(loss_and_aux, tx, k, params, opt_state, micro_batches):
+  def body(acc, batch):
+    (loss, aux), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params, batch)
+    return jax.tree.map(jnp.add, acc, grads), (loss, aux)
+
+  acc, (losses, aux) = jax.lax.scan(body, otu.tree_zeros_like(params), micro_batches)
+  grads = jax.tree.map(lambda g: g / k, acc)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, _metrics(losses, aux)
+
+
+def _fold(loss_and_aux, tx, fold_in_backward, k, params, opt_state, micro_batches):
+  def body(carry, batch):
+    params, opt_state = carry
+    if fold_in_backward is None:
+      (loss, aux), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+    else:
+      grads, folded, loss, aux = _grads_folded_in_backward(
+          loss_and_aux, fold_in_backward, k, params, opt_state, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, folded=folded)
+    return (optax.apply_updates(params, updates), opt_state), (loss, aux)
+
+  (params, opt_state), (losses, aux) = jax.lax.scan(body, (params, opt_state), micro_batches)
+  return params, opt_state, _metrics(losses, aux)
+
+
+def _grads_folded_in_backward(loss_and_aux, options, k, params, opt_state, batch):
+  """The gradient (zero on ``params[key]``) and the moments ``params[key]`` folded in backward."""
+  key = options.key
+  if not isinstance(params, dict) or key not in params:
+    raise ValueError(f"`fold_in_backward.key` {key!r} is not an entry of the params dict.")
+  state = find_adama_state(opt_state)
+  fold = MomentFold(k, options.b1, options.b2, options.nu_scale)
+  first = state.micro_step == 0
+
+  def loss_of(params, mu_nu):
+    return loss_and_aux(params, batch, LayerMoments(*mu_nu, first, fold))
+
+  (loss, aux), (grads, (mu, nu)) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
+      params, (state.mu[key], state.nu[key]))
+  pairs = jax.tree.map(lambda m, v: (m, v), mu, nu)
+  folded = {name: pairs if name == key else jax.tree.map(lambda _: None, sub)
+            for name, sub in params.items()}
+  return grads, folded, loss, aux

@@ -1,0 +1,329 @@
+import chex
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import lowmem_jax as lm
+from lowmem_jax import optim
+
+
+def exact(a, b):
+  """Bit-identical pytrees."""
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def random_grads(params, n, seed=0):
+  keys = jax.random.split(jax.random.key(seed), n)
+  return [jax.tree.map(lambda p: jax.random.normal(key, p.shape, p.dtype), params) for key in keys]
+
+
+PARAMS = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
+
+
+@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
+def test_k1_is_adam_bit_for_bit(mu_dtype):
+  ours = optax.chain(lm.adama(1, mu_dtype=mu_dtype), optax.scale_by_learning_rate(1e-2))
+  theirs = optax.adam(1e-2, mu_dtype=mu_dtype)
+  s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+  for g in random_grads(PARAMS, 20):
+    u1, s1 = jax.jit(ours.update)(g, s1)
+    u2, s2 = jax.jit(theirs.update)(g, s2)
+    exact(u1, u2)
+  exact((s1[0].mu, s1[0].nu), (s2[0].mu, s2[0].nu))
+
+
+def test_adamaw_k1_is_adamw_bit_for_bit():
+  mask = {"w": True, "b": False}
+  ours, theirs = lm.adamaw(1e-2, 1, weight_decay=0.1, mask=mask), optax.adamw(1e-2, weight_decay=0.1, mask=mask)
+  s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+  params = PARAMS
+  for g in random_grads(PARAMS, 20):
+    u1, s1 = jax.jit(ours.update)(g, s1, params)
+    u2, s2 = jax.jit(theirs.update)(g, s2, params)
+    exact(u1, u2)
+    params = optax.apply_updates(params, u1)
+
+
+def numpy_adama(grads, k, nu_scale, b1=0.9, b2=0.999, eps=1e-8):
+  """The spec of DESIGN.md in float64 NumPy: moments and direction after each micro-step."""
+  w = 1 / k ** 2 if nu_scale == "mean_sq" else 1 / k
+  m = v = 0.0
+  t = 0
+  out = []
+  for i, g in enumerate(grads):
+    g = np.asarray(g, np.float64)
+    if i % k == 0:
+      m, v = b1 * m, b2 * v
+    m = m + (1 - b1) * g / k
+    v = v + (1 - b2) * g ** 2 * w
+    direction = np.zeros_like(g)
+    if i % k == k - 1:
+      t += 1
+      direction = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    out.append((m, v, direction))
+  return out
+
+
+@pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
+@pytest.mark.parametrize("k", [2, 4])
+def test_moments_follow_the_spec(k, nu_scale):
+  tx = lm.adama(k, nu_scale=nu_scale)
+  grads = [g["w"] for g in random_grads(PARAMS, 3 * k)]
+  state = tx.init({"w": PARAMS["w"]})
+  for g, (m, v, direction) in zip(grads, numpy_adama(grads, k, nu_scale)):
+    updates, state = jax.jit(tx.update)({"w": g}, state)
+    np.testing.assert_allclose(state.mu["w"], m, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(state.nu["w"], v, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(updates["w"], direction, rtol=1e-4, atol=1e-6)
+  assert int(state.count) == 3 and int(state.micro_step) == 0
+
+
+def test_mu_is_adams_on_the_mean_gradient_and_mean_nu_bounds_adams():
+  k = 4
+  grads = random_grads(PARAMS, 2 * k)
+  adam, state = optax.scale_by_adam(), None
+  results = {}
+  for nu_scale in optim.NU_SCALES:
+    tx = lm.adama(k, nu_scale=nu_scale)
+    state = tx.init(PARAMS)
+    for g in grads:
+      _, state = tx.update(g, state)
+    results[nu_scale] = state
+  adam_state = adam.init(PARAMS)
+  for step in range(2):
+    mean = jax.tree.map(lambda *g: sum(g) / k, *grads[step * k:(step + 1) * k])
+    _, adam_state = adam.update(mean, adam_state)
+  chex.assert_trees_all_close(results["mean"].mu, adam_state.mu, rtol=1e-6)
+  # The mean of squares is never below the square of the mean (Jensen).
+  for ours, adams in zip(jax.tree.leaves(results["mean"].nu), jax.tree.leaves(adam_state.nu)):
+    assert np.all(np.asarray(ours) >= np.asarray(adams) * (1 - 1e-6))
+
+
+def test_adamaw_decays_and_schedules_per_optimizer_step():
+  k = 3
+  schedule = lambda step: 0.1 * (step + 1)
+  tx = lm.adamaw(schedule, k, weight_decay=0.5)
+  params = {"w": jnp.full((2,), 2.0)}
+  state = tx.init(params)
+  zero = {"w": jnp.zeros(2)}
+  for step in range(2):
+    for micro in range(k):
+      updates, state = tx.update(zero, state, params)
+      expected = -schedule(step) * 0.5 * 2.0 if micro == k - 1 else 0.0
+      np.testing.assert_allclose(updates["w"], expected, rtol=1e-6)
+
+
+def test_inject_hyperparams():
+  k = 2
+  grads = random_grads(PARAMS, 2 * k)
+  injected = optax.inject_hyperparams(lm.adamaw, static_args=("k",))(learning_rate=1e-2, k=k)
+  direct = lm.adamaw(1e-2, k)
+  s1, s2 = injected.init(PARAMS), direct.init(PARAMS)
+  for g in grads:
+    u1, s1 = jax.jit(injected.update)(g, s1, PARAMS)
+    u2, s2 = jax.jit(direct.update)(g, s2, PARAMS)
+    # Injected hyperparameters are float32 arrays: (1 - b1) rounds differently.
+    chex.assert_trees_all_close(u1, u2, rtol=1e-4)
+  s1.hyperparams["learning_rate"] = jnp.asarray(0.0)
+  for g in grads[:k]:
+    u1, s1 = injected.update(g, s1, PARAMS)
+  assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(u1))
+  with pytest.raises(ValueError, match="static_args"):
+    optax.inject_hyperparams(lm.adamaw)(learning_rate=1e-2, k=k).init(PARAMS)
+
+
+# A tiny model whose loss is the mean over its micro-batch.
+def mlp_init(seed=0, d=8, h=16):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"w1": jax.random.normal(k1, (d, h)) / np.sqrt(d), "w2": jax.random.normal(k2, (h, 1)) / np.sqrt(h)}
+
+
+def mlp_loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+
+def mlp_batch(n=16, d=8, seed=1):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n, 1))
+
+
+def test_microbatch_step_equals_k_updates_by_hand():
+  k = 4
+  tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
+  step = jax.jit(lm.microbatch_step(mlp_loss, tx, k))
+  params, batch = mlp_init(), mlp_batch()
+  state = tx.init(params)
+  p1, s1 = params, state
+  p2, s2 = params, state
+  for _ in range(3):
+    p1, s1, metrics = step(p1, s1, batch)
+    for i in range(k):
+      micro = jax.tree.map(lambda x: x[i * 4:(i + 1) * 4], batch)
+      updates, s2 = tx.update(jax.grad(mlp_loss)(p2, micro), s2, p2)
+      p2 = optax.apply_updates(p2, updates)
+  chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-6, atol=1e-7)
+  assert int(s1[0].count) == 3 and metrics["loss"].shape == ()
+
+
+def test_microbatch_step_accumulates_for_other_optimizers():
+  k = 4
+  tx = optax.adam(1e-2)
+  params, batch = mlp_init(), mlp_batch()
+  p1, s1, _ = jax.jit(lm.microbatch_step(mlp_loss, tx, k))(params, tx.init(params), batch)
+  p2, s2 = params, tx.init(params)
+  updates, s2 = tx.update(jax.grad(mlp_loss)(params, batch), s2)
+  chex.assert_trees_all_close((p1, s1), (optax.apply_updates(params, updates), s2), rtol=1e-5, atol=1e-7)
+
+
+def test_has_aux_stacks_aux_per_micro_batch():
+  loss = lambda p, b: (mlp_loss(p, b), {"n": b[0].shape[0]})
+  tx = lm.adama(2)
+  _, _, metrics = lm.microbatch_step(loss, tx, 2, has_aux=True)(mlp_init(), tx.init(mlp_init()), mlp_batch())
+  np.testing.assert_array_equal(metrics["aux"]["n"], [8, 8])
+
+
+def test_state_saved_mid_step_continues_bit_identically():
+  k = 4
+  tx = lm.adamaw(1e-2, k)
+  params = mlp_init()
+  grads = [jax.grad(mlp_loss)(params, mlp_batch(seed=s)) for s in range(k)]
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for g in grads[:2]:
+    _, state = update(g, state, params)
+  restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(state))
+  assert int(restored[0].micro_step) == 2
+  for g in grads[2:]:
+    u1, state = update(g, state, params)
+    u2, restored = update(g, restored, params)
+  exact((u1, state), (u2, restored))
+
+
+def test_sharded_state_matches_one_device():
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("d",))
+  k = 2
+  params = {"w1": jax.random.normal(jax.random.key(0), (8, 32)), "w2": jax.random.normal(jax.random.key(1), (32, 1))}
+  batch = mlp_batch(n=16)
+  tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
+  step = jax.jit(lm.microbatch_step(mlp_loss, tx, k))
+  p1, s1, _ = step(params, tx.init(params), batch)
+  shard = lambda tree: jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, P(*((None,) * (x.ndim - 1)), "d") if x.ndim and x.shape[-1] % 8 == 0 else P())), tree)
+  sharded_params = shard(params)
+  sharded_state = shard(tx.init(params))
+  assert sharded_state[0].mu["w1"].sharding.spec == P(None, "d")
+  p2, s2, _ = step(sharded_params, sharded_state, batch)
+  assert len(p2["w1"].sharding.device_set) == 8
+  chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-5, atol=1e-7)
+
+
+def test_apply_if_finite_skips_a_non_finite_micro_batch():
+  k = 4
+  tx = optax.apply_if_finite(lm.adama(k), max_consecutive_errors=3)
+  grads = random_grads(PARAMS, k)
+  nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads[0])
+  state = tx.init(PARAMS)
+  clean = lm.adama(k)
+  clean_state = clean.init(PARAMS)
+  for i, g in enumerate(grads):
+    if i == 2:
+      before = state
+      updates, state = tx.update(nan, state)
+      assert int(state.notfinite_count) == 1 and not bool(state.last_finite)
+      exact(state.inner_state, before.inner_state)
+      assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+    updates, state = tx.update(g, state)
+    expected, clean_state = clean.update(g, clean_state)
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6)  # within 1 ulp: the cond fuses differently
+  chex.assert_trees_all_close(state.inner_state, clean_state, rtol=1e-6)
+  assert int(state.total_notfinite) == 1
+
+
+def test_apply_if_finite_with_k1_is_adams():
+  ours, theirs = optax.apply_if_finite(lm.adama(1), 2), optax.apply_if_finite(optax.scale_by_adam(), 2)
+  s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+  grads = random_grads(PARAMS, 5)
+  grads[2] = jax.tree.map(lambda g: g * jnp.inf, grads[2])
+  for g in grads:
+    u1, s1 = ours.update(g, s1)
+    u2, s2 = theirs.update(g, s2)
+    exact(u1, u2)
+  assert int(s1.total_notfinite) == int(s2.total_notfinite) == 1
+
+
+# A scanned model: stacked residual layers between an input and an output matrix.
+def scanned_init(layers=3, d=8, h=16, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return {"inp": jax.random.normal(ks[0], (d, d)) / np.sqrt(d),
+          "layers": {"w1": jax.random.normal(ks[1], (layers, d, h)) / np.sqrt(d),
+                     "w2": jax.random.normal(ks[2], (layers, h, d)) / np.sqrt(h)},
+          "out": jax.random.normal(ks[3], (d, 1)) / np.sqrt(d)}
+
+
+def layer(p, h):
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+
+
+def scanned_loss(params, batch, moments=None):
+  x, y = batch
+  h = lm.optim.scan_layers(layer, x @ params["inp"], params["layers"], moments)
+  return jnp.mean((h @ params["out"] - y) ** 2)
+
+
+@pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
+def test_fold_in_backward_equals_folding_after_backward(nu_scale):
+  k = 2
+  tx = optax.chain(lm.adama(k, nu_scale=nu_scale), optax.scale_by_learning_rate(1e-2))
+  params, batch = scanned_init(), mlp_batch()
+  plain = jax.jit(lm.microbatch_step(scanned_loss, tx, k))
+  options = lm.optim.FoldInBackward("layers", nu_scale=nu_scale)
+  in_backward = jax.jit(lm.microbatch_step(scanned_loss, tx, k, fold_in_backward=options))
+  p1, s1 = p2, s2 = params, tx.init(params)
+  for _ in range(3):
+    p1, s1, m1 = plain(p1, s1, batch)
+    p2, s2, m2 = in_backward(p2, s2, batch)
+  chex.assert_trees_all_close((p1, s1, m1), (p2, s2, m2), rtol=1e-5, atol=1e-7)
+  assert float(jnp.max(jnp.abs(s2[0].mu["layers"]["w1"]))) > 0
+
+
+def test_scan_layers_gradient_of_input_matches_plain_scan():
+  params, (x, _) = scanned_init(), mlp_batch()
+  moments = optim.LayerMoments(*(jax.tree.map(jnp.zeros_like, params["layers"]),) * 2,
+                               jnp.asarray(True), optim.MomentFold(2))
+  f = lambda m: lambda x: jnp.sum(jnp.sin(lm.optim.scan_layers(layer, x, params["layers"], m)))
+  chex.assert_trees_all_close(f(moments)(x), f(None)(x), rtol=1e-6)
+  chex.assert_trees_all_close(jax.grad(f(moments))(x), jax.grad(f(None))(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, "4"])
+def test_bad_k(k):
+  with pytest.raises(ValueError, match="`k`"):
+    lm.adama(k)
+  with pytest.raises(ValueError, match="`k`"):
+    lm.microbatch_step(mlp_loss, optax.adam(1e-3), k)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="nu_scale"):
+    lm.adama(2, nu_scale="sum")
+  tx = lm.adama(2)
+  with pytest.raises(ValueError, match="tree structures"):
+    tx.update({"w": jnp.ones(3)}, tx.init({"v": jnp.ones(3)}))
+  step = lm.microbatch_step(mlp_loss, tx, 3)
+  with pytest.raises(ValueError, match="divisible by k=3"):
+    step(mlp_init(), tx.init(mlp_init()), mlp_batch(n=16))
+  with pytest.raises(ValueError, match="tree structures"):
+    step(mlp_init(), tx.init({"w": jnp.ones(3)}), mlp_batch(n=15))
+  adam = optax.adam(1e-3)
+  step = lm.microbatch_step(scanned_loss, adam, 2, fold_in_backward=lm.optim.FoldInBackward())
+  with pytest.raises(ValueError, match="fold_in_backward"):
+    step(scanned_init(), adam.init(scanned_init()), mlp_batch())
+  step = lm.microbatch_step(scanned_loss, tx, 2, fold_in_backward=lm.optim.FoldInBackward("blocks"))
+  with pytest.raises(ValueError, match="'blocks'"):
+    step(scanned_init(), tx.init(scanned_init()), mlp_batch())

@@ -1,0 +1,209 @@
+"""Memory and step time of AdamA against gradient accumulation.
+
+LLaMA-style reference models with float32 params, GPT-2-small-sized and
+BERT-large-sized, trained over k micro-batches per optimizer step. For each
+way to accumulate it prints, from XLA's compiled memory analysis of the
+jitted step on abstract shapes (params and optimizer state donated; on CPU a
+proxy, see lowmem_jax.memory):
+  - the peak bytes, and the bytes beyond the params and optimizer state
+    (activations, gradients, accumulators, copies);
+  - the difference from the baseline's peak (accumulate; for the scanned
+    model, AdamA with the scan's own backward), in gradient sizes and in %;
+and, at a size a 2-core CPU runs in seconds, the step-time ratio against
+scan-accumulate-then-Adam (median of --repeats runs after one warm-up).
+
+The ways to accumulate:
+  multisteps     optax.MultiSteps(optax.adam), one jitted call per micro-batch
+  accumulate     lowmem_jax.microbatch_step with optax.adam: scan, sum, then Adam
+  optax.microbatch  optax.microbatch of the gradient (mean), then Adam
+  adama          lowmem_jax.microbatch_step with AdamA: fold in the scan body
+On the same models with stacked layers and per-layer remat ("scanned"):
+  adama          AdamA, gradient of the stacked layers from the scan's backward
+  adama+fold-in-backward  the layers' gradients folded in their backward rule
+
+    python benchmarks/adama.py                 # both models, k = 4 and 8
+    python benchmarks/adama.py --models gpt2-small --ks 4 --repeats 3
+"""
+
+import argparse
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+from lowmem_jax.models.llama import Llama, LlamaConfig, TransformerBlock
+
+CONFIGS = {
+    # GPT-2 small's sizes (124M with tied embeddings); SwiGLU width 2048 holds as
+    # many weights as GPT-2's 3072-wide MLP.
+    "gpt2-small": LlamaConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
+    # BERT-large's sizes (335M), SwiGLU width 2816 ~ its 4096-wide MLP.
+    "bert-large": LlamaConfig(vocab_size=30522, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816),
+    # for the step-time ratio on CPU
+    "small": LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
+}
+LR = 1e-3
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Scanned:
+  """The LLaMA-style model with stacked layers: ``params["layers"]`` leaves are ``[layers, ...]``."""
+
+  def __init__(self, config):
+    self.config = config
+    self.block = TransformerBlock(config, "exact", "plain", jnp.float32, jnp.float32)
+
+  def init(self, rng, length):
+    cfg = self.config
+    keys = jax.random.split(rng, cfg.n_layers + 2)
+    x = jnp.zeros((1, length, cfg.dim))
+    layers = jax.vmap(lambda key: self.block.init(key, x)["params"])(keys[2:])
+    normal = jax.nn.initializers.normal(0.02)
+    return {"tok_embeddings": normal(keys[0], (cfg.vocab_size, cfg.dim)), "layers": layers,
+            "norm": jnp.ones(cfg.dim), "output": normal(keys[1], (cfg.dim, cfg.vocab_size))}
+
+  def loss(self, params, batch, moments=None):
+    tokens, labels = batch
+    layer = lambda p, h: self.block.apply({"params": p}, h)
+    if moments is None:
+      layer = jax.checkpoint(layer)  # per-layer remat, as the fold-in-backward rule does
+    h = lm.optim.scan_layers(layer, params["tok_embeddings"][tokens], params["layers"], moments)
+    h = nn.RMSNorm(epsilon=self.config.norm_eps).apply({"params": {"scale": params["norm"]}}, h)
+    return cross_entropy(h @ params["output"], labels)
+
+
+def unscanned(config):
+  model = Llama(config)
+  init = lambda rng, length: model.init(rng, jnp.zeros((1, length), jnp.int32))["params"]
+  loss = lambda params, batch: cross_entropy(model.apply({"params": params}, batch[0]), batch[1])
+  return init, loss
+
+
+def adama_tx(k):
+  return optax.chain(lm.adama(k), optax.scale_by_learning_rate(LR))
+
+
+def methods(config, k):
+  """``{name: (step, tx, per_micro_batch)}`` for the unscanned and scanned models."""
+  init, loss = unscanned(config)
+  adam = optax.adam(LR)
+  multi = optax.MultiSteps(optax.adam(LR), k)
+
+  def multisteps(params, state, micro_batch):
+    updates, state = multi.update(jax.grad(loss)(params, micro_batch), state, params)
+    return optax.apply_updates(params, updates), state
+
+  out = {
+      "multisteps": (init, multisteps, multi, True),
+      "accumulate": (init, lm.microbatch_step(loss, adam, k), adam, False),
+  }
+  if hasattr(optax, "microbatch"):
+    def microbatched(params, state, batch):
+      grad = optax.microbatch(jax.grad(loss), argnums=1, microbatch_size=batch[0].shape[0] // k,
+                              accumulator=optax.microbatching.AccumulationType.MEAN)
+      updates, state = adam.update(grad(params, batch), state, params)
+      return optax.apply_updates(params, updates), state
+    out["optax.microbatch"] = (init, microbatched, adam, False)
+  out["adama"] = (init, lm.microbatch_step(loss, adama_tx(k), k), adama_tx(k), False)
+  scanned = Scanned(config)
+  out["scanned adama"] = (scanned.init, lm.microbatch_step(scanned.loss, adama_tx(k), k),
+                          adama_tx(k), False)
+  out["scanned adama+fold-in-backward"] = (
+      scanned.init,
+      lm.microbatch_step(scanned.loss, adama_tx(k), k, fold_in_backward=lm.optim.FoldInBackward()),
+      adama_tx(k), False)
+  return out
+
+
+def shapes(init, tx, config, k, micro_batch, length, per_micro_batch):
+  params = jax.eval_shape(lambda rng: init(rng, length), jax.random.key(0))
+  rows = micro_batch if per_micro_batch else k * micro_batch
+  tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+  return params, jax.eval_shape(tx.init, params), (tokens, tokens)
+
+
+def memory_table(model, k, micro_batch, length):
+  config = CONFIGS[model]
+  rows = []
+  for name, (init, step, tx, per_micro_batch) in methods(config, k).items():
+    params, state, batch = shapes(init, tx, config, k, micro_batch, length, per_micro_batch)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    start = time.perf_counter()
+    stats = lm.memory.analyze(jitted, params, state, batch)
+    rows.append((name, stats, lm.memory.tree_bytes(params)))
+    print(f"  {model} k={k} {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+  return rows
+
+
+def step_times(k, micro_batch, length, repeats):
+  """Median seconds per optimizer step, small model, real arrays."""
+  config = CONFIGS["small"]
+  times = {}
+  for name, (init, step, tx, per_micro_batch) in methods(config, k).items():
+    params = init(jax.random.key(0), length)
+    state = tx.init(params)
+    tokens = jax.random.randint(jax.random.key(1), (k * micro_batch, length), 0, config.vocab_size)
+    batch = (tokens, jnp.roll(tokens, -1, axis=1))
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    calls = ([jax.tree.map(lambda x, i=i: x[i * micro_batch:(i + 1) * micro_batch], batch)
+              for i in range(k)] if per_micro_batch else [batch])
+    samples = []
+    for rep in range(repeats + 1):
+      start = time.perf_counter()
+      for call in calls:
+        params, state = jitted(params, state, call)[:2]
+      jax.block_until_ready(params)
+      if rep:
+        samples.append(time.perf_counter() - start)
+    times[name] = statistics.median(samples)
+  return times
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", default=["gpt2-small", "bert-large"])
+  parser.add_argument("--ks", nargs="+", type=int, default=[4, 8])
+  parser.add_argument("--micro-batch", type=int, default=2)
+  parser.add_argument("--length", type=int, default=512)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  console = Console()
+  mib = lambda b: f"{b / 2**20:,.0f}"
+  for model in args.models:
+    for k in args.ks:
+      rows = memory_table(model, k, args.micro_batch, args.length)
+      by_name = {name: stats for name, stats, _ in rows}
+      grad_bytes = rows[0][2]
+      table = Table(title=f"{model}, k={k}, micro-batch {args.micro_batch}x{args.length} tokens, "
+                          f"float32 params {mib(grad_bytes)} MiB (= gradient bytes)")
+      for col in ("method", "peak MiB", "beyond params+state MiB", "peak - baseline peak"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+      for name, stats, _ in rows:
+        base = by_name["scanned adama"] if name.startswith("scanned") else by_name["accumulate"]
+        delta = stats.peak_bytes - base.peak_bytes
+        table.add_row(name, mib(stats.peak_bytes), mib(stats.peak_bytes - stats.argument_bytes),
+                      f"{mib(delta)} MiB ({delta / grad_bytes:+.2f} x gradient, "
+                      f"{delta / base.peak_bytes:+.1%})")
+      console.print(table)
+  times = step_times(4, args.micro_batch, 128, args.repeats)
+  table = Table(title=f"step time, small LLaMA-style model, k=4, micro-batch {args.micro_batch}x128, "
+                      f"CPU, median of {args.repeats}")
+  table.add_column("method")
+  table.add_column("seconds per step", justify="right")
+  table.add_column("vs accumulate", justify="right")
+  for name, seconds in times.items():
+    table.add_row(name, f"{seconds:.3f}", f"{seconds / times['accumulate']:.3f}")
+  console.print(table)
+
+
+if __name__ == "__main__":
+  main()

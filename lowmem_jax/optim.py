@@ -28,6 +28,7 @@ References:
   (https://arxiv.org/abs/2402.18824).
 """
 
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -38,6 +39,9 @@ import optax
 from optax import tree_utils as otu
 
 NU_SCALES = ("mean_sq", "mean")
+
+# While `microbatch_step` traces a fold-in-backward loss: one entry per `scan_layers` that folds.
+_FOLDING_SCANS = contextvars.ContextVar("lowmem_jax_folding_scans", default=None)
 
 
 class AdamAState(NamedTuple):
@@ -119,7 +123,10 @@ def adama(
   Extra argument: ``folded``, a pytree with the gradient's structure whose
   leaves are either None (fold that leaf's gradient here) or a ``(mu, nu)``
   pair already folded for this micro-batch, e.g. by `scan_layers` in the
-  backward pass; the gradient of such a leaf is ignored.
+  backward pass; the gradient of such a leaf is ignored. Folded pairs arrive
+  in the moments' storage dtypes, so with a low-precision ``mu_dtype`` their
+  direction is computed from the rounded mu (the plain path uses the
+  unrounded one, as `optax.scale_by_adam` does).
 
   Args:
     k: micro-batches per optimizer step, a positive Python int.
@@ -134,15 +141,15 @@ def adama(
 
   Example:
     >>> import optax, jax.numpy as jnp, lowmem_jax as lm
-    >>> tx = optax.chain(lm.adama(2), optax.scale_by_learning_rate(0.1))
+    >>> tx = optax.chain(lm.adama(2, nu_scale="mean"), optax.scale_by_learning_rate(0.1))
     >>> params = {"w": jnp.ones(3)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.ones(3)}, state)  # micro-step 1 of 2
     >>> updates["w"]
-    Array([0., 0., 0.], dtype=float32)
+    Array([-0., -0., -0.], dtype=float32)
     >>> updates, state = tx.update({"w": jnp.ones(3)}, state)  # micro-step 2 of 2
     >>> updates["w"]
-    Array([-0.1, -0.1, -0.1], dtype=float32)
+    Array([-0.09999934, -0.09999934, -0.09999934], dtype=float32)
   """
   fold = MomentFold(k, b1, b2, nu_scale)
   mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
@@ -274,6 +281,9 @@ def scan_layers(layer_fn: Callable[[Any, jax.Array], jax.Array], x: jax.Array,
   end of backward, which defeats the early release AdamA relies on.
   `microbatch_step` with ``fold_in_backward`` drives this.
 
+  ``layer_fn`` is not differentiated through its closure: it may close over
+  constants (masks, positions), not over values being differentiated.
+
   Args:
     layer_fn: ``(layer_params, h) -> h`` for one layer; h keeps its shape and dtype.
     x: the input of the first layer.
@@ -285,6 +295,9 @@ def scan_layers(layer_fn: Callable[[Any, jax.Array], jax.Array], x: jax.Array,
   """
   if moments is None:
     return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
+  traced = _FOLDING_SCANS.get()
+  if traced is not None:
+    traced.append(layer_fn)
   return _folding_scan(layer_fn, moments.fold, x, stacked_params, moments.mu, moments.nu,
                        moments.first)
 
@@ -333,7 +346,12 @@ class FoldInBackward:
   The params must be a dict whose entry ``key`` holds the stacked layers, and
   ``loss_fn(params, batch, moments)`` must pass ``moments`` (a `LayerMoments`)
   to `scan_layers` over ``params[key]``. ``b1``, ``b2`` and ``nu_scale`` must be
-  the ones given to `adama`.
+  the ones given to `adama`: nothing can check it, since an optax chain does
+  not expose its members' hyperparameters.
+
+  The layers' gradients never reach ``tx.update`` (it sees zeros there), so
+  transformations that read the gradient before `adama` (global-norm
+  clipping, `optax.apply_if_finite`'s finiteness check) do not see them.
 
   Attributes:
     key: the entry of the params dict with the stacked layers.
@@ -377,6 +395,10 @@ def microbatch_step(
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where
     ``metrics["loss"]`` is the mean micro-batch loss and, with ``has_aux``,
     ``metrics["aux"]`` stacks the micro-batches' aux along a leading k axis.
+
+  For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
+  it). Under `optax.apply_if_finite`, a skipped micro-batch leaves the
+  optimizer step unfinished at the end of the call; the next call finishes it.
   """
   _check_k(k)
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
@@ -453,8 +475,17 @@ def _grads_folded_in_backward(loss_and_aux, options, k, params, opt_state, batch
   def loss_of(params, mu_nu):
     return loss_and_aux(params, batch, LayerMoments(*mu_nu, first, fold))
 
-  (loss, aux), (grads, (mu, nu)) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
-      params, (state.mu[key], state.nu[key]))
+  token = _FOLDING_SCANS.set([])
+  try:
+    (loss, aux), (grads, (mu, nu)) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
+        params, (state.mu[key], state.nu[key]))
+    scans = len(_FOLDING_SCANS.get())
+  finally:
+    _FOLDING_SCANS.reset(token)
+  if scans != 1:
+    raise ValueError(
+        f"With `fold_in_backward`, `loss_fn` must pass its `moments` argument to exactly one "
+        f"`lowmem_jax.optim.scan_layers` over params[{key!r}]; it made {scans} such calls.")
   pairs = jax.tree.map(lambda m, v: (m, v), mu, nu)
   folded = {name: pairs if name == key else jax.tree.map(lambda _: None, sub)
             for name, sub in params.items()}

@@ -324,6 +324,10 @@ def test_bad_arguments():
   step = lm.microbatch_step(scanned_loss, adam, 2, fold_in_backward=lm.optim.FoldInBackward())
   with pytest.raises(ValueError, match="fold_in_backward"):
     step(scanned_init(), adam.init(scanned_init()), mlp_batch())
+  ignores_moments = lambda params, batch, moments: scanned_loss(params, batch)
+  step = lm.microbatch_step(ignores_moments, tx, 2, fold_in_backward=lm.optim.FoldInBackward())
+  with pytest.raises(ValueError, match="made 0 such calls"):
+    step(scanned_init(), tx.init(scanned_init()), mlp_batch())
   step = lm.microbatch_step(scanned_loss, tx, 2, fold_in_backward=lm.optim.FoldInBackward("blocks"))
   with pytest.raises(ValueError, match="'blocks'"):
     step(scanned_init(), tx.init(scanned_init()), mlp_batch())

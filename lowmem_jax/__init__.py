@@ -1,12 +1,13 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
-from lowmem_jax import fold, linen, memory, models, names, nnx, optim
+from lowmem_jax import attention, fold, linen, memory, models, names, nnx, optim, policies
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 from lowmem_jax.optim import adama, adamaw, microbatch_step
+from lowmem_jax.planner import Plan, plan
 
 __all__ = [
-    "adama", "adamaw", "approx_activation", "fold", "linen", "memory", "microbatch_step",
-    "models", "ms_layer_norm", "ms_rms_norm", "names", "nnx", "optim",
+    "Plan", "adama", "adamaw", "approx_activation", "attention", "fold", "linen", "memory", "microbatch_step",
+    "models", "ms_layer_norm", "ms_rms_norm", "names", "nnx", "optim", "plan", "policies",
     "regelu2", "relu", "resilu2",
 ]

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
 
 
 def _abstract(tree):
@@ -38,8 +39,18 @@ def _abstract(tree):
   return jax.tree.map(leaf, tree)
 
 
+# XLA's CPU pipeline expands optimization barriers before CSE, which merges the
+# recompute of `jax.checkpoint` back into the forward pass: remat then saves
+# nothing on CPU. Keeping the barriers compiles remat as accelerators do.
+CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
 def compile(fn: Callable, *args, compiler_options: dict | None = None, **kwargs) -> jax.stages.Compiled:
   """Compiles ``fn`` (jitted here unless it already is) for the shapes of ``args``.
+
+  On CPU the compilation keeps `jax.checkpoint`'s optimization barriers
+  (`CPU_KEEPS_REMAT`), so remat policies show in the memory figures and in
+  the FLOP count; the program computes the same values.
 
   Args:
     fn: a function, or the result of `jax.jit` (whose static arguments and
@@ -51,6 +62,8 @@ def compile(fn: Callable, *args, compiler_options: dict | None = None, **kwargs)
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*_abstract(args), **_abstract(kwargs))
+  if jax.default_backend() == "cpu":
+    compiler_options = {**CPU_KEEPS_REMAT, **(compiler_options or {})}
   return lowered.compile(compiler_options=compiler_options)
 
 
@@ -124,6 +137,7 @@ class Residual:
     is_argument: True for a function input, a closed-over constant (the
       ``params`` of ``lambda x: model.apply(params, x)``) or a literal: memory
       that lives anyway, not activation memory.
+    on_host: True for a residual a remat policy offloads to host memory.
   """
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -131,6 +145,7 @@ class Residual:
   source: str
   name: str | None
   is_argument: bool
+  on_host: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +159,19 @@ class Residuals:
 
   @property
   def activation_bytes(self) -> int:
-    """Bytes of the residuals that are not function inputs."""
-    return sum(r.nbytes for r in self.rows if not r.is_argument)
+    """Bytes of the residuals that are not function inputs, in device memory."""
+    return sum(r.nbytes for r in self.rows if not (r.is_argument or r.on_host))
+
+  @property
+  def host_bytes(self) -> int:
+    """Bytes of the residuals offloaded to host memory."""
+    return sum(r.nbytes for r in self.rows if r.on_host)
 
   def by_name(self) -> dict[str, int]:
-    """Activation bytes grouped by checkpoint name (unnamed under ``None``)."""
+    """Device activation bytes grouped by checkpoint name (unnamed under ``None``)."""
     out: dict[str, int] = {}
     for r in self.rows:
-      if not r.is_argument:
+      if not (r.is_argument or r.on_host):
         out[r.name] = out.get(r.name, 0) + r.nbytes
     return out
 
@@ -160,7 +180,8 @@ class Residuals:
     for r in self.rows:
       shape = f"[{','.join(map(str, r.shape))}]"
       lines.append(f"{shape:<28} {str(r.dtype):<9} {r.nbytes:>14,}  {r.source}")
-    lines.append(f"activations {self.activation_bytes:,} bytes; with arguments {self.total_bytes:,} bytes")
+    lines.append(f"activations {self.activation_bytes:,} bytes on the device, {self.host_bytes:,} on the "
+                 f"host; with arguments {self.total_bytes:,} bytes")
     return "\n".join(lines)
 
 
@@ -187,7 +208,8 @@ def saved_residuals(fn: Callable, *args, **kwargs) -> Residuals:
     rows.append(Residual(
         shape=shape, dtype=dtype, nbytes=math.prod(shape) * dtype.itemsize,
         source=source, name=named.group(1) if named else None,
-        is_argument=source.startswith(("from the argument", "from a constant", "from a literal"))))
+        is_argument=source.startswith(("from the argument", "from a constant", "from a literal")),
+        on_host=getattr(aval, "memory_space", None) == _core.MemorySpace.Host))
   return Residuals(tuple(rows))
 
 

@@ -1,17 +1,26 @@
 """The checkpoint-name vocabulary: the one registry of residual names.
 
 Library functions and reference models tag their intermediate values with
-`jax.ad_checkpoint.checkpoint_name` using these names, so remat policies and
-memory reports can refer to them. Nothing else in the project spells them.
+`jax.ad_checkpoint.checkpoint_name` using these names, so remat policies
+(`lowmem_jax.policies`) and memory reports can refer to them. Nothing else in
+the project spells them. One array carries one name: a norm output that feeds
+the MLP is ``norm_out``, not a second ``mlp_in``.
 """
 
 BLOCK_IN = "block_in"  # input of a transformer block (the residual stream)
-NORM_OUT = "norm_out"  # output y of a (memory-sharing) norm: also the next matmul's input
+NORM_OUT = "norm_out"  # output y of a norm: also the next matmul's input
 NORM_RSTD = "norm_rstd"  # float32 1/sigma per row, saved by the MS norms
-QKV = "qkv"  # query, key and value projections
-ATTN_PROBS = "attn_probs"  # softmax probabilities of attention
+QKV = "qkv"  # query, key and value projections (after rotary embedding)
+ATTN_PROBS = "attn_probs"  # softmax probabilities of attention: [batch, heads, L, L]
 ATTN_OUT = "attn_out"  # attention output before the output projection
-MLP_IN = "mlp_in"  # input of the MLP's first matmul
-MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer
+MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer (both halves of a gated MLP)
+MLP_ACT = "mlp_act"  # activation output of the MLP (gated: the product): the second matmul's input
 ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
 
+ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, MLP_HIDDEN, MLP_ACT, ACT_CODE)
+
+
+def ordered(names) -> list[str]:
+  """``names`` in vocabulary order, then any others sorted."""
+  rank = {n: i for i, n in enumerate(ALL)}
+  return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))

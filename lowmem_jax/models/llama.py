@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
 from lowmem_jax.activations import resilu2
+from lowmem_jax.attention import dot_product_attention
 from lowmem_jax.models.vit import check_switches
 
 
@@ -80,7 +81,7 @@ class Attention(nn.Module):
     v = dense(kv_heads * head_dim, "wv")(x).reshape(b, length, kv_heads, head_dim)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = dot_product_attention(q, k, v, causal=True)
     out = checkpoint_name(out.reshape(b, length, cfg.n_heads * head_dim), names.ATTN_OUT)
     return dense(cfg.dim, "wo")(out)
 
@@ -97,7 +98,8 @@ class FeedForward(nn.Module):
                                      param_dtype=self.param_dtype, name=name)
     gate = checkpoint_name(dense(self.config.ffn_dim, "w1")(x), names.MLP_HIDDEN)
     gate = resilu2(gate) if self.activation == "approx" else nn.silu(gate)
-    return dense(self.config.dim, "w2")(gate * dense(self.config.ffn_dim, "w3")(x))
+    up = checkpoint_name(dense(self.config.ffn_dim, "w3")(x), names.MLP_HIDDEN)
+    return dense(self.config.dim, "w2")(checkpoint_name(gate * up, names.MLP_ACT))
 
 
 class TransformerBlock(nn.Module):

@@ -43,6 +43,7 @@ class MlpBlock(nn.Module):
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype)(x)
     h = checkpoint_name(h, names.MLP_HIDDEN)
     h = regelu2(h) if self.activation == "approx" else nn.gelu(h, approximate=False)
+    h = checkpoint_name(h, names.MLP_ACT)
     return nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.param_dtype)(h)
 
 
@@ -72,7 +73,8 @@ class Encoder1DBlock(nn.Module):
     y = self._normed(x, "LayerNorm_0")
     y = nn.MultiHeadDotProductAttention(
         num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
-        deterministic=True, name="MultiHeadDotProductAttention_0")(y, y)
+        deterministic=True, attention_fn=lm_linen.attention_fn,
+        name="MultiHeadDotProductAttention_0")(y, y)
     x = x + y
     y = self._normed(x, "LayerNorm_1")
     y = MlpBlock(self.mlp_dim, self.activation, self.dtype, self.param_dtype, name="MlpBlock_0")(y)

@@ -1,0 +1,274 @@
+"""A remat planner: the policy of least recompute whose compiled step fits a budget.
+
+The oracle is XLA: each candidate policy is compiled on abstract shapes and
+judged by its compiled peak (`lowmem_jax.memory.MemoryStats.peak_bytes`) and
+by the FLOPs of its compiled step (``cost_analysis()``). Recompute is the
+FLOPs beyond the step with `policies.everything`, which keeps what a step
+without remat keeps. The candidates are ``save_only(S)`` for sets ``S`` of
+checkpoint names, searched in four stages:
+
+1. `policies.everything`: if it fits, nothing need be recomputed.
+2. `policies.full`: if it does not fit, no name set does; the error gives the
+   smallest peak reachable.
+3. A greedy chain from ``save_only(all names)`` to ``full``, dropping names in
+   order of bytes saved per recompute FLOP (bytes from the jaxpr's tagged
+   values, FLOPs from one lowering per name), bisected for the first fit.
+4. Refinement: a line fitted to the compiled peaks of the chain predicts the
+   peak of every name set; the few sets predicted to fit at the least
+   estimated recompute are compiled, and the best that fits wins.
+
+Compiled results are cached per step function, argument shapes and policy,
+so a second `plan` of the same step at another budget compiles little.
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from lowmem_jax import memory, names as _names, policies
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One compiled policy.
+
+  Attributes:
+    label: the policy, readably.
+    policy: the policy itself.
+    peak_bytes: compiled peak (`memory.MemoryStats.peak_bytes`).
+    flops: FLOPs of the compiled step (XLA's cost analysis).
+    recompute_flops: ``flops`` beyond the step with `policies.everything`.
+    fits: ``peak_bytes <= budget``.
+  """
+  label: str
+  policy: Callable
+  peak_bytes: int
+  flops: float
+  recompute_flops: float
+  fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What `plan` chose and what it tried.
+
+  Attributes:
+    policy: the chosen policy; pass it to the step as ``policy=``.
+    peak_bytes: its compiled peak.
+    recompute_flops: its FLOPs beyond the step with `policies.everything`.
+    step_flops: FLOPs of the step with `policies.everything`.
+    budget: the budget asked for, in bytes.
+    tried: every compiled candidate, in the order tried.
+    seconds: wall time of the search.
+  """
+  policy: Callable
+  peak_bytes: int
+  recompute_flops: float
+  step_flops: float
+  budget: int
+  tried: tuple[Candidate, ...]
+  seconds: float
+
+  @property
+  def recompute_fraction(self) -> float:
+    """Recompute as a fraction of the step's FLOPs."""
+    return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+  def __str__(self) -> str:
+    lines = [f"budget {self.budget:,} bytes: {policies.describe(self.policy)}, peak "
+             f"{self.peak_bytes:,} bytes, recompute {100 * self.recompute_fraction:.1f}% of "
+             f"{self.step_flops:.3g} FLOPs ({len(self.tried)} compiled in {self.seconds:.0f} s)",
+             f"{'peak bytes':>16} {'recompute %':>11} fits  policy"]
+    for c in sorted(self.tried, key=lambda c: c.peak_bytes):
+      share = 100 * c.recompute_flops / self.step_flops if self.step_flops else 0.0
+      lines.append(f"{c.peak_bytes:>16,} {share:>11.1f} {'yes' if c.fits else 'no ':<4}  {c.label}")
+    return "\n".join(lines)
+
+
+class BudgetError(ValueError):
+  """No policy the search tried fits the budget."""
+
+
+def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = None,
+         refine: int = 4, progress: bool = False) -> Plan:
+  """Finds the remat policy of least recompute whose compiled step fits ``budget``.
+
+  Args:
+    step_fn: the step, called as ``step_fn(*args, policy=policy)``; it passes
+      ``policy`` to its `jax.checkpoint` / `nn.remat` (e.g. the reference
+      models' ``remat_policy``). Give the plain function: it is jitted here.
+    *args: arrays or `jax.ShapeDtypeStruct` pytrees; nothing runs.
+    budget: bytes the compiled peak may reach.
+    names: checkpoint names the policies may keep; default: every name the
+      step tags.
+    refine: how many name sets to compile after the greedy chain.
+    progress: print each compiled candidate to stderr.
+
+  Returns:
+    `Plan`: the chosen policy, its peak and recompute, and the candidates tried.
+
+  Raises:
+    BudgetError: if even `policies.full` does not fit; the message gives the
+      smallest peak reachable.
+  """
+  if not callable(step_fn):
+    raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}.")
+  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
+    raise ValueError(f"budget must be a positive int of bytes, got {budget!r}.")
+  if not isinstance(refine, int) or refine < 0:
+    raise ValueError(f"refine must be an int >= 0, got {refine!r}.")
+  start = time.perf_counter()
+  search = _Search(step_fn, memory._abstract(args), int(budget), progress)
+  base = search.compiled(policies.everything)
+  if base.fits:
+    return search.plan(base, start)
+  floor = search.compiled(policies.full)
+  if not floor.fits:
+    smallest = min(search.tried, key=lambda c: c.peak_bytes)
+    raise BudgetError(
+        f"budget {budget:,} bytes is below the smallest peak reachable: {smallest.peak_bytes:,} "
+        f"bytes with {smallest.label}. Lower the batch, or cut activations another way "
+        "(approximate activations, MS norms, micro-batches).")
+  tagged = search.tagged_bytes()
+  names = tuple(tagged) if names is None else _checked(names, tagged)
+  if not names:
+    return search.plan(floor, start)
+  order = search.greedy_order(names, tagged)
+  chain = [frozenset(order[i:]) for i in range(len(order) + 1)]
+  lo, hi = 0, len(chain) - 1  # chain[hi] (full) fits
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if search.compiled(policies.save_only(*chain[mid])).fits:
+      hi = mid
+    else:
+      lo = mid + 1
+  for subset in search.predicted_best(names, tagged, refine):
+    search.compiled(policies.save_only(*subset))
+  best = min((c for c in search.tried if c.fits), key=lambda c: (c.recompute_flops, c.peak_bytes))
+  return search.plan(best, start)
+
+
+def _checked(names, tagged) -> tuple[str, ...]:
+  if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    raise TypeError(f"names must be a sequence of str, got {names!r}.")
+  missing = [n for n in names if n not in tagged]
+  if missing:
+    raise ValueError(f"names {missing} are not tagged in the step; it tags {sorted(tagged)}.")
+  return tuple(dict.fromkeys(names))
+
+
+class _Search:
+  """The compiled candidates of one `plan` call, over a cache shared by calls."""
+
+  def __init__(self, step_fn, args, budget, progress):
+    self.step_fn, self.args, self.budget = step_fn, args, budget
+    self.signature = _signature(args)
+    self.progress = progress
+    self.tried: list[Candidate] = []
+    self.base_flops = None
+
+  def compiled(self, policy) -> Candidate:
+    for c in self.tried:
+      if c.policy == policy:
+        return c
+    t = time.perf_counter()
+    peak, flops = _measure(self.step_fn, self.signature, policy)
+    if self.base_flops is None:
+      self.base_flops = flops  # the first candidate is always `everything`
+    c = Candidate(policies.describe(policy), policy, peak, flops, flops - self.base_flops,
+                  peak <= self.budget)
+    self.tried.append(c)
+    if self.progress:
+      print(f"plan: {c.peak_bytes:>16,} bytes {100 * c.recompute_flops / self.base_flops:5.1f}% "
+            f"recompute {'fits' if c.fits else 'over'} {c.label} ({time.perf_counter() - t:.1f} s)",
+            file=sys.stderr, flush=True)
+    return c
+
+  def tagged_bytes(self) -> dict[str, int]:
+    """Bytes of the values each checkpoint name tags, in vocabulary order."""
+    jaxpr = jax.make_jaxpr(functools.partial(self.step_fn, policy=policies.everything))(*self.args)
+    found = collections.Counter()
+    _count_tags(jaxpr.jaxpr, 1, found)
+    return {n: found[n] for n in _names.ordered(found)}
+
+  def greedy_order(self, names, tagged) -> list[str]:
+    """``names`` by bytes saved per FLOP recomputed, best to drop first."""
+    flops_all = _lowered_flops(self.step_fn, policies.save_only(*names), self.args)
+    self.extra = {}
+    for n in names:
+      rest = policies.save_only(*(m for m in names if m != n))
+      self.extra[n] = max(_lowered_flops(self.step_fn, rest, self.args) - flops_all, 0.0)
+    return sorted(names, key=lambda n: -tagged[n] / max(self.extra[n], 1.0))
+
+  def predicted_best(self, names, tagged, count) -> list[frozenset]:
+    """Up to ``count`` untried name sets predicted to fit, least estimated recompute first.
+
+    The prediction is a least-squares line from tagged bytes to compiled peak
+    over the ``save_only`` candidates compiled so far.
+    """
+    points = [(sum(tagged[n] for n in c.policy.names), c.peak_bytes)
+              for c in self.tried if isinstance(c.policy, policies.SaveOnly)]
+    if count == 0 or len({b for b, _ in points}) < 2:
+      return []
+    slope, intercept = np.polyfit(*zip(*points), 1)
+    tried = {c.policy for c in self.tried}
+    best_fit = min(c.recompute_flops for c in self.tried if c.fits)
+    scored = []
+    for r in range(len(names) + 1):
+      for kept in itertools.combinations(names, r):
+        predicted = intercept + slope * sum(tagged[n] for n in kept)
+        recompute = sum(self.extra[n] for n in names if n not in kept)
+        if predicted <= self.budget and policies.save_only(*kept) not in tried:
+          scored.append((recompute, -predicted, frozenset(kept)))
+    scored.sort(key=lambda s: s[:2])
+    return [kept for recompute, _, kept in scored[:count] if recompute < best_fit]
+
+  def plan(self, best: Candidate, start: float) -> Plan:
+    return Plan(best.policy, best.peak_bytes, best.recompute_flops, self.base_flops,
+                self.budget, tuple(self.tried), time.perf_counter() - start)
+
+
+def _count_tags(jaxpr, times: int, found: collections.Counter) -> None:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "name":
+      aval = eqn.outvars[0].aval
+      found[eqn.params["name"]] += times * math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      _count_tags(sub, inner, found)
+
+
+def _signature(args) -> tuple:
+  """A hashable stand-in for abstract ``args``, from which `_measure` rebuilds them."""
+  leaves, treedef = jax.tree.flatten(args)
+  return treedef, tuple(leaves)
+
+
+@functools.lru_cache(maxsize=512)
+def _measure(step_fn, signature, policy) -> tuple[int, float]:
+  """Compiled peak bytes and FLOPs of ``step_fn(*args, policy=policy)``."""
+  args = jax.tree.unflatten(*signature)
+  compiled = memory.compile(functools.partial(step_fn, policy=policy), *args)
+  return memory.stats_of(compiled).peak_bytes, float(_flops(compiled.cost_analysis()))
+
+
+def _lowered_flops(step_fn, policy, args) -> float:
+  lowered = jax.jit(functools.partial(step_fn, policy=policy)).lower(*args)
+  return float(_flops(lowered.cost_analysis()))
+
+
+def _flops(cost) -> float:
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0]
+  if not cost or "flops" not in cost:
+    raise RuntimeError("This backend's cost analysis gives no FLOP count.")
+  return cost["flops"]

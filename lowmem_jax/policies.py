@@ -1,0 +1,184 @@
+"""Remat policies over named residuals: what `jax.checkpoint` keeps for backward.
+
+Gradient checkpointing trades recompute for activation memory (Chen et al.
+2016, arXiv:1604.06174; one of the techniques of Sohoni et al., "Low-Memory
+Neural Network Training", arXiv:1904.10631). A policy is a plain callable
+``policy(prim, *avals, **params)`` that `jax.checkpoint`, `flax.linen.remat`,
+`nn.scan` over a remat'd module and `nnx.remat` accept. Autodiff asks it about
+each equation of the forward pass and it answers True (keep the output on the
+device), False (recompute it in the backward pass) or
+`jax.ad_checkpoint.Offloadable` (copy it to host memory and back).
+
+The policies here decide by `checkpoint_name` (the vocabulary is
+`lowmem_jax.names`); every value without a chosen name is recomputed.
+``save_all_but`` ranges over the named values too, not over every value: a
+policy sees one equation at a time, so refusing a name only moves the save to
+the input of the tag, which is the very same array (this is why JAX 0.10.2's
+``save_anything_except_these_names`` is a stub that saves everything).
+
+Ready-made policies:
+
+* `everything`: keep every value: the residuals of the step without remat.
+* `full`: keep nothing; the backward recomputes the block from its inputs.
+* `minimal`: keep the outputs of matmuls without batch dimensions (the weight
+  matmuls), recompute attention's batched matmuls and elementwise work.
+* `dots`: keep the outputs of every matmul and convolution.
+* `compressed`: keep only the compressed residuals (`names.ACT_CODE`, the
+  packed activation codes, and `names.NORM_RSTD`, one float32 per row).
+
+Example:
+  >>> import jax, jax.numpy as jnp, lowmem_jax as lm
+  >>> from jax.ad_checkpoint import checkpoint_name
+  >>> def mlp(x, w):
+  ...   h = checkpoint_name(x @ w, lm.names.MLP_HIDDEN)
+  ...   return jnp.sum(jnp.sin(h) @ w.T)
+  >>> f = jax.checkpoint(mlp, policy=lm.policies.save_only(lm.names.MLP_HIDDEN))
+  >>> x = w = jnp.ones((4, 4))
+  >>> lm.memory.saved_residuals(f, x, w).by_name()
+  {'mlp_hidden': 64}
+"""
+
+import dataclasses
+
+import jax
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
+
+from lowmem_jax import names as _names
+
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+
+
+def _checked_names(names: tuple, fn: str) -> frozenset[str]:
+  for name in names:
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"{fn}: each name must be a non-empty str, got {name!r}.")
+  return frozenset(names)
+
+
+def _listed(names: frozenset[str]) -> str:
+  return ", ".join(repr(n) for n in _names.ordered(names))
+
+
+def _tag(prim, params) -> str | None:
+  """The name of a `checkpoint_name` equation, else None."""
+  return params["name"] if prim.name == "name" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOnly:
+  """Keeps the values tagged with one of ``names``; recomputes the rest."""
+  names: frozenset[str]
+
+  def __call__(self, prim, *_, **params) -> bool:
+    return _tag(prim, params) in self.names
+
+  def __str__(self) -> str:
+    return f"save_only({_listed(self.names)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveAllBut:
+  """Keeps every tagged value except those tagged with ``names``; recomputes the rest."""
+  names: frozenset[str]
+
+  def __call__(self, prim, *_, **params) -> bool:
+    tag = _tag(prim, params)
+    return tag is not None and tag not in self.names
+
+  def __str__(self) -> str:
+    return f"save_all_but({_listed(self.names)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+  """Copies the values tagged with ``names`` from ``src`` to ``dst`` memory; recomputes the rest."""
+  names: frozenset[str]
+  src: str
+  dst: str
+
+  def __call__(self, prim, *_, **params):
+    return Offloadable(src=self.src, dst=self.dst) if _tag(prim, params) in self.names else Recompute
+
+  def __str__(self) -> str:
+    return f"offload({_listed(self.names)}, src={self.src!r}, dst={self.dst!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Combine:
+  """The union of ``policies``: keep if one keeps, else offload if one offloads, else recompute."""
+  policies: tuple
+
+  def __call__(self, prim, *args, **params):
+    offload = None
+    for policy in self.policies:
+      decision = policy(prim, *args, **params)
+      if decision is True or decision is Saveable:
+        return Saveable
+      if offload is None and isinstance(decision, Offloadable):
+        offload = decision
+    return offload or Recompute
+
+  def __str__(self) -> str:
+    return f"combine({', '.join(describe(p) for p in self.policies)})"
+
+
+def save_only(*names: str) -> SaveOnly:
+  """Keeps only the values tagged with ``names``; ``save_only()`` keeps nothing."""
+  return SaveOnly(_checked_names(names, "save_only"))
+
+
+def save_all_but(*names: str) -> SaveAllBut:
+  """Keeps every tagged value except those tagged with ``names``."""
+  return SaveAllBut(_checked_names(names, "save_all_but"))
+
+
+def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offload:
+  """Moves the values tagged with ``names`` to host memory for the backward pass.
+
+  On a GPU or TPU the compiled step copies them to ``dst`` after the forward
+  pass and back before their use in the backward pass. On CPU the device
+  memory is host memory: the lowering drops the copies and the values stay
+  where they are, exactly as `save_only` keeps them.
+
+  Args:
+    *names: checkpoint names to offload; every other value is recomputed.
+    src, dst: memory kinds, from `MEMORY_KINDS`, and different.
+  """
+  for arg, kind in (("src", src), ("dst", dst)):
+    if kind not in MEMORY_KINDS:
+      raise ValueError(f"offload: {arg} must be one of {MEMORY_KINDS}, got {kind!r}.")
+  if src == dst:
+    raise ValueError(f"offload: src and dst must differ, both are {src!r}.")
+  return Offload(_checked_names(names, "offload"), src, dst)
+
+
+def combine(*policies) -> Combine:
+  """The union of ``policies``: a value is kept if any policy keeps it.
+
+  Example: ``combine(minimal, offload(names.BLOCK_IN))`` keeps the weight
+  matmuls' outputs on the device and the block inputs on the host.
+  """
+  if not policies:
+    raise ValueError("combine: give at least one policy.")
+  for policy in policies:
+    if not callable(policy):
+      raise TypeError(f"combine: each policy must be callable, got {policy!r}.")
+  return Combine(tuple(policies))
+
+
+everything = jax.checkpoint_policies.everything_saveable
+full = save_only()
+minimal = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+dots = jax.checkpoint_policies.dots_saveable
+compressed = save_only(_names.ACT_CODE, _names.NORM_RSTD)
+
+READY_MADE = {"everything": everything, "full": full, "minimal": minimal, "dots": dots,
+              "compressed": compressed}
+
+
+def describe(policy) -> str:
+  """A readable name: the ready-made name, the factory call, or the repr."""
+  for name, ready in READY_MADE.items():
+    if policy is ready:
+      return name
+  return str(policy)

@@ -1,0 +1,86 @@
+import jax
+import jax.numpy as jnp
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import models, names, planner, policies
+
+TINY_VIT = dict(patch_size=4, width=64, depth=3, mlp_dim=256, num_heads=2, num_classes=10)
+
+
+@pytest.fixture(scope="module")
+def workload():
+  """A 3-block ViT on 32x32 images, batch 16: the planner's step and its abstract args."""
+  model = models.ViT(**TINY_VIT, remat=True, dtype=jnp.float32)
+  inputs = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
+  labels = jax.ShapeDtypeStruct((16,), jnp.int32)
+  wl = models.Workload("tiny-vit", model, inputs, labels)
+
+  def step(params, x, y, *, policy):
+    loss = models.Workload(wl.name, model.clone(remat_policy=policy), inputs, labels).loss
+    return jax.grad(loss)(params, x, y)
+
+  return step, (wl.abstract_params(), inputs, labels)
+
+
+def _peak(step, args, policy):
+  return lm.memory.analyze(lambda *a: step(*a, policy=policy), *args).peak_bytes
+
+
+def test_a_budget_the_step_fits_needs_no_remat(workload):
+  step, args = workload
+  plan = lm.plan(step, *args, budget=_peak(step, args, policies.everything))
+  assert plan.policy is policies.everything and plan.recompute_flops == 0
+
+
+def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload):
+  step, args = workload
+  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  assert floor < top  # remat shows in the compiled figure (see memory.CPU_KEEPS_REMAT)
+  budget = (top + floor) // 2
+  plan = lm.plan(step, *args, budget=budget)
+  assert plan.peak_bytes <= budget
+  assert _peak(step, args, plan.policy) == plan.peak_bytes  # the oracle, compiled afresh
+  fitting = [c for c in plan.tried if c.fits]
+  assert plan.recompute_flops == min(c.recompute_flops for c in fitting)
+  full = next(c for c in plan.tried if c.policy == policies.full)
+  assert 0 <= plan.recompute_flops < full.recompute_flops
+  assert {c.fits for c in plan.tried} == {True, False}
+  assert "save_only" in str(plan) and f"{budget:,}" in str(plan)
+
+
+def test_a_second_plan_reuses_the_compiled_candidates(workload):
+  step, args = workload
+  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  lm.plan(step, *args, budget=(top + floor) // 2)
+  before = planner._measure.cache_info().misses
+  lm.plan(step, *args, budget=(top + floor) // 2)
+  assert planner._measure.cache_info().misses == before
+
+
+def test_an_impossible_budget_names_the_smallest_peak(workload):
+  step, args = workload
+  floor = _peak(step, args, policies.full)
+  with pytest.raises(planner.BudgetError, match=f"smallest peak reachable: {floor:,} bytes"):
+    lm.plan(step, *args, budget=floor - 1)
+
+
+def test_names_restrict_the_search(workload):
+  step, args = workload
+  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  plan = lm.plan(step, *args, budget=(top + floor) // 2, names=(names.QKV, names.ATTN_OUT))
+  for c in plan.tried:
+    if isinstance(c.policy, policies.SaveOnly):
+      assert c.policy.names <= {names.QKV, names.ATTN_OUT}
+
+
+def test_bad_arguments_are_named(workload):
+  step, args = workload
+  with pytest.raises(ValueError, match="budget"):
+    lm.plan(step, *args, budget=0)
+  with pytest.raises(ValueError, match="budget"):
+    lm.plan(step, *args, budget=1.5e9)
+  with pytest.raises(TypeError, match="step_fn"):
+    lm.plan(None, *args, budget=10)
+  with pytest.raises(ValueError, match="not tagged"):
+    lm.plan(step, *args, budget=_peak(step, args, policies.full), names=("no_such_name",))

@@ -5,15 +5,17 @@ judged by its compiled peak (`lowmem_jax.memory.MemoryStats.peak_bytes`) and
 by the FLOPs of its compiled step (``cost_analysis()``). Recompute is the
 FLOPs beyond the step with `policies.everything`, which keeps what a step
 without remat keeps. The candidates are ``save_only(S)`` for sets ``S`` of
-checkpoint names, searched in four stages:
+checkpoint names and a few given policies, searched in five stages:
 
 1. `policies.everything`: if it fits, nothing need be recomputed.
 2. `policies.full`: if it does not fit, no name set does; the error gives the
    smallest peak reachable.
-3. A greedy chain from ``save_only(all names)`` to ``full``, dropping names in
+3. The ``candidates``: by default the ready-made `policies.minimal` and
+   `policies.dots`, which keep matmul outputs whether or not they carry a name.
+4. A greedy chain from ``save_only(all names)`` to ``full``, dropping names in
    order of bytes saved per recompute FLOP (bytes from the jaxpr's tagged
    values, FLOPs from one lowering per name), bisected for the first fit.
-4. Refinement: a line fitted to the compiled peaks of the chain predicts the
+5. Refinement: a line fitted to the compiled peaks of the chain predicts the
    peak of every name set; the few sets predicted to fit at the least
    estimated recompute are compiled, and the best that fits wins.
 
@@ -46,7 +48,8 @@ class Candidate:
     policy: the policy itself.
     peak_bytes: compiled peak (`memory.MemoryStats.peak_bytes`).
     flops: FLOPs of the compiled step (XLA's cost analysis).
-    recompute_flops: ``flops`` beyond the step with `policies.everything`.
+    recompute_flops: ``flops`` beyond the step with `policies.everything`;
+      slightly negative where XLA fuses the two programs differently.
     fits: ``peak_bytes <= budget``.
   """
   label: str
@@ -94,12 +97,16 @@ class Plan:
     return "\n".join(lines)
 
 
+MAX_ENUMERATED_NAMES = 16  # the refinement scores 2**len(names) sets
+
+
 class BudgetError(ValueError):
   """No policy the search tried fits the budget."""
 
 
 def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = None,
-         refine: int = 4, progress: bool = False) -> Plan:
+         candidates: tuple[Callable, ...] = (policies.minimal, policies.dots), refine: int = 4,
+         progress: bool = False) -> Plan:
   """Finds the remat policy of least recompute whose compiled step fits ``budget``.
 
   Args:
@@ -110,20 +117,27 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
     budget: bytes the compiled peak may reach.
     names: checkpoint names the policies may keep; default: every name the
       step tags.
-    refine: how many name sets to compile after the greedy chain.
+    candidates: other policies to compile and weigh with the name sets.
+    refine: how many name sets to compile after the greedy chain (none past
+      `MAX_ENUMERATED_NAMES` names).
     progress: print each compiled candidate to stderr.
 
   Returns:
     `Plan`: the chosen policy, its peak and recompute, and the candidates tried.
 
   Raises:
-    BudgetError: if even `policies.full` does not fit; the message gives the
-      smallest peak reachable.
+    BudgetError: if neither `policies.full` nor a candidate fits; the message
+      gives the smallest peak reached.
+
+  XLA's cost analysis counts the body of a loop once, so for a model that
+  scans its layers the recompute figures are per layer, not per step.
   """
   if not callable(step_fn):
     raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}.")
   if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
     raise ValueError(f"budget must be a positive int of bytes, got {budget!r}.")
+  if not all(callable(p) for p in candidates):
+    raise TypeError(f"candidates must be policies (callables), got {candidates!r}.")
   if not isinstance(refine, int) or refine < 0:
     raise ValueError(f"refine must be an int >= 0, got {refine!r}.")
   start = time.perf_counter()
@@ -131,8 +145,9 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   base = search.compiled(policies.everything)
   if base.fits:
     return search.plan(base, start)
-  floor = search.compiled(policies.full)
-  if not floor.fits:
+  for policy in (policies.full, *candidates):
+    search.compiled(policy)
+  if not any(c.fits for c in search.tried):
     smallest = min(search.tried, key=lambda c: c.peak_bytes)
     raise BudgetError(
         f"budget {budget:,} bytes is below the smallest peak reachable: {smallest.peak_bytes:,} "
@@ -140,19 +155,18 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
         "(approximate activations, MS norms, micro-batches).")
   tagged = search.tagged_bytes()
   names = tuple(tagged) if names is None else _checked(names, tagged)
-  if not names:
-    return search.plan(floor, start)
   order = search.greedy_order(names, tagged)
   chain = [frozenset(order[i:]) for i in range(len(order) + 1)]
-  lo, hi = 0, len(chain) - 1  # chain[hi] (full) fits
+  lo, hi = 0, len(chain) - 1  # chain[hi] is full
   while lo < hi:
     mid = (lo + hi) // 2
     if search.compiled(policies.save_only(*chain[mid])).fits:
       hi = mid
     else:
       lo = mid + 1
-  for subset in search.predicted_best(names, tagged, refine):
-    search.compiled(policies.save_only(*subset))
+  if names:
+    for subset in search.predicted_best(names, tagged, refine):
+      search.compiled(policies.save_only(*subset))
   best = min((c for c in search.tried if c.fits), key=lambda c: (c.recompute_flops, c.peak_bytes))
   return search.plan(best, start)
 
@@ -175,6 +189,7 @@ class _Search:
     self.progress = progress
     self.tried: list[Candidate] = []
     self.base_flops = None
+    self.extra: dict[str, float] = {}  # estimated recompute FLOPs of dropping each name
 
   def compiled(self, policy) -> Candidate:
     for c in self.tried:
@@ -203,7 +218,6 @@ class _Search:
   def greedy_order(self, names, tagged) -> list[str]:
     """``names`` by bytes saved per FLOP recomputed, best to drop first."""
     flops_all = _lowered_flops(self.step_fn, policies.save_only(*names), self.args)
-    self.extra = {}
     for n in names:
       rest = policies.save_only(*(m for m in names if m != n))
       self.extra[n] = max(_lowered_flops(self.step_fn, rest, self.args) - flops_all, 0.0)
@@ -213,11 +227,13 @@ class _Search:
     """Up to ``count`` untried name sets predicted to fit, least estimated recompute first.
 
     The prediction is a least-squares line from tagged bytes to compiled peak
-    over the ``save_only`` candidates compiled so far.
+    over the ``save_only`` candidates compiled so far; the estimated recompute
+    adds up each dropped name's. It enumerates every name set, so it skips
+    vocabularies of more than `MAX_ENUMERATED_NAMES`.
     """
     points = [(sum(tagged[n] for n in c.policy.names), c.peak_bytes)
               for c in self.tried if isinstance(c.policy, policies.SaveOnly)]
-    if count == 0 or len({b for b, _ in points}) < 2:
+    if count == 0 or len(names) > MAX_ENUMERATED_NAMES or len({b for b, _ in points}) < 2:
       return []
     slope, intercept = np.polyfit(*zip(*points), 1)
     tried = {c.policy for c in self.tried}

@@ -68,7 +68,7 @@ def test_approx_and_ms_variants_save_less():
     return lm.memory.saved_residuals(lambda p, x: wl.loss(p, x, labels), wl.abstract_params(),
                                      wl.inputs)
   base, both = saved(), saved(activation="approx", norm="ms")
-  assert both.activation_bytes < 0.5 * base.activation_bytes  # 0.42 measured
+  assert both.activation_bytes < 0.5 * base.activation_bytes  # 0.46 measured
   assert both.by_name()[lm.names.ACT_CODE] > 0
 
 

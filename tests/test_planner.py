@@ -44,7 +44,9 @@ def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload):
   fitting = [c for c in plan.tried if c.fits]
   assert plan.recompute_flops == min(c.recompute_flops for c in fitting)
   full = next(c for c in plan.tried if c.policy == policies.full)
-  assert 0 <= plan.recompute_flops < full.recompute_flops
+  # A policy that recomputes only elementwise work can count a few FLOPs
+  # fewer than the step without remat: XLA fuses the two programs differently.
+  assert -0.01 * plan.step_flops < plan.recompute_flops < full.recompute_flops
   assert {c.fits for c in plan.tried} == {True, False}
   assert "save_only" in str(plan) and f"{budget:,}" in str(plan)
 

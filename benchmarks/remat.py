@@ -1,0 +1,119 @@
+"""Remat policies and the planner on ViT-B/16 and the LLaMA-style model: the Pareto table.
+
+For each model, with exact activations and plain norms and again with
+ReGELU2/ReSiLU2 and MS norms, it prints one row per policy: the compiled peak
+of the gradient step (XLA's buffer assignment on abstract shapes, float32
+compute; on CPU a proxy, see lowmem_jax.memory), the saved-activation bytes
+(autodiff's residuals, backend-free) and the recompute FLOPs as a share of the
+step without remat (XLA's cost analysis of the compiled step). Rows: no remat
+(`everything`), `full`, `minimal`, `dots`, `compressed`, and the planner's
+choice at three budgets between `full` and no remat.
+
+With --exhaustive it also compiles every subset of a small name vocabulary and
+compares the planner's pick, searching name sets only (``names=`` the same
+vocabulary, ``candidates=()``), with the best subset at each budget.
+
+    python benchmarks/remat.py                      # both models, both variants
+    python benchmarks/remat.py --exhaustive         # + planner against exhaustive search
+"""
+
+import argparse
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+
+import lowmem_jax as lm
+from lowmem_jax import models, names, policies
+
+SIZES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=1024)}
+VARIANTS = {"exact, plain norms": dict(activation="exact", norm="plain"),
+            "approx, MS norms": dict(activation="approx", norm="ms")}
+BUDGET_FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full remat's peak to no remat's
+SMALL_VOCABULARY = (names.QKV, names.ATTN_PROBS, names.MLP_HIDDEN, names.MLP_ACT)
+
+
+def workload(model, switches):
+  wl = models.workload(model, dtype=jnp.float32, remat=True, **SIZES[model], **switches)
+
+  def step(params, inputs, labels, *, policy):
+    loss = models.Workload(wl.name, wl.model.clone(remat_policy=policy), wl.inputs, wl.labels).loss
+    return jax.grad(loss)(params, inputs, labels)
+
+  return wl, step, (wl.abstract_params(), wl.inputs, wl.labels)
+
+
+def activation_bytes(wl, policy, args):
+  model = wl.model.clone(remat_policy=policy)
+  labels = jnp.zeros(wl.labels.shape, jnp.int32)
+  loss = lambda p, x: models.Workload(wl.name, model, wl.inputs, wl.labels).loss(p, x, labels)
+  return lm.memory.saved_residuals(loss, *args[:2]).activation_bytes
+
+
+def measure(step, args, policy):
+  """(peak bytes, FLOPs) of the compiled step, through the planner's cache."""
+  return lm.planner._measure(step, lm.planner._signature(args), policy)
+
+
+def pareto(model, variant, switches, exhaustive):
+  wl, step, args = workload(model, switches)
+  top, base_flops = measure(step, args, policies.everything)
+  floor, _ = measure(step, args, policies.full)
+  rows = [(name, policy) for name, policy in policies.READY_MADE.items()]
+  budgets = [int(floor + f * (top - floor)) for f in BUDGET_FRACTIONS]
+  plans = []
+  for f, budget in zip(BUDGET_FRACTIONS, budgets):
+    plan = lm.plan(step, *args, budget=budget)
+    plans.append(plan)
+    rows.append((f"plan at {budget / 2**30:.2f} GiB ({f:.0%}): {policies.describe(plan.policy)} "
+                 f"[{len(plan.tried)} compiled, {plan.seconds:.0f} s]", plan.policy))
+  print(f"\n### {model} ({SIZES[model]}), {variant}, float32 compute, {jax.default_backend()}\n")
+  print("| policy | compiled peak GiB | saved activations GiB | recompute % of step |")
+  print("|---|---:|---:|---:|")
+  saved = {}
+  for label, policy in rows:
+    peak, flops = measure(step, args, policy)
+    saved[label] = activation_bytes(wl, policy, args)
+    print(f"| {label} | {peak / 2**30:.2f} | {saved[label] / 2**30:.2f} | "
+          f"{100 * (flops - base_flops) / base_flops:.1f} |", flush=True)
+  print(f"\nsaved activations, no remat / full: {saved['everything'] / saved['full']:.1f}x; "
+        f"compiled peak: {top / floor:.2f}x")
+  if exhaustive:
+    compare_exhaustive(step, args, budgets, base_flops)
+
+
+def compare_exhaustive(step, args, budgets, base_flops):
+  """The planner's name-set search over SMALL_VOCABULARY against every subset of it."""
+  subsets = [policies.save_only(*s) for r in range(len(SMALL_VOCABULARY) + 1)
+             for s in itertools.combinations(SMALL_VOCABULARY, r)]
+  start = time.perf_counter()
+  results = {p: measure(step, args, p) for p in subsets}
+  print(f"\nexhaustive over the {len(subsets)} subsets of {SMALL_VOCABULARY} "
+        f"({time.perf_counter() - start:.0f} s):\n")
+  print("| budget GiB | planner's pick (names only) | its recompute % | best subset | its recompute % | gap |")
+  print("|---:|---|---:|---|---:|---:|")
+  for budget in budgets:
+    plan = lm.plan(step, *args, budget=budget, names=SMALL_VOCABULARY, candidates=())
+    fitting = [(flops, p) for p, (peak, flops) in results.items() if peak <= budget]
+    best_flops, best = min(fitting, key=lambda fp: fp[0])
+    best_recompute = best_flops - base_flops
+    excess = plan.recompute_flops - best_recompute
+    gap = excess / best_recompute if best_recompute else (float("inf") if excess > 0 else 0.0)
+    print(f"| {budget / 2**30:.2f} | {policies.describe(plan.policy)} | "
+          f"{100 * plan.recompute_fraction:.2f} | {policies.describe(best)} | "
+          f"{100 * best_recompute / base_flops:.2f} | {100 * gap:+.1f}% |", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+  parser.add_argument("--exhaustive", action="store_true")
+  args = parser.parse_args()
+  for model in args.models:
+    for variant, switches in VARIANTS.items():
+      pareto(model, variant, switches, args.exhaustive)
+
+
+if __name__ == "__main__":
+  main()

@@ -2,8 +2,9 @@
 
 `dot_product_attention` is plain scaled dot-product attention (Vaswani et al.
 2017, arXiv:1706.03762): autodiff keeps its float32 ``[batch, heads, L, L]``
-probabilities, tagged `names.ATTN_PROBS` so a policy can drop or keep them
-(and, for a bfloat16 or float16 ``v``, their cast for the second matmul). It
+probabilities, tagged `names.ATTN_PROBS` so a policy can drop or keep them.
+For a bfloat16 or float16 ``v`` it also keeps their cast for the second
+matmul, untagged: a remat policy recomputes it from the probabilities. It
 takes `jax.nn.dot_product_attention`'s layout, with grouped-query heads.
 
     p = softmax(q k^T / sqrt(head_dim) + mask)     (float32)
@@ -47,12 +48,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       must be a multiple of ``kv_heads`` (grouped-query attention).
     mask: optional boolean, broadcastable to ``[batch, heads, q_length,
       kv_length]``; False masks a key out.
-    causal: mask keys after the query's position.
+    causal: mask keys after the query's position, aligned at the top left as
+      in `jax.nn.dot_product_attention` (query i sees keys 0..i).
 
   Returns:
     ``[batch, q_length, heads, head_dim]`` in q's dtype. The logits and
-    softmax are float32; the probabilities are cast to v's dtype for the
-    second matmul and saved as `names.ATTN_PROBS`.
+    softmax are float32; the probabilities are saved as `names.ATTN_PROBS`
+    and cast to v's dtype for the second matmul.
+
+  The mask is an additive bias of -0.7 * float32 max: a row with every key
+  masked attends uniformly (as `jax.nn.dot_product_attention` does), and its
+  gradient flows as for uniform attention where JAX's gives zero.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_float_array(x, name)
@@ -93,11 +99,13 @@ def _keep(mask, causal, shape):
   batch, heads, q_len, kv_len = shape
   keep = None
   if causal:
-    keep = jnp.tril(jnp.ones((1, 1, q_len, kv_len), bool), kv_len - q_len)
+    keep = jnp.tril(jnp.ones((1, 1, q_len, kv_len), bool))
   if mask is not None:
     if not hasattr(mask, "dtype") or mask.dtype != jnp.bool_:
       raise TypeError(f"mask must be a boolean array, got {getattr(mask, 'dtype', type(mask))}.")
     try:
+      if mask.ndim > 4:
+        raise ValueError(f"rank {mask.ndim}")
       jnp.broadcast_shapes(mask.shape, shape)
     except ValueError as e:
       raise ValueError(

@@ -32,6 +32,9 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.A
       False masks a key out.
     dropout_rate, deterministic: attention dropout is not supported; a rate
       above 0 outside deterministic mode raises.
+
+  One batch axis only, and no ``sow_weights`` (the probabilities are not
+  returned to Flax).
   """
   if dropout_rate > 0.0 and not deterministic:
     raise NotImplementedError(

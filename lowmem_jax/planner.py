@@ -1,26 +1,29 @@
-"""A remat planner: the policy of least recompute whose compiled step fits a budget.
+"""A remat planner: a policy of least recompute whose compiled step fits a budget.
 
 The oracle is XLA: each candidate policy is compiled on abstract shapes and
 judged by its compiled peak (`lowmem_jax.memory.MemoryStats.peak_bytes`) and
 by the FLOPs of its compiled step (``cost_analysis()``). Recompute is the
 FLOPs beyond the step with `policies.everything`, which keeps what a step
 without remat keeps. The candidates are ``save_only(S)`` for sets ``S`` of
-checkpoint names and a few given policies, searched in five stages:
+checkpoint names and a few given policies, searched in four stages:
 
 1. `policies.everything`: if it fits, nothing need be recomputed.
-2. `policies.full`: if it does not fit, no name set does; the error gives the
-   smallest peak reachable.
-3. The ``candidates``: by default the ready-made `policies.minimal` and
-   `policies.dots`, which keep matmul outputs whether or not they carry a name.
-4. A greedy chain from ``save_only(all names)`` to ``full``, dropping names in
+2. `policies.full` and the ``candidates``: by default the ready-made
+   `policies.minimal` and `policies.dots`, which keep matmul outputs whether
+   or not they carry a name.
+3. A greedy chain from ``save_only(all names)`` to ``full``, dropping names in
    order of bytes saved per recompute FLOP (bytes from the jaxpr's tagged
    values, FLOPs from one lowering per name), bisected for the first fit.
-5. Refinement: a line fitted to the compiled peaks of the chain predicts the
+4. Refinement: a line fitted to the compiled peaks of the chain predicts the
    peak of every name set; the few sets predicted to fit at the least
    estimated recompute are compiled, and the best that fits wins.
 
-Compiled results are cached per step function, argument shapes and policy,
-so a second `plan` of the same step at another budget compiles little.
+If nothing compiled fits, `BudgetError` gives the smallest peak reached. The
+choice is the least recompute among the candidates compiled, not a proof of
+the least over every policy. Compiled results are cached per step function,
+argument shapes, policy and backend (policies must be hashable, as JAX's and
+this library's are), so a second `plan` of the same step at another budget
+compiles little; the cache holds the step functions: `clear_cache` drops it.
 """
 
 import collections
@@ -107,7 +110,9 @@ class BudgetError(ValueError):
 def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = None,
          candidates: tuple[Callable, ...] = (policies.minimal, policies.dots), refine: int = 4,
          progress: bool = False) -> Plan:
-  """Finds the remat policy of least recompute whose compiled step fits ``budget``.
+  """Finds a remat policy of least recompute whose compiled step fits ``budget``.
+
+  Least among the candidates compiled (see the module docstring for the search).
 
   Args:
     step_fn: the step, called as ``step_fn(*args, policy=policy)``; it passes
@@ -126,8 +131,8 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
     `Plan`: the chosen policy, its peak and recompute, and the candidates tried.
 
   Raises:
-    BudgetError: if neither `policies.full` nor a candidate fits; the message
-      gives the smallest peak reached.
+    BudgetError: if no policy compiled fits; the message gives the smallest
+      peak reached.
 
   XLA's cost analysis counts the body of a loop once, so for a model that
   scans its layers the recompute figures are per layer, not per step.
@@ -142,19 +147,13 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
     raise ValueError(f"refine must be an int >= 0, got {refine!r}.")
   start = time.perf_counter()
   search = _Search(step_fn, memory._abstract(args), int(budget), progress)
+  tagged = search.tagged_bytes()
+  names = tuple(tagged) if names is None else _checked(names, tagged)
   base = search.compiled(policies.everything)
   if base.fits:
     return search.plan(base, start)
   for policy in (policies.full, *candidates):
     search.compiled(policy)
-  if not any(c.fits for c in search.tried):
-    smallest = min(search.tried, key=lambda c: c.peak_bytes)
-    raise BudgetError(
-        f"budget {budget:,} bytes is below the smallest peak reachable: {smallest.peak_bytes:,} "
-        f"bytes with {smallest.label}. Lower the batch, or cut activations another way "
-        "(approximate activations, MS norms, micro-batches).")
-  tagged = search.tagged_bytes()
-  names = tuple(tagged) if names is None else _checked(names, tagged)
   order = search.greedy_order(names, tagged)
   chain = [frozenset(order[i:]) for i in range(len(order) + 1)]
   lo, hi = 0, len(chain) - 1  # chain[hi] is full
@@ -167,7 +166,14 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   if names:
     for subset in search.predicted_best(names, tagged, refine):
       search.compiled(policies.save_only(*subset))
-  best = min((c for c in search.tried if c.fits), key=lambda c: (c.recompute_flops, c.peak_bytes))
+  fitting = [c for c in search.tried if c.fits]
+  if not fitting:
+    smallest = min(search.tried, key=lambda c: c.peak_bytes)
+    raise BudgetError(
+        f"budget {budget:,} bytes is below the smallest peak reachable: {smallest.peak_bytes:,} "
+        f"bytes with {smallest.label} ({len(search.tried)} policies compiled). Lower the batch, "
+        "or cut activations another way (approximate activations, MS norms, micro-batches).")
+  best = min(fitting, key=lambda c: (c.recompute_flops, c.peak_bytes))
   return search.plan(best, start)
 
 
@@ -231,13 +237,14 @@ class _Search:
     adds up each dropped name's. It enumerates every name set, so it skips
     vocabularies of more than `MAX_ENUMERATED_NAMES`.
     """
-    points = [(sum(tagged[n] for n in c.policy.names), c.peak_bytes)
-              for c in self.tried if isinstance(c.policy, policies.SaveOnly)]
+    considered = set(names)
+    points = [(sum(tagged[n] for n in kept), c.peak_bytes) for c in self.tried
+              if (kept := policies.kept_names(c.policy)) is not None and kept <= considered]
     if count == 0 or len(names) > MAX_ENUMERATED_NAMES or len({b for b, _ in points}) < 2:
       return []
     slope, intercept = np.polyfit(*zip(*points), 1)
     tried = {c.policy for c in self.tried}
-    best_fit = min(c.recompute_flops for c in self.tried if c.fits)
+    best_fit = min((c.recompute_flops for c in self.tried if c.fits), default=math.inf)
     scored = []
     for r in range(len(names) + 1):
       for kept in itertools.combinations(names, r):
@@ -264,17 +271,26 @@ def _count_tags(jaxpr, times: int, found: collections.Counter) -> None:
 
 
 def _signature(args) -> tuple:
-  """A hashable stand-in for abstract ``args``, from which `_measure` rebuilds them."""
+  """A hashable stand-in for abstract ``args``, from which `_measure` rebuilds them.
+
+  The backend is part of it: the same shapes compile differently elsewhere.
+  """
   leaves, treedef = jax.tree.flatten(args)
-  return treedef, tuple(leaves)
+  return treedef, tuple(leaves), jax.default_backend()
 
 
 @functools.lru_cache(maxsize=512)
 def _measure(step_fn, signature, policy) -> tuple[int, float]:
   """Compiled peak bytes and FLOPs of ``step_fn(*args, policy=policy)``."""
-  args = jax.tree.unflatten(*signature)
+  treedef, leaves, _ = signature
+  args = jax.tree.unflatten(treedef, leaves)
   compiled = memory.compile(functools.partial(step_fn, policy=policy), *args)
   return memory.stats_of(compiled).peak_bytes, float(_flops(compiled.cost_analysis()))
+
+
+def clear_cache() -> None:
+  """Forgets every compiled candidate (and the step functions they hold)."""
+  _measure.cache_clear()
 
 
 def _lowered_flops(step_fn, policy, args) -> float:

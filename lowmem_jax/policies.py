@@ -11,10 +11,11 @@ device), False (recompute it in the backward pass) or
 
 The policies here decide by `checkpoint_name` (the vocabulary is
 `lowmem_jax.names`); every value without a chosen name is recomputed.
-``save_all_but`` ranges over the named values too, not over every value: a
-policy sees one equation at a time, so refusing a name only moves the save to
-the input of the tag, which is the very same array (this is why JAX 0.10.2's
-``save_anything_except_these_names`` is a stub that saves everything).
+``save_all_but`` ranges over the named values too, not over every value (it
+is JAX's ``save_any_names_but_these``): a policy sees one equation at a time,
+so refusing a name only moves the save to the input of the tag, which is the
+very same array. This is why JAX 0.10.2's ``save_anything_except_these_names``
+is a stub that saves everything.
 
 Ready-made policies:
 
@@ -64,29 +65,10 @@ def _tag(prim, params) -> str | None:
   return params["name"] if prim.name == "name" else None
 
 
-@dataclasses.dataclass(frozen=True)
-class SaveOnly:
-  """Keeps the values tagged with one of ``names``; recomputes the rest."""
-  names: frozenset[str]
-
-  def __call__(self, prim, *_, **params) -> bool:
-    return _tag(prim, params) in self.names
-
-  def __str__(self) -> str:
-    return f"save_only({_listed(self.names)})"
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveAllBut:
-  """Keeps every tagged value except those tagged with ``names``; recomputes the rest."""
-  names: frozenset[str]
-
-  def __call__(self, prim, *_, **params) -> bool:
-    tag = _tag(prim, params)
-    return tag is not None and tag not in self.names
-
-  def __str__(self) -> str:
-    return f"save_all_but({_listed(self.names)})"
+# JAX's own frozen dataclasses for these two, so that JAX's remat machinery
+# recognises them; `save_only` and `save_all_but` check the names first.
+SaveOnly = type(jax.checkpoint_policies.save_only_these_names())  # field: saveable_names
+SaveAllBut = type(jax.checkpoint_policies.save_any_names_but_these())  # field: names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +105,19 @@ class Combine:
 
 
 def save_only(*names: str) -> SaveOnly:
-  """Keeps only the values tagged with ``names``; ``save_only()`` keeps nothing."""
-  return SaveOnly(_checked_names(names, "save_only"))
+  """Keeps only the values tagged with ``names``; ``save_only()`` keeps nothing.
+
+  Returns JAX's ``save_only_these_names`` policy, after checking the names.
+  """
+  return jax.checkpoint_policies.save_only_these_names(*_checked_names(names, "save_only"))
 
 
 def save_all_but(*names: str) -> SaveAllBut:
-  """Keeps every tagged value except those tagged with ``names``."""
-  return SaveAllBut(_checked_names(names, "save_all_but"))
+  """Keeps every tagged value except those tagged with ``names``; recomputes the rest.
+
+  Returns JAX's ``save_any_names_but_these`` policy, after checking the names.
+  """
+  return jax.checkpoint_policies.save_any_names_but_these(*_checked_names(names, "save_all_but"))
 
 
 def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offload:
@@ -150,6 +138,11 @@ def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offlo
   if src == dst:
     raise ValueError(f"offload: src and dst must differ, both are {src!r}.")
   return Offload(_checked_names(names, "offload"), src, dst)
+
+
+def kept_names(policy) -> frozenset[str] | None:
+  """The names a `save_only` policy keeps; None for any other policy."""
+  return policy.saveable_names if isinstance(policy, SaveOnly) else None
 
 
 def combine(*policies) -> Combine:
@@ -179,6 +172,10 @@ READY_MADE = {"everything": everything, "full": full, "minimal": minimal, "dots"
 def describe(policy) -> str:
   """A readable name: the ready-made name, the factory call, or the repr."""
   for name, ready in READY_MADE.items():
-    if policy is ready:
+    if policy is ready or (isinstance(policy, SaveOnly) and policy == ready):
       return name
+  if isinstance(policy, SaveOnly):
+    return f"save_only({_listed(policy.saveable_names)})"
+  if isinstance(policy, SaveAllBut):
+    return f"save_all_but({_listed(policy.names)})"
   return str(policy)

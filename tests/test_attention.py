@@ -28,6 +28,13 @@ def test_matches_jax_attention_and_its_gradient(hk, causal, with_mask):
                               jax.grad(loss(theirs), (0, 1, 2))(q, k, v), atol=1e-5)
 
 
+@pytest.mark.parametrize("lq,lk", [(3, 5), (5, 3)])
+def test_causal_with_unequal_lengths_aligns_like_jax(lq, lk):
+  q, k, v = _qkv(lq=lq, lk=lk)
+  chex.assert_trees_all_close(dot_product_attention(q, k, v, causal=True),
+                              jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+
+
 def test_bfloat16_keeps_dtype_and_stays_close():
   q, k, v = _qkv(jnp.bfloat16)
   out = dot_product_attention(q, k, v, causal=True)
@@ -58,6 +65,8 @@ def test_bad_inputs_are_named():
     dot_product_attention(q, k, v, mask=jnp.ones((5, 5)))
   with pytest.raises(ValueError, match="mask must broadcast"):
     dot_product_attention(q, k, v, mask=jnp.ones((3, 5), bool))
+  with pytest.raises(ValueError, match="mask must broadcast"):
+    dot_product_attention(q, k, v, mask=jnp.ones((1, 2, 4, 5, 5), bool))
 
 
 def test_flax_attention_fn_keeps_the_param_layout():

@@ -194,3 +194,6 @@ def test_policies_are_hashable_and_read_well():
   assert len({policies.full, policies.save_only(), policies.compressed}) == 2
   assert policies.describe(policies.save_only(names.MLP_ACT, names.QKV)) == "save_only('qkv', 'mlp_act')"
   assert policies.describe(policies.combine(policies.minimal, policies.full)) == "combine(minimal, full)"
+  assert policies.describe(policies.save_all_but(names.QKV)) == "save_all_but('qkv')"
+  assert policies.kept_names(policies.compressed) == {names.ACT_CODE, names.NORM_RSTD}
+  assert policies.kept_names(policies.dots) is None

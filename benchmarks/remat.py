@@ -35,19 +35,17 @@ SMALL_VOCABULARY = (names.QKV, names.ATTN_PROBS, names.MLP_HIDDEN, names.MLP_ACT
 
 
 def workload(model, switches):
-  wl = models.workload(model, dtype=jnp.float32, remat=True, **SIZES[model], **switches)
+  wl = models.workload(model, dtype=jnp.float32, **SIZES[model], **switches)
 
   def step(params, inputs, labels, *, policy):
-    loss = models.Workload(wl.name, wl.model.clone(remat_policy=policy), wl.inputs, wl.labels).loss
-    return jax.grad(loss)(params, inputs, labels)
+    return jax.grad(wl.with_policy(policy).loss)(params, inputs, labels)
 
   return wl, step, (wl.abstract_params(), wl.inputs, wl.labels)
 
 
 def activation_bytes(wl, policy, args):
-  model = wl.model.clone(remat_policy=policy)
   labels = jnp.zeros(wl.labels.shape, jnp.int32)
-  loss = lambda p, x: models.Workload(wl.name, model, wl.inputs, wl.labels).loss(p, x, labels)
+  loss = lambda p, x: wl.with_policy(policy).loss(p, x, labels)
   return lm.memory.saved_residuals(loss, *args[:2]).activation_bytes
 
 

@@ -151,7 +151,7 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   names = tuple(tagged) if names is None else _checked(names, tagged)
   base = search.compiled(policies.everything)
   if base.fits:
-    return search.plan(base, start)
+    return search.result(base, start)
   for policy in (policies.full, *candidates):
     search.compiled(policy)
   order = search.greedy_order(names, tagged)
@@ -174,7 +174,7 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
         f"bytes with {smallest.label} ({len(search.tried)} policies compiled). Lower the batch, "
         "or cut activations another way (approximate activations, MS norms, micro-batches).")
   best = min(fitting, key=lambda c: (c.recompute_flops, c.peak_bytes))
-  return search.plan(best, start)
+  return search.result(best, start)
 
 
 def _checked(names, tagged) -> tuple[str, ...]:
@@ -255,7 +255,7 @@ class _Search:
     scored.sort(key=lambda s: s[:2])
     return [kept for recompute, _, kept in scored[:count] if recompute < best_fit]
 
-  def plan(self, best: Candidate, start: float) -> Plan:
+  def result(self, best: Candidate, start: float) -> Plan:
     return Plan(best.policy, best.peak_bytes, best.recompute_flops, self.base_flops,
                 self.budget, tuple(self.tried), time.perf_counter() - start)
 

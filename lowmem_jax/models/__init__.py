@@ -58,6 +58,10 @@ class Workload:
   def _classes(self) -> int:
     return self.model.config.vocab_size if isinstance(self.model, Llama) else self.model.num_classes
 
+  def with_policy(self, policy: Callable | None) -> "Workload":
+    """The same workload with each block under `nn.remat` with ``policy``."""
+    return dataclasses.replace(self, model=self.model.clone(remat=True, remat_policy=policy))
+
   def loss(self, params: Any, inputs: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy, float32 scalar."""
     logits = self.model.apply({"params": params}, inputs)

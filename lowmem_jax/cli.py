@@ -1,7 +1,8 @@
 """The ``lowmem-jax`` command: memory of a reference model's training step.
 
     lowmem-jax report --model vit-b16 --batch 64
-    lowmem-jax report --model llama-100m --batch 8 --seq 512 --activation approx --norm ms --json
+    lowmem-jax report --model llama-100m --batch 8 --seq 512 --activation approx --norm ms \
+        --attention recompute --json
 """
 
 import argparse
@@ -14,12 +15,13 @@ from rich.console import Console
 from rich.table import Table
 
 from lowmem_jax import memory, models
-from lowmem_jax.models.vit import ACTIVATIONS, NORMS
+from lowmem_jax.models.vit import ACTIVATIONS, ATTENTIONS, NORMS
 
 
 def _report(args) -> dict:
   wl = models.workload(args.model, batch=args.batch, seq=args.seq, image=args.image,
-                       dtype=jnp.dtype(args.dtype), activation=args.activation, norm=args.norm)
+                       dtype=jnp.dtype(args.dtype), activation=args.activation, norm=args.norm,
+                       attention=args.attention)
   params = wl.abstract_params()
   grad = jax.grad(wl.loss)
   stats = memory.analyze(grad, params, wl.inputs, wl.labels)
@@ -28,7 +30,8 @@ def _report(args) -> dict:
   peak = memory.live_buffers_at_peak(grad, params, wl.inputs, wl.labels, top=args.top)
   return {
       "model": args.model, "batch": args.batch, "dtype": args.dtype,
-      "activation": args.activation, "norm": args.norm, "backend": jax.default_backend(),
+      "activation": args.activation, "norm": args.norm,
+      "attention": args.attention, "backend": jax.default_backend(),
       "parameter_bytes": memory.tree_bytes(params),
       "compiled": {k: getattr(stats, k) for k in stats.__dataclass_fields__},
       "saved_activation_bytes": saved.activation_bytes,
@@ -44,7 +47,8 @@ def _print(report: dict) -> None:
   console = Console()
   mib = lambda b: f"{b / 2**20:,.1f}"
   title = (f"{report['model']} gradient step, batch {report['batch']}, {report['dtype']} compute, "
-           f"activation={report['activation']}, norm={report['norm']} ({report['backend']})")
+           f"activation={report['activation']}, norm={report['norm']}, "
+           f"attention={report['attention']} ({report['backend']})")
   table = Table(title=title)
   table.add_column("what")
   table.add_column("MiB", justify="right")
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
                    help="compute dtype; parameters stay float32")
   rep.add_argument("--activation", default="exact", choices=ACTIVATIONS)
   rep.add_argument("--norm", default="plain", choices=NORMS)
+  rep.add_argument("--attention", default="plain", choices=ATTENTIONS,
+                   help="recompute: lowmem_jax.attention, which keeps no L×L residual")
   rep.add_argument("--top", type=int, default=10, help="largest live buffers to list")
   rep.add_argument("--json", action="store_true", help="print JSON instead of tables")
   args = parser.parse_args(argv)

@@ -1,47 +1,82 @@
 """Flax linen substitutes: drop-in modules over the functional core.
 
 The approximate activations are plain functions and serve as ``activation=``
-arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`), and
-`attention_fn` serves as `nn.MultiHeadDotProductAttention`'s.
+arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`).
+`MultiHeadDotProductAttention` and `MultiHeadAttention` are Flax's, with
+`attention_fn` (`lowmem_jax.attention`: no L×L residual) in place of Flax's.
 """
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
-from lowmem_jax.attention import dot_product_attention
+from lowmem_jax.attention_ops import attention
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
-                 dropout_rate: float = 0.0, deterministic: bool = True) -> jax.Array:
-  """Attention for ``nn.MultiHeadDotProductAttention(attention_fn=...)`` with named residuals.
+                 *, dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+                 broadcast_dropout: bool = True, deterministic: bool = True, dtype: Any = None,
+                 precision: Any = None, module: nn.Module | None = None, is_causal: bool = False,
+                 impl: str = "auto", chunk_size: int = 512) -> jax.Array:
+  """`lowmem_jax.attention` with the signature of Flax's ``attention_fn``.
 
-  Tags the projected ``query, key, value`` as `names.QKV` and the output as
-  `names.ATTN_OUT`, and runs `lowmem_jax.attention.dot_product_attention`
-  (probabilities tagged `names.ATTN_PROBS`). The module's parameters are
-  unchanged, so pretrained ones load as they are.
+  Serves as ``attention_fn`` of Flax's linen and NNX attention modules. It
+  tags the projected ``query, key, value`` as `names.QKV`; the output is
+  `names.ATTN_OUT` and the log-sum-exp `names.ATTN_LSE`. The modules'
+  parameters are unchanged, so pretrained ones load as they are.
 
   Args:
     query: ``[batch, q_length, heads, head_dim]``.
-    key, value: ``[batch, kv_length, heads, head_dim]``.
-    mask: optional boolean ``[batch, heads, q_length, kv_length]`` (broadcast);
-      False masks a key out.
-    dropout_rate, deterministic: attention dropout is not supported; a rate
-      above 0 outside deterministic mode raises.
+    key, value: ``[batch, kv_length, kv_heads, head_dim]``.
+    mask: optional, broadcastable to ``[batch, heads, q_length, kv_length]``;
+      False or 0 masks a key out. Flax's mask helpers make float32 masks by
+      default: pass ``dtype=bool`` to them to save the boolean copy made here.
+    dropout_rng, dropout_rate, broadcast_dropout, deterministic: attention
+      dropout is not supported; a rate above 0 outside deterministic mode raises.
+    dtype: if given, q, k and v are cast to it first.
+    precision: only the default (None); matmuls run at the backend's default.
+    module: set by Flax for ``sow_weights=True``, which is not supported: the
+      probabilities are never materialised whole.
+    is_causal: causal masking (NNX passes it).
+    impl, chunk_size: as in `lowmem_jax.attention`.
 
-  One batch axis only, and no ``sow_weights`` (the probabilities are not
-  returned to Flax).
+  One batch axis only.
   """
+  del dropout_rng, broadcast_dropout
   if dropout_rate > 0.0 and not deterministic:
     raise NotImplementedError(
         f"attention_fn has no attention dropout, got dropout_rate={dropout_rate} with "
         "deterministic=False; set dropout_rate=0.")
+  if precision is not None:
+    raise NotImplementedError(f"attention_fn runs at the default precision, got precision={precision}.")
+  if module is not None:
+    raise NotImplementedError(
+        "attention_fn cannot sow attention weights (sow_weights=True): it never forms them whole.")
+  if dtype is not None:
+    query, key, value = (t.astype(dtype) for t in (query, key, value))
+  if mask is not None:
+    mask = mask.astype(bool)  # Flax's masks are nonzero where kept, float32 by default
   query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
-  return checkpoint_name(dot_product_attention(query, key, value, mask=mask), names.ATTN_OUT)
+  return attention(query, key, value, mask=mask, causal=is_causal, impl=impl, chunk_size=chunk_size)
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """`flax.linen.MultiHeadDotProductAttention` running `attention_fn`: no L×L residual.
+
+  Same attributes, parameters and default names (``MultiHeadDotProductAttention_0``)
+  as Flax's, so pretrained parameters load unchanged. No attention dropout
+  and no ``sow_weights``.
+  """
+  attention_fn: Callable[..., jax.Array] = attention_fn
+
+
+class MultiHeadAttention(nn.MultiHeadAttention):
+  """`flax.linen.MultiHeadAttention` (default names ``MultiHeadAttention_0``) running `attention_fn`."""
+  attention_fn: Callable[..., jax.Array] = attention_fn
 
 
 class _MSNorm(nn.Module):

@@ -13,11 +13,12 @@ NORM_RSTD = "norm_rstd"  # float32 1/sigma per row, saved by the MS norms
 QKV = "qkv"  # query, key and value projections (after rotary embedding)
 ATTN_PROBS = "attn_probs"  # softmax probabilities of attention: [batch, heads, L, L]
 ATTN_OUT = "attn_out"  # attention output before the output projection
+ATTN_LSE = "attn_lse"  # float32 log-sum-exp of each attention row: batch x heads x L values
 MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer (both halves of a gated MLP)
 MLP_ACT = "mlp_act"  # activation output of the MLP (gated: the product): the second matmul's input
 ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
 
-ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, MLP_HIDDEN, MLP_ACT, ACT_CODE)
+ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT, ACT_CODE)
 
 
 def ordered(names) -> list[str]:

@@ -1,11 +1,24 @@
 """Flax NNX substitutes: drop-in modules over the functional core."""
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 
+from lowmem_jax.linen import attention_fn
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+  """`flax.nnx.MultiHeadAttention` running `lowmem_jax.linen.attention_fn`: no L×L residual.
+
+  Takes the same arguments and has the same parameters as Flax's, so a
+  pretrained state loads unchanged; ``attention_fn`` defaults to ours. No
+  attention dropout and no ``sow_weights``.
+  """
+
+  def __init__(self, *args, attention_fn: Callable[..., jax.Array] = attention_fn, **kwargs):
+    super().__init__(*args, attention_fn=attention_fn, **kwargs)
 
 
 class _MSNorm(nnx.Module):

@@ -19,3 +19,13 @@ def _dtype_promotion(request):
   with jax.numpy_dtype_promotion(mode):
     yield
 
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``gpu`` skip, with the reason shown, where JAX has no GPU backend."""
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason=f"needs a GPU; JAX's backend is {jax.default_backend()}")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,11 +1,13 @@
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import lowmem_jax as lm
-from lowmem_jax.attention import dot_product_attention
+from lowmem_jax.attention_ops import dot_product_attention
 
 
 def _qkv(dtype=jnp.float32, b=2, lq=5, lk=5, h=4, hk=4, d=8):
@@ -14,67 +16,201 @@ def _qkv(dtype=jnp.float32, b=2, lq=5, lk=5, h=4, hk=4, d=8):
           jax.random.normal(kv, (b, lk, hk, d), dtype))
 
 
+def _mask(lq, lk, p=0.7, shape=None):
+  """A random mask that keeps key 0 of every row (no row is fully masked)."""
+  shape = shape or (2, 1, lq, lk)
+  return jax.random.bernoulli(jax.random.key(3), p, shape).at[..., 0].set(True)
+
+
+def _value_and_grads(f, *args):
+  loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
+  return jax.jit(lambda *a: (f(*a), jax.grad(loss, tuple(range(len(a))))(*a)))(*args)
+
+
 @pytest.mark.parametrize("hk", [4, 2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_matches_jax_attention_and_its_gradient(hk, causal, with_mask):
+def test_plain_twin_matches_jax_attention_and_its_gradient(hk, causal, with_mask):
   q, k, v = _qkv(hk=hk)
-  mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 5, 5)).at[..., 0].set(True) if with_mask else None
+  mask = _mask(5, 5) if with_mask else None
   ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=causal)
   theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
-  chex.assert_trees_all_close(ours(q, k, v), theirs(q, k, v), atol=1e-5)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  chex.assert_trees_all_close(jax.grad(loss(ours), (0, 1, 2))(q, k, v),
-                              jax.grad(loss(theirs), (0, 1, 2))(q, k, v), atol=1e-5)
+  chex.assert_trees_all_close(_value_and_grads(ours, q, k, v), _value_and_grads(theirs, q, k, v),
+                              atol=1e-5)
 
 
-@pytest.mark.parametrize("lq,lk", [(3, 5), (5, 3)])
-def test_causal_with_unequal_lengths_aligns_like_jax(lq, lk):
-  q, k, v = _qkv(lq=lq, lk=lk)
-  chex.assert_trees_all_close(dot_product_attention(q, k, v, causal=True),
-                              jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+@pytest.mark.parametrize("hk,causal,lq,lk,chunk_size", [
+    (4, False, 13, 13, 4), (2, True, 13, 13, 4), (1, True, 6, 13, 4), (2, False, 13, 6, 4),
+    (4, True, 13, 6, 5), (1, False, 6, 13, 5), (2, True, 13, 13, 13), (4, True, 13, 6, 512)])
+def test_attention_matches_plain_attention_and_its_gradient(hk, causal, lq, lk, chunk_size):
+  """Chunks of 4 and 5 divide neither 13 nor 6; 13 and 512 are one chunk."""
+  q, k, v = _qkv(lq=lq, lk=lk, hk=hk)
+  mask = _mask(lq, lk)
+  bias = jax.random.normal(jax.random.key(4), (1, 4, lq, lk))
+  ours = lambda q, k, v, bias: lm.attention(q, k, v, mask=mask, bias=bias, causal=causal,
+                                            chunk_size=chunk_size)
+  theirs = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
+                                                              is_causal=causal)
+  chex.assert_trees_all_close(_value_and_grads(ours, q, k, v, bias),
+                              _value_and_grads(theirs, q, k, v, bias), atol=2e-5)
 
 
-def test_bfloat16_keeps_dtype_and_stays_close():
-  q, k, v = _qkv(jnp.bfloat16)
-  out = dot_product_attention(q, k, v, causal=True)
-  assert out.dtype == jnp.bfloat16
-  ref = jax.nn.dot_product_attention(*(t.astype(jnp.float32) for t in (q, k, v)), is_causal=True)
-  np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2)
+@pytest.mark.parametrize("bias_shape", [(4, 1, 1), (2, 1, 1, 9), (1, 1, 7, 1)])
+def test_a_broadcast_bias_gets_its_own_shape_of_gradient(bias_shape):
+  q, k, v = _qkv(lq=7, lk=9)
+  bias = jax.random.normal(jax.random.key(4), bias_shape)
+  ours = lambda bias: lm.attention(q, k, v, bias=bias, chunk_size=4)
+  theirs = lambda bias: jax.nn.dot_product_attention(q, k, v, bias=bias)
+  chex.assert_trees_all_close(_value_and_grads(ours, bias), _value_and_grads(theirs, bias), atol=2e-5)
 
 
-def test_the_probabilities_are_the_one_named_square_residual():
+def test_fully_masked_rows_match_the_twin_uniform_attention():
+  """Rows whose keys are all masked attend uniformly, in value and gradient, like the twin."""
+  q, k, v = _qkv(lq=11, lk=11)
+  mask = jax.random.bernoulli(jax.random.key(3), 0.4, (2, 1, 11, 11)).at[:, :, 2].set(False)
+  ours = lambda q, k, v: lm.attention(q, k, v, mask=mask, causal=True, chunk_size=4)
+  twin = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=True)
+  out, grads = _value_and_grads(ours, q, k, v)
+  chex.assert_trees_all_close((out, grads), _value_and_grads(twin, q, k, v), atol=2e-5)
+  chex.assert_trees_all_close(out[:, 2], jnp.broadcast_to(v.mean(1), out[:, 2].shape), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_keeps_dtype_and_stays_close_to_the_twin(dtype):
+  q, k, v = _qkv(dtype, lq=13, lk=13, hk=2)
+  out, grads = _value_and_grads(lambda *a: lm.attention(*a, causal=True, chunk_size=4), q, k, v)
+  assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+  f32 = [t.astype(jnp.float32) for t in (q, k, v)]
+  ref_out, ref_grads = _value_and_grads(lambda *a: dot_product_attention(*a, causal=True), *f32)
+  np.testing.assert_allclose(out.astype(jnp.float32), ref_out, atol=3e-2)
+  for g, ref in zip(grads, ref_grads):
+    np.testing.assert_allclose(g.astype(jnp.float32), ref, atol=6e-2)
+
+
+def test_the_residuals_hold_nothing_of_size_l_by_l():
+  q, k, v = _qkv(lq=64, lk=64, hk=2)
+  mask = _mask(64, 64, shape=(2, 1, 1, 64))
+  saved = lm.memory.saved_residuals(
+      lambda q, k, v: lm.attention(q, k, v, mask=mask, causal=True, chunk_size=16), q, k, v)
+  assert not [r for r in saved.rows if r.shape[-2:] == (64, 64) or np.prod(r.shape) >= 64 * 64 * 8]
+  by_name = saved.by_name()
+  assert by_name[lm.names.ATTN_OUT] == q.nbytes
+  assert by_name[lm.names.ATTN_LSE] == 2 * 4 * 64 * 4  # float32 per row
+  twin = lm.memory.saved_residuals(lambda q, k, v: dot_product_attention(q, k, v, causal=True), q, k, v)
+  square = [r for r in twin.rows if r.shape[-2:] == (64, 64)]
+  assert [r.name for r in square] == [lm.names.ATTN_PROBS] and square[0].dtype == jnp.float32
+
+
+def test_transient_memory_grows_linearly_in_length():
+  """XLA's compiled temp of the gradient at L = 1024 and 2048: ×2 with chunks of 64 keys, ×4 plain."""
+  def temp(f, length):
+    spec = jax.ShapeDtypeStruct((2, length, 4, 32), jnp.float32)
+    grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2))
+    return lm.memory.analyze(grad, spec, spec, spec).temp_bytes
+
+  chunked = lambda *a: lm.attention(*a, causal=True, chunk_size=64)
+  plain = lambda *a: dot_product_attention(*a, causal=True)
+  square = 2 * 4 * 1024 * 1024 * 4  # one float32 [batch, heads, 1024, 1024]
+  assert temp(chunked, 1024) < 0.6 * square < 3 * square < temp(plain, 1024)
+  assert temp(chunked, 2048) < 2.2 * temp(chunked, 1024)
+  assert temp(plain, 2048) > 3.5 * temp(plain, 1024)
+
+
+def test_policies_see_the_names():
   q, k, v = _qkv(lq=16, lk=16)
-  saved = lm.memory.saved_residuals(lambda q, k, v: dot_product_attention(q, k, v, causal=True), q, k, v)
-  square = [r for r in saved.rows if r.shape[-2:] == (16, 16)]
-  assert [r.name for r in square] == [lm.names.ATTN_PROBS]
-  assert square[0].dtype == jnp.float32
+  policy = lm.policies.save_only(lm.names.ATTN_OUT, lm.names.ATTN_LSE)
+  f = jax.checkpoint(lambda q, k, v: lm.attention(q, k, v, chunk_size=4), policy=policy)
+  saved = lm.memory.saved_residuals(f, q, k, v)
+  assert {lm.names.ATTN_OUT, lm.names.ATTN_LSE} <= set(saved.by_name())
+  chex.assert_trees_all_close(_value_and_grads(f, q, k, v),
+                              _value_and_grads(lambda *a: lm.attention(*a, chunk_size=4), q, k, v))
 
 
 def test_bad_inputs_are_named():
   q, k, v = _qkv()
-  with pytest.raises(ValueError, match="q must be"):
-    dot_product_attention(q[0], k, v)
-  with pytest.raises(ValueError, match="multiple"):
-    dot_product_attention(q, *_qkv(hk=3)[1:])
-  with pytest.raises(ValueError, match="k and v"):
-    dot_product_attention(q, k, v[:, :3])
-  with pytest.raises(TypeError, match="share a dtype"):
-    dot_product_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  with pytest.raises(TypeError, match="mask must be"):
-    dot_product_attention(q, k, v, mask=jnp.ones((5, 5)))
-  with pytest.raises(ValueError, match="mask must broadcast"):
-    dot_product_attention(q, k, v, mask=jnp.ones((3, 5), bool))
-  with pytest.raises(ValueError, match="mask must broadcast"):
-    dot_product_attention(q, k, v, mask=jnp.ones((1, 2, 4, 5, 5), bool))
+  for f in (lm.attention, dot_product_attention):
+    with pytest.raises(ValueError, match="q must be"):
+      f(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple"):
+      f(q, *_qkv(hk=3)[1:])
+    with pytest.raises(ValueError, match="k and v"):
+      f(q, k, v[:, :3])
+    with pytest.raises(TypeError, match="share a dtype"):
+      f(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="mask must be"):
+      f(q, k, v, mask=jnp.ones((5, 5)))
+    with pytest.raises(ValueError, match="mask must broadcast"):
+      f(q, k, v, mask=jnp.ones((3, 5), bool))
+    with pytest.raises(ValueError, match="mask must broadcast"):
+      f(q, k, v, mask=jnp.ones((1, 2, 4, 5, 5), bool))
+  with pytest.raises(TypeError, match="bias must be"):
+    lm.attention(q, k, v, bias=jnp.ones((5, 5), jnp.int32))
+  with pytest.raises(ValueError, match="bias must broadcast"):
+    lm.attention(q, k, v, bias=jnp.ones((3, 5)))
+  with pytest.raises(ValueError, match="impl"):
+    lm.attention(q, k, v, impl="flash")
+  with pytest.raises(ValueError, match="chunk_size"):
+    lm.attention(q, k, v, chunk_size=0)
 
 
-def test_flax_attention_fn_keeps_the_param_layout():
-  import flax.linen as nn
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU's refusal")
+def test_cudnn_is_refused_off_gpu():
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  with pytest.raises(RuntimeError, match="cuDNN"):
+    lm.attention(q, q, q, impl="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "cudnn"])
+def test_gpu_impls_match_the_chunked_reference(impl):
+  q, k, v = _qkv(jnp.bfloat16, b=2, lq=256, lk=256, h=8, hk=2, d=64)
+  ours = lambda *a: lm.attention(*a, causal=True, impl=impl)
+  ref = lambda *a: lm.attention(*a, causal=True, impl="chunked")
+  for got, want in zip(jax.tree.leaves(_value_and_grads(ours, q, k, v)),
+                       jax.tree.leaves(_value_and_grads(ref, q, k, v))):
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
+
+
+def test_linen_modules_keep_flax_params_names_and_function():
   x = jax.random.normal(jax.random.key(0), (2, 6, 16))
-  plain = nn.MultiHeadDotProductAttention(num_heads=4)
-  ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=lm.linen.attention_fn)
-  params = plain.init(jax.random.key(1), x, x)
-  chex.assert_trees_all_close(ours.apply(params, x, x), plain.apply(params, x, x), atol=1e-5)
+  mask = nn.make_causal_mask(jnp.ones((2, 6)))
+
+  class Two(nn.Module):
+    ours: bool
+
+    @nn.compact
+    def __call__(self, x):
+      linen = lm.linen if self.ours else nn
+      y = linen.MultiHeadDotProductAttention(num_heads=4)(x, mask=mask)
+      return linen.MultiHeadAttention(num_heads=2)(y)
+
+  plain, ours = Two(False), Two(True)
+  params = plain.init(jax.random.key(1), x)
+  assert jax.tree.structure(ours.init(jax.random.key(1), x)) == jax.tree.structure(params)
+  assert set(params["params"]) == {"MultiHeadDotProductAttention_0", "MultiHeadAttention_0"}
+  loss = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)
+  chex.assert_trees_all_close(jax.value_and_grad(loss(ours))(params),
+                              jax.value_and_grad(loss(plain))(params), atol=1e-5)
+
+
+def test_nnx_module_keeps_flax_state_and_function():
+  x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+  kw = dict(num_heads=4, in_features=16, decode=False)
+  plain = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  ours = lm.nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  chex.assert_trees_all_equal(nnx.state(ours, nnx.Param), nnx.state(plain, nnx.Param))
+  mask = nnx.make_causal_mask(jnp.ones((2, 6)))
+  loss = lambda m: jnp.sum(m(x, mask=mask) ** 2)
+  chex.assert_trees_all_close(nnx.value_and_grad(loss)(ours), nnx.value_and_grad(loss)(plain),
+                              atol=1e-5)
+
+
+def test_attention_fn_refuses_what_it_cannot_do():
+  q, k, v = _qkv()
   with pytest.raises(NotImplementedError, match="dropout"):
-    lm.linen.attention_fn(*_qkv(), dropout_rate=0.1, deterministic=False)
+    lm.linen.attention_fn(q, k, v, dropout_rate=0.1, deterministic=False)
+  with pytest.raises(NotImplementedError, match="precision"):
+    lm.linen.attention_fn(q, k, v, precision=jax.lax.Precision.HIGHEST)
+  with pytest.raises(NotImplementedError, match="sow"):
+    lm.linen.MultiHeadDotProductAttention(num_heads=4).init(
+        jax.random.key(0), jnp.ones((1, 3, 8)), sow_weights=True)

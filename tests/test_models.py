@@ -60,6 +60,19 @@ def test_switches_and_remat(make, inputs):
   assert 0 < rel < 0.5
 
 
+@pytest.mark.parametrize("make,inputs", [
+    (lambda **kw: ViT(**TINY_VIT, **kw), jnp.ones((2, 16, 16, 3))),
+    (lambda **kw: Llama(TINY_LLAMA, **kw), jnp.arange(16).reshape(2, 8) % 64),
+])
+def test_recompute_attention_is_the_same_function_and_gradient(make, inputs):
+  plain, recompute = make(), make(attention="recompute")
+  params = plain.init(jax.random.key(0), inputs)["params"]
+  assert jax.tree.structure(recompute.init(jax.random.key(0), inputs)["params"]) == jax.tree.structure(params)
+  loss = lambda m: (lambda p: jnp.sum(m.apply({"params": p}, inputs) ** 2))
+  chex.assert_trees_all_close(jax.value_and_grad(loss(recompute))(params),
+                              jax.value_and_grad(loss(plain))(params), atol=1e-4, rtol=1e-4)
+
+
 def test_approx_and_ms_variants_save_less():
   """ViT-B/16 at batch 64, bfloat16 compute: tracing only, nothing compiles."""
   def saved(**switches):
@@ -70,6 +83,10 @@ def test_approx_and_ms_variants_save_less():
   base, both = saved(), saved(activation="approx", norm="ms")
   assert both.activation_bytes < 0.5 * base.activation_bytes  # 0.46 measured
   assert both.by_name()[lm.names.ACT_CODE] > 0
+  every = saved(activation="approx", norm="ms", attention="recompute")
+  assert lm.names.ATTN_PROBS not in every.by_name()
+  assert not [r for r in every.rows if r.shape[-2:] == (197, 197)]
+  assert every.activation_bytes < both.activation_bytes - 0.5 * both.by_name()[lm.names.ATTN_PROBS]
 
 
 def test_workload_validates():
@@ -79,6 +96,8 @@ def test_workload_validates():
     models.workload("vit-b16", batch=0)
   with pytest.raises(ValueError, match="activation"):
     models.workload("vit-b16", batch=1, activation="fast")
+  with pytest.raises(ValueError, match="attention"):
+    models.workload("vit-b16", batch=1, attention="flash")
 
 
 def test_workload_batch_and_loss_run():

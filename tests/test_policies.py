@@ -16,21 +16,22 @@ from lowmem_jax.models.vit import Encoder1DBlock
 TINY_LLAMA = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def _vit_block(activation="exact", norm="plain"):
-  return Encoder1DBlock(mlp_dim=64, num_heads=2, activation=activation, norm=norm)
+def _vit_block(activation="exact", norm="plain", attention="plain"):
+  return Encoder1DBlock(mlp_dim=64, num_heads=2, activation=activation, norm=norm, attention=attention)
 
 
-def _llama_block(activation="exact", norm="plain"):
-  return TransformerBlock(TINY_LLAMA, activation, norm, jnp.float32, jnp.float32)
+def _llama_block(activation="exact", norm="plain", attention="plain"):
+  return TransformerBlock(TINY_LLAMA, activation, norm, attention, jnp.float32, jnp.float32)
 
 
-BLOCKS = [(_vit_block, "exact", "plain"), (_vit_block, "approx", "ms"),
-          (_llama_block, "exact", "plain"), (_llama_block, "approx", "ms")]
+BLOCKS = [(_vit_block, "exact", "plain", "plain"), (_vit_block, "approx", "ms", "recompute"),
+          (_llama_block, "exact", "plain", "plain"), (_llama_block, "approx", "ms", "plain"),
+          (_llama_block, "exact", "plain", "recompute")]
 
 
-def _remat_block(make, activation, norm):
+def _remat_block(make, activation, norm, attention="plain"):
   """A block, its params and input, and ``f(policy)``: the block under `jax.checkpoint`."""
-  block = make(activation, norm)
+  block = make(activation, norm, attention)
   x = jax.random.normal(jax.random.key(0), (2, 9, 32))
   params = block.init(jax.random.key(1), x)
   return params, x, lambda policy: jax.checkpoint(lambda p, x: block.apply(p, x), policy=policy)
@@ -41,11 +42,12 @@ def _saved_by_name(f, params, x):
   return saved.by_name()
 
 
-@pytest.mark.parametrize("make,activation,norm", BLOCKS)
-def test_each_policy_saves_exactly_the_names_it_keeps(make, activation, norm):
-  params, x, f = _remat_block(make, activation, norm)
+@pytest.mark.parametrize("make,activation,norm,attention", BLOCKS)
+def test_each_policy_saves_exactly_the_names_it_keeps(make, activation, norm, attention):
+  params, x, f = _remat_block(make, activation, norm, attention)
   present = set(_saved_by_name(f(policies.save_all_but()), params, x))
-  expected_present = {names.NORM_OUT, names.QKV, names.ATTN_PROBS, names.ATTN_OUT, names.MLP_ACT}
+  attn = names.ATTN_PROBS if attention == "plain" else names.ATTN_LSE
+  expected_present = {names.NORM_OUT, names.QKV, attn, names.ATTN_OUT, names.MLP_ACT}
   expected_present |= ({names.ACT_CODE, names.NORM_RSTD} if activation == "approx" else {names.MLP_HIDDEN})
   assert expected_present <= present
   # policy: (names it must keep, names it may keep). save_all_but may keep a
@@ -54,8 +56,8 @@ def test_each_policy_saves_exactly_the_names_it_keeps(make, activation, norm):
       policies.full: (set(), set()),
       policies.compressed: (present & {names.ACT_CODE, names.NORM_RSTD},) * 2,
       policies.save_only(names.QKV, names.MLP_ACT): ({names.QKV, names.MLP_ACT},) * 2,
-      policies.save_all_but(names.ATTN_PROBS, names.MLP_ACT): (
-          present - {names.ATTN_PROBS, names.MLP_ACT}, set(names.ALL) - {names.ATTN_PROBS, names.MLP_ACT}),
+      policies.save_all_but(attn, names.MLP_ACT): (
+          present - {attn, names.MLP_ACT}, set(names.ALL) - {attn, names.MLP_ACT}),
   }
   for policy, (must, may) in cases.items():
     kept = set(_saved_by_name(f(policy), params, x))  # an unnamed value would show as None
@@ -75,7 +77,7 @@ def test_dot_policies_keep_only_matmul_outputs(policy, batched):
   params, x, f = _remat_block(_vit_block, "exact", "plain")
   rows = [r for r in lm.memory.saved_residuals(f(policy), params, x).rows if not r.is_argument]
   assert rows and all(r.source.startswith("output of dot_general") for r in rows)
-  assert any("attention.py" in r.source for r in rows) == batched
+  assert any("attention_ops.py" in r.source for r in rows) == batched
 
 
 def test_excluding_a_name_from_everything_would_keep_its_bytes():
@@ -99,10 +101,10 @@ ALL_POLICIES = [*policies.READY_MADE.values(), policies.save_only(names.QKV),
                 policies.combine(policies.minimal, policies.offload(names.BLOCK_IN))]
 
 
-@pytest.mark.parametrize("make,activation,norm", [BLOCKS[0], BLOCKS[3]])
-def test_gradients_under_every_policy_equal_those_without_remat(make, activation, norm):
-  params, x, f = _remat_block(make, activation, norm)
-  block = make(activation, norm)
+@pytest.mark.parametrize("make,activation,norm,attention", [BLOCKS[0], BLOCKS[3], BLOCKS[4]])
+def test_gradients_under_every_policy_equal_those_without_remat(make, activation, norm, attention):
+  params, x, f = _remat_block(make, activation, norm, attention)
+  block = make(activation, norm, attention)
   loss = lambda g: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(g(p, x))), (0, 1)))
   expected = loss(block.apply)(params, x)
   for policy in ALL_POLICIES:
@@ -124,8 +126,6 @@ def test_offload_on_cpu_marks_host_residuals_and_compiles_like_save_only():
 
 @pytest.mark.gpu
 def test_offload_on_gpu_frees_device_memory():
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
   block = _vit_block()
   x = jax.ShapeDtypeStruct((64, 197, 32), jnp.float32)
   params = jax.eval_shape(block.init, jax.random.key(0), x)

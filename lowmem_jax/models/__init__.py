@@ -70,7 +70,8 @@ class Workload:
 
 def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
-             activation: str = "exact", norm: str = "plain", remat: bool = False,
+             activation: str = "exact", norm: str = "plain", attention: str = "plain",
+             remat: bool = False,
              remat_policy: Callable | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
@@ -80,15 +81,15 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
     seq: tokens per example (LLaMA).
     image: image side in pixels (ViT).
     dtype: compute dtype; param_dtype: parameter dtype.
-    activation, norm, remat, remat_policy: the models' switches.
+    activation, norm, attention, remat, remat_policy: the models' switches.
   """
   if name not in NAMES:
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
   if batch < 1:
     raise ValueError(f"batch must be >= 1, got {batch}.")
-  vit.check_switches(activation, norm)
-  switches = dict(activation=activation, norm=norm, remat=remat, remat_policy=remat_policy,
-                  dtype=dtype, param_dtype=param_dtype)
+  vit.check_switches(activation, norm, attention)
+  switches = dict(activation=activation, norm=norm, attention=attention, remat=remat,
+                  remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
   if name in VIT_CONFIGS:
     model = ViT(**VIT_CONFIGS[name], **switches)
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)

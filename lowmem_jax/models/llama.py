@@ -7,7 +7,9 @@ folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
 
 Switches: ``activation`` ("exact" SiLU or "approx" ReSiLU2 on the gate),
 ``norm`` ("plain" RMSNorm with scale, or "ms" MS-RMSNorm with the scale folded
-into the next Dense), and ``remat`` / ``remat_policy`` for the layers.
+into the next Dense), ``attention`` ("plain", which keeps the float32
+probabilities, or "recompute", `lowmem_jax.attention`, which keeps none), and
+``remat`` / ``remat_policy`` for the layers.
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
 from lowmem_jax.activations import resilu2
-from lowmem_jax.attention import dot_product_attention
+from lowmem_jax.attention_ops import attention, dot_product_attention
 from lowmem_jax.models.vit import check_switches
 
 
@@ -65,6 +67,7 @@ def _rms_norm(norm, eps, dtype, param_dtype, name):
 
 class Attention(nn.Module):
   config: LlamaConfig
+  attention: str
   dtype: Any
   param_dtype: Any
 
@@ -81,9 +84,30 @@ class Attention(nn.Module):
     v = dense(kv_heads * head_dim, "wv")(x).reshape(b, length, kv_heads, head_dim)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
-    out = dot_product_attention(q, k, v, causal=True)
-    out = checkpoint_name(out.reshape(b, length, cfg.n_heads * head_dim), names.ATTN_OUT)
-    return dense(cfg.dim, "wo")(out)
+    if self.attention == "recompute":
+      out = attention(q, k, v, causal=True)  # names its output
+    else:
+      out = checkpoint_name(dot_product_attention(q, k, v, causal=True), names.ATTN_OUT)
+    return HeadsDense(cfg.dim, self.dtype, self.param_dtype, name="wo")(out)
+
+
+class HeadsDense(nn.Module):
+  """``[..., heads, head_dim] -> [..., features]`` with `nn.Dense`'s kernel ``[heads * head_dim, features]``.
+
+  It contracts the heads without reshaping its input, so the matmul saves the
+  attention output itself, the array attention already keeps, not a copy.
+  """
+  features: int
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    heads, head_dim = x.shape[-2:]
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (heads * head_dim, self.features),
+                        self.param_dtype)
+    kernel = kernel.reshape(heads, head_dim, self.features).astype(self.dtype)
+    return jnp.einsum("...hd,hdf->...f", x.astype(self.dtype), kernel)
 
 
 class FeedForward(nn.Module):
@@ -106,6 +130,7 @@ class TransformerBlock(nn.Module):
   config: LlamaConfig
   activation: str
   norm: str
+  attention: str
   dtype: Any
   param_dtype: Any
 
@@ -116,7 +141,7 @@ class TransformerBlock(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = checkpoint_name(x, names.BLOCK_IN)
-    x = x + Attention(self.config, self.dtype, self.param_dtype, name="attention")(
+    x = x + Attention(self.config, self.attention, self.dtype, self.param_dtype, name="attention")(
         self._normed(x, "attention_norm"))
     ff = FeedForward(self.config, self.activation, self.dtype, self.param_dtype, name="feed_forward")
     return x + ff(self._normed(x, "ffn_norm"))
@@ -131,6 +156,7 @@ class Llama(nn.Module):
     config: the sizes (`CONFIGS` has the named ones).
     activation: "exact" (SiLU) or "approx" (`lowmem_jax.resilu2`).
     norm: "plain" (RMSNorm with scale) or "ms" (`MSRMSNorm`, scale folded).
+    attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
     remat: wrap each layer in `nn.remat` with ``remat_policy``.
     remat_policy: a `jax.checkpoint` policy; None saves nothing.
     dtype: compute dtype; param_dtype: parameter dtype.
@@ -138,6 +164,7 @@ class Llama(nn.Module):
   config: LlamaConfig = LlamaConfig()
   activation: str = "exact"
   norm: str = "plain"
+  attention: str = "plain"
   remat: bool = False
   remat_policy: Callable | None = None
   dtype: Any = jnp.float32
@@ -145,13 +172,14 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, tokens):
-    check_switches(self.activation, self.norm)
+    check_switches(self.activation, self.norm, self.attention)
     cfg = self.config
     x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
                  name="tok_embeddings")(tokens)
     block = nn.remat(TransformerBlock, policy=self.remat_policy) if self.remat else TransformerBlock
     for i in range(cfg.n_layers):
-      x = block(cfg, self.activation, self.norm, self.dtype, self.param_dtype, name=f"layers_{i}")(x)
+      x = block(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
+                name=f"layers_{i}")(x)
     x = _rms_norm(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm")(x)
     logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
                       param_dtype=self.param_dtype, name="output")(x)

@@ -8,7 +8,9 @@ checkpoints load, and `lowmem_jax.fold.VIT_RULES` folds it.
 
 Switches: ``activation`` ("exact" GELU or "approx" ReGELU2), ``norm``
 ("plain" LayerNorm with affine, or "ms" MS-LayerNorm with the affine folded
-into the next Dense), and ``remat`` / ``remat_policy`` for the blocks.
+into the next Dense), ``attention`` ("plain", which keeps the float32
+probabilities, or "recompute", `lowmem_jax.attention`, which keeps none), and
+``remat`` / ``remat_policy`` for the blocks.
 """
 
 from typing import Any, Callable
@@ -20,16 +22,24 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
 from lowmem_jax.activations import regelu2
+from lowmem_jax.attention_ops import dot_product_attention
 
 ACTIVATIONS = ("exact", "approx")
 NORMS = ("plain", "ms")
+ATTENTIONS = ("plain", "recompute")
 
 
-def check_switches(activation: str, norm: str) -> None:
-  if activation not in ACTIVATIONS:
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
-  if norm not in NORMS:
-    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
+def check_switches(activation: str, norm: str, attention: str) -> None:
+  for name, value, allowed in (("activation", activation, ACTIVATIONS), ("norm", norm, NORMS),
+                               ("attention", attention, ATTENTIONS)):
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+
+
+def plain_attention_fn(query, key, value, mask=None):
+  """Flax ``attention_fn``: `dot_product_attention` with q, k, v, probabilities and output named."""
+  query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
+  return checkpoint_name(dot_product_attention(query, key, value, mask=mask), names.ATTN_OUT)
 
 
 class MlpBlock(nn.Module):
@@ -59,6 +69,7 @@ class Encoder1DBlock(nn.Module):
   num_heads: int
   activation: str = "exact"
   norm: str = "plain"
+  attention: str = "plain"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
@@ -73,7 +84,8 @@ class Encoder1DBlock(nn.Module):
     y = self._normed(x, "LayerNorm_0")
     y = nn.MultiHeadDotProductAttention(
         num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
-        deterministic=True, attention_fn=lm_linen.attention_fn,
+        deterministic=True,
+        attention_fn=lm_linen.attention_fn if self.attention == "recompute" else plain_attention_fn,
         name="MultiHeadDotProductAttention_0")(y, y)
     x = x + y
     y = self._normed(x, "LayerNorm_1")
@@ -90,6 +102,7 @@ class ViT(nn.Module):
     patch_size, width, depth, mlp_dim, num_heads, num_classes: the size.
     activation: "exact" (erf GELU) or "approx" (`lowmem_jax.regelu2`).
     norm: "plain" (LayerNorm with affine) or "ms" (`MSLayerNorm`, affine folded).
+    attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
     remat: wrap each block in `nn.remat` with ``remat_policy``.
     remat_policy: a `jax.checkpoint` policy; None saves nothing.
     dtype: compute dtype; param_dtype: parameter dtype.
@@ -102,6 +115,7 @@ class ViT(nn.Module):
   num_classes: int = 1000
   activation: str = "exact"
   norm: str = "plain"
+  attention: str = "plain"
   remat: bool = False
   remat_policy: Callable | None = None
   dtype: Any = jnp.float32
@@ -109,7 +123,7 @@ class ViT(nn.Module):
 
   @nn.compact
   def __call__(self, images):
-    check_switches(self.activation, self.norm)
+    check_switches(self.activation, self.norm, self.attention)
     p = self.patch_size
     x = nn.Conv(self.width, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
                 param_dtype=self.param_dtype, name="embedding")(images.astype(self.dtype))
@@ -121,7 +135,7 @@ class ViT(nn.Module):
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
     x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
     x = Encoder(self.depth, self.mlp_dim, self.num_heads, self.activation, self.norm,
-                self.remat, self.remat_policy, self.dtype, self.param_dtype,
+                self.attention, self.remat, self.remat_policy, self.dtype, self.param_dtype,
                 name="Transformer")(x)
     head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
     return head(x[:, 0]).astype(jnp.float32)
@@ -133,6 +147,7 @@ class Encoder(nn.Module):
   num_heads: int
   activation: str
   norm: str
+  attention: str
   remat: bool
   remat_policy: Callable | None
   dtype: Any
@@ -142,6 +157,6 @@ class Encoder(nn.Module):
   def __call__(self, x):
     block = nn.remat(Encoder1DBlock, policy=self.remat_policy) if self.remat else Encoder1DBlock
     for i in range(self.depth):
-      x = block(self.mlp_dim, self.num_heads, self.activation, self.norm, self.dtype,
-                self.param_dtype, name=f"encoderblock_{i}")(x)
+      x = block(self.mlp_dim, self.num_heads, self.activation, self.norm, self.attention,
+                self.dtype, self.param_dtype, name=f"encoderblock_{i}")(x)
     return layer_norm(self.norm, self.dtype, self.param_dtype, "encoder_norm")(x)

@@ -1,0 +1,323 @@
+"""Scaled dot-product attention, with and without an L×L residual.
+
+Both functions take `jax.nn.dot_product_attention`'s layout, ``[batch,
+length, heads, head_dim]``, with grouped-query heads, and compute
+
+    s = q k^T / sqrt(head_dim) + bias + (0 where kept, -0.7 * float32 max where masked)
+    p = softmax(s)    (float32),    out = p v
+
+`attention` (the library's attention, exported as ``lowmem_jax.attention``)
+keeps no L×L residual: its backward recomputes ``p`` chunk by chunk from
+q, k, v and the float32 log-sum-exp of each row (Rabe & Staats 2021,
+arXiv:2112.05682; the backward of FlashAttention-2, Dao 2023,
+arXiv:2307.08691). Its saved residuals are q, k, v, the mask and bias as
+given, the output (`names.ATTN_OUT`) and the log-sum-exp (`names.ATTN_LSE`).
+
+`dot_product_attention` is its exact twin, plain attention: autodiff keeps
+the float32 probabilities, tagged `names.ATTN_PROBS`.
+
+A row with every key masked attends uniformly to its keys (as
+`jax.nn.dot_product_attention` does), and its gradient flows as for uniform
+attention where JAX's gives zero.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax import names
+from lowmem_jax._checks import check_float_array
+
+IMPLS = ("auto", "chunked", "cudnn")
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit (as jax.nn's)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+              bias: jax.Array | None = None, causal: bool = False, impl: str = "auto",
+              chunk_size: int = 512) -> jax.Array:
+  """Exact attention whose backward recomputes the probabilities.
+
+  Args:
+    q: ``[batch, q_length, heads, head_dim]``, float16/bfloat16/float32.
+    k, v: ``[batch, kv_length, kv_heads, head_dim]`` in q's dtype; ``heads``
+      must be a multiple of ``kv_heads`` (grouped-query attention).
+    mask: optional boolean, broadcastable to ``[batch, heads, q_length,
+      kv_length]``; False masks a key out.
+    bias: optional float array broadcastable like ``mask``, added to the
+      logits in float32; it gets a gradient, reduced to its own shape.
+    causal: mask keys after the query's position, aligned at the top left as
+      in `jax.nn.dot_product_attention` (query i sees keys 0..i).
+    impl: "chunked" (the `custom_vjp` here, any backend), "cudnn"
+      (`jax.nn.dot_product_attention(implementation="cudnn")`: GPU, float16
+      or bfloat16; raises where cuDNN does not support the call) or "auto":
+      cuDNN on a GPU where it supports the call, else "chunked".
+    chunk_size: keys per chunk of the "chunked" implementation. Its transient
+      memory, forward and backward, is a few float32 arrays of ``[batch,
+      heads, q_length, min(chunk_size, kv_length)]``; a kv_length that is not
+      a multiple is fine.
+
+  Returns:
+    ``[batch, q_length, heads, head_dim]`` in q's dtype. The logits, softmax
+    and accumulation are float32; the probabilities are cast to v's dtype
+    for the second matmul.
+
+  The output is named `names.ATTN_OUT` for `jax.checkpoint` policies; under
+  "chunked" the float32 log-sum-exp (``batch * heads * q_length`` values)
+  is `names.ATTN_LSE`, and cuDNN's own residuals carry no names.
+  """
+  _check_qkv(q, k, v)
+  shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+  mask = _rank4(mask, "mask", shape)
+  bias = _rank4(bias, "bias", shape)
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+  if impl == "cudnn":
+    return _cudnn(q, k, v, mask, bias, causal)
+  if impl == "auto" and jax.default_backend() == "gpu":
+    try:
+      return _cudnn(q, k, v, mask, bias, causal)
+    except NotImplementedError:  # cuDNN's signal for an unsupported dtype or shape
+      pass
+  return _chunked(q, k, v, mask, bias, bool(causal), min(chunk_size, k.shape[1]))
+
+
+def _cudnn(q, k, v, mask, bias, causal):
+  out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
+                                     implementation="cudnn")
+  return checkpoint_name(out, names.ATTN_OUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _chunked(q, k, v, mask, bias, causal, chunk):
+  return _chunked_fwd(q, k, v, mask, bias, causal, chunk)[0]
+
+
+def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
+  """Online softmax over key chunks: a running max m, sum l and output acc per row."""
+  batch, q_len, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  qg = _grouped(q, kv_heads)
+  rows = (batch, kv_heads, heads // kv_heads, q_len)
+
+  def step(i, carry):
+    m, l, acc = carry
+    start, kc, vc = _key_chunk(k, v, i, chunk)
+    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk)
+    m_new = jnp.maximum(m, s.max(-1))  # finite: each chunk has a key of its own
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vc,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc
+
+  init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+          jnp.zeros(rows + (head_dim,), jnp.float32))
+  m, l, acc = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
+  out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+  out = checkpoint_name(out, names.ATTN_OUT)
+  lse = checkpoint_name(m + jnp.log(l), names.ATTN_LSE)
+  return out, (q, k, v, mask, bias, out, lse)
+
+
+def _chunked_bwd(causal, chunk, res, dout):
+  """FlashAttention-2's backward: p = exp(s - lse) again, one key chunk at a time."""
+  q, k, v, mask, bias, out, lse = res
+  kv_heads = k.shape[2]
+  qg, dog = _grouped(q, kv_heads), _grouped(dout, kv_heads)
+  # sum_k p * dp per row, from the output: D = rowsum(dout * out).
+  delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads),
+                     preferred_element_type=jnp.float32)
+  scale = jnp.float32(1 / math.sqrt(q.shape[-1]))
+
+  def step(i, carry):
+    dq, dk, dv, dbias = carry
+    start, kc, vc = _key_chunk(k, v, i, chunk)
+    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk)
+    # A row with every key masked attends uniformly; its log-sum-exp,
+    # _MASKED + log(kv_length), rounds to _MASKED in float32.
+    p = jnp.where((lse[..., None] <= 0.5 * _MASKED) & (s > -jnp.inf), 1 / k.shape[1],
+                  jnp.exp(s - lse[..., None]))
+    dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), dog, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vc, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", (ds * scale).astype(q.dtype), kc,
+                         preferred_element_type=jnp.float32)
+    dk_c = jnp.einsum("bhgqk,bqhgd->bkhd", (ds * scale).astype(q.dtype), qg,
+                      preferred_element_type=jnp.float32)
+    if bias is not None:
+      dbias = _add_bias_grad(dbias, ds, bias.shape, start, chunk)
+    # Chunks clamped at the end overlap the one before; p is zero on the
+    # overlap, so adding (not writing) each chunk's gradient is exact.
+    return dq, _add_at(dk, dk_c, start), _add_at(dv, dv_c, start), dbias
+
+  init = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+          jnp.zeros(v.shape, jnp.float32),
+          None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+  dq, dk, dv, dbias = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
+  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          None if bias is None else dbias.astype(bias.dtype))
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _num_chunks(kv_len, chunk):
+  return -(-kv_len // chunk)
+
+
+def _key_chunk(k, v, i, chunk):
+  """Keys and values ``[batch, chunk, kv_heads, head_dim]`` of chunk i; the last is clamped to end at kv_length."""
+  start = jnp.minimum(i * chunk, k.shape[1] - chunk)
+  return (start, lax.dynamic_slice_in_dim(k, start, chunk, axis=1),
+          lax.dynamic_slice_in_dim(v, start, chunk, axis=1))
+
+
+def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk):
+  """Float32 ``[batch, kv_heads, groups, q_length, chunk]`` logits; _MASKED where masked, -inf on an earlier chunk's keys."""
+  batch, q_len, kv_heads, groups, head_dim = qg.shape
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kc, preferred_element_type=jnp.float32)
+  s = s / jnp.float32(math.sqrt(head_dim))
+  key_pos = start + jnp.arange(chunk)
+  if bias is not None:
+    s = s + _grouped_bias(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
+    s = jnp.maximum(s, _MASKED)  # a key biased to -inf counts as masked
+  keep = None if mask is None else _grouped_bias(_slice_keys(mask, start, chunk), kv_heads)
+  if causal:
+    below = jnp.arange(q_len)[:, None] >= key_pos[None, :]
+    keep = below if keep is None else keep & below
+  if keep is not None:
+    s = jnp.where(keep, s, _MASKED)
+  return jnp.where(key_pos >= i * chunk, s, -jnp.inf)
+
+
+def _slice_keys(x, start, chunk):
+  """A rank-4 mask or bias on chunk's keys (kept whole where its key axis broadcasts)."""
+  return x if x.shape[-1] == 1 else lax.dynamic_slice_in_dim(x, start, chunk, axis=3)
+
+
+def _grouped(x, kv_heads):
+  """``[batch, length, heads, d]`` as ``[batch, length, kv_heads, groups, d]`` (a reshape)."""
+  b, length, heads, d = x.shape
+  return x.reshape(b, length, kv_heads, heads // kv_heads, d)
+
+
+def _grouped_bias(x, kv_heads):
+  """Rank-4 ``[b, heads or 1, q, k]`` as rank 5 ``[b, kv_heads or 1, groups or 1, q, k]``."""
+  b, h, q, k = x.shape
+  return x.reshape(b, 1, 1, q, k) if h == 1 else x.reshape(b, kv_heads, h // kv_heads, q, k)
+
+
+def _add_bias_grad(dbias, ds, bias_shape, start, chunk):
+  """Adds the chunk's float32 d logits, summed down to the bias's broadcast shape."""
+  b, kv_heads, groups, q_len, _ = ds.shape
+  ds = ds.reshape(b, kv_heads * groups, q_len, chunk)
+  ds = jnp.sum(ds, axis=tuple(a for a in range(4) if bias_shape[a] == 1), keepdims=True)
+  if bias_shape[3] == 1:
+    return dbias + ds
+  return _add_at(dbias, ds, start, axis=3)
+
+
+def _add_at(x, update, start, axis=1):
+  return lax.dynamic_update_slice_in_dim(
+      x, lax.dynamic_slice_in_dim(x, start, update.shape[axis], axis) + update, start, axis)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                          mask: jax.Array | None = None, causal: bool = False) -> jax.Array:
+  """Plain attention, the exact twin of `attention`: keeps the float32 probabilities.
+
+  Args:
+    q, k, v, mask, causal: as in `attention`.
+
+  Returns:
+    ``[batch, q_length, heads, head_dim]`` in q's dtype. The probabilities
+    are saved as `names.ATTN_PROBS` (``[batch, heads, q_length,
+    kv_length]``, float32); for a bfloat16 or float16 v autodiff also keeps
+    their cast for the second matmul, untagged.
+  """
+  _check_qkv(q, k, v)
+  batch, q_len, heads, head_dim = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  mask = _rank4(mask, "mask", (batch, heads, q_len, kv_len))
+  groups = heads // kv_heads
+  # Grouped heads split q's head axis; without groups q stays as it is, so
+  # autodiff keeps q itself rather than a reshaped copy.
+  if groups == 1:
+    q_spec, p_spec = "bqhd", "bhqk"
+  else:
+    q_spec, p_spec = "bqhgd", "bhgqk"
+    q = _grouped(q, kv_heads)
+  logits = jnp.einsum(f"{q_spec},bkhd->{p_spec}", q, k, preferred_element_type=jnp.float32)
+  logits = logits / jnp.float32(math.sqrt(head_dim))
+  keep = mask
+  if causal:
+    below = jnp.tril(jnp.ones((1, 1, q_len, kv_len), bool))
+    keep = below if keep is None else keep & below
+  if keep is not None:
+    # An additive bias, not a select: its derivative needs no saved mask.
+    keep = jnp.broadcast_to(keep, (keep.shape[0], heads, q_len, kv_len))
+    added = jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
+    logits = logits + added.reshape(added.shape[:1] + logits.shape[1:])
+  probs = _softmax(logits).astype(v.dtype)
+  out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs, v, preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+
+
+@jax.custom_vjp
+def _softmax(logits: jax.Array) -> jax.Array:
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def _softmax_fwd(logits):
+  probs = checkpoint_name(jax.nn.softmax(logits, axis=-1), names.ATTN_PROBS)
+  return probs, probs
+
+
+def _softmax_bwd(probs, dprobs):
+  return (probs * (dprobs - jnp.sum(probs * dprobs, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def _check_qkv(q, k, v):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float_array(x, name)
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}.")
+  batch, _, heads, head_dim = q.shape
+  if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(
+        f"k and v must be [batch={batch}, kv_length, kv_heads, head_dim={head_dim}] "
+        f"and alike, got k {k.shape} and v {v.shape}.")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+  if heads % k.shape[2]:
+    raise ValueError(f"q's heads ({heads}) must be a multiple of k's and v's heads ({k.shape[2]}).")
+
+
+def _rank4(x, name, shape):
+  """``x`` (mask: boolean; bias: float) checked to broadcast to ``shape``, as rank 4; or None."""
+  if x is None:
+    return None
+  if not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a boolean array, got {x.dtype}.")
+  if name == "bias":
+    check_float_array(x, "bias")
+  try:
+    if x.ndim > 4:
+      raise ValueError(f"rank {x.ndim}")
+    jnp.broadcast_shapes(x.shape, shape)
+  except ValueError as e:
+    raise ValueError(
+        f"{name} must broadcast to [batch, heads, q_length, kv_length] = {shape}, "
+        f"got shape {x.shape}.") from e
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)

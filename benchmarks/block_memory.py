@@ -1,18 +1,24 @@
-"""Memory and step time of ViT-B/16 with approximate activations and MS norms.
+"""Memory and step time of ViT-B/16 and a LLaMA-style model with each technique.
 
-For each variant (baseline; ReGELU2; MS-LayerNorm with folded affine; both) it
-prints, for the gradient step of the loss (parameters float32):
+For each variant (baseline; approximate activation, ReGELU2 or ReSiLU2; MS
+norm with folded affine; both; attention that recomputes its probabilities,
+`lowmem_jax.attention`; all three) it prints, for the gradient step of the
+loss (parameters float32):
   - compiled peak and temp bytes (XLA's buffer assignment, abstract shapes:
     nothing is allocated; on CPU a proxy, see lowmem_jax.memory);
+  - compiled per-block bytes: the temp bytes of the model at full depth
+    minus those at half depth, per block removed, i.e. what each block
+    holds from its forward to its backward;
   - saved-activation bytes (autodiff's residuals, backend-free);
 and, at a size a 2-core CPU runs in seconds, the step-time ratio against the
 baseline (median of --repeats runs after one warm-up).
 
-    python benchmarks/block_memory.py                  # batch 64, bf16 and f32 compute
-    python benchmarks/block_memory.py --explain 8      # + the largest buffers live at the peak
+    python benchmarks/block_memory.py              # ViT-B/16 b64 and LLaMA-100M b4 x 2048
+    python benchmarks/block_memory.py --models vit-b16 --explain 8   # + largest buffers at the peak
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -25,11 +31,26 @@ import lowmem_jax as lm
 from lowmem_jax import models
 
 VARIANTS = {
-    "baseline": dict(activation="exact", norm="plain"),
-    "regelu2": dict(activation="approx", norm="plain"),
-    "ms-norm": dict(activation="exact", norm="ms"),
+    "baseline": dict(),
+    "approx activation": dict(activation="approx"),
+    "ms-norm": dict(norm="ms"),
     "both": dict(activation="approx", norm="ms"),
+    "attention": dict(attention="recompute"),
+    "all three": dict(activation="approx", norm="ms", attention="recompute"),
 }
+
+
+def with_depth(wl, depth):
+  """The workload with ``depth`` blocks."""
+  if isinstance(wl.model, models.Llama):
+    model = wl.model.clone(config=dataclasses.replace(wl.model.config, n_layers=depth))
+  else:
+    model = wl.model.clone(depth=depth)
+  return dataclasses.replace(wl, model=model)
+
+
+def depth(wl):
+  return wl.model.config.n_layers if isinstance(wl.model, models.Llama) else wl.model.depth
 
 
 def residual_fn(wl):
@@ -37,19 +58,23 @@ def residual_fn(wl):
   return lambda params, inputs: wl.loss(params, inputs, labels)
 
 
-def memory_rows(model, batch, dtype, explain):
+def memory_rows(wl_of, explain):
+  """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(**switches)``."""
   rows = []
   for variant, switches in VARIANTS.items():
-    wl = models.workload(model, batch=batch, dtype=dtype, **switches)
+    wl = wl_of(**switches)
     params = wl.abstract_params()
     grad = jax.grad(wl.loss)
     stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels)
+    half = with_depth(wl, depth(wl) // 2)
+    half_stats = lm.memory.analyze(jax.grad(half.loss), half.abstract_params(), half.inputs, half.labels)
+    per_block = (stats.temp_bytes - half_stats.temp_bytes) / (depth(wl) - depth(half))
     saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
-    rows.append((variant, stats, saved))
+    rows.append((variant, stats, per_block, saved))
     if explain:
       peak = lm.memory.live_buffers_at_peak(grad, params, wl.inputs, wl.labels, top=None)
-      print(f"\n{variant}, {jnp.dtype(dtype).name} compute: live at the peak "
-            f"{peak.peak_bytes / 2**20:,.0f} MiB; largest groups by the op that made them:")
+      print(f"\n{variant}: live at the peak {peak.peak_bytes / 2**20:,.0f} MiB; "
+            "largest groups by the op that made them:")
       for (op, kind), (nbytes, count) in group_by_op(peak)[:explain]:
         print(f"  {nbytes / 2**20:9,.0f} MiB in {count:4d} {kind} buffers from {op}")
   return rows
@@ -65,10 +90,10 @@ def group_by_op(peak):
   return sorted(groups.items(), key=lambda kv: -kv[1][0])
 
 
-def time_rows(model, batch, image, dtype, repeats):
+def time_rows(wl_of, repeats):
   times = {}
   for variant, switches in VARIANTS.items():
-    wl = models.workload(model, batch=batch, image=image, dtype=dtype, **switches)
+    wl = wl_of(**switches)
     params = wl.init(jax.random.key(0))
     inputs, labels = wl.batch(jax.random.key(1))
     step = jax.jit(jax.grad(wl.loss))
@@ -84,42 +109,54 @@ def time_rows(model, batch, image, dtype, repeats):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default="vit-b16", choices=tuple(models.VIT_CONFIGS))
-  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--models", default="vit-b16,llama-100m", help="comma-separated reference models")
+  parser.add_argument("--vit-batch", type=int, default=64)
+  parser.add_argument("--llama-batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=2048, help="LLaMA tokens per example")
   parser.add_argument("--dtypes", default="bfloat16,float32", help="compute dtypes, comma-separated")
-  parser.add_argument("--time-batch", type=int, default=2)
-  parser.add_argument("--time-image", type=int, default=112)
+  parser.add_argument("--time-vit", default="2,112", help="ViT timing size: batch,image")
+  parser.add_argument("--time-llama", default="1,512", help="LLaMA timing size: batch,seq")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--explain", type=int, default=0, metavar="N",
                       help="also list the N largest groups of buffers live at the compiled peak")
   parser.add_argument("--no-timing", action="store_true")
   args = parser.parse_args(argv)
-  console = Console()
+  console = Console(width=200)
   mib = lambda b: f"{b / 2**20:,.0f}"
-  for dtype in args.dtypes.split(","):
-    rows = memory_rows(args.model, args.batch, jnp.dtype(dtype), args.explain)
-    base_stats, base_saved = rows[0][1], rows[0][2]
-    table = Table(title=f"{args.model}, batch {args.batch}, {dtype} compute, float32 params "
-                        f"(gradient step; MiB; ratio to baseline)")
-    for col in ("variant", "compiled peak", "ratio", "compiled temp", "ratio",
-                "saved activations", "ratio"):
-      table.add_column(col, justify="left" if col == "variant" else "right")
-    for variant, stats, saved in rows:
-      table.add_row(
-          variant,
-          mib(stats.peak_bytes), f"{stats.peak_bytes / base_stats.peak_bytes:.3f}",
-          mib(stats.temp_bytes), f"{stats.temp_bytes / base_stats.temp_bytes:.3f}",
-          mib(saved.activation_bytes), f"{saved.activation_bytes / base_saved.activation_bytes:.3f}")
-    console.print(table)
-  if not args.no_timing:
-    times = time_rows(args.model, args.time_batch, args.time_image, jnp.float32, args.repeats)
-    table = Table(title=f"step time, {args.model}, batch {args.time_batch}, {args.time_image} px, "
-                        f"float32, {jax.devices()[0].device_kind}, median of {args.repeats}")
-    for col in ("variant", "seconds", "ratio to baseline"):
-      table.add_column(col, justify="left" if col == "variant" else "right")
-    for variant, t in times.items():
-      table.add_row(variant, f"{t:.3f}", f"{t / times['baseline']:.3f}")
-    console.print(table)
+  for name in args.models.split(","):
+    vit = name in models.VIT_CONFIGS
+    size = (dict(batch=args.vit_batch) if vit else dict(batch=args.llama_batch, seq=args.seq))
+    for dtype in args.dtypes.split(","):
+      wl_of = lambda **sw: models.workload(name, dtype=jnp.dtype(dtype), **size, **sw)
+      if args.explain:
+        print(f"\n{name}, {dtype} compute")
+      rows = memory_rows(wl_of, args.explain)
+      base = rows[0]
+      table = Table(title=f"{name}, {size}, {dtype} compute, float32 params "
+                          f"(gradient step; MiB; ratio to baseline)")
+      for col in ("variant", "compiled peak", "ratio", "compiled temp", "ratio",
+                  "compiled per block", "ratio", "saved activations", "ratio"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+      for variant, stats, per_block, saved in rows:
+        table.add_row(
+            variant,
+            mib(stats.peak_bytes), f"{stats.peak_bytes / base[1].peak_bytes:.3f}",
+            mib(stats.temp_bytes), f"{stats.temp_bytes / base[1].temp_bytes:.3f}",
+            mib(per_block), f"{per_block / base[2]:.3f}",
+            mib(saved.activation_bytes), f"{saved.activation_bytes / base[3].activation_bytes:.3f}")
+      console.print(table)
+    if not args.no_timing:
+      b, n = (int(x) for x in (args.time_vit if vit else args.time_llama).split(","))
+      small = dict(batch=b, image=n) if vit else dict(batch=b, seq=n)
+      times = time_rows(lambda **sw: models.workload(name, dtype=jnp.float32, **small, **sw),
+                        args.repeats)
+      table = Table(title=f"step time, {name}, {small}, float32, "
+                          f"{jax.devices()[0].device_kind}, median of {args.repeats}")
+      for col in ("variant", "seconds", "ratio to baseline"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+      for variant, t in times.items():
+        table.add_row(variant, f"{t:.3f}", f"{t / times['baseline']:.3f}")
+      console.print(table)
 
 
 if __name__ == "__main__":

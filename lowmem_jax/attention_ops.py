@@ -108,18 +108,21 @@ def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
   def step(i, carry):
     m, l, acc = carry
     start, kc, vc = _key_chunk(k, v, i, chunk)
-    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk)
+    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, k.shape[1])
     m_new = jnp.maximum(m, s.max(-1))  # finite: each chunk has a key of its own
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vc,
-                                             preferred_element_type=jnp.float32)
+    acc = acc * _per_row(corr) + jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), vc,
+                                            preferred_element_type=jnp.float32)
     return m_new, l * corr + p.sum(-1), acc
 
   init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-          jnp.zeros(rows + (head_dim,), jnp.float32))
+          jnp.zeros(qg.shape, jnp.float32))
   m, l, acc = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
-  out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+  # acc is laid out like q, so the output needs no transpose. The barrier
+  # keeps XLA from fusing the division into each of out's users, which would
+  # make a second output-sized array for the next layer and the backward.
+  out = lax.optimization_barrier((acc / _per_row(l)).reshape(q.shape).astype(q.dtype))
   out = checkpoint_name(out, names.ATTN_OUT)
   lse = checkpoint_name(m + jnp.log(l), names.ATTN_LSE)
   return out, (q, k, v, mask, bias, out, lse)
@@ -127,29 +130,37 @@ def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
 
 def _chunked_bwd(causal, chunk, res, dout):
   """FlashAttention-2's backward: p = exp(s - lse) again, one key chunk at a time."""
+  # Tying the residuals to the cotangent keeps XLA from computing the
+  # probabilities again before this backward runs (they depend on residuals
+  # only) or from merging them with the forward's: either keeps them alive.
   q, k, v, mask, bias, out, lse = res
+  (q, k, v, mask, bias, lse), dout = lax.optimization_barrier(((q, k, v, mask, bias, lse), dout))
   kv_heads = k.shape[2]
   qg, dog = _grouped(q, kv_heads), _grouped(dout, kv_heads)
-  # sum_k p * dp per row, from the output: D = rowsum(dout * out).
-  delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads),
-                     preferred_element_type=jnp.float32)
+  # sum_k p * dp per row, from the output: D = rowsum(dout * out). A
+  # product and a sum, not an einsum: a dot would ask XLA for out in another
+  # layout, a copy that lives as long as out.
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = delta.reshape(qg.shape[:-1]).transpose(0, 2, 3, 1)
   scale = jnp.float32(1 / math.sqrt(q.shape[-1]))
+  maskable = mask is not None or bias is not None or causal
 
   def step(i, carry):
     dq, dk, dv, dbias = carry
     start, kc, vc = _key_chunk(k, v, i, chunk)
-    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk)
-    # A row with every key masked attends uniformly; its log-sum-exp,
-    # _MASKED + log(kv_length), rounds to _MASKED in float32.
-    p = jnp.where((lse[..., None] <= 0.5 * _MASKED) & (s > -jnp.inf), 1 / k.shape[1],
-                  jnp.exp(s - lse[..., None]))
+    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, k.shape[1])
+    p = jnp.exp(s - lse[..., None])
+    if maskable:
+      # A row with every key masked attends uniformly; its log-sum-exp,
+      # _MASKED + log(kv_length), rounds to _MASKED in float32.
+      p = jnp.where((lse[..., None] <= 0.5 * _MASKED) & (s > -jnp.inf), 1 / k.shape[1], p)
     dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), dog, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vc, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None])
-    dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", (ds * scale).astype(q.dtype), kc,
+    ds = p * (dp - delta[..., None])  # d logits; d(q k^T) is ds * scale, applied to dq and dk
+    dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(q.dtype), kc,
                          preferred_element_type=jnp.float32)
-    dk_c = jnp.einsum("bhgqk,bqhgd->bkhd", (ds * scale).astype(q.dtype), qg,
-                      preferred_element_type=jnp.float32)
+    dk_c = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), qg,
+                              preferred_element_type=jnp.float32)
     if bias is not None:
       dbias = _add_bias_grad(dbias, ds, bias.shape, start, chunk)
     # Chunks clamped at the end overlap the one before; p is zero on the
@@ -160,7 +171,7 @@ def _chunked_bwd(causal, chunk, res, dout):
           jnp.zeros(v.shape, jnp.float32),
           None if bias is None else jnp.zeros(bias.shape, jnp.float32))
   dq, dk, dv, dbias = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
-  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+  return ((scale * dq).reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
           None if bias is None else dbias.astype(bias.dtype))
 
 
@@ -178,7 +189,7 @@ def _key_chunk(k, v, i, chunk):
           lax.dynamic_slice_in_dim(v, start, chunk, axis=1))
 
 
-def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk):
+def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, kv_len):
   """Float32 ``[batch, kv_heads, groups, q_length, chunk]`` logits; _MASKED where masked, -inf on an earlier chunk's keys."""
   batch, q_len, kv_heads, groups, head_dim = qg.shape
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kc, preferred_element_type=jnp.float32)
@@ -193,7 +204,14 @@ def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk):
     keep = below if keep is None else keep & below
   if keep is not None:
     s = jnp.where(keep, s, _MASKED)
-  return jnp.where(key_pos >= i * chunk, s, -jnp.inf)
+  if kv_len % chunk:  # the last chunk is clamped and overlaps the one before
+    s = jnp.where(key_pos >= i * chunk, s, -jnp.inf)
+  return s
+
+
+def _per_row(x):
+  """Per-row ``[batch, kv_heads, groups, q_length]`` as ``[batch, q_length, kv_heads, groups, 1]``."""
+  return x.transpose(0, 3, 1, 2)[..., None]
 
 
 def _slice_keys(x, start, chunk):

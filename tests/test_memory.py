@@ -108,10 +108,13 @@ def test_bad_fn():
 def test_cli_report_json(capsys):
   from lowmem_jax import cli
   assert cli.main(["report", "--model", "llama-100m", "--batch", "1", "--seq", "16",
-                   "--activation", "approx", "--norm", "ms", "--top", "3", "--json"]) == 0
+                   "--activation", "approx", "--norm", "ms", "--attention", "recompute", "--top", "3",
+                   "--json"]) == 0
   import json
   report = json.loads(capsys.readouterr().out)
   assert report["parameter_bytes"] > 4 * 120e6
+  assert report["attention"] == "recompute"
   assert report["saved_activation_bytes_by_name"]["act_code"] > 0
+  assert report["saved_activation_bytes_by_name"]["attn_lse"] > 0
   assert len(report["largest_live_at_peak"]) == 3
   assert report["compiled"]["peak_bytes"] >= report["compiled"]["argument_bytes"]

@@ -67,7 +67,8 @@ def memory_rows(wl_of, explain):
     grad = jax.grad(wl.loss)
     stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels)
     half = with_depth(wl, depth(wl) // 2)
-    half_stats = lm.memory.analyze(jax.grad(half.loss), half.abstract_params(), half.inputs, half.labels)
+    half_stats = lm.memory.analyze(jax.grad(half.loss), half.abstract_params(), half.inputs,
+                                   half.labels)
     per_block = (stats.temp_bytes - half_stats.temp_bytes) / (depth(wl) - depth(half))
     saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
     rows.append((variant, stats, per_block, saved))
@@ -115,7 +116,8 @@ def main(argv=None):
   parser.add_argument("--seq", type=int, default=2048, help="LLaMA tokens per example")
   parser.add_argument("--dtypes", default="bfloat16,float32", help="compute dtypes, comma-separated")
   parser.add_argument("--time-vit", default="2,112", help="ViT timing size: batch,image")
-  parser.add_argument("--time-llama", default="1,512", help="LLaMA timing size: batch,seq")
+  parser.add_argument("--time-llama", default="1,1024",
+                      help="LLaMA timing size: batch,seq (1024: two chunks of attention)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--explain", type=int, default=0, metavar="N",
                       help="also list the N largest groups of buffers live at the compiled peak")

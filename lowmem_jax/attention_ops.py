@@ -3,7 +3,7 @@
 Both functions take `jax.nn.dot_product_attention`'s layout, ``[batch,
 length, heads, head_dim]``, with grouped-query heads, and compute
 
-    s = q k^T / sqrt(head_dim) + bias + (0 where kept, -0.7 * float32 max where masked)
+    s = q k^T / sqrt(head_dim) + bias, replaced by -0.7 * float32 max where masked
     p = softmax(s)    (float32),    out = p v
 
 `attention` (the library's attention, exported as ``lowmem_jax.attention``)
@@ -16,13 +16,14 @@ given, the output (`names.ATTN_OUT`) and the log-sum-exp (`names.ATTN_LSE`).
 `dot_product_attention` is its exact twin, plain attention: autodiff keeps
 the float32 probabilities, tagged `names.ATTN_PROBS`.
 
-A row with every key masked attends uniformly to its keys (as
-`jax.nn.dot_product_attention` does), and its gradient flows as for uniform
-attention where JAX's gives zero.
+As in `jax.nn.dot_product_attention`, a row with every key masked attends
+uniformly to all its keys: its output is the mean of v, and q, k and the
+bias get no gradient through it.
 """
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | Non
               chunk_size: int = 512) -> jax.Array:
   """Exact attention whose backward recomputes the probabilities.
 
+  The output is named `names.ATTN_OUT` for `jax.checkpoint` policies. Under
+  "chunked" the saved residuals are q, k, v, the output, the float32
+  log-sum-exp of each row (`names.ATTN_LSE`) and ``mask`` and ``bias`` as
+  given: for causal attention pass ``causal=True`` rather than a mask, which
+  would be an L×L residual. cuDNN's own residuals carry no names.
+
   Args:
     q: ``[batch, q_length, heads, head_dim]``, float16/bfloat16/float32.
     k, v: ``[batch, kv_length, kv_heads, head_dim]`` in q's dtype; ``heads``
@@ -48,26 +55,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | Non
     mask: optional boolean, broadcastable to ``[batch, heads, q_length,
       kv_length]``; False masks a key out.
     bias: optional float array broadcastable like ``mask``, added to the
-      logits in float32; it gets a gradient, reduced to its own shape.
+      logits in float32; it gets a gradient, reduced to its own shape. A
+      bias of -inf masks a key, as ``mask`` does.
     causal: mask keys after the query's position, aligned at the top left as
       in `jax.nn.dot_product_attention` (query i sees keys 0..i).
     impl: "chunked" (the `custom_vjp` here, any backend), "cudnn"
-      (`jax.nn.dot_product_attention(implementation="cudnn")`: GPU, float16
-      or bfloat16; raises where cuDNN does not support the call) or "auto":
-      cuDNN on a GPU where it supports the call, else "chunked".
-    chunk_size: keys per chunk of the "chunked" implementation. Its transient
-      memory, forward and backward, is a few float32 arrays of ``[batch,
-      heads, q_length, min(chunk_size, kv_length)]``; a kv_length that is not
-      a multiple is fine.
+      (`jax.nn.dot_product_attention(implementation="cudnn")`: NVIDIA GPU,
+      float16 or bfloat16; raises where cuDNN does not support the call,
+      e.g. a mask or bias that broadcasts along a length axis; cuDNN adds a
+      mask as a bias in q's dtype and does not treat -inf biases as masks)
+      or "auto": cuDNN on a GPU where it accepts the call and, with a mask
+      or bias, both lengths are even (its training constraint), else
+      "chunked".
+    chunk_size: keys per chunk of the "chunked" implementation. Beyond
+      float32 accumulators of q's, k's and v's size, its transient memory,
+      forward and backward, is a few float32 arrays of ``[batch, heads,
+      q_length, min(chunk_size, kv_length)]``; a kv_length that is not a
+      multiple is fine.
 
   Returns:
     ``[batch, q_length, heads, head_dim]`` in q's dtype. The logits, softmax
     and accumulation are float32; the probabilities are cast to v's dtype
     for the second matmul.
-
-  The output is named `names.ATTN_OUT` for `jax.checkpoint` policies; under
-  "chunked" the float32 log-sum-exp (``batch * heads * q_length`` values)
-  is `names.ATTN_LSE`, and cuDNN's own residuals carry no names.
   """
   _check_qkv(q, k, v)
   shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
@@ -75,16 +84,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | Non
   bias = _rank4(bias, "bias", shape)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-  if not isinstance(chunk_size, int) or chunk_size < 1:
+  if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
   if impl == "cudnn":
     return _cudnn(q, k, v, mask, bias, causal)
-  if impl == "auto" and jax.default_backend() == "gpu":
+  # cuDNN refuses odd lengths with a bias only in the backward, too late to fall back.
+  odd = (mask is not None or bias is not None) and (q.shape[1] % 2 or k.shape[1] % 2)
+  if impl == "auto" and jax.default_backend() == "gpu" and not odd:
     try:
       return _cudnn(q, k, v, mask, bias, causal)
-    except NotImplementedError:  # cuDNN's signal for an unsupported dtype or shape
-      pass
-  return _chunked(q, k, v, mask, bias, bool(causal), min(chunk_size, k.shape[1]))
+    except (NotImplementedError, ValueError, RuntimeError):
+      pass  # cuDNN's refusals: dtype, head size, mask shape; RuntimeError: no cuDNN (ROCm)
+  return _chunked(q, k, v, mask, bias, bool(causal), min(int(chunk_size), k.shape[1]))
 
 
 def _cudnn(q, k, v, mask, bias, causal):
@@ -143,7 +154,8 @@ def _chunked_bwd(causal, chunk, res, dout):
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta.reshape(qg.shape[:-1]).transpose(0, 2, 3, 1)
   scale = jnp.float32(1 / math.sqrt(q.shape[-1]))
-  maskable = mask is not None or bias is not None or causal
+  # Only a mask or bias can mask a whole row (top-left causal never does).
+  maskable = mask is not None or bias is not None
 
   def step(i, carry):
     dq, dk, dv, dbias = carry
@@ -154,9 +166,12 @@ def _chunked_bwd(causal, chunk, res, dout):
       # A row with every key masked attends uniformly; its log-sum-exp,
       # _MASKED + log(kv_length), rounds to _MASKED in float32.
       p = jnp.where((lse[..., None] <= 0.5 * _MASKED) & (s > -jnp.inf), 1 / k.shape[1], p)
-    dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), dog, preferred_element_type=jnp.float32)
+    dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), dog,
+                      preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vc, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])  # d logits; d(q k^T) is ds * scale, applied to dq and dk
+    if maskable:
+      ds = jnp.where(s > _MASKED, ds, 0.0)  # a replaced logit passes no gradient back
     dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(q.dtype), kc,
                          preferred_element_type=jnp.float32)
     dk_c = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), qg,
@@ -183,14 +198,20 @@ def _num_chunks(kv_len, chunk):
 
 
 def _key_chunk(k, v, i, chunk):
-  """Keys and values ``[batch, chunk, kv_heads, head_dim]`` of chunk i; the last is clamped to end at kv_length."""
+  """Chunk i's start and keys and values, ``[batch, chunk, kv_heads, head_dim]``.
+
+  The last chunk is clamped to end at kv_length, so it may overlap the one before.
+  """
   start = jnp.minimum(i * chunk, k.shape[1] - chunk)
   return (start, lax.dynamic_slice_in_dim(k, start, chunk, axis=1),
           lax.dynamic_slice_in_dim(v, start, chunk, axis=1))
 
 
 def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, kv_len):
-  """Float32 ``[batch, kv_heads, groups, q_length, chunk]`` logits; _MASKED where masked, -inf on an earlier chunk's keys."""
+  """Float32 ``[batch, kv_heads, groups, q_length, chunk]`` logits of chunk i.
+
+  _MASKED where masked (or biased below it), -inf on keys of an earlier chunk.
+  """
   batch, q_len, kv_heads, groups, head_dim = qg.shape
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kc, preferred_element_type=jnp.float32)
   s = s / jnp.float32(math.sqrt(head_dim))
@@ -279,26 +300,31 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     keep = below if keep is None else keep & below
   if keep is not None:
     # An additive bias, not a select: its derivative needs no saved mask.
-    keep = jnp.broadcast_to(keep, (keep.shape[0], heads, q_len, kv_len))
-    added = jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
-    logits = logits + added.reshape(added.shape[:1] + logits.shape[1:])
-  probs = _softmax(logits).astype(v.dtype)
+    keep = keep if groups == 1 else _grouped_bias(keep, kv_heads)
+    logits = logits + jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
+  probs = _softmax(logits, keep is not None).astype(v.dtype)
   out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs, v, preferred_element_type=jnp.float32)
   return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
 
 
-@jax.custom_vjp
-def _softmax(logits: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax(logits: jax.Array, maskable: bool) -> jax.Array:
+  del maskable
   return jax.nn.softmax(logits, axis=-1)
 
 
-def _softmax_fwd(logits):
+def _softmax_fwd(logits, maskable):
   probs = checkpoint_name(jax.nn.softmax(logits, axis=-1), names.ATTN_PROBS)
-  return probs, probs
+  # A row whose every logit is masked (each rounds to _MASKED) attends
+  # uniformly whatever its logits were: it passes no gradient back.
+  dead = jnp.max(logits, axis=-1, keepdims=True) <= 0.5 * _MASKED if maskable else None
+  return probs, (probs, dead)
 
 
-def _softmax_bwd(probs, dprobs):
-  return (probs * (dprobs - jnp.sum(probs * dprobs, axis=-1, keepdims=True)),)
+def _softmax_bwd(maskable, res, dprobs):
+  probs, dead = res
+  dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=-1, keepdims=True))
+  return (jnp.where(dead, 0.0, dlogits) if maskable else dlogits,)
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -316,6 +342,8 @@ def _check_qkv(q, k, v):
         f"and alike, got k {k.shape} and v {v.shape}.")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+  if k.shape[1] < 1:
+    raise ValueError(f"k and v need at least one key, got kv_length {k.shape[1]}.")
   if heads % k.shape[2]:
     raise ValueError(f"q's heads ({heads}) must be a multiple of k's and v's heads ({k.shape[2]}).")
 

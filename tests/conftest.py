@@ -20,7 +20,6 @@ def _dtype_promotion(request):
     yield
 
 
-
 def pytest_collection_modifyitems(config, items):
   """Tests marked ``gpu`` skip, with the reason shown, where JAX has no GPU backend."""
   if jax.default_backend() == "gpu":

@@ -64,15 +64,26 @@ def test_a_broadcast_bias_gets_its_own_shape_of_gradient(bias_shape):
   chex.assert_trees_all_close(_value_and_grads(ours, bias), _value_and_grads(theirs, bias), atol=2e-5)
 
 
-def test_fully_masked_rows_match_the_twin_uniform_attention():
-  """Rows whose keys are all masked attend uniformly, in value and gradient, like the twin."""
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fully_masked_rows_attend_uniformly_and_pass_no_logit_gradient(with_bias):
+  """As in jax.nn: the row's output is the mean of v; q, k and the bias get nothing through it."""
   q, k, v = _qkv(lq=11, lk=11)
   mask = jax.random.bernoulli(jax.random.key(3), 0.4, (2, 1, 11, 11)).at[:, :, 2].set(False)
-  ours = lambda q, k, v: lm.attention(q, k, v, mask=mask, causal=True, chunk_size=4)
-  twin = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=True)
+  bias = jax.random.normal(jax.random.key(4), (1, 4, 11, 11))
+  if not with_bias:
+    bias = None
+  ours = lambda q, k, v: lm.attention(q, k, v, mask=mask, bias=bias, causal=True, chunk_size=4)
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=True)
   out, grads = _value_and_grads(ours, q, k, v)
-  chex.assert_trees_all_close((out, grads), _value_and_grads(twin, q, k, v), atol=2e-5)
+  chex.assert_trees_all_close((out, grads), _value_and_grads(theirs, q, k, v), atol=2e-5)
+  if not with_bias:
+    twin = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=True)
+    chex.assert_trees_all_close((out, grads), _value_and_grads(twin, q, k, v), atol=2e-5)
   chex.assert_trees_all_close(out[:, 2], jnp.broadcast_to(v.mean(1), out[:, 2].shape), atol=1e-6)
+  assert not jnp.any(grads[0][:, 2])
+  if with_bias:
+    dbias = jax.grad(lambda b: jnp.sum(jnp.sin(lm.attention(q, k, v, mask=mask, bias=b, chunk_size=4))))(bias)
+    assert not jnp.any(dbias[:, :, 2])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -151,6 +162,10 @@ def test_bad_inputs_are_named():
     lm.attention(q, k, v, impl="flash")
   with pytest.raises(ValueError, match="chunk_size"):
     lm.attention(q, k, v, chunk_size=0)
+  with pytest.raises(ValueError, match="at least one key"):
+    lm.attention(q, k[:, :0], v[:, :0])
+  chex.assert_trees_all_close(lm.attention(q, k, v, chunk_size=np.int64(2)), lm.attention(q, k, v),
+                              atol=1e-6)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU's refusal")
@@ -186,11 +201,10 @@ def test_linen_modules_keep_flax_params_names_and_function():
 
   plain, ours = Two(False), Two(True)
   params = plain.init(jax.random.key(1), x)
-  assert jax.tree.structure(ours.init(jax.random.key(1), x)) == jax.tree.structure(params)
+  chex.assert_trees_all_equal(ours.init(jax.random.key(1), x), params)
   assert set(params["params"]) == {"MultiHeadDotProductAttention_0", "MultiHeadAttention_0"}
-  loss = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)
-  chex.assert_trees_all_close(jax.value_and_grad(loss(ours))(params),
-                              jax.value_and_grad(loss(plain))(params), atol=1e-5)
+  loss = lambda m: jax.jit(jax.value_and_grad(lambda p: jnp.sum(m.apply(p, x) ** 2)))
+  chex.assert_trees_all_close(loss(ours)(params), loss(plain)(params), atol=1e-5)
 
 
 def test_nnx_module_keeps_flax_state_and_function():

@@ -92,10 +92,16 @@ class Attention(nn.Module):
 
 
 class HeadsDense(nn.Module):
-  """``[..., heads, head_dim] -> [..., features]`` with `nn.Dense`'s kernel ``[heads * head_dim, features]``.
+  """``[..., heads, head_dim] -> [..., features]`` with `nn.Dense`'s kernel.
 
-  It contracts the heads without reshaping its input, so the matmul saves the
-  attention output itself, the array attention already keeps, not a copy.
+  The kernel is ``[heads * head_dim, features]``, as `nn.Dense` would make it
+  on the flattened heads. It contracts the heads without reshaping its input,
+  so the matmul saves the attention output itself, the array attention
+  already keeps, not a copy.
+
+  Attributes:
+    features: output size.
+    dtype: compute dtype; param_dtype: parameter dtype.
   """
   features: int
   dtype: Any

@@ -39,6 +39,7 @@ def check_switches(activation: str, norm: str, attention: str) -> None:
 def plain_attention_fn(query, key, value, mask=None):
   """Flax ``attention_fn``: `dot_product_attention` with q, k, v, probabilities and output named."""
   query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
+  mask = None if mask is None else mask.astype(bool)  # Flax's masks: nonzero where kept
   return checkpoint_name(dot_product_attention(query, key, value, mask=mask), names.ATTN_OUT)
 
 

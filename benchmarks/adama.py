@@ -60,7 +60,7 @@ class Scanned:
 
   def __init__(self, config):
     self.config = config
-    self.block = TransformerBlock(config, "exact", "plain", jnp.float32, jnp.float32)
+    self.block = TransformerBlock(config, "exact", "plain", "plain", jnp.float32, jnp.float32)
 
   def init(self, rng, length):
     cfg = self.config

@@ -186,8 +186,9 @@ def _chunked_bwd(causal, chunk, res, dout):
           jnp.zeros(v.shape, jnp.float32),
           None if bias is None else jnp.zeros(bias.shape, jnp.float32))
   dq, dk, dv, dbias = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
-  return ((scale * dq).reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          None if bias is None else dbias.astype(bias.dtype))
+  dbias = None if bias is None else dbias.astype(bias.dtype)
+  dq = (scale * dq).reshape(q.shape).astype(q.dtype)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dbias
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -80,8 +80,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | Non
   """
   _check_qkv(q, k, v)
   shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-  mask = _rank4(mask, "mask", shape)
-  bias = _rank4(bias, "bias", shape)
+  mask = _check_mask(mask, shape)
+  bias = _check_bias(bias, shape)
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
   if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
@@ -218,9 +218,9 @@ def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, kv_len):
   s = s / jnp.float32(math.sqrt(head_dim))
   key_pos = start + jnp.arange(chunk)
   if bias is not None:
-    s = s + _grouped_bias(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
+    s = s + _grouped_heads(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
     s = jnp.maximum(s, _MASKED)  # a key biased to -inf counts as masked
-  keep = None if mask is None else _grouped_bias(_slice_keys(mask, start, chunk), kv_heads)
+  keep = None if mask is None else _grouped_heads(_slice_keys(mask, start, chunk), kv_heads)
   if causal:
     below = jnp.arange(q_len)[:, None] >= key_pos[None, :]
     keep = below if keep is None else keep & below
@@ -247,7 +247,7 @@ def _grouped(x, kv_heads):
   return x.reshape(b, length, kv_heads, heads // kv_heads, d)
 
 
-def _grouped_bias(x, kv_heads):
+def _grouped_heads(x, kv_heads):
   """Rank-4 ``[b, heads or 1, q, k]`` as rank 5 ``[b, kv_heads or 1, groups or 1, q, k]``."""
   b, h, q, k = x.shape
   return x.reshape(b, 1, 1, q, k) if h == 1 else x.reshape(b, kv_heads, h // kv_heads, q, k)
@@ -284,7 +284,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   _check_qkv(q, k, v)
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
-  mask = _rank4(mask, "mask", (batch, heads, q_len, kv_len))
+  mask = _check_mask(mask, (batch, heads, q_len, kv_len))
   groups = heads // kv_heads
   # Grouped heads split q's head axis; without groups q stays as it is, so
   # autodiff keeps q itself rather than a reshaped copy.
@@ -301,7 +301,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     keep = below if keep is None else keep & below
   if keep is not None:
     # An additive bias, not a select: its derivative needs no saved mask.
-    keep = keep if groups == 1 else _grouped_bias(keep, kv_heads)
+    keep = keep if groups == 1 else _grouped_heads(keep, kv_heads)
     logits = logits + jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
   probs = _softmax(logits, keep is not None).astype(v.dtype)
   out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs, v, preferred_element_type=jnp.float32)
@@ -349,16 +349,26 @@ def _check_qkv(q, k, v):
     raise ValueError(f"q's heads ({heads}) must be a multiple of k's and v's heads ({k.shape[2]}).")
 
 
-def _rank4(x, name, shape):
-  """``x`` (mask: boolean; bias: float) checked to broadcast to ``shape``, as rank 4; or None."""
-  if x is None:
+def _check_mask(mask, shape):
+  """A boolean ``mask`` that broadcasts to ``shape``, as rank 4; or None."""
+  if mask is None:
     return None
-  if not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
-  if name == "mask" and x.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a boolean array, got {x.dtype}.")
-  if name == "bias":
-    check_float_array(x, "bias")
+  if getattr(mask, "dtype", None) != jnp.bool_:
+    got = getattr(mask, "dtype", type(mask).__name__)
+    raise TypeError(f"mask must be a boolean array, got {got}.")
+  return _rank4(mask, "mask", shape)
+
+
+def _check_bias(bias, shape):
+  """A float ``bias`` that broadcasts to ``shape``, as rank 4; or None."""
+  if bias is None:
+    return None
+  check_float_array(bias, "bias")
+  return _rank4(bias, "bias", shape)
+
+
+def _rank4(x, name, shape):
+  """``x`` checked to broadcast to ``shape``, with leading axes of size 1 up to rank 4."""
   try:
     if x.ndim > 4:
       raise ValueError(f"rank {x.ndim}")

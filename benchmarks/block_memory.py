@@ -73,8 +73,8 @@ def memory_rows(wl_of, explain):
     saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
     rows.append((variant, stats, per_block, saved))
     if explain:
-      peak = lm.memory.live_buffers_at_peak(grad, params, wl.inputs, wl.labels, top=None)
-      print(f"\n{variant}: live at the peak {peak.peak_bytes / 2**20:,.0f} MiB; "
+      peak = lm.memory.report(grad, params, wl.inputs, wl.labels, top=None)
+      print(f"\n{variant}: live at the peak {peak.live_peak_bytes / 2**20:,.0f} MiB; "
             "largest groups by the op that made them:")
       for (op, kind), (nbytes, count) in group_by_op(peak)[:explain]:
         print(f"  {nbytes / 2**20:9,.0f} MiB in {count:4d} {kind} buffers from {op}")

@@ -11,23 +11,28 @@ Two figures, and this module is the only place the project takes them from:
 * `saved_residuals`: what autodiff keeps from the forward pass for the
   backward pass (``jax.vjp``'s residuals), backend-free: what papers count.
 
-`live_buffers_at_peak` opens the compiled buffer assignment further: the
-buffers live at the peak of XLA's heap simulation, each with the HLO op that
-made it and the user's source line.
+`report` puts both together for a training step: the buffers live at the
+peak of XLA's heap simulation, split into parameters, optimizer state,
+gradients, activations and temporaries, each with the op and source line
+that made it, the live bytes over program order, and autodiff's residuals by
+checkpoint name. `explain_oom` says the same of a step that does not fit.
 """
 
 import dataclasses
 import glob
+import io
 import math
 import os
 import re
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
+
+from lowmem_jax import names as _names
 
 
 def _abstract(tree):
@@ -213,55 +218,352 @@ def saved_residuals(fn: Callable, *args, **kwargs) -> Residuals:
   return Residuals(tuple(rows))
 
 
+COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",
+              "temporaries")
+"""What `report` splits the buffers live at the peak into, in this order:
+
+* parameters, optimizer state, inputs: the step's arguments, told apart by
+  their path: one under a name ``opt_state`` is optimizer state, one under
+  ``params`` a parameter (``train_step(state, batch)`` with a Flax
+  ``TrainState``, or ``train_step(params, opt_state, batch)``), any other
+  argument an input.
+* gradients (estimated): values made by the backward pass (an op under
+  ``transpose(...)``) with the shape and dtype of a parameter. A gradient that
+  XLA fuses into the optimizer's update never exists as a buffer.
+* activations: values made by the forward pass of a differentiated function
+  (an op under ``jvp(...)``, not under ``transpose``): the saved residuals and
+  the forward values in flight.
+* updates (estimated): other values with the shape and dtype of a parameter,
+  made outside autodiff: the optimizer's new parameters and moments where they
+  are not written over the old (no donation, or inside a micro-batch loop),
+  and its intermediates. An argument's buffer keeps the argument's component
+  when a new value is written over it (a donated step).
+* temporaries: everything else (backward values, recomputed forward values,
+  small outputs, copies XLA adds).
+"""
+ESTIMATED = frozenset({"gradients", "updates"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-  """A buffer live at the peak of the compiled program.
+  """A value of the compiled program (XLA's buffer assignment).
 
   Attributes:
-    name: the HLO value (instruction name and tuple index).
+    name: the HLO value (instruction name and tuple index), e.g. ``fusion.3{}``.
     nbytes: its size.
-    shape: its HLO shape, e.g. ``f32[64,197,3072]``.
-    op_name: the JAX op path that made it, e.g. ``jit(step)/transpose(jvp())/dot_general``.
-    source: ``file:line`` of the user code, where XLA kept it.
+    shape: its HLO shape and dtype, e.g. ``f32[64,197,3072]``.
+    op_name: the JAX op path that made it, e.g.
+      ``jit(step)/transpose(jvp(ViT))/Transformer/encoderblock_1/MlpBlock_0/Dense_1/dot_general``;
+      for an argument, its path, e.g. ``params['Dense_0']['kernel']``.
+    source: ``file:line`` of the user code that made it, where XLA kept it.
+    start, end: the first and last positions in program order where it is live.
+    component: one of `COMPONENTS`.
+    checkpoint_name: for an activation, the `checkpoint_name` of the named
+      autodiff residual (`report` with ``loss_fn``) of the same shape, dtype
+      and source line, where there is exactly one; else None. A match by
+      place, not identity: XLA keeps no checkpoint names.
   """
   name: str
   nbytes: int
   shape: str
   op_name: str
   source: str
+  start: int
+  end: int
+  component: str
+  checkpoint_name: str | None = None
+
+  @property
+  def layer(self) -> str:
+    """The module path of the op up to its first numbered module, e.g.
+    ``Transformer/encoderblock_1``; ``(top level)`` where the op is in none."""
+    parts = [p for p in self.op_name.split("/")[:-1] if "(" not in p and p not in _NOT_MODULES]
+    for i, part in enumerate(parts):
+      if _NUMBERED.search(part):
+        return "/".join(parts[:i + 1])
+    return "/".join(parts) or "(top level)"
+
+
+_NOT_MODULES = frozenset({"while", "body", "cond", "checkpoint", "rematted_computation"})
+_NUMBERED = re.compile(r"_\d+$")
 
 
 @dataclasses.dataclass(frozen=True)
-class PeakBuffers:
-  """The buffers live at the peak of XLA's heap simulation, largest first."""
-  peak_bytes: int
+class Breakdown:
+  """Where the memory of one compiled step goes.
+
+  Two sources, never mixed: ``stats``, ``flops``, ``at_peak``, ``live_bytes``,
+  ``buffers`` and ``activations_by_layer`` come from XLA's compilation of the
+  step (buffer assignment, heap simulation, cost analysis); ``saved`` from
+  autodiff's residual analysis of ``loss_fn``. Components marked in
+  `ESTIMATED` are estimates.
+
+  Attributes:
+    label: what was compiled, for tables and plots.
+    stats: the compiled `MemoryStats`; ``stats.peak_bytes`` is the peak the
+      figures of this project compare.
+    flops: FLOPs of the compiled step (XLA's cost analysis; a loop body counts once).
+    at_peak: bytes of each of `COMPONENTS` live at the peak of XLA's heap
+      simulation; they sum to ``live_peak_bytes``.
+    peak_position: where in program order the peak is, of ``len(live_bytes)``.
+    peak_op: the op that runs at the peak, with its source line.
+    live_bytes: bytes live at each position of the program order.
+    buffers: the buffers live at the peak, largest first (``top`` of them).
+    activations_by_layer: bytes of the activations live at the peak, by `Buffer.layer`.
+    saved: the residuals autodiff saves for ``loss_fn``, or None.
+  """
+  label: str
+  stats: MemoryStats
+  flops: float
+  at_peak: dict[str, int]
+  peak_position: int
+  peak_op: str
+  live_bytes: tuple[int, ...]
   buffers: tuple[Buffer, ...]
+  activations_by_layer: dict[str, int]
+  saved: Residuals | None = None
+
+  @property
+  def live_peak_bytes(self) -> int:
+    """Bytes live at the peak of XLA's heap simulation; at most ``stats.peak_bytes``
+    on CPU, where the allocation also holds what buffer packing leaves unused."""
+    return sum(self.at_peak.values())
+
+  def saved_by_kind(self) -> dict[str, int]:
+    """Device bytes of ``saved`` by `lowmem_jax.names.kind`; empty without ``saved``."""
+    out: dict[str, int] = {}
+    for name, nbytes in (self.saved.by_name() if self.saved else {}).items():
+      kind = _names.kind(name)
+      out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+  def to_dict(self) -> dict:
+    """The figures as plain types, ready for `json.dump`."""
+    saved = self.saved
+    return {
+        "label": self.label,
+        "compiled": dataclasses.asdict(self.stats),
+        "flops": self.flops,
+        "at_peak": dict(self.at_peak),
+        "estimated": sorted(ESTIMATED),
+        "live_peak_bytes": self.live_peak_bytes,
+        "peak_position": self.peak_position,
+        "positions": len(self.live_bytes),
+        "peak_op": self.peak_op,
+        "activations_by_layer": dict(self.activations_by_layer),
+        "saved_activation_bytes": saved.activation_bytes if saved else None,
+        "saved_by_name": {str(k): v for k, v in saved.by_name().items()} if saved else None,
+        "saved_by_kind": self.saved_by_kind() if saved else None,
+        "largest_at_peak": [dataclasses.asdict(b) for b in self.buffers],
+    }
+
+  def plot(self, path: str, *others: "Breakdown") -> None:
+    """Writes a PNG of stacked bars, one per breakdown (this one first), of
+    `COMPONENTS` at the peak. Needs matplotlib (``pip install 'lowmem-jax[plot]'``)."""
+    from lowmem_jax import _plots
+    _plots.components(path, (self, *others))
+
+  def plot_live_bytes(self, path: str, *others: "Breakdown") -> None:
+    """Writes a PNG of the live bytes over program order, one curve per
+    breakdown, each peak marked. Needs matplotlib."""
+    from lowmem_jax import _plots
+    _plots.live_bytes(path, (self, *others))
 
   def __str__(self) -> str:
-    lines = [f"live at the peak: {self.peak_bytes:,} bytes in {len(self.buffers)} buffers"]
-    for b in self.buffers:
-      lines.append(f"{b.nbytes:>14,}  {b.shape:<28} {b.op_name}  {b.source}")
-    return "\n".join(lines)
+    return _render(*_tables(self))
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+) ")
+def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args: tuple = (),
+           label: str = "step", top: int | None = 10, **kwargs) -> Breakdown:
+  """Where the memory of the compiled ``step_fn(*args, **kwargs)`` goes.
+
+  Compiles the step once on the shapes of ``args`` (nothing runs, nothing is
+  allocated) and splits the buffers live at the peak of XLA's heap simulation
+  into `COMPONENTS`; with ``loss_fn``, adds autodiff's residuals of
+  ``loss_fn(*loss_args)`` (by checkpoint name and kind).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, lowmem_jax as lm
+    >>> tx = optax.adam(1e-3)
+    >>> loss = lambda params, x: jnp.tanh(x @ params["w"]).sum()
+    >>> def train_step(params, opt_state, x):
+    ...   updates, opt_state = tx.update(jax.grad(loss)(params, x), opt_state)
+    ...   return optax.apply_updates(params, updates), opt_state
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    >>> x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    >>> b = lm.memory.report(train_step, params, jax.eval_shape(tx.init, params), x)
+    >>> b.at_peak["parameters"], b.at_peak["optimizer state"]
+    (262144, 524292)
+
+  Args:
+    step_fn: the step, jitted here unless it already is (then its static
+      arguments and donation are respected).
+    *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct` pytrees.
+      Name the arguments ``params`` and ``opt_state`` (or pass a state with
+      such fields) so that they are told apart from the inputs.
+    loss_fn, loss_args: the function the step differentiates and its arguments,
+      for autodiff's residual count; optional.
+    label: a name for tables and plots.
+    top: how many of the buffers live at the peak to keep (all if None).
+
+  Returns:
+    a `Breakdown`.
+  """
+  if top is not None and (not isinstance(top, int) or top < 0):
+    raise ValueError(f"top must be an int >= 0 or None, got {top!r}.")
+  saved = saved_residuals(loss_fn, *loss_args) if loss_fn is not None else None
+  with tempfile.TemporaryDirectory() as dump:
+    compiled = compile(step_fn, *args, compiler_options={"xla_dump_to": dump}, **kwargs)
+    texts = [_read_one(dump, suffix) for suffix in (".txt", "-buffer-assignment.txt", "-live-range.txt")]
+  instructions = _parse_hlo(texts[0])
+  values, sequence, held = _parse_dump(instructions, *texts[1:])
+  names_by_place = _names_by_place(saved)
+  param_shapes = {v.shape for v in values if v.component == "parameters"}
+  last = max(v.end for v in values)  # one past the last instruction: the program's end
+  curve = np.zeros(last + 2, np.int64)
+  for v in values:
+    curve[v.start] += v.nbytes
+    curve[v.end + 1] -= v.nbytes
+  live_bytes = np.cumsum(curve)[:-1]
+  peak_position = int(np.argmax(live_bytes))
+  buffers = []
+  for v in values:
+    if v.start <= peak_position <= v.end:
+      if v.component is None:
+        component = _computed_component(v, param_shapes, held.get(v.name))
+        name = names_by_place.get((v.shape, v.source)) if component == "activations" else None
+        v = dataclasses.replace(v, component=component, checkpoint_name=name)
+      buffers.append(v)
+  buffers.sort(key=lambda b: -b.nbytes)
+  at_peak = {c: sum(b.nbytes for b in buffers if b.component == c) for c in COMPONENTS}
+  by_layer: dict[str, int] = {}
+  for b in buffers:
+    if b.component == "activations":
+      by_layer[b.layer] = by_layer.get(b.layer, 0) + b.nbytes
+  peak_name = sequence[peak_position] if peak_position < len(sequence) else "(the end)"
+  peak_instr = instructions.get(peak_name, _Instr("", "", None))
+  return Breakdown(
+      label=label, stats=stats_of(compiled), flops=flops_of(compiled), at_peak=at_peak,
+      peak_position=peak_position,
+      peak_op=f"{peak_name} {peak_instr.op_name} {peak_instr.source}".strip(),
+      live_bytes=tuple(int(b) for b in live_bytes),
+      buffers=tuple(buffers[:top] if top is not None else buffers),
+      activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])), saved=saved)
+
+
+def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,
+                **kwargs) -> str:
+  """Why ``fn(*args, **kwargs)`` does not fit: its compiled peak against the
+  device's memory, what is live at the peak and the ``top`` largest buffers
+  there, with the op and source line that made each.
+
+  Compiles on abstract shapes, so it works for a step too big to run.
+
+  Args:
+    fn, *args, **kwargs: as for `report`.
+    limit_bytes: the memory to compare with; default: the first device's
+      ``memory_stats()["bytes_limit"]`` where the backend gives one.
+  """
+  breakdown = report(fn, *args, top=top, **kwargs)
+  if limit_bytes is None:
+    limit_bytes = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  peak = breakdown.stats.peak_bytes
+  if limit_bytes is None:
+    verdict = "this backend reports no memory limit (pass limit_bytes=)"
+  elif peak > limit_bytes:
+    verdict = f"over the limit of {_mib(limit_bytes)} MiB by {_mib(peak - limit_bytes)} MiB"
+  else:
+    verdict = f"fits in the limit of {_mib(limit_bytes)} MiB with {_mib(limit_bytes - peak)} MiB to spare"
+  return f"compiled peak {_mib(peak)} MiB: {verdict}.\n{breakdown}"
+
+
+def _mib(nbytes: float) -> str:
+  return f"{nbytes / 2**20:,.1f}"
+
+
+def _tables(b: Breakdown) -> list:
+  from rich.table import Table
+  live = b.live_peak_bytes
+  out = [f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis); "
+         f"live at the peak {_mib(live)} MiB (heap simulation), at position {b.peak_position} of "
+         f"{len(b.live_bytes)}: {b.peak_op}"]
+  main = Table("live at the peak", "MiB", "share")
+  for component, nbytes in b.at_peak.items():
+    note = " (estimated)" if component in ESTIMATED else ""
+    main.add_row(component + note, _mib(nbytes), f"{100 * nbytes / live:.1f}%" if live else "-")
+  out.append(main)
+  if b.saved is not None:
+    out.append(f"saved for the backward pass: {_mib(b.saved.activation_bytes)} MiB "
+               "(autodiff's residuals of loss_fn)")
+    saved = Table("kind", "name", "MiB")
+    for name, nbytes in sorted(b.saved.by_name().items(), key=lambda kv: -kv[1]):
+      saved.add_row(_names.kind(name), name or "(unnamed)", _mib(nbytes))
+    out.append(saved)
+  if b.activations_by_layer:
+    layers = Table("activations live at the peak, by layer", "MiB")
+    for layer, nbytes in b.activations_by_layer.items():
+      layers.add_row(layer, _mib(nbytes))
+    out.append(layers)
+  largest = Table("MiB", "shape", "component", "name", "op", "source",
+                  title="largest buffers live at the peak")
+  for buf in b.buffers:
+    largest.add_row(_mib(buf.nbytes), buf.shape, buf.component, buf.checkpoint_name or "",
+                    buf.op_name or "(made by XLA)", buf.source)
+  out.append(largest)
+  return out
+
+
+def _render(*renderables) -> str:
+  from rich.console import Console
+  console = Console(file=io.StringIO(), width=160, color_system=None)
+  for r in renderables:
+    console.print(r)
+  return console.file.getvalue().rstrip()
+
+
+def flops_of(program: jax.stages.Compiled | jax.stages.Lowered) -> float:
+  """FLOPs of a compiled (or lowered) program, from XLA's cost analysis."""
+  cost = program.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+    cost = cost[0]
+  if not cost or "flops" not in cost:
+    raise RuntimeError("This backend's cost analysis gives no FLOP count.")
+  return float(cost["flops"])
+
+
+class _Instr(NamedTuple):
+  op_name: str
+  source: str
+  parameter: int | None  # its number, for an argument of the entry computation
+  copy_of: str | None = None  # the operand, for a copy XLA adds
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\([^=]*?\)|\S+) "
+                    r"(?P<op>[\w\-]+)\((?P<number>\d*)(?:%(?P<operand>[\w.\-]+)\))?")
 _COMMENT = re.compile(r"/\*.*?\*/")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
-_LIVE = re.compile(r"^\s+(?P<name>[\w.\-]+)\{[\d,]*\}: (?P<bytes>\d+) bytes")
 _FILE = re.compile(r'^(\d+) "(.*)"$')
 _LOCATION = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)")
 _FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
+_ALLOCATION = re.compile(r"^allocation (?P<allocation>\d+): size \d+, (?:parameter (?P<parameter>\d+))?")
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})? @\d+> "
+                    r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>.*)$")
+_RANGE = re.compile(r"^\s+(?P<name>[\w.\-]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$")
+_POSITION = re.compile(r"^\s+(\d+):([\w.\-]+)$")
+_LAYOUT = re.compile(r"\{[^{}]*\}")
 
 
-def _parse_hlo(text: str) -> dict[str, tuple[str, str, str]]:
-  """Maps instruction name to (shape, op_name, source) from an HLO dump."""
-  files, locations, frames, section = {}, {}, {}, None
+def _parse_hlo(text: str) -> dict[str, _Instr]:
+  """Maps instruction name to its op_name, source line and, for an argument
+  of the entry computation, its number, from an HLO dump."""
+  files, locations, frames, section, entry = {}, {}, {}, None, False
   out = {}
   for line in text.splitlines():
     if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
       section = line
       continue
+    entry = line.startswith("ENTRY ") or (entry and line != "}")
     if section == "FileNames" and (m := _FILE.match(line)):
       files[m.group(1)] = m.group(2)
     elif section == "FileLocations" and (m := _LOCATION.match(line)):
@@ -269,50 +571,115 @@ def _parse_hlo(text: str) -> dict[str, tuple[str, str, str]]:
     elif section == "StackFrames" and (m := _FRAME.match(line)):
       frames[m.group(1)] = locations.get(m.group(2), "")
     elif (m := _INSTR.match(_COMMENT.sub("", line))):
-      shape = re.sub(r"\{[^{}]*\}", "", m.group("shape"))
       op = _OP_NAME.search(line)
       frame = _FRAME_ID.search(line)
-      out[m.group("name")] = (
-          shape, op.group(1) if op else "", frames.get(frame.group(1), "") if frame else "")
+      out[m.group("name")] = _Instr(
+          op.group(1).replace("\\'", "'") if op else "",
+          frames.get(frame.group(1), "") if frame else "",
+          int(m.group("number")) if entry and m.group("op") == "parameter" else None,
+          m.group("operand") if m.group("op") == "copy" else None)
   return out
 
 
-def live_buffers_at_peak(fn: Callable, *args, top: int | None = 20, **kwargs) -> PeakBuffers:
-  """The buffers live at the peak of the compiled ``fn``, largest first.
+def _parse_dump(instructions: dict[str, _Instr], assignment: str,
+                live_range: str) -> tuple[list[Buffer], list[str], dict[str, str]]:
+  """The values with their live ranges, the program order, and the component
+  of the argument whose buffer holds each other value, where one does (an
+  output written over a donated argument).
 
-  Compiles ``fn`` once with XLA's dump enabled for this compilation only and
-  reads its buffer live ranges (``*-live-range.txt``) and optimised HLO.
-
-  Args:
-    fn, *args, **kwargs: as for `analyze`.
-    top: keep the ``top`` largest buffers (all of them if None).
+  An argument, and a copy of one that XLA adds to change its layout, already
+  has its component. Where a value is written over another in place (same
+  buffer and offset), XLA's live ranges overlap at the writing position; here
+  the new value takes over the buffer there, so the bytes are counted once.
   """
-  with tempfile.TemporaryDirectory() as dump:
-    compile(fn, *args, compiler_options={"xla_dump_to": dump}, **kwargs)
-    live_range = _only(glob.glob(os.path.join(dump, "*after_optimizations-live-range.txt")))
-    hlo = _only(glob.glob(os.path.join(dump, "*after_optimizations.txt")))
-    with open(live_range) as f:
-      live_text = f.read()
-    with open(hlo) as f:
-      instructions = _parse_hlo(f.read())
-  if "(peak):" not in live_text:
-    raise RuntimeError(f"XLA's live-range dump has no peak section; its format may have changed: {live_range}")
-  at_peak = live_text.split("(peak):", 1)[1].split("Stack trace breakdown", 1)[0]
-  buffers = []
-  for line in at_peak.splitlines():
-    if m := _LIVE.match(line):
-      shape, op, source = instructions.get(m.group("name"), ("?", "", ""))
-      buffers.append(Buffer(m.group("name"), int(m.group("bytes")), shape, op, source))
-  buffers.sort(key=lambda b: -b.nbytes)
-  return PeakBuffers(sum(b.nbytes for b in buffers), tuple(buffers[:top] if top else buffers))
+  paths = {i.parameter: i.op_name for i in instructions.values() if i.parameter is not None}
+  found, allocation, parameter = {}, None, None
+  for line in assignment.splitlines():
+    if m := _ALLOCATION.match(line):
+      allocation, parameter = m.group("allocation"), m.group("parameter")
+    elif m := _VALUE.match(line):
+      shape = _LAYOUT.sub("", _COMMENT.sub("", m.group("shape")))
+      holder = _argument_component(paths.get(int(parameter), "")) if parameter else None
+      found[m.group("name") + (m.group("index") or "{}")] = (
+          int(m.group("size")), shape, holder, (allocation, m.group("offset")))
+  if "BufferLiveRange:" not in live_range:
+    raise RuntimeError("XLA's live-range dump has no BufferLiveRange section; its format may have changed.")
+  arguments = {name: _argument_component(i.op_name) for name, i in instructions.items()
+               if i.parameter is not None}
+  sequence, by_slot, held = [], {}, {}
+  for line in live_range.split("Live ranges at", 1)[0].splitlines():
+    if m := _POSITION.match(line):
+      sequence.append(m.group(2))
+    elif (m := _RANGE.match(line)) and m.group("name") in found:
+      nbytes, shape, holder, slot = found[m.group("name")]
+      instr_name = m.group("name").split("{", 1)[0]
+      instr = instructions.get(instr_name, _Instr("", "", None))
+      component = arguments.get(instr_name) or arguments.get(instr.copy_of)
+      if holder and not component:
+        held[m.group("name")] = holder
+      by_slot.setdefault(slot, []).append(Buffer(
+          name=m.group("name"), nbytes=nbytes, shape=shape, op_name=instr.op_name,
+          source=instr.source, start=int(m.group("start")), end=int(m.group("end")),
+          component=component))
+  values = []
+  for in_slot in by_slot.values():
+    in_slot.sort(key=lambda v: (v.start, v.end))
+    for old, new in zip(in_slot, in_slot[1:]):
+      if new.start <= old.end:
+        old = dataclasses.replace(old, end=new.start - 1)
+      if old.end >= old.start:
+        values.append(old)
+    values.append(in_slot[-1])
+  return values, sequence, held
 
 
-def _only(paths: list[str]) -> str:
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def _argument_component(path: str) -> str:
+  words = set(_IDENTIFIER.findall(path))
+  return "optimizer state" if "opt_state" in words else "parameters" if "params" in words else "inputs"
+
+
+def _computed_component(value: Buffer, param_shapes: set[str], holder: str | None) -> str:
+  backward, forward = "transpose(" in value.op_name, "jvp(" in value.op_name
+  if backward and value.shape in param_shapes:
+    return "gradients"
+  if forward and not backward:
+    return "activations"
+  if holder:
+    return holder
+  return "updates" if value.shape in param_shapes and not forward else "temporaries"
+
+
+_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64",
+              "int8": "s8", "int16": "s16", "int32": "s32", "int64": "s64", "uint8": "u8",
+              "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "pred"}
+
+
+_PLACE = re.compile(r" from (?P<file>.+):(?P<line>\d+):\d+ \(")
+
+
+def _names_by_place(saved: Residuals | None) -> dict[tuple[str, str], str]:
+  """(HLO shape, ``file:line``) -> the checkpoint name of the named residuals
+  made there, where exactly one name is."""
+  found: dict[tuple[str, str], set] = {}
+  for r in saved.rows if saved else ():
+    if r.name and not r.is_argument and (m := _PLACE.search(r.source)):
+      shape = f"{_HLO_TYPES.get(r.dtype.name, r.dtype.name)}[{','.join(map(str, r.shape))}]"
+      found.setdefault((shape, f"{m.group('file')}:{m.group('line')}"), set()).add(r.name)
+  return {place: next(iter(n)) for place, n in found.items() if len(n) == 1}
+
+
+def _read_one(dump: str, suffix: str) -> str:
+  paths = glob.glob(os.path.join(dump, f"*after_optimizations{suffix}"))
   if len(paths) != 1:
     raise RuntimeError(
-        f"Expected one XLA dump file, found {paths}: a persistent compilation cache hit "
-        "compiles nothing, and backends other than CPU and GPU may dump differently.")
-  return paths[0]
+        f"Expected one XLA dump file *after_optimizations{suffix}, found {paths}: a persistent "
+        "compilation cache hit compiles nothing, and backends other than CPU and GPU may dump "
+        "differently.")
+  with open(paths[0]) as f:
+    return f.read()
 
 
 def tree_bytes(tree: Any) -> int:

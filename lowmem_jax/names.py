@@ -25,3 +25,17 @@ def ordered(names) -> list[str]:
   """``names`` in vocabulary order, then any others sorted."""
   rank = {n: i for i, n in enumerate(ALL)}
   return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+KINDS = {
+    ACT_CODE: "activation codes", NORM_OUT: "norm outputs", NORM_RSTD: "norm outputs",
+    BLOCK_IN: "block inputs", MLP_HIDDEN: "activation inputs", MLP_ACT: "matmul inputs",
+    QKV: "attention", ATTN_PROBS: "attention", ATTN_OUT: "attention", ATTN_LSE: "attention",
+}
+
+
+def kind(name: str | None) -> str:
+  """What a residual of checkpoint name ``name`` is, for memory reports:
+  ``KINDS[name]``, else "unnamed" or "other names"."""
+  if name is None:
+    return "unnamed"
+  return KINDS.get(name, "other names")

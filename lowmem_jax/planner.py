@@ -109,7 +109,7 @@ class BudgetError(ValueError):
 
 def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = None,
          candidates: tuple[Callable, ...] = (policies.minimal, policies.dots), refine: int = 4,
-         progress: bool = False) -> Plan:
+         donate_argnums: tuple[int, ...] = (), progress: bool = False) -> Plan:
   """Finds a remat policy of least recompute whose compiled step fits ``budget``.
 
   Least among the candidates compiled (see the module docstring for the search).
@@ -125,6 +125,8 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
     candidates: other policies to compile and weigh with the name sets.
     refine: how many name sets to compile after the greedy chain (none past
       `MAX_ENUMERATED_NAMES` names).
+    donate_argnums: arguments the step donates (``jax.jit``'s), as a training
+      step donates its parameters and optimizer state.
     progress: print each compiled candidate to stderr.
 
   Returns:
@@ -146,7 +148,7 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   if not isinstance(refine, int) or refine < 0:
     raise ValueError(f"refine must be an int >= 0, got {refine!r}.")
   start = time.perf_counter()
-  search = _Search(step_fn, memory._abstract(args), int(budget), progress)
+  search = _Search(step_fn, memory._abstract(args), int(budget), tuple(donate_argnums), progress)
   tagged = search.tagged_bytes()
   names = tuple(tagged) if names is None else _checked(names, tagged)
   base = search.compiled(policies.everything)
@@ -189,8 +191,9 @@ def _checked(names, tagged) -> tuple[str, ...]:
 class _Search:
   """The compiled candidates of one `plan` call, over a cache shared by calls."""
 
-  def __init__(self, step_fn, args, budget, progress):
+  def __init__(self, step_fn, args, budget, donate_argnums, progress):
     self.step_fn, self.args, self.budget = step_fn, args, budget
+    self.donate_argnums = donate_argnums
     self.signature = _signature(args)
     self.progress = progress
     self.tried: list[Candidate] = []
@@ -202,7 +205,7 @@ class _Search:
       if c.policy == policy:
         return c
     t = time.perf_counter()
-    peak, flops = _measure(self.step_fn, self.signature, policy)
+    peak, flops = _measure(self.step_fn, self.signature, policy, self.donate_argnums)
     if self.base_flops is None:
       self.base_flops = flops  # the first candidate is always `everything`
     c = Candidate(policies.describe(policy), policy, peak, flops, flops - self.base_flops,
@@ -280,12 +283,13 @@ def _signature(args) -> tuple:
 
 
 @functools.lru_cache(maxsize=512)
-def _measure(step_fn, signature, policy) -> tuple[int, float]:
+def _measure(step_fn, signature, policy, donate_argnums) -> tuple[int, float]:
   """Compiled peak bytes and FLOPs of ``step_fn(*args, policy=policy)``."""
   treedef, leaves, _ = signature
   args = jax.tree.unflatten(treedef, leaves)
-  compiled = memory.compile(functools.partial(step_fn, policy=policy), *args)
-  return memory.stats_of(compiled).peak_bytes, float(_flops(compiled.cost_analysis()))
+  step = jax.jit(functools.partial(step_fn, policy=policy), donate_argnums=donate_argnums)
+  compiled = memory.compile(step, *args)
+  return memory.stats_of(compiled).peak_bytes, memory.flops_of(compiled)
 
 
 def clear_cache() -> None:
@@ -295,12 +299,5 @@ def clear_cache() -> None:
 
 def _lowered_flops(step_fn, policy, args) -> float:
   lowered = jax.jit(functools.partial(step_fn, policy=policy)).lower(*args)
-  return float(_flops(lowered.cost_analysis()))
+  return memory.flops_of(lowered)
 
-
-def _flops(cost) -> float:
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-    cost = cost[0]
-  if not cost or "flops" not in cost:
-    raise RuntimeError("This backend's cost analysis gives no FLOP count.")
-  return cost["flops"]

@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowmem_jax import optim
 from lowmem_jax.models import llama, vit
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 
 VIT_CONFIGS = {
+    "vit-tiny": dict(patch_size=16, width=192, depth=2, mlp_dim=768, num_heads=3),  # quick checks
     "vit-b16": dict(patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12),
     "vit-l16": dict(patch_size=16, width=1024, depth=24, mlp_dim=4096, num_heads=16),
 }
@@ -67,6 +69,24 @@ class Workload:
     logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
+  def train_step(self, tx: optax.GradientTransformation, k: int = 1) -> Callable:
+    """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params,
+    opt_state, metrics)`` with ``batch = (inputs, labels)`` and ``metrics["loss"]``.
+
+    With ``k > 1``, `lowmem_jax.microbatch_step` over k micro-batches (give an
+    AdamA ``tx`` for the same k to fold each micro-batch gradient into its moments).
+    """
+    def loss(params, batch):
+      return self.loss(params, *batch)
+    if k != 1:
+      return optim.microbatch_step(loss, tx, k)
+
+    def step(params, opt_state, batch):
+      value, grads = jax.value_and_grad(loss)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, {"loss": value}
+    return step
+
 
 def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
@@ -76,7 +96,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
   """The reference workload ``name`` (one of `NAMES`).
 
   Args:
-    name: "vit-b16", "vit-l16", "llama-100m", "llama-1b" or "llama-7b".
+    name: "vit-tiny" (two ViT-Ti/16 blocks, for quick checks), "vit-b16", "vit-l16",
+      "llama-100m", "llama-1b" or "llama-7b".
     batch: examples per batch.
     seq: tokens per example (LLaMA).
     image: image side in pixels (ViT).

@@ -1,0 +1,173 @@
+"""`lowmem_jax.memory.report` against a hand count, and the ``lowmem-jax`` command."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import cli, memory, names
+
+BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
+
+
+def _mlp():
+  def loss(params, x):
+    h = jax.ad_checkpoint.checkpoint_name(x @ params["w1"], names.MLP_HIDDEN)
+    a = jax.ad_checkpoint.checkpoint_name(jnp.sin(h), names.MLP_ACT)
+    return jnp.sum(a @ params["w2"])
+
+  tx = optax.adam(1e-3)
+
+  def train_step(params, opt_state, x):
+    grads = jax.grad(loss)(params, x)
+    updates, opt_state = tx.update(grads, opt_state)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"w1": jax.ShapeDtypeStruct((D_IN, HIDDEN), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((HIDDEN, D_OUT), jnp.float32)}
+  x = jax.ShapeDtypeStruct((BATCH, D_IN), jnp.float32)
+  return loss, train_step, params, jax.eval_shape(tx.init, params), x
+
+
+def test_report_agrees_with_a_hand_count():
+  loss, train_step, params, opt_state, x = _mlp()
+  b = memory.report(jax.jit(train_step, donate_argnums=(0, 1)), params, opt_state, x,
+                    loss_fn=loss, loss_args=(params, x), top=None)
+  weights = 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
+  assert b.at_peak["parameters"] == weights
+  assert b.at_peak["optimizer state"] == 2 * weights + 4  # mu, nu and the int32 count
+  assert b.at_peak["inputs"] == 4 * BATCH * D_IN
+  assert sum(b.at_peak.values()) == b.live_peak_bytes <= b.stats.peak_bytes
+  # Autodiff keeps cos(h) for sin's derivative and sin(h) for the second matmul's; the sum
+  # and the first matmul need nothing but the arguments.
+  assert b.saved.by_name() == {None: 4 * BATCH * HIDDEN, names.MLP_ACT: 4 * BATCH * HIDDEN}
+  assert b.saved_by_kind() == {"unnamed": 4 * BATCH * HIDDEN, "matmul inputs": 4 * BATCH * HIDDEN}
+  assert b.flops > 2 * 2 * BATCH * (D_IN * HIDDEN + HIDDEN * D_OUT)
+  as_json = json.loads(json.dumps(b.to_dict()))
+  assert as_json["at_peak"] == b.at_peak
+  assert as_json["saved_by_name"] == {"None": 4 * BATCH * HIDDEN, "mlp_act": 4 * BATCH * HIDDEN}
+
+
+def test_report_finds_activations_gradients_and_names():
+  loss, _, params, _, x = _mlp()
+  b = memory.report(jax.grad(loss), params, x, loss_fn=loss, loss_args=(params, x), top=None)
+  acts = [buf for buf in b.buffers if buf.component == "activations"]
+  assert any(buf.checkpoint_name == names.MLP_ACT and buf.shape == f"f32[{BATCH},{HIDDEN}]"
+             for buf in acts) or b.at_peak["activations"] == 0
+  # jax.grad returns the gradients: at the end they are live, shaped like the parameters.
+  assert b.live_bytes[-1] >= 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
+  assert all(c in memory.COMPONENTS for c in b.at_peak)
+  assert "(estimated)" in str(b) and "largest buffers" in str(b)
+
+
+def test_layers_of_a_flax_model():
+  wl = lm.models.workload("vit-tiny", batch=8, dtype=jnp.float32)
+  b = memory.report(jax.grad(wl.loss), wl.abstract_params(), wl.inputs, wl.labels, top=None)
+  assert {"Transformer/encoderblock_0", "Transformer/encoderblock_1"} <= set(b.activations_by_layer)
+  assert sum(b.activations_by_layer.values()) == b.at_peak["activations"]
+
+
+def test_plots_are_pngs(tmp_path):
+  pytest.importorskip("matplotlib")
+  loss, train_step, params, opt_state, x = _mlp()
+  b = memory.report(train_step, params, opt_state, x, label="mlp")
+  b.plot(tmp_path / "bars.png", b)
+  b.plot_live_bytes(tmp_path / "live.png")
+  for name in ("bars.png", "live.png"):
+    data = (tmp_path / name).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_explain_oom():
+  _, train_step, params, opt_state, x = _mlp()
+  text = memory.explain_oom(train_step, params, opt_state, x, limit_bytes=2**16, top=3)
+  assert text.startswith("compiled peak") and "over the limit" in text
+  assert "params['w1']" in text
+  assert "fits in the limit" in memory.explain_oom(train_step, params, opt_state, x,
+                                                   limit_bytes=2**30)
+
+
+def test_report_bad_top():
+  loss, _, params, _, x = _mlp()
+  with pytest.raises(ValueError, match="top"):
+    memory.report(jax.grad(loss), params, x, top=-1)
+
+
+# The CLI, through its entry point, on the two-block ViT: its compiles are short.
+SMALL = ["--model", "vit-tiny", "--batch", "4"]
+
+
+def test_cli_report_json(capsys, tmp_path):
+  assert cli.main(["report", *SMALL, "--techniques", "baseline,approx+ms-norm,all+adama:2",
+                   "--top", "3", "--json", "--plot", str(tmp_path)]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert [r["techniques"] for r in out["rows"]] == ["baseline", "approx+ms-norm", "all+adama:2"]
+  base, approx, adama = out["rows"]
+  params = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(
+      lm.models.workload("vit-tiny", batch=4).abstract_params()))
+  for r in out["rows"]:
+    assert set(r) >= {"parameters", "optimizer_state", "gradients", "activations", "other",
+                      "peak_bytes", "reduction", "extra_flops", "saved_activation_bytes", "breakdown"}
+    assert r["live_peak_bytes"] == sum(r["breakdown"]["at_peak"].values())
+    assert len(r["breakdown"]["largest_at_peak"]) == 3
+  assert base["reduction"] == 1.0 and base["extra_flops"] == 0.0
+  assert base["breakdown"]["at_peak"]["optimizer state"] >= 2 * params
+  assert approx["breakdown"]["saved_by_name"]["act_code"] > 0
+  assert approx["saved_activation_bytes"] < base["saved_activation_bytes"]
+  assert "attn_lse" in adama["breakdown"]["saved_by_name"]
+  for name in ("components.png", "live_bytes.png"):
+    assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_report_table(capsys):
+  assert cli.main(["report", *SMALL, "--techniques", "baseline,remat:full"]) == 0
+  out = capsys.readouterr().out
+  for column in ("techniques", "params", "optimizer", "gradients", "activations", "peak",
+                 "× less", "extra FLOPs", "saved"):
+    assert column in out
+  assert "remat:full" in out and "largest buffers live at the peak" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--model", "gpt-9"], "invalid choice: 'gpt-9'"),
+    (["report", "--techniques", "baseline,turbo"], "unknown technique 'turbo'"),
+    (["report", "--techniques", "remat:some"], "remat:some"),
+    (["report", "--techniques", "adama:0"], "adama:0"),
+    (["report", *SMALL, "--techniques", "adama:3"], "equal micro-batches"),
+    (["report", *SMALL, "--plot", "/dev/null/x"], "--plot"),
+    (["report", "--batch", "0"], "--batch must be >= 1"),
+    (["plan", "--budget", "12 parsecs"], "budget '12 parsecs'"),
+    (["plan"], "--budget"),
+    ([], "command"),
+])
+def test_cli_usage_errors(capsys, argv, message):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_plan(capsys):
+  # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
+  base = cli.measure(cli._parser().parse_args(["report", *SMALL]), cli.parse_setting("baseline"))
+  budget = base.stats.peak_bytes - 2**20
+  assert cli.main(["plan", *SMALL, "--budget", f"{budget}B"]) == 0
+  out = capsys.readouterr().out
+  assert "Fits" in out and "lm.models.workload(\"vit-tiny\"" in out
+  assert "baseline" in out and "donate_argnums=(0, 1)" in out
+
+
+def test_cli_plan_nothing_fits(capsys):
+  assert cli.main(["plan", *SMALL, "--batch", "1", "--budget", "1MiB"]) == 1
+  err = capsys.readouterr().err
+  assert "nothing fits 1.0 MiB: the float32 parameters and AdamW state" in err
+  assert err.count("\n") == 1
+
+
+def test_parse_bytes():
+  assert cli.parse_bytes("24GiB") == 24 * 2**30
+  assert cli.parse_bytes("1.5 GB") == 1_500_000_000
+  assert cli.parse_bytes("4096") == 4096

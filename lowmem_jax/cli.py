@@ -40,7 +40,7 @@ TECHNIQUES = {
     "adama:<k>": "AdamA over k micro-batches of the batch (lowmem_jax.adamaw, microbatch_step)",
     "all": "approx+ms-norm+attention+bf16",
 }
-DEFAULT_TECHNIQUES = "baseline,approx,ms-norm,attention,bf16,all"
+DEFAULT_TECHNIQUES = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
 LEARNING_RATE = 1e-3
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -231,6 +231,10 @@ def report(args, console: Console) -> int:
     console.print_json(json.dumps(out))
     return 0
   console.print(_summary(rows, _workload_title(args)))
+  if jax.default_backend() == "cpu" and any(s.bf16 for s in settings):
+    console.print("On CPU, XLA computes bfloat16 dots in float32 and keeps float32 copies of "
+                  "bfloat16 arrays as temporaries, which an accelerator does not: compare the "
+                  "techniques in float32 here.", highlight=False)
   for b in breakdowns if args.details else breakdowns[-1:]:
     console.print(str(b), highlight=False)
   if args.plot:

@@ -44,7 +44,7 @@ def live_bytes(path: str, breakdowns) -> None:
     ax.plot(x[b.peak_position], b.live_bytes[b.peak_position] / 2**30, "o", color=line.get_color())
   ax.set_xlabel("position in program order (fraction of the schedule)")
   ax.set_ylabel("GiB live")
-  ax.set_title("Live bytes over the compiled program (XLA heap simulation); peaks marked")
+  ax.set_title("Live bytes over the compiled program (summed over XLA's buffer live ranges); peaks marked")
   ax.legend(fontsize="small")
   fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)

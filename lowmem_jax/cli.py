@@ -118,7 +118,7 @@ def parse_setting(text: str) -> Setting:
         raise UsageError(f"remat:{value}: the policy must be one of {', '.join(policies.READY_MADE)}.")
       fields["remat"] = policies.READY_MADE[value]
     elif name == "adama":
-      if not value.isdigit() or int(value) < 1:
+      if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
         raise UsageError(f"adama:{value}: k must be a positive integer, e.g. adama:4.")
       fields["adama"] = int(value)
     else:
@@ -150,7 +150,7 @@ def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
                        loss_fn=wl.loss, loss_args=(params, *micro), label=setting.label, top=top)
 
 
-def row(b: memory.Breakdown, base: memory.Breakdown) -> dict:
+def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
   """The summary figures of one technique set against ``base``."""
   at = b.at_peak
   return {
@@ -164,7 +164,7 @@ def row(b: memory.Breakdown, base: memory.Breakdown) -> dict:
       "peak_bytes": b.stats.peak_bytes,
       "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
       # XLA's cost analysis counts a loop body once: a micro-batch scan's FLOPs are per micro-batch.
-      "extra_flops": (b.flops - base.flops) / base.flops if "adama:" not in b.label else None,
+      "extra_flops": (b.flops - base.flops) / base.flops if setting.adama == 1 else None,
       "saved_activation_bytes": b.saved.activation_bytes,
   }
 
@@ -217,12 +217,12 @@ def report(args, console: Console) -> int:
       breakdowns.append(measure(args, s, top=args.top))
       progress.advance(task)
   base = next((b for b in breakdowns if b.label == "baseline"), breakdowns[0])
-  rows = [row(b, base) for b in breakdowns]
+  rows = [row(b, base, s) for b, s in zip(breakdowns, settings)]
   if args.plot:
     try:
       breakdowns[0].plot(os.path.join(args.plot, "components.png"), *breakdowns[1:])
       breakdowns[0].plot_live_bytes(os.path.join(args.plot, "live_bytes.png"), *breakdowns[1:])
-    except ImportError as e:
+    except (ImportError, OSError) as e:
       raise UsageError(f"--plot: {e}") from e
   if args.json:
     out = {"model": args.model, "batch": args.batch, "seq": args.seq, "image": args.image,
@@ -231,9 +231,9 @@ def report(args, console: Console) -> int:
     console.print_json(json.dumps(out))
     return 0
   console.print(_summary(rows, _workload_title(args)))
-  if jax.default_backend() == "cpu" and any(s.bf16 for s in settings):
-    console.print("On CPU, XLA computes bfloat16 dots in float32 and keeps float32 copies of "
-                  "bfloat16 arrays as temporaries, which an accelerator does not: compare the "
+  if jax.default_backend() == "cpu" and (args.dtype != "float32" or any(s.bf16 for s in settings)):
+    console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
+                  "16-bit arrays as temporaries, which an accelerator does not: compare the "
                   "techniques in float32 here.", highlight=False)
   for b in breakdowns if args.details else breakdowns[-1:]:
     console.print(str(b), highlight=False)
@@ -273,17 +273,17 @@ def plan(args, console: Console) -> int:
       setting = _planned(args, text, budget)
       if setting is not None:
         b = measure(args, setting)
-        tried.append(b)
+        tried.append((b, setting))
         if b.stats.peak_bytes <= budget:
           break
       progress.advance(task)
     else:
-      smallest = min(tried, key=lambda b: b.stats.peak_bytes)
+      smallest, _ = min(tried, key=lambda t: t[0].stats.peak_bytes)
       print(f"lowmem-jax: nothing fits {_size(budget)}: the smallest compiled peak is "
             f"{_size(smallest.stats.peak_bytes)}, with {smallest.label}. Lower --batch or --seq.",
             file=sys.stderr)
       return 1
-  rows = [row(b, tried[0]) for b in tried]
+  rows = [row(t, tried[0][0], s) for t, s in tried]
   console.print(_summary(rows, f"{_workload_title(args)}: tried, cheapest first"))
   console.print(f"Fits {_size(budget)}: {setting.label} ({_size(b.stats.peak_bytes)} "
                 "compiled peak). In Python:", highlight=False)

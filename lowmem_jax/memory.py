@@ -12,7 +12,7 @@ Two figures, and this module is the only place the project takes them from:
   backward pass (``jax.vjp``'s residuals), backend-free: what papers count.
 
 `report` puts both together for a training step: the buffers live at the
-peak of XLA's heap simulation, split into parameters, optimizer state,
+peak of the program (over XLA's buffer live ranges), split into parameters, optimizer state,
 gradients, activations and temporaries, each with the op and source line
 that made it, the live bytes over program order, and autodiff's residuals by
 checkpoint name. `explain_oom` says the same of a step that does not fit.
@@ -258,10 +258,10 @@ class Buffer:
     source: ``file:line`` of the user code that made it, where XLA kept it.
     start, end: the first and last positions in program order where it is live.
     component: one of `COMPONENTS`.
-    checkpoint_name: for an activation, the `checkpoint_name` of the named
-      autodiff residual (`report` with ``loss_fn``) of the same shape, dtype
-      and source line, where there is exactly one; else None. A match by
-      place, not identity: XLA keeps no checkpoint names.
+    checkpoint_name: for an activation, the `checkpoint_name` of the autodiff
+      residuals (`report` with ``loss_fn``) of the same shape, dtype and
+      source line, where all of them carry that one name; else None. A match
+      by place, not identity: XLA keeps no checkpoint names.
   """
   name: str
   nbytes: int
@@ -284,7 +284,7 @@ class Buffer:
     return "/".join(parts) or "(top level)"
 
 
-_NOT_MODULES = frozenset({"while", "body", "cond", "checkpoint", "rematted_computation"})
+_NOT_MODULES = frozenset({"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation"})
 _NUMBERED = re.compile(r"_\d+$")
 
 
@@ -294,7 +294,7 @@ class Breakdown:
 
   Two sources, never mixed: ``stats``, ``flops``, ``at_peak``, ``live_bytes``,
   ``buffers`` and ``activations_by_layer`` come from XLA's compilation of the
-  step (buffer assignment, heap simulation, cost analysis); ``saved`` from
+  step (buffer assignment, buffer live ranges, cost analysis); ``saved`` from
   autodiff's residual analysis of ``loss_fn``. Components marked in
   `ESTIMATED` are estimates.
 
@@ -325,8 +325,9 @@ class Breakdown:
 
   @property
   def live_peak_bytes(self) -> int:
-    """Bytes live at the peak of XLA's heap simulation; at most ``stats.peak_bytes``
-    on CPU, where the allocation also holds what buffer packing leaves unused."""
+    """Bytes live at the peak, summed over XLA's buffer live ranges; at most
+    ``stats.peak_bytes`` on CPU, whose allocation also holds what buffer
+    packing leaves unused."""
     return sum(self.at_peak.values())
 
   def saved_by_kind(self) -> dict[str, int]:
@@ -378,7 +379,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   """Where the memory of the compiled ``step_fn(*args, **kwargs)`` goes.
 
   Compiles the step once on the shapes of ``args`` (nothing runs, nothing is
-  allocated) and splits the buffers live at the peak of XLA's heap simulation
+  allocated) and splits the buffers live at the peak of the program (summed over XLA's buffer live ranges)
   into `COMPONENTS`; with ``loss_fn``, adds autodiff's residuals of
   ``loss_fn(*loss_args)`` (by checkpoint name and kind).
 
@@ -485,7 +486,7 @@ def _tables(b: Breakdown) -> list:
   from rich.table import Table
   live = b.live_peak_bytes
   out = [f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis); "
-         f"live at the peak {_mib(live)} MiB (heap simulation), at position {b.peak_position} of "
+         f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position {b.peak_position} of "
          f"{len(b.live_bytes)}: {b.peak_op}"]
   main = Table("live at the peak", "MiB", "share")
   for component, nbytes in b.at_peak.items():
@@ -547,7 +548,7 @@ _FILE = re.compile(r'^(\d+) "(.*)"$')
 _LOCATION = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)")
 _FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
 _ALLOCATION = re.compile(r"^allocation (?P<allocation>\d+): size \d+, (?:parameter (?P<parameter>\d+))?")
-_VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})? @\d+> "
+_VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
                     r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>.*)$")
 _RANGE = re.compile(r"^\s+(?P<name>[\w.\-]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$")
 _POSITION = re.compile(r"^\s+(\d+):([\w.\-]+)$")
@@ -592,20 +593,20 @@ def _parse_dump(instructions: dict[str, _Instr], assignment: str,
   buffer and offset), XLA's live ranges overlap at the writing position; here
   the new value takes over the buffer there, so the bytes are counted once.
   """
-  paths = {i.parameter: i.op_name for i in instructions.values() if i.parameter is not None}
+  arguments = {name: _argument_component(i.op_name) for name, i in instructions.items()
+               if i.parameter is not None}
+  by_number = {i.parameter: arguments[name] for name, i in instructions.items() if name in arguments}
   found, allocation, parameter = {}, None, None
   for line in assignment.splitlines():
     if m := _ALLOCATION.match(line):
       allocation, parameter = m.group("allocation"), m.group("parameter")
     elif m := _VALUE.match(line):
       shape = _LAYOUT.sub("", _COMMENT.sub("", m.group("shape")))
-      holder = _argument_component(paths.get(int(parameter), "")) if parameter else None
+      holder = by_number.get(int(parameter)) if parameter else None
       found[m.group("name") + (m.group("index") or "{}")] = (
           int(m.group("size")), shape, holder, (allocation, m.group("offset")))
   if "BufferLiveRange:" not in live_range:
     raise RuntimeError("XLA's live-range dump has no BufferLiveRange section; its format may have changed.")
-  arguments = {name: _argument_component(i.op_name) for name, i in instructions.items()
-               if i.parameter is not None}
   sequence, by_slot, held = [], {}, {}
   for line in live_range.split("Live ranges at", 1)[0].splitlines():
     if m := _POSITION.match(line):
@@ -661,14 +662,14 @@ _PLACE = re.compile(r" from (?P<file>.+):(?P<line>\d+):\d+ \(")
 
 
 def _names_by_place(saved: Residuals | None) -> dict[tuple[str, str], str]:
-  """(HLO shape, ``file:line``) -> the checkpoint name of the named residuals
-  made there, where exactly one name is."""
+  """(HLO shape, ``file:line``) -> the checkpoint name of the residuals made
+  there, where they all carry that one name (none unnamed)."""
   found: dict[tuple[str, str], set] = {}
   for r in saved.rows if saved else ():
-    if r.name and not r.is_argument and (m := _PLACE.search(r.source)):
+    if not r.is_argument and (m := _PLACE.search(r.source)):
       shape = f"{_HLO_TYPES.get(r.dtype.name, r.dtype.name)}[{','.join(map(str, r.shape))}]"
       found.setdefault((shape, f"{m.group('file')}:{m.group('line')}"), set()).add(r.name)
-  return {place: next(iter(n)) for place, n in found.items() if len(n) == 1}
+  return {place: next(iter(n)) for place, n in found.items() if len(n) == 1 and None not in n}
 
 
 def _read_one(dump: str, suffix: str) -> str:

@@ -52,27 +52,32 @@ def test_report_agrees_with_a_hand_count():
   assert as_json["saved_by_name"] == {"None": 4 * BATCH * HIDDEN, "mlp_act": 4 * BATCH * HIDDEN}
 
 
-def test_report_finds_activations_gradients_and_names():
+def test_report_finds_activations_and_gradients():
   loss, _, params, _, x = _mlp()
-  b = memory.report(jax.grad(loss), params, x, loss_fn=loss, loss_args=(params, x), top=None)
+  b = memory.report(jax.grad(loss), params, x, top=None)
+  # At the peak of jax.grad, w2's gradient exists beside the forward values backward needs.
+  grads = [buf for buf in b.buffers if buf.component == "gradients"]
+  assert grads and all(buf.shape in ("f32[64,256]", "f32[256,16]") for buf in grads)
+  assert all("transpose(" in buf.op_name for buf in grads)
   acts = [buf for buf in b.buffers if buf.component == "activations"]
-  assert any(buf.checkpoint_name == names.MLP_ACT and buf.shape == f"f32[{BATCH},{HIDDEN}]"
-             for buf in acts) or b.at_peak["activations"] == 0
-  # jax.grad returns the gradients: at the end they are live, shaped like the parameters.
-  assert b.live_bytes[-1] >= 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
-  assert all(c in memory.COMPONENTS for c in b.at_peak)
+  assert sum(buf.nbytes for buf in acts) >= 4 * BATCH * HIDDEN
+  assert all("jvp(" in buf.op_name and "transpose(" not in buf.op_name for buf in acts)
   assert "(estimated)" in str(b) and "largest buffers" in str(b)
 
 
-def test_layers_of_a_flax_model():
+def test_layers_and_names_of_a_flax_model():
   wl = lm.models.workload("vit-tiny", batch=8, dtype=jnp.float32)
-  b = memory.report(jax.grad(wl.loss), wl.abstract_params(), wl.inputs, wl.labels, top=None)
+  params = wl.abstract_params()
+  b = memory.report(jax.grad(wl.loss), params, wl.inputs, wl.labels, loss_fn=wl.loss,
+                    loss_args=(params, wl.inputs, wl.labels), top=None)
   assert {"Transformer/encoderblock_0", "Transformer/encoderblock_1"} <= set(b.activations_by_layer)
   assert sum(b.activations_by_layer.values()) == b.at_peak["activations"]
+  # The softmax probabilities are made on a line that makes nothing else of their shape.
+  probs = [buf for buf in b.buffers if buf.checkpoint_name == names.ATTN_PROBS]
+  assert len(probs) == 2 and all(buf.shape == "f32[8,3,197,197]" for buf in probs)
 
 
 def test_plots_are_pngs(tmp_path):
-  pytest.importorskip("matplotlib")
   loss, train_step, params, opt_state, x = _mlp()
   b = memory.report(train_step, params, opt_state, x, label="mlp")
   b.plot(tmp_path / "bars.png", b)
@@ -119,6 +124,11 @@ def test_cli_report_json(capsys, tmp_path):
   assert approx["breakdown"]["saved_by_name"]["act_code"] > 0
   assert approx["saved_activation_bytes"] < base["saved_activation_bytes"]
   assert "attn_lse" in adama["breakdown"]["saved_by_name"]
+  # Inside the micro-batch loop the parameters and moments are loop-carried values: still counted.
+  for r in (base, adama):
+    assert 0.99 * params <= r["breakdown"]["at_peak"]["parameters"] <= 1.3 * params
+    assert r["breakdown"]["at_peak"]["optimizer state"] >= 1.99 * params
+  assert adama["extra_flops"] is None and approx["extra_flops"] is not None
   for name in ("components.png", "live_bytes.png"):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -137,6 +147,7 @@ def test_cli_report_table(capsys):
     (["report", "--techniques", "baseline,turbo"], "unknown technique 'turbo'"),
     (["report", "--techniques", "remat:some"], "remat:some"),
     (["report", "--techniques", "adama:0"], "adama:0"),
+    (["report", "--techniques", "adama:²"], "adama:²"),
     (["report", *SMALL, "--techniques", "adama:3"], "equal micro-batches"),
     (["report", *SMALL, "--plot", "/dev/null/x"], "--plot"),
     (["report", "--batch", "0"], "--batch must be >= 1"),
@@ -156,8 +167,9 @@ def test_cli_plan(capsys):
   budget = base.stats.peak_bytes - 2**20
   assert cli.main(["plan", *SMALL, "--budget", f"{budget}B"]) == 0
   out = capsys.readouterr().out
-  assert "Fits" in out and "lm.models.workload(\"vit-tiny\"" in out
-  assert "baseline" in out and "donate_argnums=(0, 1)" in out
+  fits = next(line for line in out.splitlines() if line.startswith("Fits"))
+  assert "baseline" not in fits and "lm.models.workload(\"vit-tiny\"" in out
+  assert "donate_argnums=(0, 1)" in out
 
 
 def test_cli_plan_nothing_fits(capsys):

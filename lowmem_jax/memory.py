@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
+from rich.console import Console
+from rich.table import Table
 
 from lowmem_jax import names as _names
 
@@ -483,11 +485,10 @@ def _mib(nbytes: float) -> str:
 
 
 def _tables(b: Breakdown) -> list:
-  from rich.table import Table
   live = b.live_peak_bytes
   out = [f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis); "
-         f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position {b.peak_position} of "
-         f"{len(b.live_bytes)}: {b.peak_op}"]
+         f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position "
+         f"{b.peak_position} of {len(b.live_bytes)}: {b.peak_op}"]
   main = Table("live at the peak", "MiB", "share")
   for component, nbytes in b.at_peak.items():
     note = " (estimated)" if component in ESTIMATED else ""
@@ -515,7 +516,6 @@ def _tables(b: Breakdown) -> list:
 
 
 def _render(*renderables) -> str:
-  from rich.console import Console
   console = Console(file=io.StringIO(), width=160, color_system=None)
   for r in renderables:
     console.print(r)

@@ -303,8 +303,7 @@ def _planned(args, text: str, budget: int) -> Setting | None:
   batch = (wl.inputs, wl.labels)
 
   def step(params, opt_state, batch, *, policy):
-    wl = dataclasses.replace(setting, remat=policy).workload(args)
-    return wl.train_step(tx)(params, opt_state, batch)
+    return wl.with_policy(policy).train_step(tx)(params, opt_state, batch)
   try:
     chosen = planner.plan(step, params, jax.eval_shape(tx.init, params), batch, budget=budget,
                           donate_argnums=(0, 1))

@@ -12,7 +12,6 @@ kinks, packed along the last axis (2 bits for 2-3 kinks, 1 bit for one).
     dx = dy * s[code],  s = (0, a_1, a_1 + a_2, ..., a_1 + ... + a_K)
 """
 
-import dataclasses
 import functools
 import math
 from typing import Callable, Sequence
@@ -21,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names
+from lowmem_jax import dispatch, names
 from lowmem_jax._checks import check_float_array
-from pallas_kernels import pack
+from pallas_kernels import activations as kernels
 
 # Published fits (LowMemoryBP): sum(a) = 1 and sum(a * c) = 0.
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
@@ -32,43 +31,25 @@ RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fit:
-  """A hashable piecewise-linear fit: slope increments ``a`` at kinks ``c``."""
-  fn: Callable[[jax.Array], jax.Array]
-  a: tuple[float, ...]
-  c: tuple[float, ...]
-
-  @property
-  def bits(self) -> int:
-    return 1 if len(self.c) == 1 else 2
-
-  def code(self, x: jax.Array) -> jax.Array:
-    """``uint8`` code of each element: how many kinks lie below it.
-
-    Compared in float32, so the kinks are not rounded to x's dtype.
-    """
-    x = x.astype(jnp.float32)
-    return sum((x > jnp.float32(ci)).astype(jnp.uint8) for ci in self.c)
-
-  def slope(self, code: jax.Array) -> jax.Array:
-    """``float32`` ``s[code] = a_1 + .. + a_code``, elementwise (no gather)."""
-    return sum(jnp.where(code > i, jnp.float32(ai), jnp.float32(0)) for i, ai in enumerate(self.a))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _approx(fit: kernels.Fit, options, x: jax.Array) -> jax.Array:
+  if options is None:
+    return fit.fn(x.astype(jnp.float32)).astype(x.dtype)
+  return kernels.forward(fit, x, options)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _approx(fit: _Fit, x: jax.Array) -> jax.Array:
-  return fit.fn(x.astype(jnp.float32)).astype(x.dtype)
+def _approx_fwd(fit, options, x):
+  if options is None:
+    y, packed = kernels.forward_reference(fit, x)
+  else:
+    y, packed = kernels.forward(fit, x, options)
+  return y, checkpoint_name(packed, names.ACT_CODE)
 
 
-def _approx_fwd(fit, x):
-  packed = pack.pack(fit.code(x), fit.bits)
-  return _approx(fit, x), checkpoint_name(packed, names.ACT_CODE)
-
-
-def _approx_bwd(fit, packed, dy):
-  slope = fit.slope(pack.unpack(packed, fit.bits, dy.shape[-1]))
-  return ((dy.astype(jnp.float32) * slope).astype(dy.dtype),)
+def _approx_bwd(fit, options, packed, dy):
+  if options is None:
+    return (kernels.backward_reference(fit, packed, dy),)
+  return (kernels.backward(fit, packed, dy, options),)
 
 
 _approx.defvjp(_approx_fwd, _approx_bwd)
@@ -78,19 +59,25 @@ def approx_activation(
     fn: Callable[[jax.Array], jax.Array],
     a: Sequence[float],
     c: Sequence[float],
-) -> Callable[[jax.Array], jax.Array]:
+    *,
+    kernel_fn: Callable[[jax.Array], jax.Array] | None = None,
+) -> Callable[..., jax.Array]:
   """Builds an activation with exact forward ``fn`` and a step-function backward.
 
   Args:
     fn: the exact activation, applied in float32.
     a: slope increments ``a_1..a_K`` of the fit, ``1 <= K <= 3``.
     c: the kinks ``c_1 < .. < c_K`` of the fit.
+    kernel_fn: ``fn`` written with ops Pallas' Triton lowering has, where
+      ``fn`` uses one it lacks (``erfc``); ``None``: the kernel runs ``fn``.
 
   Returns:
-    A function ``x -> y`` on float16/bfloat16/float32 arrays of rank >= 1,
-    ``y`` of x's shape and dtype, whose only residual for backward is a
-    ``uint8[..., ceil(n * bits / 8)]`` code (``n = x.shape[-1]``; 1 bit for
-    one kink, 2 bits for two or three), tagged ``act_code``.
+    A function ``(x, *, impl=None) -> y`` on float16/bfloat16/float32 arrays
+    of rank >= 1, ``y`` of x's shape and dtype, whose only residual for
+    backward is a ``uint8[..., ceil(n * bits / 8)]`` code (``n = x.shape[-1]``;
+    1 bit for one kink, 2 bits for two or three), tagged ``act_code``. ``impl``
+    picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both give
+    the same code and gradient.
   """
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
@@ -107,11 +94,13 @@ def approx_activation(
         f"len(a)={len(a)} and len(c)={len(c)}.")
   if any(c1 >= c2 for c1, c2 in zip(c, c[1:])):
     raise ValueError(f"c must be strictly increasing, got {c}.")
-  fit = _Fit(fn, a, c)
+  if kernel_fn is not None and not callable(kernel_fn):
+    raise TypeError(f"kernel_fn must be callable or None, got {type(kernel_fn).__name__}.")
+  fit = kernels.Fit(fn, a, c, kernel_fn)
 
-  def activation(x: jax.Array) -> jax.Array:
+  def activation(x: jax.Array, *, impl: str | None = None) -> jax.Array:
     check_float_array(x, "x")
-    return _approx(fit, x)
+    return _approx(fit, dispatch.kernel_options(impl, "approx_activation"), x)
 
   return activation
 
@@ -120,12 +109,14 @@ def _gelu(x):
   return jax.nn.gelu(x, approximate=False)
 
 
-regelu2 = approx_activation(_gelu, REGELU2_A, REGELU2_C)
+regelu2 = approx_activation(_gelu, REGELU2_A, REGELU2_C, kernel_fn=kernels.gelu)
 regelu2.__name__ = "regelu2"
 regelu2.__doc__ = """ReGELU2: exact (erf) GELU forward, 2-bit residual, step backward.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
   ``gelu(x)`` of x's shape and dtype, computed in float32. Backward keeps only
@@ -138,6 +129,8 @@ resilu2.__doc__ = """ReSiLU2: exact SiLU forward, 2-bit residual, step backward.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
   ``silu(x)`` of x's shape and dtype, computed in float32. Backward keeps only
@@ -150,6 +143,8 @@ relu.__doc__ = """Exact ReLU whose only residual is a 1-bit mask, 8 a byte.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
   ``relu(x)`` of x's shape and dtype. Backward keeps ``uint8[..., ceil(n / 8)]``

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names
+from lowmem_jax import dispatch, names
 from lowmem_jax._checks import check_float_array, check_out_dtype
+from pallas_kernels import norms as kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,47 +37,46 @@ class _Spec:
   y_dtype: jnp.dtype
 
 
-def _normalize(x, spec):
-  """float32 ``(y, rstd)`` of the rows of ``x``: ``[..., n]`` and ``[...]``."""
-  x = x.astype(jnp.float32)
-  if spec.centered:
-    x = x - jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.maximum(jnp.mean(jnp.square(x), axis=-1, keepdims=True), 0.0)
-  rstd = jax.lax.rsqrt(var + spec.eps)
-  return x * rstd, rstd[..., 0]
+def _forward(spec, options, x):
+  if options is None:
+    return kernels.forward_reference(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype)
+  return kernels.forward(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype,
+                         options=options)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ms_norm(spec, x):
-  return _normalize(x, spec)[0].astype(spec.y_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ms_norm(spec, options, x):
+  return _forward(spec, options, x)[0]
 
 
-def _ms_norm_fwd(spec, x):
-  y, rstd = _normalize(x, spec)
-  y = checkpoint_name(y.astype(spec.y_dtype), names.NORM_OUT)
+def _ms_norm_fwd(spec, options, x):
+  y, rstd = _forward(spec, options, x)
+  y = checkpoint_name(y, names.NORM_OUT)
   return y, (y, checkpoint_name(rstd, names.NORM_RSTD))
 
 
-def _ms_norm_bwd(spec, res, dy):
+def _ms_norm_bwd(spec, options, res, dy):
   y, rstd = res
-  dy = dy.astype(jnp.float32)
-  y = y.astype(jnp.float32)
-  g = dy - y * jnp.mean(dy * y, axis=-1, keepdims=True)
-  if spec.centered:
-    g = g - jnp.mean(dy, axis=-1, keepdims=True)
-  return ((rstd[..., None] * g).astype(spec.x_dtype),)
+  if options is None:
+    dx = kernels.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
+  else:
+    dx = kernels.backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
+                          options=options)
+  return (dx,)
 
 
 _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
 
 
 def _public(centered: bool):
-  def norm(x: jax.Array, *, eps: float = 1e-6, dtype=None) -> jax.Array:
+  def norm(x: jax.Array, *, eps: float = 1e-6, dtype=None, impl: str | None = None) -> jax.Array:
     check_float_array(x, "x")
     if not isinstance(eps, (int, float)) or not eps > 0:
       raise ValueError(f"eps must be a number > 0, got {eps!r}.")
     x_dtype = jnp.dtype(x.dtype)
-    return _ms_norm(_Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype), x)
+    spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)
+    options = dispatch.kernel_options(impl, "ms_norm", kernels.supports(x.shape[-1]))
+    return _ms_norm(spec, options, x)
   return norm
 
 
@@ -89,6 +89,9 @@ Args:
   eps: added to the (biased) variance.
   dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
     computes in, so that layer saves this very array.
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
+    of up to 16384 elements.
 
 Returns:
   ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
@@ -105,6 +108,9 @@ Args:
   eps: added to ``mean(x**2)``.
   dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
     computes in, so that layer saves this very array.
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
+    of up to 16384 elements.
 
 Returns:
   ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and

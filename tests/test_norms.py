@@ -1,7 +1,6 @@
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import lowmem_jax as lm

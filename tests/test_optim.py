@@ -176,7 +176,7 @@ def test_microbatch_step_accumulates_for_other_optimizers():
   tx = optax.adam(1e-2)
   params, batch = mlp_init(), mlp_batch()
   p1, s1, _ = jax.jit(lm.microbatch_step(mlp_loss, tx, k))(params, tx.init(params), batch)
-  p2, s2 = params, tx.init(params)
+  s2 = tx.init(params)
   updates, s2 = tx.update(jax.grad(mlp_loss)(params, batch), s2)
   chex.assert_trees_all_close((p1, s1), (optax.apply_updates(params, updates), s2), rtol=1e-5, atol=1e-7)
 

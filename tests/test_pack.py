@@ -5,18 +5,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import pack
+from pallas_kernels import _blocks, pack
+
+INTERPRET = _blocks.Options(interpret=True)
+# Small blocks, so that small arrays already span several programs and edge blocks.
+SMALL_BLOCKS = _blocks.Options(interpret=True, block_rows=2, block_cols=2)
+IMPLS = {
+    "reference": (pack.pack_reference, pack.unpack_reference),
+    "kernel": (lambda c, b: pack.pack(c, b, options=INTERPRET),
+               lambda p, b, n: pack.unpack(p, b, n, options=INTERPRET)),
+    "kernel_small_blocks": (lambda c, b: pack.pack(c, b, options=SMALL_BLOCKS),
+                            lambda p, b, n: pack.unpack(p, b, n, options=SMALL_BLOCKS)),
+}
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 9), (2, 3, 16), (2, 0, 5)])
-def test_roundtrip_and_layout(bits, shape):
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 9), (2, 3, 16), (2, 0, 5), (1, 1, 5, 13)])
+def test_roundtrip_and_layout(impl, bits, shape):
+  pack_fn, unpack_fn = IMPLS[impl]
   codes = np.random.default_rng(0).integers(0, 2**bits, size=shape).astype(np.uint8)
-  packed = pack.pack(jnp.asarray(codes), bits)
+  packed = pack_fn(jnp.asarray(codes), bits)
   per_byte = 8 // bits
   assert packed.dtype == jnp.uint8
   assert packed.shape == shape[:-1] + (math.ceil(shape[-1] / per_byte),)
-  np.testing.assert_array_equal(pack.unpack(packed, bits, shape[-1]), codes)
+  np.testing.assert_array_equal(unpack_fn(packed, bits, shape[-1]), codes)
   # The layout: element j in byte j // per_byte at bit bits * (j % per_byte).
   flat = codes.reshape(math.prod(shape[:-1]), shape[-1])
   expected = np.zeros(flat.shape[:-1] + (packed.shape[-1],), np.int64)
@@ -25,12 +38,58 @@ def test_roundtrip_and_layout(bits, shape):
   np.testing.assert_array_equal(np.asarray(packed).reshape(expected.shape), expected)
 
 
-def test_bad_bits():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_codes_keep_their_low_bits(impl):
+  pack_fn, _ = IMPLS[impl]
+  codes = jnp.asarray([[5, 255, 2, 7, 1]], jnp.uint8)
+  np.testing.assert_array_equal(pack_fn(codes, 2), pack.pack_reference(codes & 3, 2))
+
+
+def test_kernel_spans_column_blocks_with_default_blocks():
+  # 2-bit rows of 4104 codes: 1026 bytes, over the 1024-byte default block.
+  codes = jax.random.randint(jax.random.key(0), (3, 4104), 0, 4).astype(jnp.uint8)
+  np.testing.assert_array_equal(pack.pack(codes, 2, options=INTERPRET),
+                                pack.pack_reference(codes, 2))
+
+
+def test_bad_arguments():
   with pytest.raises(ValueError, match="bits"):
-    pack.pack(jnp.zeros((4,), jnp.uint8), 3)
+    pack.pack_reference(jnp.zeros((4,), jnp.uint8), 3)
+  with pytest.raises(ValueError, match="bits"):
+    pack.pack(jnp.zeros((4,), jnp.uint8), 3, options=INTERPRET)
+  with pytest.raises(ValueError, match="packed's last axis"):
+    pack.unpack_reference(jnp.zeros((3,), jnp.uint8), 2, 4)
+  with pytest.raises(TypeError, match="packed must be uint8"):
+    pack.unpack(jnp.zeros((1,), jnp.int32), 2, 4, options=INTERPRET)
+  with pytest.raises(ValueError, match="block_rows"):
+    _blocks.Options(block_rows=3)
 
 
-def test_jit_and_vmap():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_and_vmap(impl):
+  pack_fn, unpack_fn = IMPLS[impl]
   codes = jax.random.randint(jax.random.key(0), (5, 6, 10), 0, 4).astype(jnp.uint8)
-  packed = jax.jit(pack.pack, static_argnums=1)(codes, 2)
-  np.testing.assert_array_equal(jax.vmap(lambda c: pack.pack(c, 2))(codes), packed)
+  packed = jax.jit(pack_fn, static_argnums=1)(codes, 2)
+  np.testing.assert_array_equal(jax.vmap(lambda c: pack_fn(c, 2))(codes), packed)
+  np.testing.assert_array_equal(jax.vmap(lambda p: unpack_fn(p, 2, 10))(packed), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_kernels_lower_for_cuda(bits):
+  """Pallas lowers both kernels to Triton IR here, without a GPU (no PTX compile)."""
+  n = 4096 + 3
+  codes = jax.ShapeDtypeStruct((8, n), jnp.uint8)
+  text = jax.jit(lambda c: pack.pack(c, bits)).trace(codes).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "lowmem_pack" in text
+  packed = jax.ShapeDtypeStruct((8, pack.packed_size(n, bits)), jnp.uint8)
+  jax.jit(lambda p: pack.unpack(p, bits, n)).trace(packed).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_kernels_on_gpu(bits):
+  codes = jax.random.randint(jax.random.key(0), (64, 1003), 0, 2**bits).astype(jnp.uint8)
+  packed = pack.pack(codes, bits)
+  np.testing.assert_array_equal(packed, pack.pack_reference(codes, bits))
+  np.testing.assert_array_equal(pack.unpack(packed, bits, 1003), codes)

@@ -16,7 +16,6 @@ probabilities, or "recompute", `lowmem_jax.attention`, which keeps none), and
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 

@@ -1,0 +1,61 @@
+"""The block-size rule and call options every kernel of this package shares.
+
+A kernel sees its operand as rows: ``[..., n]`` becomes ``[rows, n]`` (a
+free reshape). Blocks are powers of two, as Triton needs; edge blocks that
+overhang the array are masked by Pallas.
+"""
+
+import dataclasses
+import math
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Elements a program handles: 16 KiB of float32, a Triton elementwise sweet spot.
+BLOCK_ELEMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How a kernel is compiled: hashable, so it can ride in a ``custom_vjp``.
+
+  Attributes:
+    interpret: run the kernel in Pallas interpret mode (any backend, slow);
+      what the tests use on CPU.
+    block_rows: rows a program handles; ``None`` picks by `block_shape`.
+    block_cols: columns (or bytes of packed codes) a program handles.
+    num_warps: Triton warps a program; ``None`` lets Triton pick.
+  """
+  interpret: bool = False
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_cols", "num_warps"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < 1 or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two >= 1 or None, got {value!r}.")
+
+  def compiler_params(self) -> pltriton.CompilerParams:
+    return pltriton.CompilerParams(num_warps=self.num_warps)
+
+
+def block_shape(rows: int, cols: int, options: Options, elements_per_col: int = 1) -> tuple[int, int]:
+  """``(block_rows, block_cols)``: powers of two, about `BLOCK_ELEMENTS` elements.
+
+  Columns come first (whole rows where they fit), then rows fill the rest.
+  ``elements_per_col`` counts the elements behind one column (codes per byte).
+  Values the caller set in ``options`` are kept.
+  """
+  cols_cap = max(1, BLOCK_ELEMENTS // elements_per_col)
+  block_cols = options.block_cols or min(pl.next_power_of_2(max(cols, 1)), cols_cap)
+  rows_cap = max(1, BLOCK_ELEMENTS // (block_cols * elements_per_col))
+  block_rows = options.block_rows or min(pl.next_power_of_2(max(rows, 1)), rows_cap)
+  return block_rows, block_cols
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+  """``[..., n]`` as ``[prod(...), n]`` (a reshape, free in XLA)."""
+  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

@@ -1,0 +1,156 @@
+"""Fused activation kernels: one pass writes ``y`` and the packed residual code.
+
+Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). For a fit with kinks
+``c_1 < .. < c_K`` and slope increments ``a_1..a_K``:
+
+    forward:  y = fn(x) (float32, cast to x.dtype),
+              code = [x > c_1] + .. + [x > c_K], packed ``8 // bits`` a byte
+    backward: dx = dy * s[code],  s = (0, a_1, a_1 + a_2, ..)   (float32)
+
+The forward kernel reads ``x`` once and writes ``y`` and the packed code; the
+backward kernel reads ``dy`` and the packed code and writes ``dx``. Both see
+rows as ``[n / P, P]`` groups (`pack.grouped`), so packing is a reduction over
+the minor axis inside the program. `forward_reference` and
+`backward_reference` are the pure-JAX twins: what runs without a kernel.
+"""
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _blocks, pack
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """A piecewise-linear fit of an activation: slope increments ``a`` at kinks ``c``.
+
+  Hashable (a static argument of kernels and ``custom_vjp``).
+
+  Attributes:
+    fn: the exact activation, applied in float32.
+    a: slope increments ``a_1..a_K``, ``1 <= K <= 3``.
+    c: kinks ``c_1 < .. < c_K``.
+    kernel_fn: ``fn`` as the kernel computes it, where ``fn`` uses an op
+      Pallas' Triton lowering lacks (GELU's ``erfc``); ``None``: ``fn``.
+  """
+  fn: Callable[[jax.Array], jax.Array]
+  a: tuple[float, ...]
+  c: tuple[float, ...]
+  kernel_fn: Callable[[jax.Array], jax.Array] | None = None
+
+  @property
+  def bits(self) -> int:
+    """Bits a code: 1 for one kink, 2 for two or three."""
+    return 1 if len(self.c) == 1 else 2
+
+  def code(self, x: jax.Array) -> jax.Array:
+    """int32 code of each element: how many kinks lie below it (compared in float32)."""
+    x = x.astype(jnp.float32)
+    return sum((x > jnp.float32(ci)).astype(jnp.int32) for ci in self.c)
+
+  def slope(self, code: jax.Array) -> jax.Array:
+    """float32 ``s[code] = a_1 + .. + a_code``, elementwise (no gather)."""
+    return sum(jnp.where(code > i, jnp.float32(ai), jnp.float32(0)) for i, ai in enumerate(self.a))
+
+
+def gelu(x: jax.Array) -> jax.Array:
+  """Exact (erf) GELU of float32 ``x`` from ``exp`` alone, for kernels.
+
+  ``gelu(x) = x / 2 * erfc(-x / sqrt(2))``, with ``erfc`` from Press et al.'s
+  Chebyshev fit (Numerical Recipes, 2nd ed., section 6.2, ``erfcc``), whose
+  relative error is below 1.2e-7 everywhere: float32 rounding, as with XLA's.
+  """
+  z = -x * jnp.float32(0.7071067811865476)
+  t = 1 / (1 + 0.5 * jnp.abs(z))
+  poly = jnp.float32(0.17087277)
+  for coef in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418,
+               0.37409196, 1.00002368, -1.26551223):
+    poly = poly * t + jnp.float32(coef)
+  tail = t * jnp.exp(poly - z * z)
+  return 0.5 * x * jnp.where(z >= 0, tail, 2 - tail)
+
+
+def _forward_kernel(x_ref, y_ref, packed_ref, *, fit):
+  x = x_ref[...].astype(jnp.float32)
+  y_ref[...] = (fit.kernel_fn or fit.fn)(x).astype(y_ref.dtype)
+  packed_ref[...] = pack.codes_to_bytes(fit.code(x), fit.bits)
+
+
+def _backward_kernel(packed_ref, dy_ref, dx_ref, *, fit):
+  slope = fit.slope(pack.bytes_to_codes(packed_ref[...], fit.bits))
+  dx_ref[...] = (dy_ref[...].astype(jnp.float32) * slope).astype(dx_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("fit", "options"))
+def forward(fit: Fit, x: jax.Array, options: _blocks.Options = _blocks.Options()):
+  """Fused forward: ``y = fn(x)`` and its packed code, one read of ``x``.
+
+  Args:
+    fit: the activation and its fit.
+    x: float16/bfloat16/float32 ``[..., n]``. Where ``8 // fit.bits`` does not
+      divide ``n`` the kernel works on a zero-padded copy.
+    options: interpret mode and tuning.
+
+  Returns:
+    ``(y, packed)``: ``y`` of x's shape and dtype, ``packed`` of
+    ``uint8[..., ceil(n * bits / 8)]``; equal to `forward_reference`.
+  """
+  size = pack.packed_size(x.shape[-1], fit.bits)
+  if x.size == 0:
+    return forward_reference(fit, x)
+  # -inf pads: no kink lies below it, so padding codes are 0, as the layout says.
+  view = pack.grouped(x, fit.bits, fill=-jnp.inf)
+  grid, grouped_spec, bytes_spec = pack.byte_grid(view.shape[0], size, fit.bits, options)
+  y, packed = pl.pallas_call(
+      functools.partial(_forward_kernel, fit=fit),
+      out_shape=(jax.ShapeDtypeStruct(view.shape, x.dtype),
+                 jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8)),
+      grid=grid, in_specs=[grouped_spec], out_specs=(grouped_spec, bytes_spec),
+      interpret=options.interpret, compiler_params=options.compiler_params(),
+      name="lowmem_approx_activation_fwd")(view)
+  return pack.ungrouped(y, x.shape), packed.reshape(x.shape[:-1] + (size,))
+
+
+@functools.partial(jax.jit, static_argnames=("fit", "options"))
+def backward(fit: Fit, packed: jax.Array, dy: jax.Array,
+             options: _blocks.Options = _blocks.Options()) -> jax.Array:
+  """Fused backward: ``dx = dy * s[code]`` from the packed code, in dy's dtype.
+
+  Args:
+    fit: the activation and its fit.
+    packed: ``uint8[..., ceil(n * bits / 8)]`` from `forward`.
+    dy: float16/bfloat16/float32 ``[..., n]``.
+    options: interpret mode and tuning.
+
+  Returns:
+    ``dx`` of dy's shape and dtype; equal to `backward_reference`.
+  """
+  if dy.size == 0:
+    return backward_reference(fit, packed, dy)
+  view = pack.grouped(dy, fit.bits)
+  rows, size = view.shape[:2]
+  grid, grouped_spec, bytes_spec = pack.byte_grid(rows, size, fit.bits, options)
+  dx = pl.pallas_call(
+      functools.partial(_backward_kernel, fit=fit),
+      out_shape=jax.ShapeDtypeStruct(view.shape, dy.dtype),
+      grid=grid, in_specs=[bytes_spec, grouped_spec], out_specs=grouped_spec,
+      interpret=options.interpret, compiler_params=options.compiler_params(),
+      name="lowmem_approx_activation_bwd")(packed.reshape(rows, size), view)
+  return pack.ungrouped(dx, dy.shape)
+
+
+def forward_reference(fit: Fit, x: jax.Array):
+  """Pure-JAX `forward`: ``(fn(x) in x's dtype, uint8 packed code)``."""
+  y = fit.fn(x.astype(jnp.float32)).astype(x.dtype)
+  return y, pack.pack_reference(fit.code(x), fit.bits)
+
+
+def backward_reference(fit: Fit, packed: jax.Array, dy: jax.Array) -> jax.Array:
+  """Pure-JAX `backward`: ``dy * s[code]`` in float32, cast to dy's dtype."""
+  slope = fit.slope(pack.unpack_reference(packed, fit.bits, dy.shape[-1]))
+  return (dy.astype(jnp.float32) * slope).astype(dy.dtype)

@@ -1,0 +1,153 @@
+"""MS-LayerNorm / MS-RMSNorm kernels: one pass per row block, each way.
+
+MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). Per row of the last axis,
+statistics in float32, biased variance:
+
+    LayerNorm: y = (x - mean(x)) * rstd,  rstd = 1 / sqrt(var(x) + eps)
+               dx = rstd * (dy - mean(dy) - y * mean(dy * y))
+    RMSNorm:   y = x * rstd,              rstd = 1 / sqrt(mean(x^2) + eps)
+               dx = rstd * (dy - y * mean(dy * y))
+
+A program holds whole rows (the row padded to a power of two and masked), so
+the forward writes ``y`` and ``rstd`` in one pass and the backward takes both
+row means of ``dy`` in one kernel. Rows longer than `MAX_ROW` do not fit a
+program. `forward_reference` and `backward_reference` are the pure-JAX twins.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _blocks
+
+# Longest row a program holds: 16K float32 values, 64 KiB, the bound JAX's own
+# Triton layer norm fuses up to.
+MAX_ROW = 16384
+
+
+def supports(n: int) -> str | None:
+  """Why the kernels cannot take rows of ``n`` elements, or ``None`` if they can."""
+  if pl.next_power_of_2(n) > MAX_ROW:
+    return f"rows of {n} elements exceed the kernel's limit of {MAX_ROW}"
+  return None
+
+
+def _row_grid(rows: int, n: int, options: _blocks.Options):
+  """Grid and specs: whole (padded) rows, ``[block_rows, N]`` and ``[block_rows]``."""
+  reason = supports(n)
+  if reason:
+    raise ValueError(f"x's last axis is too long for the norm kernels: {reason}.")
+  cols = pl.next_power_of_2(n)
+  block_rows, _ = _blocks.block_shape(rows, cols, _blocks.Options(block_rows=options.block_rows))
+  grid = (pl.cdiv(rows, block_rows),)
+  row_spec = pl.BlockSpec((block_rows, cols), lambda i: (i, 0))
+  stat_spec = pl.BlockSpec((block_rows,), lambda i: (i,))
+  return grid, row_spec, stat_spec
+
+
+def _masked(ref, n):
+  """The block as float32, zero beyond column ``n``, and the column mask."""
+  value = ref[...].astype(jnp.float32)
+  mask = jax.lax.broadcasted_iota(jnp.int32, value.shape, 1) < n
+  return jnp.where(mask, value, 0.0), mask
+
+
+def _forward_kernel(x_ref, y_ref, rstd_ref, *, centered, eps, n):
+  x, mask = _masked(x_ref, n)
+  if centered:
+    x = jnp.where(mask, x - jnp.sum(x, axis=1, keepdims=True) / n, 0.0)
+  rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / n + eps)
+  y_ref[...] = (x * rstd[:, None]).astype(y_ref.dtype)
+  rstd_ref[...] = rstd
+
+
+def _backward_kernel(y_ref, rstd_ref, dy_ref, dx_ref, *, centered, n):
+  y, _ = _masked(y_ref, n)
+  dy, _ = _masked(dy_ref, n)
+  g = dy - y * (jnp.sum(dy * y, axis=1, keepdims=True) / n)
+  if centered:
+    g = g - jnp.sum(dy, axis=1, keepdims=True) / n
+  dx_ref[...] = (rstd_ref[...][:, None] * g).astype(dx_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("centered", "eps", "y_dtype", "options"))
+def forward(x: jax.Array, *, centered: bool, eps: float, y_dtype=None,
+            options: _blocks.Options = _blocks.Options()):
+  """Normalises the rows of ``x`` in one pass.
+
+  Args:
+    x: float16/bfloat16/float32 ``[..., n]``, ``next_power_of_2(n) <= MAX_ROW``.
+    centered: LayerNorm (True) or RMSNorm (False).
+    eps: added to the variance (mean square).
+    y_dtype: dtype of ``y``; defaults to x's.
+    options: interpret mode and tuning (``block_cols`` is ignored: rows are whole).
+
+  Returns:
+    ``(y, rstd)``: ``y`` of x's shape in ``y_dtype``, ``rstd`` float32 ``[...]``.
+  """
+  y_dtype = jnp.dtype(y_dtype or x.dtype)
+  if x.size == 0:
+    return forward_reference(x, centered=centered, eps=eps, y_dtype=y_dtype)
+  rows = _blocks.as_rows(x)
+  grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
+  y, rstd = pl.pallas_call(
+      functools.partial(_forward_kernel, centered=centered, eps=eps, n=x.shape[-1]),
+      out_shape=(jax.ShapeDtypeStruct(rows.shape, y_dtype),
+                 jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32)),
+      grid=grid, in_specs=[row_spec], out_specs=(row_spec, stat_spec),
+      interpret=options.interpret, compiler_params=options.compiler_params(),
+      name="lowmem_ms_norm_fwd")(rows)
+  return y.reshape(x.shape), rstd.reshape(x.shape[:-1])
+
+
+@functools.partial(jax.jit, static_argnames=("centered", "x_dtype", "options"))
+def backward(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool, x_dtype=None,
+             options: _blocks.Options = _blocks.Options()) -> jax.Array:
+  """The exact input gradient from ``y`` and ``rstd``, both row means in one kernel.
+
+  Args:
+    y: the forward's output ``[..., n]``, any float dtype.
+    rstd: float32 ``[...]`` from `forward`.
+    dy: the output's cotangent, y's shape.
+    centered: LayerNorm (True) or RMSNorm (False).
+    x_dtype: dtype of ``dx``; defaults to dy's.
+    options: interpret mode and tuning.
+
+  Returns:
+    ``dx`` of y's shape in ``x_dtype``.
+  """
+  x_dtype = jnp.dtype(x_dtype or dy.dtype)
+  if y.size == 0:
+    return backward_reference(y, rstd, dy, centered=centered, x_dtype=x_dtype)
+  rows = _blocks.as_rows(y)
+  grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
+  dx = pl.pallas_call(
+      functools.partial(_backward_kernel, centered=centered, n=y.shape[-1]),
+      out_shape=jax.ShapeDtypeStruct(rows.shape, x_dtype),
+      grid=grid, in_specs=[row_spec, stat_spec, row_spec], out_specs=row_spec,
+      interpret=options.interpret, compiler_params=options.compiler_params(),
+      name="lowmem_ms_norm_bwd")(rows, rstd.reshape(rows.shape[:1]), _blocks.as_rows(dy))
+  return dx.reshape(y.shape)
+
+
+def forward_reference(x: jax.Array, *, centered: bool, eps: float, y_dtype=None):
+  """Pure-JAX `forward`: ``(y in y_dtype, float32 rstd [...])``."""
+  x32 = x.astype(jnp.float32)
+  if centered:
+    x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.maximum(jnp.mean(jnp.square(x32), axis=-1, keepdims=True), 0.0)
+  rstd = jax.lax.rsqrt(var + eps)
+  return (x32 * rstd).astype(y_dtype or x.dtype), rstd[..., 0]
+
+
+def backward_reference(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool,
+                       x_dtype=None) -> jax.Array:
+  """Pure-JAX `backward`: ``rstd * (dy [- mean(dy)] - y * mean(dy * y))`` in float32."""
+  dy32 = dy.astype(jnp.float32)
+  y32 = y.astype(jnp.float32)
+  g = dy32 - y32 * jnp.mean(dy32 * y32, axis=-1, keepdims=True)
+  if centered:
+    g = g - jnp.mean(dy32, axis=-1, keepdims=True)
+  return (rstd[..., None] * g).astype(x_dtype or dy.dtype)

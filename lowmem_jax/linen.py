@@ -82,10 +82,11 @@ class MultiHeadAttention(nn.MultiHeadAttention):
 class _MSNorm(nn.Module):
   epsilon: float = 1e-6
   dtype: Any = None
+  impl: str | None = None
   _norm = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype)
+    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
 
 
 class MSLayerNorm(_MSNorm):
@@ -98,6 +99,8 @@ class MSLayerNorm(_MSNorm):
     epsilon: added to the variance.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+      ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_layer_norm)
 
@@ -112,5 +115,7 @@ class MSRMSNorm(_MSNorm):
     epsilon: added to the mean square.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+      ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_rms_norm)

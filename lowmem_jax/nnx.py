@@ -25,17 +25,18 @@ class _MSNorm(nnx.Module):
   _norm = None
 
   def __init__(self, num_features: int | None = None, *, epsilon: float = 1e-6,
-               dtype: Any = None, rngs: nnx.Rngs | None = None):
+               dtype: Any = None, impl: str | None = None, rngs: nnx.Rngs | None = None):
     del rngs  # accepted so that the module replaces nnx.LayerNorm/RMSNorm as called
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
+    self.impl = impl
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.num_features is not None and x.shape[-1] != self.num_features:
       raise ValueError(
           f"x's last axis must be num_features={self.num_features}, got shape {x.shape}.")
-    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype)
+    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
 
 
 class MSLayerNorm(_MSNorm):
@@ -48,6 +49,8 @@ class MSLayerNorm(_MSNorm):
     num_features: if given, the size the input's last axis must have.
     epsilon: added to the variance.
     dtype: dtype of the output; defaults to the input's.
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+      ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.LayerNorm`; unused.
   """
   _norm = staticmethod(ms_layer_norm)
@@ -63,6 +66,8 @@ class MSRMSNorm(_MSNorm):
     num_features: if given, the size the input's last axis must have.
     epsilon: added to the mean square.
     dtype: dtype of the output; defaults to the input's.
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+      ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.RMSNorm`; unused.
   """
   _norm = staticmethod(ms_rms_norm)

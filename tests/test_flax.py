@@ -17,6 +17,10 @@ def test_linen_norms(module, fn):
   y = m.apply({}, x)
   assert y.dtype == jnp.bfloat16
   chex.assert_trees_all_close(y, fn(x, eps=1e-5, dtype=jnp.bfloat16))
+  kernel = module(epsilon=1e-5, dtype=jnp.bfloat16, impl="pallas_interpret")
+  assert "lowmem_ms_norm_fwd" in str(jax.make_jaxpr(lambda x: kernel.apply({}, x))(x))
+  with pytest.raises(ValueError, match="impl must be one of"):
+    module(impl="cuda").apply({}, x)
 
 
 @pytest.mark.parametrize("module,plain", [(lm.nnx.MSLayerNorm, nnx.LayerNorm),
@@ -30,6 +34,8 @@ def test_nnx_norms_replace_plain(module, plain):
   chex.assert_trees_all_close(g, jax.grad(lambda x: jnp.sum(jnp.sin(theirs(x))))(x), atol=1e-5)
   with pytest.raises(ValueError, match="num_features"):
     ours(jnp.zeros((3, 8)))
+  kernel = module(16, epsilon=1e-6, impl="pallas_interpret", rngs=nnx.Rngs(0))
+  chex.assert_trees_all_close(kernel(x), ours(x), atol=1e-5)
 
 
 def test_activation_argument():

@@ -1,0 +1,72 @@
+"""impl= and $LOWMEM_JAX_IMPL: which implementation runs, and the errors where none can."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import dispatch
+
+OPS = {"regelu2": lm.regelu2, "resilu2": lm.resilu2, "relu": lm.relu,
+       "ms_layer_norm": lm.ms_layer_norm, "ms_rms_norm": lm.ms_rms_norm}
+X = jnp.ones((2, 8), jnp.float32)
+
+
+def _runs_kernel(fn, *args) -> bool:
+  return "pallas_call" in str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(fn(x))))(*args))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_impls_on_cpu(op, monkeypatch):
+  monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+  fn = OPS[op]
+  assert not _runs_kernel(lambda x: fn(x, impl="xla"), X)
+  assert not _runs_kernel(lambda x: fn(x, impl="auto"), X)  # no GPU: XLA
+  assert not _runs_kernel(fn, X)  # the default is "auto"
+  assert _runs_kernel(lambda x: fn(x, impl="pallas_interpret"), X)
+  with pytest.raises(ValueError, match="impl='pallas' needs a GPU.*'cpu'.*pallas_interpret"):
+    fn(X, impl="pallas")
+  with pytest.raises(ValueError, match="impl must be one of"):
+    fn(X, impl="triton")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_environment_variable_sets_the_default(op, monkeypatch):
+  fn = OPS[op]
+  monkeypatch.setenv(dispatch.ENV_VAR, "pallas_interpret")
+  assert _runs_kernel(fn, X)
+  assert not _runs_kernel(lambda x: fn(x, impl="xla"), X)  # an explicit impl wins
+  monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+  with pytest.raises(ValueError, match=r"\$LOWMEM_JAX_IMPL must be one of .* got 'fast'"):
+    fn(X)
+
+
+def test_auto_takes_a_kernel_only_where_measured_on_gpu(monkeypatch):
+  monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+  assert dispatch.kernel_options("auto", "ms_norm") is None  # not measured: XLA
+  monkeypatch.setattr(dispatch, "MEASURED_NO_SLOWER", frozenset({"ms_norm"}))
+  assert dispatch.kernel_options("auto", "ms_norm") == dispatch._blocks.Options()
+  assert dispatch.kernel_options("auto", "ms_norm", unsupported="rows too long") is None
+  with pytest.raises(ValueError, match="cannot run the ms_norm kernel: rows too long"):
+    dispatch.kernel_options("pallas", "ms_norm", unsupported="rows too long")
+
+
+def test_vit_training_step_with_kernels_matches_xla(monkeypatch):
+  """The ViT reference step, switched to the kernels by the environment variable alone."""
+  wl = lm.models.workload("vit-tiny", batch=2, image=32, dtype=jnp.float32,
+                          activation="approx", norm="ms")
+  params, batch = wl.init(jax.random.key(0)), wl.batch(jax.random.key(1))
+
+  def loss_and_grads(impl):
+    monkeypatch.setenv(dispatch.ENV_VAR, impl)
+    fn = jax.value_and_grad(wl.loss)
+    return jax.jit(fn)(params, *batch), str(jax.make_jaxpr(fn)(params, *batch))
+
+  (loss, grads), jaxpr = loss_and_grads("pallas_interpret")
+  (loss_ref, grads_ref), jaxpr_ref = loss_and_grads("xla")
+  for kernel in ("lowmem_approx_activation_fwd", "lowmem_approx_activation_bwd",
+                 "lowmem_ms_norm_fwd", "lowmem_ms_norm_bwd"):
+    assert kernel in jaxpr and kernel not in jaxpr_ref
+  chex.assert_trees_all_close(loss, loss_ref, rtol=1e-6)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,126 @@
+"""The fused activation kernels against their pure-JAX reference (interpret mode on CPU)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import activations
+from pallas_kernels import _blocks, activations as kernels
+
+FITS = {
+    "regelu2": kernels.Fit(lambda x: jax.nn.gelu(x, approximate=False), activations.REGELU2_A,
+                           activations.REGELU2_C, kernels.gelu),
+    "resilu2": kernels.Fit(jax.nn.silu, activations.RESILU2_A, activations.RESILU2_C),
+    "relu": kernels.Fit(jax.nn.relu, (1.0,), (0.0,)),
+}
+FNS = {"regelu2": lm.regelu2, "resilu2": lm.resilu2, "relu": lm.relu}
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+INTERPRET = _blocks.Options(interpret=True)
+SMALL_BLOCKS = _blocks.Options(interpret=True, block_rows=2, block_cols=2)
+# Ranks 1 to 4, last axes that 4 and 8 do not divide, size 0, batch dims of 1.
+SHAPES = [(0,), (1,), (7,), (3, 9), (4, 0), (2, 3, 16), (1, 5, 13), (1, 1, 2, 6), (2, 1, 1, 33)]
+
+
+def _x(shape, dtype, seed=0):
+  return (4 * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+
+
+def _assert_y_close(y, y_ref):
+  """Kernel and XLA round the same float32 activation: float32 to 1e-5, else 1 ulp."""
+  assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+  rtol = 1e-5 if y.dtype == jnp.float32 else float(jnp.finfo(y.dtype).eps)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref, np.float32),
+                             rtol=rtol, atol=1e-30)
+
+
+@pytest.mark.parametrize("options", [INTERPRET, SMALL_BLOCKS], ids=["default", "small_blocks"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FITS)
+def test_kernels_match_reference(name, dtype, shape, options):
+  fit = FITS[name]
+  x, dy = _x(shape, dtype), _x(shape, dtype, seed=1)
+  y, packed = kernels.forward(fit, x, options)
+  y_ref, packed_ref = kernels.forward_reference(fit, x)
+  _assert_y_close(y, y_ref)
+  assert packed.dtype == jnp.uint8 and packed.shape == packed_ref.shape
+  np.testing.assert_array_equal(packed, packed_ref)
+  dx = kernels.backward(fit, packed, dy, options)
+  assert dx.dtype == dtype
+  np.testing.assert_array_equal(dx, kernels.backward_reference(fit, packed_ref, dy))
+
+
+def test_kernel_spans_column_blocks_with_default_blocks():
+  fit = FITS["regelu2"]
+  x = _x((3, 4100), jnp.bfloat16)  # 1025 bytes of codes a row, over the 1024-byte block
+  np.testing.assert_array_equal(kernels.forward(fit, x, INTERPRET)[1],
+                                kernels.forward_reference(fit, x)[1])
+
+
+def test_kernel_gelu_matches_erfc_gelu():
+  x = jnp.linspace(-12, 12, 20001, dtype=jnp.float32)
+  np.testing.assert_allclose(kernels.gelu(x), jax.nn.gelu(x, approximate=False),
+                             rtol=2e-5, atol=1e-37)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FNS)
+def test_public_function_same_code_and_gradient(name, dtype):
+  fn = FNS[name]
+  x, dy = _x((2, 3, 10), dtype), _x((2, 3, 10), dtype, seed=1)
+  y, vjp = jax.vjp(lambda x: fn(x, impl="pallas_interpret"), x)
+  y_ref, vjp_ref = jax.vjp(lambda x: fn(x, impl="xla"), x)
+  _assert_y_close(y, y_ref)
+  np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])
+  # The kernel path saves the one residual the XLA path saves: the packed code.
+  saved = lm.memory.saved_residuals(
+      lambda x: fn(x, impl="pallas_interpret").astype(jnp.float32).sum(), x)
+  assert [(r.shape, r.dtype, r.name) for r in saved.rows] == [
+      ((2, 3, (10 * FITS[name].bits + 7) // 8), np.uint8, lm.names.ACT_CODE)]
+
+
+@pytest.mark.parametrize("name", FNS)
+def test_transformations(name):
+  """jit, vmap, grad, checkpoint and scan over the kernel path give XLA's gradients."""
+  fn = FNS[name]
+  x = _x((3, 4, 12), jnp.float32)
+
+  def loss(impl):
+    def per_example(x):
+      h = jax.checkpoint(lambda x: fn(x, impl=impl))(x)
+      def body(carry, row):
+        return jnp.tanh(fn(row + carry, impl=impl)), None
+      return jnp.sum(jax.lax.scan(body, jnp.zeros(h.shape[-1]), h)[0])
+    return lambda x: jnp.sum(jax.vmap(per_example)(x))
+
+  grads = jax.jit(jax.grad(loss("pallas_interpret")))(x)
+  chex.assert_trees_all_close(grads, jax.grad(loss("xla"))(x), rtol=1e-5)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss("pallas_interpret")))(x))
+  assert "lowmem_approx_activation_fwd" in jaxpr and "lowmem_approx_activation_bwd" in jaxpr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FITS)
+def test_kernels_lower_for_cuda(name, dtype):
+  """Pallas lowers both kernels to Triton IR here, without a GPU (no PTX compile)."""
+  fit = FITS[name]
+  x = jax.ShapeDtypeStruct((64, 197, 3072), dtype)
+  jax.jit(lambda x: kernels.forward(fit, x)).trace(x).lower(lowering_platforms=("cuda",))
+  packed = jax.ShapeDtypeStruct((64, 197, 3072 * fit.bits // 8), jnp.uint8)
+  jax.jit(lambda p, dy: kernels.backward(fit, p, dy)).trace(packed, x).lower(
+      lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FNS)
+def test_on_gpu_same_code_and_gradient(name, dtype):
+  fn = FNS[name]
+  x, dy = _x((8, 197, 3072 + 3), dtype), _x((8, 197, 3072 + 3), dtype, seed=1)
+  y, vjp = jax.vjp(lambda x: fn(x, impl="pallas"), x)
+  y_ref, vjp_ref = jax.vjp(lambda x: fn(x, impl="xla"), x)
+  _assert_y_close(y, y_ref)
+  np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])

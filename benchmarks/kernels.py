@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import activations
+import lowmem_jax as lm
 from pallas_kernels import _blocks, activations as act_kernels, norms as norm_kernels, pack
 
 # Peak HBM bandwidth, bytes/s, from NVIDIA's data sheets, by device_kind.
@@ -33,12 +33,7 @@ PEAK_BANDWIDTH = {
     "NVIDIA A100-SXM4-80GB": 2.039e12,
     "NVIDIA A100-SXM4-40GB": 1.555e12,
 }
-FITS = {
-    "regelu2": act_kernels.Fit(lambda x: jax.nn.gelu(x, approximate=False), activations.REGELU2_A,
-                               activations.REGELU2_C, act_kernels.gelu),
-    "resilu2": act_kernels.Fit(jax.nn.silu, activations.RESILU2_A, activations.RESILU2_C),
-    "relu": act_kernels.Fit(jax.nn.relu, (1.0,), (0.0,)),
-}
+FITS = {fn.__name__: fn.fit for fn in (lm.regelu2, lm.resilu2, lm.relu)}
 
 
 def cases(interpret: bool):

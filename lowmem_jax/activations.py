@@ -17,7 +17,6 @@ import math
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import dispatch, names
@@ -34,7 +33,7 @@ RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _approx(fit: kernels.Fit, options, x: jax.Array) -> jax.Array:
   if options is None:
-    return fit.fn(x.astype(jnp.float32)).astype(x.dtype)
+    return kernels.forward_reference(fit, x)[0]  # XLA drops the unused code
   return kernels.forward(fit, x, options)[0]
 
 
@@ -76,8 +75,9 @@ def approx_activation(
     of rank >= 1, ``y`` of x's shape and dtype, whose only residual for
     backward is a ``uint8[..., ceil(n * bits / 8)]`` code (``n = x.shape[-1]``;
     1 bit for one kink, 2 bits for two or three), tagged ``act_code``. ``impl``
-    picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both give
-    the same code and gradient.
+    picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both save
+    the same code and return the same ``dx`` for the same ``dy``. The
+    function's ``fit`` attribute is its `pallas_kernels.activations.Fit`.
   """
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
@@ -102,6 +102,7 @@ def approx_activation(
     check_float_array(x, "x")
     return _approx(fit, dispatch.kernel_options(impl, "approx_activation"), x)
 
+  activation.fit = fit
   return activation
 
 

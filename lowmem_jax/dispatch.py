@@ -11,8 +11,8 @@ Every public function with a kernel in `pallas_kernels` takes ``impl``:
   slower than XLA's fusion (the families in `MEASURED_NO_SLOWER`), else XLA.
 
 ``impl=None`` (the default) reads the environment variable ``LOWMEM_JAX_IMPL``
-when the function is traced, and is ``"auto"`` where it is unset, so one
-variable switches a whole program.
+when the function is traced, and is ``"auto"`` where it is unset or empty, so
+one variable switches a whole program.
 """
 
 import os
@@ -44,7 +44,7 @@ def kernel_options(impl: str | None, kernel: str, unsupported: str | None = None
   """
   source = "impl"
   if impl is None:
-    impl, source = os.environ.get(ENV_VAR, "auto"), f"${ENV_VAR}"
+    impl, source = os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}"
   if impl not in IMPLS:
     raise ValueError(f"{source} must be one of {IMPLS}, got {impl!r}.")
   on_gpu = jax.default_backend() == "gpu"

@@ -10,7 +10,6 @@ import math
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 # Elements a program handles: 16 KiB of float32, a Triton elementwise sweet spot.
 BLOCK_ELEMENTS = 4096
@@ -38,7 +37,9 @@ class Options:
       if value is not None and (not isinstance(value, int) or value < 1 or value & (value - 1)):
         raise ValueError(f"{name} must be a power of two >= 1 or None, got {value!r}.")
 
-  def compiler_params(self) -> pltriton.CompilerParams:
+  def compiler_params(self):
+    """Pallas' Triton backend with ``num_warps``; imported here, when a kernel is built."""
+    from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=self.num_warps)
 
 

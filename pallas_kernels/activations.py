@@ -63,7 +63,9 @@ def gelu(x: jax.Array) -> jax.Array:
 
   ``gelu(x) = x / 2 * erfc(-x / sqrt(2))``, with ``erfc`` from Press et al.'s
   Chebyshev fit (Numerical Recipes, 2nd ed., section 6.2, ``erfcc``), whose
-  relative error is below 1.2e-7 everywhere: float32 rounding, as with XLA's.
+  relative error is below 1.2e-7 in exact arithmetic. In float32 the rounding
+  of ``exp``'s argument dominates for large ``|x|``, as in XLA's GELU: both
+  stay within 2e-5 relative of the float64 truth.
   """
   z = -x * jnp.float32(0.7071067811865476)
   t = 1 / (1 + 0.5 * jnp.abs(z))
@@ -88,12 +90,13 @@ def _backward_kernel(packed_ref, dy_ref, dx_ref, *, fit):
 
 @functools.partial(jax.jit, static_argnames=("fit", "options"))
 def forward(fit: Fit, x: jax.Array, options: _blocks.Options = _blocks.Options()):
-  """Fused forward: ``y = fn(x)`` and its packed code, one read of ``x``.
+  """Fused forward: ``y = fn(x)`` and its packed code in one kernel.
 
   Args:
     fit: the activation and its fit.
-    x: float16/bfloat16/float32 ``[..., n]``. Where ``8 // fit.bits`` does not
-      divide ``n`` the kernel works on a zero-padded copy.
+    x: float16/bfloat16/float32 ``[..., n]``. Where ``8 // fit.bits`` divides
+      ``n`` the kernel reads ``x`` once; otherwise it works on a copy padded
+      with ``-inf`` and ``y`` is sliced back, two more passes.
     options: interpret mode and tuning.
 
   Returns:
@@ -130,6 +133,7 @@ def backward(fit: Fit, packed: jax.Array, dy: jax.Array,
   Returns:
     ``dx`` of dy's shape and dtype; equal to `backward_reference`.
   """
+  pack.check_packed(packed, fit.bits, dy.shape[-1])
   if dy.size == 0:
     return backward_reference(fit, packed, dy)
   view = pack.grouped(dy, fit.bits)

@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _blocks
 
-# Longest row a program holds: 16K float32 values, 64 KiB, the bound JAX's own
-# Triton layer norm fuses up to.
+# Longest row a program holds: 16K float32 values, 64 KiB (JAX's own Triton
+# layer norm loads rows in chunks of 64 KiB; ours holds the whole row).
 MAX_ROW = 16384
 
 
@@ -39,6 +39,9 @@ def _row_grid(rows: int, n: int, options: _blocks.Options):
   reason = supports(n)
   if reason:
     raise ValueError(f"x's last axis is too long for the norm kernels: {reason}.")
+  if options.block_cols is not None:
+    raise ValueError(f"options.block_cols must be None for the norm kernels (a program holds "
+                     f"whole rows), got {options.block_cols}.")
   cols = pl.next_power_of_2(n)
   block_rows, _ = _blocks.block_shape(rows, cols, _blocks.Options(block_rows=options.block_rows))
   grid = (pl.cdiv(rows, block_rows),)
@@ -82,7 +85,7 @@ def forward(x: jax.Array, *, centered: bool, eps: float, y_dtype=None,
     centered: LayerNorm (True) or RMSNorm (False).
     eps: added to the variance (mean square).
     y_dtype: dtype of ``y``; defaults to x's.
-    options: interpret mode and tuning (``block_cols`` is ignored: rows are whole).
+    options: interpret mode and tuning (``block_cols`` must be None: rows are whole).
 
   Returns:
     ``(y, rstd)``: ``y`` of x's shape in ``y_dtype``, ``rstd`` float32 ``[...]``.

@@ -26,7 +26,7 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 
 def codes_per_byte(bits: int) -> int:
   """``8 // bits``, after checking ``bits`` is one of `SUPPORTED_BITS`."""
-  if bits not in SUPPORTED_BITS:
+  if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
     raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
   return 8 // bits
 
@@ -105,6 +105,7 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
   Returns:
     ``uint8[..., ceil(n * bits / 8)]``, equal to `pack_reference`.
   """
+  _check_codes(codes)
   size = packed_size(codes.shape[-1], bits)
   out_shape = codes.shape[:-1] + (size,)
   if 0 in out_shape:
@@ -124,7 +125,7 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
 def unpack(packed: jax.Array, bits: int, n: int, *,
            options: _blocks.Options = _blocks.Options()) -> jax.Array:
   """Inverse of `pack`: ``uint8[..., ceil(n * bits / 8)]`` to ``uint8[..., n]``."""
-  _check_packed(packed, bits, n)
+  check_packed(packed, bits, n)
   out_shape = packed.shape[:-1] + (n,)
   if 0 in out_shape:
     return jnp.zeros(out_shape, jnp.uint8)
@@ -145,6 +146,7 @@ def pack_reference(codes: jax.Array, bits: int) -> jax.Array:
   Codes must lie in ``[0, 2**bits)``; other values are masked to their low
   ``bits`` bits, as in the kernel.
   """
+  _check_codes(codes)
   size = packed_size(codes.shape[-1], bits)
   out_shape = codes.shape[:-1] + (size,)
   if 0 in out_shape:
@@ -155,12 +157,20 @@ def pack_reference(codes: jax.Array, bits: int) -> jax.Array:
 
 def unpack_reference(packed: jax.Array, bits: int, n: int) -> jax.Array:
   """Pure-JAX `unpack`: ``uint8[..., ceil(n * bits / 8)]`` to ``uint8[..., n]``."""
-  _check_packed(packed, bits, n)
+  check_packed(packed, bits, n)
   codes = bytes_to_codes(packed, bits).astype(jnp.uint8)
   return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :n]
 
 
-def _check_packed(packed, bits, n):
+def _check_codes(codes):
+  if not jnp.issubdtype(codes.dtype, jnp.integer) or codes.ndim < 1:
+    raise TypeError(f"codes must be an integer array of rank >= 1, got {codes.dtype}{list(codes.shape)}.")
+
+
+def check_packed(packed: jax.Array, bits: int, n: int) -> None:
+  """Raises unless ``packed`` is ``uint8[..., ceil(n * bits / 8)]``, ``n >= 0``."""
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"n must be an int >= 0, got {n!r}.")
   if packed.dtype != jnp.uint8:
     raise TypeError(f"packed must be uint8, got {packed.dtype}.")
   if packed.ndim < 1 or packed.shape[-1] != packed_size(n, bits):

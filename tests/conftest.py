@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 # Strict promotion catches silent upcasts in our functional core. Flax's own
 # normalisation layers mix bfloat16 and float32 implicitly, so the tests that
 # run Flax models keep JAX's standard promotion.
-_STRICT = ("test_activations", "test_norms", "test_pack", "test_fold")
+_STRICT = ("test_activations", "test_norms", "test_pack", "test_fold", "test_pallas_activations",
+           "test_pallas_norms", "test_dispatch")
 
 
 @pytest.fixture(autouse=True)

@@ -93,3 +93,12 @@ def test_kernels_on_gpu(bits):
   packed = pack.pack(codes, bits)
   np.testing.assert_array_equal(packed, pack.pack_reference(codes, bits))
   np.testing.assert_array_equal(pack.unpack(packed, bits, 1003), codes)
+
+
+def test_bad_codes_and_n():
+  with pytest.raises(TypeError, match="codes must be an integer array"):
+    pack.pack(jnp.zeros((4,), jnp.float32), 2, options=INTERPRET)
+  with pytest.raises(ValueError, match="bits must be one of"):
+    pack.pack_reference(jnp.zeros((4,), jnp.uint8), 2.0)
+  with pytest.raises(ValueError, match="n must be an int >= 0"):
+    pack.unpack_reference(jnp.zeros((1,), jnp.uint8), 2, -1)

@@ -7,16 +7,10 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import activations
 from pallas_kernels import _blocks, activations as kernels
 
-FITS = {
-    "regelu2": kernels.Fit(lambda x: jax.nn.gelu(x, approximate=False), activations.REGELU2_A,
-                           activations.REGELU2_C, kernels.gelu),
-    "resilu2": kernels.Fit(jax.nn.silu, activations.RESILU2_A, activations.RESILU2_C),
-    "relu": kernels.Fit(jax.nn.relu, (1.0,), (0.0,)),
-}
 FNS = {"regelu2": lm.regelu2, "resilu2": lm.resilu2, "relu": lm.relu}
+FITS = {name: fn.fit for name, fn in FNS.items()}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INTERPRET = _blocks.Options(interpret=True)
 SMALL_BLOCKS = _blocks.Options(interpret=True, block_rows=2, block_cols=2)
@@ -58,6 +52,14 @@ def test_kernel_spans_column_blocks_with_default_blocks():
   x = _x((3, 4100), jnp.bfloat16)  # 1025 bytes of codes a row, over the 1024-byte block
   np.testing.assert_array_equal(kernels.forward(fit, x, INTERPRET)[1],
                                 kernels.forward_reference(fit, x)[1])
+
+
+def test_backward_checks_packed():
+  fit, dy = FITS["regelu2"], _x((2, 8), jnp.float32)
+  with pytest.raises(TypeError, match="packed must be uint8"):
+    kernels.backward(fit, jnp.zeros((2, 2), jnp.int32), dy, INTERPRET)
+  with pytest.raises(ValueError, match="packed's last axis"):
+    kernels.backward(fit, jnp.zeros((2, 3), jnp.uint8), dy, INTERPRET)
 
 
 def test_kernel_gelu_matches_erfc_gelu():
@@ -124,3 +126,14 @@ def test_on_gpu_same_code_and_gradient(name, dtype):
   y_ref, vjp_ref = jax.vjp(lambda x: fn(x, impl="xla"), x)
   _assert_y_close(y, y_ref)
   np.testing.assert_array_equal(vjp(dy)[0], vjp_ref(dy)[0])
+
+
+def test_no_recompilation():
+  """A second call with the same shapes reuses the compiled kernels."""
+  fn = jax.jit(jax.grad(lambda x: jnp.sum(lm.regelu2(x, impl="pallas_interpret"))))
+  x = _x((4, 12), jnp.float32)
+  fn(x)
+  sizes = fn._cache_size(), kernels.forward._cache_size(), kernels.backward._cache_size()
+  fn(x + 1)
+  assert (fn._cache_size(), kernels.forward._cache_size(),
+          kernels.backward._cache_size()) == sizes

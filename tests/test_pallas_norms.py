@@ -119,3 +119,9 @@ def test_on_gpu_matches_xla(kind, dtype):
   y_ref, vjp_ref = jax.vjp(lambda x: norm(x, impl="xla"), x)
   _assert_close(y, y_ref)
   _assert_close(vjp(dy)[0], vjp_ref(dy)[0])
+
+
+def test_block_cols_is_refused():
+  with pytest.raises(ValueError, match="block_cols must be None"):
+    kernels.forward(jnp.ones((2, 8)), centered=True, eps=1e-6,
+                    options=_blocks.Options(interpret=True, block_cols=4))

@@ -64,8 +64,8 @@ def gelu(x: jax.Array) -> jax.Array:
   ``gelu(x) = x / 2 * erfc(-x / sqrt(2))``, with ``erfc`` from Press et al.'s
   Chebyshev fit (Numerical Recipes, 2nd ed., section 6.2, ``erfcc``), whose
   relative error is below 1.2e-7 in exact arithmetic. In float32 the rounding
-  of ``exp``'s argument dominates for large ``|x|``, as in XLA's GELU: both
-  stay within 2e-5 relative of the float64 truth.
+  of ``exp``'s argument dominates for large ``|x|``, as in XLA's GELU; the
+  tests hold it within 2e-5 relative of `jax.nn.gelu` on [-12, 12].
   """
   z = -x * jnp.float32(0.7071067811865476)
   t = 1 / (1 + 0.5 * jnp.abs(z))

@@ -105,13 +105,10 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
   Returns:
     ``uint8[..., ceil(n * bits / 8)]``, equal to `pack_reference`.
   """
-  _check_codes(codes)
-  size = packed_size(codes.shape[-1], bits)
-  out_shape = codes.shape[:-1] + (size,)
-  if 0 in out_shape:
+  view, out_shape = _codes_view(codes, bits)
+  if view is None:
     return jnp.zeros(out_shape, jnp.uint8)
-  view = grouped(codes.astype(jnp.uint8) & jnp.uint8(2**bits - 1), bits)
-  grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], size, bits, options)
+  grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], out_shape[-1], bits, options)
   packed = pl.pallas_call(
       functools.partial(_pack_kernel, bits=bits),
       out_shape=jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8),
@@ -146,12 +143,9 @@ def pack_reference(codes: jax.Array, bits: int) -> jax.Array:
   Codes must lie in ``[0, 2**bits)``; other values are masked to their low
   ``bits`` bits, as in the kernel.
   """
-  _check_codes(codes)
-  size = packed_size(codes.shape[-1], bits)
-  out_shape = codes.shape[:-1] + (size,)
-  if 0 in out_shape:
+  view, out_shape = _codes_view(codes, bits)
+  if view is None:
     return jnp.zeros(out_shape, jnp.uint8)
-  view = grouped(codes.astype(jnp.uint8) & jnp.uint8(2**bits - 1), bits)
   return codes_to_bytes(view, bits).reshape(out_shape)
 
 
@@ -162,9 +156,16 @@ def unpack_reference(packed: jax.Array, bits: int, n: int) -> jax.Array:
   return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :n]
 
 
-def _check_codes(codes):
+def _codes_view(codes, bits):
+  """Checked ``codes`` as `grouped` uint8 ``[rows, m, P]`` (``None`` when empty), and
+  the packed shape ``[..., m]``."""
   if not jnp.issubdtype(codes.dtype, jnp.integer) or codes.ndim < 1:
-    raise TypeError(f"codes must be an integer array of rank >= 1, got {codes.dtype}{list(codes.shape)}.")
+    raise TypeError(
+        f"codes must be an integer array of rank >= 1, got {codes.dtype}{list(codes.shape)}.")
+  out_shape = codes.shape[:-1] + (packed_size(codes.shape[-1], bits),)
+  if 0 in out_shape:
+    return None, out_shape
+  return grouped(codes.astype(jnp.uint8) & jnp.uint8(2**bits - 1), bits), out_shape
 
 
 def check_packed(packed: jax.Array, bits: int, n: int) -> None:

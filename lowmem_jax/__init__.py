@@ -1,6 +1,7 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
-from lowmem_jax import attention_ops, fold, linen, memory, models, names, nnx, optim, policies
+from lowmem_jax import (attention_ops, compress, fold, linen, memory, models, names, nnx, optim,
+                        policies, precision)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
@@ -8,7 +9,7 @@ from lowmem_jax.optim import adama, adamaw, microbatch_step
 from lowmem_jax.planner import Plan, plan
 
 __all__ = [
-    "Plan", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "fold", "linen",
-    "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names", "nnx", "optim",
-    "plan", "policies", "regelu2", "relu", "resilu2",
+    "Plan", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress", "fold",
+    "linen", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names", "nnx",
+    "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2",
 ]

@@ -17,8 +17,11 @@ ATTN_LSE = "attn_lse"  # float32 log-sum-exp of each attention row: batch x head
 MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer (both halves of a gated MLP)
 MLP_ACT = "mlp_act"  # activation output of the MLP (gated: the product): the second matmul's input
 ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
+COMPRESSED_IN = "compressed_in"  # quantised or pooled input of a layer (lowmem_jax.compress)
+COMPRESSED_SCALE = "compressed_scale"  # float32 per-row scales of a quantised input
 
-ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT, ACT_CODE)
+ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT, ACT_CODE,
+       COMPRESSED_IN, COMPRESSED_SCALE)
 
 
 def ordered(names) -> list[str]:
@@ -30,6 +33,7 @@ KINDS = {
     ACT_CODE: "activation codes", NORM_OUT: "norm outputs", NORM_RSTD: "norm outputs",
     BLOCK_IN: "block inputs", MLP_HIDDEN: "activation inputs", MLP_ACT: "matmul inputs",
     QKV: "attention", ATTN_PROBS: "attention", ATTN_OUT: "attention", ATTN_LSE: "attention",
+    COMPRESSED_IN: "compressed inputs", COMPRESSED_SCALE: "compressed inputs",
 }
 
 

@@ -1,0 +1,107 @@
+"""Low precision: a dtype policy, and dynamic loss scaling for float16.
+
+A policy keeps float32 master parameters, computes in bfloat16 or float16 and
+returns float32 outputs, so activations (and the saved residuals) take half
+the bytes while the optimizer updates stay exact. float16's range is narrow:
+small gradients underflow. Dynamic loss scaling multiplies the loss by a
+scale S before differentiating and divides the gradients by S after; a step
+whose gradients overflow is skipped (parameters and optimizer state kept as
+they were) and S halved; after ``period`` finite steps in a row S doubles.
+
+Both parts are `jmp` (DeepMind's JAX mixed-precision library; 0.0.4 works
+with current JAX): a policy is a ``jmp.Policy``, a scale a
+``jmp.DynamicLossScale``. This module adds the Flax bridge and the train step.
+
+References:
+  Micikevicius et al., "Mixed Precision Training", ICLR 2018 (arXiv:1710.03740).
+  Sohoni et al., "Low-Memory Neural Network Training: A Technical Report",
+  2019 (arXiv:1904.10631), section on low precision.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+Policy = jmp.Policy
+LossScale = jmp.DynamicLossScale | jmp.StaticLossScale | jmp.NoOpLossScale
+
+POLICIES = {
+    "float32": "params=float32,compute=float32,output=float32",
+    "bfloat16": "params=float32,compute=bfloat16,output=float32",
+    "float16": "params=float32,compute=float16,output=float32",
+}
+
+
+def get_policy(spec: str | Policy) -> Policy:
+  """A ``jmp.Policy`` from a name in `POLICIES` or a jmp spec string such as
+  ``"params=float32,compute=bfloat16,output=float32"``."""
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str):
+    raise TypeError(f"spec must be a policy name or string, got {type(spec).__name__}.")
+  try:
+    return jmp.get_policy(POLICIES.get(spec, spec))
+  except ValueError as e:
+    raise ValueError(f"spec must be one of {tuple(POLICIES)} or a jmp policy string such as "
+                     f"{POLICIES['bfloat16']!r}, got {spec!r}.") from e
+
+
+def flax_dtypes(policy: str | Policy) -> dict[str, Any]:
+  """``dict(dtype=compute, param_dtype=params)`` for a Flax module or `lowmem_jax.models.workload`.
+
+  A Flax module returns the compute dtype; cast its output with
+  ``policy.cast_to_output`` where the loss wants the output dtype.
+  """
+  policy = get_policy(policy)
+  return dict(dtype=policy.compute_dtype, param_dtype=policy.param_dtype)
+
+
+def dynamic_loss_scale(initial: float = 2.0 ** 15, *, period: int = 2000,
+                       factor: int = 2) -> jmp.DynamicLossScale:
+  """A ``jmp.DynamicLossScale`` starting at ``initial`` that grows by ``factor``
+  after ``period`` finite steps and shrinks by it on a non-finite one."""
+  if not initial > 0:
+    raise ValueError(f"initial must be > 0, got {initial!r}.")
+  if not isinstance(period, int) or period < 1:
+    raise ValueError(f"period must be an int >= 1, got {period!r}.")
+  if not isinstance(factor, int) or factor < 2:
+    raise ValueError(f"factor must be an int >= 2, got {factor!r}.")
+  return jmp.DynamicLossScale(jnp.float32(initial), period=period, factor=factor)
+
+
+def loss_scaled_step(loss_fn: Callable[[Any, Any], jax.Array],
+                     tx: optax.GradientTransformation) -> Callable:
+  """One optimizer step of ``tx`` on ``loss_fn(params, batch)`` under a loss scale.
+
+  Args:
+    loss_fn: ``(params, batch) -> scalar`` loss; its gradient is taken in the
+      parameters' dtype (float32 master weights under a `POLICIES` policy).
+    tx: the optax optimizer.
+
+  Returns:
+    ``step(params, opt_state, loss_scale, batch) -> (params, opt_state,
+    loss_scale, metrics)``. Where the unscaled gradients are all finite, the
+    update of ``tx`` is applied; otherwise ``params`` and ``opt_state`` are
+    returned unchanged (the step is skipped). ``loss_scale`` is adjusted either
+    way. ``metrics``: ``loss`` (unscaled), ``grads_finite`` (bool) and
+    ``loss_scale`` (the scale this step used). With a power-of-two scale and
+    no overflow the gradients, hence the step, equal the unscaled ones exactly.
+    Jittable and scannable: the loss scale is a pytree carried in the state.
+  """
+  def step(params, opt_state, loss_scale: LossScale, batch):
+    def scaled_loss(params):
+      loss = loss_fn(params, batch)
+      return loss_scale.scale(loss), loss
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state),
+                                        (params, opt_state))
+    metrics = {"loss": loss, "grads_finite": finite, "loss_scale": loss_scale.loss_scale}
+    return params, opt_state, loss_scale.adjust(finite), metrics
+  return step

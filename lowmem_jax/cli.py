@@ -329,7 +329,9 @@ def _parser() -> argparse.ArgumentParser:
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
                       description=f"Tries, cheapest first: {', '.join(ladder(8))}, ...")
   for p in (rep, pl):
-    p.add_argument("--model", default="vit-b16", choices=models.NAMES)
+    # The techniques and the plan's ladder are the transformers' (ms-norm, attention).
+    p.add_argument("--model", default="vit-b16",
+                   choices=[n for n in models.NAMES if n not in models.WRN_CONFIGS])
     p.add_argument("--batch", type=int, default=64, help="examples per step (default 64)")
     p.add_argument("--seq", type=int, default=512, help="tokens per example (LLaMA; default 512)")
     p.add_argument("--image", type=int, default=224, help="image side in pixels (ViT; default 224)")

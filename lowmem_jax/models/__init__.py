@@ -13,16 +13,18 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import optim
-from lowmem_jax.models import llama, vit
+from lowmem_jax.models import llama, vit, wrn
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
+from lowmem_jax.models.wrn import WideResNet
 
 VIT_CONFIGS = {
     "vit-tiny": dict(patch_size=16, width=192, depth=2, mlp_dim=768, num_heads=3),  # quick checks
     "vit-b16": dict(patch_size=16, width=768, depth=12, mlp_dim=3072, num_heads=12),
     "vit-l16": dict(patch_size=16, width=1024, depth=24, mlp_dim=4096, num_heads=16),
 }
-NAMES = tuple(VIT_CONFIGS) + tuple(llama.CONFIGS)
+WRN_CONFIGS = {"wrn-28-2": dict(depth=28, widen=2)}
+NAMES = tuple(VIT_CONFIGS) + tuple(llama.CONFIGS) + tuple(WRN_CONFIGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,17 @@ class Workload:
     return dataclasses.replace(self, model=self.model.clone(remat=True, remat_policy=policy))
 
   def loss(self, params: Any, inputs: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean cross-entropy, float32 scalar."""
-    logits = self.model.apply({"params": params}, inputs)
+    """Mean cross-entropy, float32 scalar.
+
+    Batch norm (the WideResNet) runs in training mode: it normalises with the
+    batch's statistics, so the loss and its gradient do not depend on the
+    running averages, which this loss does not keep (a training loop carries
+    them: 2 floats a channel).
+    """
+    if isinstance(self.model, WideResNet):
+      logits, _ = self.model.apply({"params": params}, inputs, mutable=["batch_stats"])
+    else:
+      logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   def train_step(self, tx: optax.GradientTransformation, k: int = 1) -> Callable:
@@ -88,31 +99,47 @@ class Workload:
     return step
 
 
-def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
+def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
              activation: str = "exact", norm: str = "plain", attention: str = "plain",
-             remat: bool = False,
+             conv: str = "plain", remat: bool = False,
              remat_policy: Callable | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
   Args:
     name: "vit-tiny" (two ViT-Ti/16 blocks, for quick checks), "vit-b16", "vit-l16",
-      "llama-100m", "llama-1b" or "llama-7b".
+      "llama-100m", "llama-1b", "llama-7b" or "wrn-28-2" (CIFAR-10 sized).
     batch: examples per batch.
     seq: tokens per example (LLaMA).
-    image: image side in pixels (ViT).
+    image: image side in pixels (ViT: default 224; WideResNet: default 32).
     dtype: compute dtype; param_dtype: parameter dtype.
-    activation, norm, attention, remat, remat_policy: the models' switches.
+    activation, norm, attention, remat, remat_policy: the models' switches
+      (the WideResNet has batch norm and no attention: norm and attention "plain").
+    conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
   """
   if name not in NAMES:
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
   if batch < 1:
     raise ValueError(f"batch must be >= 1, got {batch}.")
   vit.check_switches(activation, norm, attention)
+  wrn.check_switches(activation, conv)
+  if name in WRN_CONFIGS:
+    if (norm, attention) != ("plain", "plain"):
+      raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
+                       f"'plain', got norm={norm!r}, attention={attention!r}.")
+    model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, remat=remat,
+                       remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
+    image = image or 32
+    return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
+                    jax.ShapeDtypeStruct((batch,), jnp.int32))
+  if conv != "plain":
+    raise ValueError(f"conv applies to the WideResNet only; {name} takes conv='plain', "
+                     f"got {conv!r}.")
   switches = dict(activation=activation, norm=norm, attention=attention, remat=remat,
                   remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
   if name in VIT_CONFIGS:
     model = ViT(**VIT_CONFIGS[name], **switches)
+    image = image or 224
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:
@@ -122,4 +149,4 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int = 224,
   return Workload(name, model, inputs, labels)
 
 
-__all__ = ["Llama", "LlamaConfig", "NAMES", "ViT", "Workload", "workload"]
+__all__ = ["Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload", "workload"]

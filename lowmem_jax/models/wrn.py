@@ -1,0 +1,123 @@
+"""Wide residual network with batch norm (Zagoruyko & Komodakis, "Wide Residual
+Networks", BMVC 2016, arXiv:1605.07146), the CIFAR-10 model of Sohoni et al.'s
+low-memory training report.
+
+WRN-d-k: three groups of ``(d - 4) / 6`` pre-activation basic blocks
+(BN-ReLU-conv3x3-BN-ReLU-conv3x3) of widths 16k, 32k, 64k, strides 1, 2, 2,
+after a 3x3 stem conv of width 16; then BN-ReLU, global average pool and a
+dense head. WRN-28-2 has 1.47M parameters.
+
+Switches: ``activation`` ("exact" `jax.nn.relu`, which saves a float array,
+or "approx" `lowmem_jax.relu`, which saves a 1-bit mask and is exact: ReLU's
+derivative is a step), ``conv`` ("plain", "pooled": `lowmem_jax.compress.pooled_conv`
+with pool 2, or "int8": the conv input saved as int8 rows, see
+`lowmem_jax.compress`), ``remat`` / ``remat_policy`` for the blocks.
+
+Batch norm in training mode (``train=True``) normalises with the statistics
+of the batch it is given. Under micro-batching (`lowmem_jax.microbatch_step`)
+that batch is the micro-batch: the statistics are per micro-batch, as in
+ghost batch norm (Hoffer et al. 2017, arXiv:1705.08741) with the micro-batch
+as the ghost batch, so the step is not the full-batch step and the running
+averages average micro-batch statistics.
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowmem_jax import compress
+from lowmem_jax.activations import relu
+
+ACTIVATIONS = ("exact", "approx")
+CONVS = ("plain", "pooled", "int8")
+
+
+def check_switches(activation: str, conv: str) -> None:
+  for name, value, allowed in (("activation", activation, ACTIVATIONS), ("conv", conv, CONVS)):
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+
+
+def _int8_conv(lhs, rhs, window_strides, padding, **kwargs):
+  conv = functools.partial(lax.conv_general_dilated, window_strides=window_strides,
+                           padding=padding, **kwargs)
+  return compress.quantized_residual(conv, 8)(lhs, rhs)
+
+
+CONV_FNS = {"plain": None, "pooled": functools.partial(compress.pooled_conv, pool=2),
+            "int8": _int8_conv}
+
+
+class Block(nn.Module):
+  """Pre-activation basic block; a 1x1 conv shortcut where the shape changes."""
+  width: int
+  stride: int
+  activation: str = "exact"
+  conv: str = "plain"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    act = relu if self.activation == "approx" else jax.nn.relu
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
+                             param_dtype=self.param_dtype,
+                             conv_general_dilated=CONV_FNS[self.conv])
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             dtype=self.dtype, param_dtype=self.param_dtype)
+    h = act(norm()(x))
+    shortcut = x
+    if self.stride != 1 or x.shape[-1] != self.width:
+      shortcut = conv(self.width, (1, 1), strides=self.stride)(h)
+    h = conv(self.width, (3, 3), strides=self.stride)(h)
+    h = conv(self.width, (3, 3))(act(norm()(h)))
+    return shortcut + h
+
+
+class WideResNet(nn.Module):
+  """WRN-depth-widen classifier; defaults are WRN-28-2 on CIFAR-10.
+
+  Input ``float[batch, image, image, channels]`` (image a multiple of 4 for
+  ``conv="pooled"``); output ``float32[batch, num_classes]``. Call with
+  ``train=True`` (batch statistics; make ``"batch_stats"`` mutable) or
+  ``train=False`` (running averages).
+
+  Attributes:
+    depth: 6n + 4 layers; widen: the width multiplier k.
+    num_classes: classes of the head.
+    activation: "exact" or "approx" (see the module docstring).
+    conv: "plain", "pooled" or "int8".
+    remat: wrap each block in `nn.remat` with ``remat_policy`` (None saves nothing).
+    dtype: compute dtype; param_dtype: parameter dtype.
+  """
+  depth: int = 28
+  widen: int = 2
+  num_classes: int = 10
+  activation: str = "exact"
+  conv: str = "plain"
+  remat: bool = False
+  remat_policy: Callable | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, images, train: bool = True):
+    check_switches(self.activation, self.conv)
+    if self.depth < 10 or (self.depth - 4) % 6:
+      raise ValueError(f"depth must be 6n + 4 with n >= 1, got {self.depth}.")
+    block = nn.remat(Block, policy=self.remat_policy, static_argnums=(2,)) if self.remat else Block
+    x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                name="stem")(images.astype(self.dtype))
+    for group, (width, stride) in enumerate(zip((16, 32, 64), (1, 2, 2))):
+      for i in range((self.depth - 4) // 6):
+        x = block(width * self.widen, stride if i == 0 else 1, self.activation, self.conv,
+                  self.dtype, self.param_dtype, name=f"group{group}_block{i}")(x, train)
+    x = jax.nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
+                                 param_dtype=self.param_dtype, name="final_norm")(x))
+    x = x.mean(axis=(1, 2))
+    head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
+    return head(x).astype(jnp.float32)

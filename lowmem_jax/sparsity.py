@@ -76,9 +76,12 @@ def _prune_and_regrow(masks, weights, key, moves):
   kept = active.at[pruned].set(False)
   survivors = jnp.stack([k.sum() for k in jnp.split(kept, offsets)]).astype(jnp.float32)
   inactive = jnp.stack([(~m).sum() for m in masks]).astype(jnp.float32)
-  leaf = jnp.repeat(jnp.arange(len(masks)), jnp.array(sizes), total_repeat_length=active.size)
-  score = (jnp.log(survivors) - jnp.log(inactive))[leaf] + jax.random.gumbel(key, active.shape)
-  score = jnp.where(survivors[leaf] > 0, score, jnp.finfo(jnp.float32).min)
+  log_weight = jnp.log(survivors) - jnp.log(inactive)
+  # Noise drawn leaf by leaf: the generator's temporaries then scale with the largest leaf.
+  score = jnp.concatenate([
+      jnp.where(survivors[i] > 0, jax.random.gumbel(k, (n,)) + log_weight[i],
+                jnp.finfo(jnp.float32).min)
+      for i, (k, n) in enumerate(zip(jax.random.split(key, len(sizes)), sizes))])
   _, grown = jax.lax.top_k(jnp.where(active, -jnp.inf, score), moves)
   new = kept.at[grown].set(True)
   return [n.reshape(m.shape) for n, m in zip(jnp.split(new, offsets), masks)]
@@ -114,6 +117,11 @@ def dynamic_sparsity(
 
   The masks of the state hold a bool array, the leaf's shape, for each sparse
   leaf and None for each dense one (nothing to store there).
+
+  After `lowmem_jax.adama` over k micro-batches (`lowmem_jax.microbatch_step`)
+  ``update`` runs once a micro-batch, so ``count`` and ``update_every`` count
+  micro-batches: give a multiple of k, and the masks move at the k-th
+  micro-batch, where the optimizer step lands.
 
   Args:
     density: in (0, 1], the fraction of each sparse leaf active at init.

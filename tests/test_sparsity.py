@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+import lowmem_jax as lm
 from lowmem_jax import sparsity
 
 
@@ -252,3 +253,26 @@ def test_storage_bytes():
     sparsity.storage_bytes(params, state, index_bytes=-1)
   with pytest.raises(ValueError, match="state"):
     sparsity.storage_bytes(params, optax.sgd(0.1).init(params))
+
+
+def test_after_adama_masks_move_at_the_optimizer_step():
+  """Under AdamA over k micro-batches, update_every counts micro-batches."""
+  params = make_params()
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)), jnp.float32)
+
+  def loss(p, batch):
+    return jnp.sum((batch @ p["w1"].T + p["b"][:6].sum()) ** 2) + jnp.sum(p["w2"] ** 2)
+
+  tx = optax.chain(lm.adama(k=2), sparsity.dynamic_sparsity(0.3, update_every=2))
+  step = jax.jit(lm.microbatch_step(loss, tx, 2))
+  opt_state = tx.init(params)
+  before = sparse_masks(opt_state[-1])
+  for _ in range(2):
+    params, opt_state, _ = step(params, opt_state, x)
+    state = opt_state[-1]
+    after = sparse_masks(state)
+    assert sum(int(m.sum()) for m in after) == budget(params, 0.3)
+    assert any(bool(jnp.any(a != b)) for a, b in zip(after, before))  # moved once a step
+    assert_zero_outside_masks(params, state)
+    before = after
+  assert int(state.count) == 4

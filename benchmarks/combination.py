@@ -21,6 +21,11 @@ real jitted AdamW train step of `lowmem_jax.models` (WRN-28-2 at batch 128 of
   a byte a weight more): the measured column shows that, the projected column
   is labelled as a projection.
 
+The float16 rows measure memory only: they use no loss scaling
+(`lowmem_jax.precision.loss_scaled_step` changes no buffer of size, and does
+not combine with AdamA's micro-batches). Under AdamA with 32 micro-batches
+the WideResNet's batch norm normalises over 4 examples at a time.
+
     python benchmarks/combination.py                    # WRN-28-2 and ViT-B/16
     python benchmarks/combination.py --models wrn-28-2 --out docs/combination.md
 """
@@ -39,7 +44,7 @@ from lowmem_jax import models, sparsity
 
 LEARNING_RATE = 1e-3
 SIZES = {"wrn-28-2": dict(batch=128), "vit-b16": dict(batch=64, image=224)}
-DENSITY = 0.1  # of the kernels kept by dynamic sparsity, as in the report's sparse rows
+DENSITY = 0.1  # of the kernels kept by dynamic sparsity
 MOMENTS = 2  # AdamW's m and v, stored like the parameters
 
 

@@ -9,7 +9,7 @@ from lowmem_jax.optim import adama, adamaw, microbatch_step
 from lowmem_jax.planner import Plan, plan
 
 __all__ = [
-    "Plan", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress", "fold",
-    "linen", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names", "nnx",
-    "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "sparsity",
+    "Plan", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress",
+    "fold", "linen", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
+    "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "sparsity",
 ]

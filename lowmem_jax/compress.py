@@ -16,10 +16,12 @@ place of x, and in backward evaluate the exact vjp of f at (x̃, w):
 
 Two compressions:
 
-- `quantized_residual` / `int8_dense` / `int8_dot_general`: x quantised per
+- `quantized_residual` / `int8_dense` / `int8_dot_general` / `int8_conv`: x quantised per
   row (along its last axis) symmetrically to ``bits`` bits with a float32 scale
   ``s = max|x_row| / (2**(bits - 1) - 1)``, codes packed along the last axis.
-  Rounding to nearest gives ``|x̃ - x| <= s / 2`` per entry. (Per-group
+  Rounding to nearest gives ``|x̃ - x| <= s / 2`` per entry; x̃ is rounded
+  back to x's dtype, which adds at most ``u * (|x| + s / 2)`` (u: the unit
+  roundoff, 2**-8 for bfloat16, 2**-11 for float16, 2**-24 for float32). (Per-group
   quantised residuals are the ActNN line: Chen et al., "ActNN: Reducing Training
   Memory Footprint via 2-Bit Activation Compressed Training", ICML 2021.)
 - `pooled_conv`: channels-last convolution whose residual is x average-pooled
@@ -141,7 +143,8 @@ def int8_dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
   Returns:
     ``x @ w``, exactly as `jnp.matmul` computes it. Backward: ``dx`` exact,
-    ``dw = x̃^T dy`` with ``|x̃ - x| <= max|x_row| / 254`` per entry.
+    ``dw = x̃^T dy`` with ``|x̃ - x| <= max|x_row| / 254`` per entry in float32
+    (plus the rounding to x's dtype, see the module docstring).
   """
   return quantized_residual(jnp.matmul, 8)(x, w)
 
@@ -156,6 +159,29 @@ def int8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precisio
   fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
                          precision=precision, preferred_element_type=preferred_element_type)
   return quantized_residual(fn, 8)(lhs, rhs)
+
+
+def int8_conv(lhs: jax.Array, rhs: jax.Array, window_strides, padding, *,
+              dimension_numbers=None, **conv_kwargs) -> jax.Array:
+  """`jax.lax.conv_general_dilated`, channels last, saving ``lhs`` as int8 with a
+  float32 scale per pixel (the rows along the channel axis).
+
+  A drop-in for Flax: ``nn.Conv(..., conv_general_dilated=int8_conv)``.
+  """
+  check_float_array(lhs, "lhs")
+  layout = _checked_layout(lhs, rhs, dimension_numbers)
+  conv = functools.partial(lax.conv_general_dilated, window_strides=window_strides,
+                           padding=padding, dimension_numbers=layout, **conv_kwargs)
+  return quantized_residual(conv, 8)(lhs, rhs)
+
+
+def _checked_layout(x, w, dimension_numbers) -> lax.ConvDimensionNumbers:
+  layout = _channels_last(x.ndim)
+  if dimension_numbers is not None and (
+      lax.conv_dimension_numbers(x.shape, w.shape, dimension_numbers) != layout):
+    raise ValueError(f"dimension_numbers must be channels-last ({layout}), "
+                     f"got {dimension_numbers}.")
+  return layout
 
 
 def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
@@ -229,11 +255,7 @@ def pooled_conv(x: jax.Array, w: jax.Array, window_strides=None, padding: Any = 
   if x.ndim < 3 or any(s % pool for s in x.shape[1:-1]):
     raise ValueError(f"x must be [N, *spatial, C] with each spatial size a multiple of "
                      f"pool={pool}, got shape {x.shape}.")
-  layout = _channels_last(x.ndim)
-  if dimension_numbers is not None and (
-      lax.conv_dimension_numbers(x.shape, w.shape, dimension_numbers) != layout):
-    raise ValueError(f"dimension_numbers must be channels-last ({layout}), "
-                     f"got {dimension_numbers}.")
+  layout = _checked_layout(x, w, dimension_numbers)
   strides = (1,) * (x.ndim - 2) if window_strides is None else tuple(window_strides)
   padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
   conv = functools.partial(lax.conv_general_dilated, window_strides=strides, padding=padding,

@@ -20,8 +20,8 @@ ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
 COMPRESSED_IN = "compressed_in"  # quantised or pooled input of a layer (lowmem_jax.compress)
 COMPRESSED_SCALE = "compressed_scale"  # float32 per-row scales of a quantised input
 
-ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT, ACT_CODE,
-       COMPRESSED_IN, COMPRESSED_SCALE)
+ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT,
+       ACT_CODE, COMPRESSED_IN, COMPRESSED_SCALE)
 
 
 def ordered(names) -> list[str]:

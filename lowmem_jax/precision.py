@@ -37,7 +37,11 @@ POLICIES = {
 
 def get_policy(spec: str | Policy) -> Policy:
   """A ``jmp.Policy`` from a name in `POLICIES` or a jmp spec string such as
-  ``"params=float32,compute=bfloat16,output=float32"``."""
+  ``"params=float32,compute=bfloat16,output=float32"``.
+
+  The names of `POLICIES` are mixed precision (float32 parameters and output);
+  jmp itself reads a bare ``"float16"`` as float16 everywhere.
+  """
   if isinstance(spec, Policy):
     return spec
   if not isinstance(spec, str):
@@ -88,12 +92,16 @@ def loss_scaled_step(loss_fn: Callable[[Any, Any], jax.Array],
     returned unchanged (the step is skipped). ``loss_scale`` is adjusted either
     way. ``metrics``: ``loss`` (unscaled), ``grads_finite`` (bool) and
     ``loss_scale`` (the scale this step used). With a power-of-two scale and
-    no overflow the gradients, hence the step, equal the unscaled ones exactly.
+    neither overflow nor underflow the gradients, hence the step, equal the
+    unscaled ones exactly. The loss is scaled in float32.
+
+    Not for `lowmem_jax.microbatch_step` with AdamA: the moments it folds at
+    earlier micro-batches cannot be taken back when a later one overflows.
     Jittable and scannable: the loss scale is a pytree carried in the state.
   """
   def step(params, opt_state, loss_scale: LossScale, batch):
     def scaled_loss(params):
-      loss = loss_fn(params, batch)
+      loss = loss_fn(params, batch).astype(jnp.float32)
       return loss_scale.scale(loss), loss
     grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
     grads = loss_scale.unscale(grads)

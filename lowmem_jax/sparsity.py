@@ -118,6 +118,11 @@ def dynamic_sparsity(
   The masks of the state hold a bool array, the leaf's shape, for each sparse
   leaf and None for each dense one (nothing to store there).
 
+  The optimizer before it in the chain sees dense gradients: its moments keep
+  accumulating at inactive positions, and a regrown weight starts at zero with
+  them. (A sparse storage format would hold no moments there; DSR trains with
+  momentum SGD on the active weights.)
+
   After `lowmem_jax.adama` over k micro-batches (`lowmem_jax.microbatch_step`)
   ``update`` runs once a micro-batch, so ``count`` and ``update_every`` count
   micro-batches: give a multiple of k, and the masks move at the k-th
@@ -133,7 +138,7 @@ def dynamic_sparsity(
     seed: seeds the initial masks and the regrowth.
 
   Returns:
-    An `optax.GradientTransformation` with state `SparsityState`; ``update``
+    An `optax.GradientTransformationExtraArgs` with state `SparsityState`; ``update``
     needs ``params``, and the updates of sparse leaves in the params' dtypes.
 
   Example:
@@ -192,7 +197,8 @@ def dynamic_sparsity(
     del weights
     return masks, key
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
     if params is None:
       raise ValueError("`params` is required: `dynamic_sparsity` zeroes the weights outside "
                        "the masks and prunes by their magnitude.")
@@ -223,7 +229,7 @@ def dynamic_sparsity(
     return jax.tree.unflatten(treedef, out), SparsityState(
         jax.tree.unflatten(treedef, new_masks), count, key)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def storage_bytes(params: Any, state: Any, *, index_bytes: int = 4) -> dict[str, int]:

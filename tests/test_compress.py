@@ -79,6 +79,17 @@ def test_int8_dense_saves_int8_and_a_scale_per_row():
   assert [r.nbytes for r in plain.rows if r.shape == x.shape] == [8 * 128 * 96 * 2]  # x itself
 
 
+@pytest.mark.parametrize("dtype, unit_roundoff", [(jnp.bfloat16, 2.0 ** -8),
+                                                  (jnp.float16, 2.0 ** -11)])
+def test_quantize_rows_half_precision_bound(dtype, unit_roundoff):
+  x = (jax.random.normal(jax.random.key(12), (256, 64)) * 3).astype(dtype)
+  packed, scale = compress.quantize_rows(x)
+  x_tilde = compress.dequantize_rows(packed, scale, 8, 64, dtype)
+  x32, err = x.astype(jnp.float32), jnp.abs(x_tilde.astype(jnp.float32) - x.astype(jnp.float32))
+  assert np.all(err <= scale / 2 + unit_roundoff * (jnp.abs(x32) + scale / 2))
+  assert np.any(err > scale / 2)  # the rounding to the dtype does add to s / 2
+
+
 def test_int8_dense_bfloat16():
   kx, kw = jax.random.split(jax.random.key(2))
   x = jax.random.normal(kx, (32, 48), jnp.bfloat16)
@@ -146,6 +157,38 @@ def test_pooled_conv_in_flax_conv():
   np.testing.assert_array_equal(compressed.apply(params, x), plain.apply(params, x))
   gx = jax.grad(lambda x: compressed.apply(params, x).sum())(x)
   np.testing.assert_allclose(gx, jax.grad(lambda x: plain.apply(params, x).sum())(x), rtol=1e-6)
+
+
+def test_int8_conv_in_flax_conv():
+  x = smooth_images(jax.random.key(13), (2, 8, 8, 4))
+  plain, compressed = nn.Conv(6, (3, 3)), nn.Conv(6, (3, 3), conv_general_dilated=compress.int8_conv)
+  params = plain.init(jax.random.key(14), x)
+  np.testing.assert_array_equal(compressed.apply(params, x), plain.apply(params, x))
+  saved = memory.saved_residuals(lambda x: compressed.apply(params, x), x)
+  assert saved.by_name() == {names.COMPRESSED_IN: 2 * 8 * 8 * 4,
+                             names.COMPRESSED_SCALE: 2 * 8 * 8 * 4}  # a scale a pixel
+  gx = jax.grad(lambda x: compressed.apply(params, x).sum())(x)
+  np.testing.assert_allclose(gx, jax.grad(lambda x: plain.apply(params, x).sum())(x), rtol=1e-6)
+  with pytest.raises(ValueError, match="dimension_numbers"):
+    compress.int8_conv(x, jnp.ones((6, 4, 3, 3)), (1, 1), "SAME",
+                       dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+
+def test_pooled_conv_under_scan():
+  """A scanned stack of pooled convs: forward and input gradient exact."""
+  kx, kw = jax.random.split(jax.random.key(15))
+  x0 = smooth_images(kx, (2, 8, 8, 4))
+  ws = jax.random.normal(kw, (3, 3, 3, 4, 4)) / 6
+
+  def stack(conv_fn, x, ws):
+    return jax.lax.scan(lambda h, w: (conv_fn(h, w), None), x, ws)[0].sum()
+
+  pooled = functools.partial(compress.pooled_conv, pool=2)
+  value, (gx, gw) = jax.jit(jax.value_and_grad(functools.partial(stack, pooled), (0, 1)))(x0, ws)
+  value0, (gx0, gw0) = jax.value_and_grad(functools.partial(stack, conv), (0, 1))(x0, ws)
+  np.testing.assert_allclose(value, value0, rtol=1e-6)
+  np.testing.assert_allclose(gx, gx0, rtol=1e-5, atol=1e-6)
+  assert 0 < float(jnp.linalg.norm(gw - gw0) / jnp.linalg.norm(gw0)) < 0.5
 
 
 def test_under_scan_input_gradient_exact_weight_gradients_bounded():

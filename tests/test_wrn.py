@@ -119,5 +119,11 @@ def test_workload_switches_are_checked():
     models.workload("wrn-28-2", batch=1, conv="fft")
   with pytest.raises(ValueError, match="conv applies to the WideResNet only"):
     models.workload("vit-tiny", batch=1, conv="pooled")
+  with pytest.raises(ValueError, match="image must be a multiple of 4"):
+    models.workload("wrn-28-2", batch=1, image=30, conv="pooled")
+  with pytest.raises(ValueError, match="image"):
+    models.workload("wrn-28-2", batch=1, image=0)
+  with pytest.raises(ValueError, match="widen"):
+    WideResNet(widen=0).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))
   with pytest.raises(ValueError, match="depth"):
     WideResNet(depth=12).init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))

@@ -121,6 +121,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
   if batch < 1:
     raise ValueError(f"batch must be >= 1, got {batch}.")
+  if image is not None and image < 1:
+    raise ValueError(f"image must be >= 1, got {image}.")
   vit.check_switches(activation, norm, attention)
   wrn.check_switches(activation, conv)
   if name in WRN_CONFIGS:
@@ -129,7 +131,10 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
                        f"'plain', got norm={norm!r}, attention={attention!r}.")
     model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, remat=remat,
                        remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
-    image = image or 32
+    image = 32 if image is None else image
+    if conv == "pooled" and image % 4:
+      raise ValueError(f"conv='pooled' pools 2x2 down to the last group's size: image must be "
+                       f"a multiple of 4, got {image}.")
     return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
                     jax.ShapeDtypeStruct((batch,), jnp.int32))
   if conv != "plain":
@@ -139,7 +144,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
                   remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
   if name in VIT_CONFIGS:
     model = ViT(**VIT_CONFIGS[name], **switches)
-    image = image or 224
+    image = 224 if image is None else image
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:

@@ -11,14 +11,19 @@ Switches: ``activation`` ("exact" `jax.nn.relu`, which saves a float array,
 or "approx" `lowmem_jax.relu`, which saves a 1-bit mask and is exact: ReLU's
 derivative is a step), ``conv`` ("plain", "pooled": `lowmem_jax.compress.pooled_conv`
 with pool 2, or "int8": the conv input saved as int8 rows, see
-`lowmem_jax.compress`), ``remat`` / ``remat_policy`` for the blocks.
+`lowmem_jax.compress`; where a block's shortcut is a 1x1 conv, it and the
+first 3x3 conv each save their own compressed copy of the same input),
+``remat`` / ``remat_policy`` for the blocks.
 
 Batch norm in training mode (``train=True``) normalises with the statistics
 of the batch it is given. Under micro-batching (`lowmem_jax.microbatch_step`)
 that batch is the micro-batch: the statistics are per micro-batch, as in
 ghost batch norm (Hoffer et al. 2017, arXiv:1705.08741) with the micro-batch
-as the ghost batch, so the step is not the full-batch step and the running
-averages average micro-batch statistics.
+as the ghost batch, so the step is not the full-batch step. A loop that keeps
+the running averages updates them from micro-batch statistics
+(`lowmem_jax.microbatch_step` with ``has_aux`` returns the k updated
+``batch_stats`` stacked; which to keep is the loop's choice), or recomputes
+them after training over the training set.
 """
 
 import functools
@@ -27,7 +32,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from lowmem_jax import compress
 from lowmem_jax.activations import relu
@@ -42,14 +46,8 @@ def check_switches(activation: str, conv: str) -> None:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
 
 
-def _int8_conv(lhs, rhs, window_strides, padding, **kwargs):
-  conv = functools.partial(lax.conv_general_dilated, window_strides=window_strides,
-                           padding=padding, **kwargs)
-  return compress.quantized_residual(conv, 8)(lhs, rhs)
-
-
 CONV_FNS = {"plain": None, "pooled": functools.partial(compress.pooled_conv, pool=2),
-            "int8": _int8_conv}
+            "int8": compress.int8_conv}
 
 
 class Block(nn.Module):
@@ -109,6 +107,8 @@ class WideResNet(nn.Module):
     check_switches(self.activation, self.conv)
     if self.depth < 10 or (self.depth - 4) % 6:
       raise ValueError(f"depth must be 6n + 4 with n >= 1, got {self.depth}.")
+    if self.widen < 1:
+      raise ValueError(f"widen must be >= 1, got {self.widen}.")
     block = nn.remat(Block, policy=self.remat_policy, static_argnums=(2,)) if self.remat else Block
     x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                 name="stem")(images.astype(self.dtype))

@@ -38,6 +38,7 @@ from lowmem_jax.activations import relu
 
 ACTIVATIONS = ("exact", "approx")
 CONVS = ("plain", "pooled", "int8")
+BN_MOMENTUM = 0.9  # of every batch norm's running averages
 
 
 def check_switches(activation: str, conv: str) -> None:
@@ -65,7 +66,7 @@ class Block(nn.Module):
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
                              param_dtype=self.param_dtype,
                              conv_general_dilated=CONV_FNS[self.conv])
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=BN_MOMENTUM,
                              dtype=self.dtype, param_dtype=self.param_dtype)
     h = act(norm()(x))
     shortcut = x
@@ -116,8 +117,9 @@ class WideResNet(nn.Module):
       for i in range((self.depth - 4) // 6):
         x = block(width * self.widen, stride if i == 0 else 1, self.activation, self.conv,
                   self.dtype, self.param_dtype, name=f"group{group}_block{i}")(x, train)
-    x = jax.nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
-                                 param_dtype=self.param_dtype, name="final_norm")(x))
+    x = jax.nn.relu(nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
+                                 dtype=self.dtype, param_dtype=self.param_dtype,
+                                 name="final_norm")(x))
     x = x.mean(axis=(1, 2))
     head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
     return head(x).astype(jnp.float32)

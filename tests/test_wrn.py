@@ -119,7 +119,7 @@ def test_workload_switches_are_checked():
     models.workload("wrn-28-2", batch=1, conv="fft")
   with pytest.raises(ValueError, match="conv applies to the WideResNet only"):
     models.workload("vit-tiny", batch=1, conv="pooled")
-  with pytest.raises(ValueError, match="image must be a multiple of 4"):
+  with pytest.raises(ValueError, match="image must be a multiple of 8"):
     models.workload("wrn-28-2", batch=1, image=30, conv="pooled")
   with pytest.raises(ValueError, match="image"):
     models.workload("wrn-28-2", batch=1, image=0)

@@ -132,9 +132,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, remat=remat,
                        remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
     image = 32 if image is None else image
-    if conv == "pooled" and image % 4:
-      raise ValueError(f"conv='pooled' pools 2x2 down to the last group's size: image must be "
-                       f"a multiple of 4, got {image}.")
+    if conv == "pooled" and image % 8:
+      raise ValueError(f"conv='pooled' pools the input of every conv 2x2, the last group's at "
+                       f"image / 4: image must be a multiple of 8, got {image}.")
     return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
                     jax.ShapeDtypeStruct((batch,), jnp.int32))
   if conv != "plain":

@@ -80,7 +80,7 @@ class Block(nn.Module):
 class WideResNet(nn.Module):
   """WRN-depth-widen classifier; defaults are WRN-28-2 on CIFAR-10.
 
-  Input ``float[batch, image, image, channels]`` (image a multiple of 4 for
+  Input ``float[batch, image, image, channels]`` (image a multiple of 8 for
   ``conv="pooled"``); output ``float32[batch, num_classes]``. Call with
   ``train=True`` (batch statistics; make ``"batch_stats"`` mutable) or
   ``train=False`` (running averages).

@@ -28,6 +28,11 @@ def train_loss(model, params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def grad(model, params, x, y):
+  """The jitted gradient of `train_loss` (eager Flax runs op by op: slow)."""
+  return jax.jit(jax.grad(lambda p, x, y: train_loss(model, p, x, y)))(params, x, y)
+
+
 def test_wrn_28_2_size_and_outputs():
   wl = models.workload("wrn-28-2", batch=4, dtype=jnp.float32)
   params = wl.abstract_params()
@@ -43,8 +48,8 @@ def test_wrn_28_2_size_and_outputs():
 def test_approx_relu_gives_the_same_gradient_and_saves_bits():
   x, y = data()
   params = small().init(jax.random.key(1), x)["params"]
-  g = jax.grad(lambda p: train_loss(small(), p, x, y))(params)
-  g_approx = jax.grad(lambda p: train_loss(small(activation="approx"), p, x, y))(params)
+  g = grad(small(), params, x, y)
+  g_approx = grad(small(activation="approx"), params, x, y)
   chex.assert_trees_all_close(g_approx, g, rtol=1e-5, atol=1e-6)  # ReLU's derivative is a step
   saved = memory.saved_residuals(lambda p: train_loss(small(activation="approx"), p, x, y),
                                  params)
@@ -59,8 +64,8 @@ def test_compressed_convs_same_forward_smaller_residuals(conv):
   np.testing.assert_array_equal(compressed.apply(variables, x, train=False),
                                 plain.apply(variables, x, train=False))
   params = variables["params"]
-  g = jax.grad(lambda p: train_loss(plain, p, x, y))(params)
-  g_c = jax.grad(lambda p: train_loss(compressed, p, x, y))(params)
+  g = grad(plain, params, x, y)
+  g_c = grad(compressed, params, x, y)
   flat, flat_c = (jnp.concatenate([a.ravel() for a in jax.tree.leaves(t)]) for t in (g, g_c))
   rel = float(jnp.linalg.norm(flat_c - flat) / jnp.linalg.norm(flat))
   assert 0 < rel < (0.6 if conv == "pooled" else 0.01)  # measured: 0.43 and 0.004
@@ -73,8 +78,8 @@ def test_compressed_convs_same_forward_smaller_residuals(conv):
 def test_remat_same_gradient_fewer_residuals():
   x, y = data()
   params = small().init(jax.random.key(3), x)["params"]
-  g = jax.grad(lambda p: train_loss(small(), p, x, y))(params)
-  g_remat = jax.grad(lambda p: train_loss(small(remat=True), p, x, y))(params)
+  g = grad(small(), params, x, y)
+  g_remat = grad(small(remat=True), params, x, y)
   chex.assert_trees_all_close(g_remat, g, rtol=1e-5, atol=1e-6)
   assert (memory.saved_residuals(lambda p: train_loss(small(remat=True), p, x, y), params)
           .activation_bytes < memory.saved_residuals(
@@ -89,9 +94,9 @@ def test_micro_batches_normalise_with_their_own_statistics():
   variables = model.init(jax.random.key(4), x)
   params = variables["params"]
   halves = [(x[:4], y[:4]), (x[4:], y[4:])]
-  full = jax.grad(lambda p: train_loss(model, p, x, y))(params)
+  full = grad(model, params, x, y)
   mean_of_halves = jax.tree.map(lambda a, b: (a + b) / 2, *[
-      jax.grad(lambda p: train_loss(model, p, *h))(params) for h in halves])
+      grad(model, params, *h) for h in halves])
   diff = max(float(jnp.abs(a - b).max()) for a, b in
              zip(jax.tree.leaves(full), jax.tree.leaves(mean_of_halves)))
   assert diff > 1e-3
@@ -99,9 +104,10 @@ def test_micro_batches_normalise_with_their_own_statistics():
   def eval_loss(p, x, y):
     logits = model.apply({"params": p, "batch_stats": variables["batch_stats"]}, x, train=False)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  full_eval = jax.grad(eval_loss)(params, x, y)
+  eval_grad = jax.jit(jax.grad(eval_loss))
+  full_eval = eval_grad(params, x, y)
   halves_eval = jax.tree.map(lambda a, b: (a + b) / 2,
-                             *[jax.grad(eval_loss)(params, *h) for h in halves])
+                             *[eval_grad(params, *h) for h in halves])
   chex.assert_trees_all_close(halves_eval, full_eval, rtol=1e-4, atol=1e-6)
 
   # lowmem_jax's micro-batch step is the mean of the micro-batch gradients.

@@ -23,6 +23,12 @@ def data(batch=8, image=8):
           jax.random.randint(ky, (batch,), 0, 10))
 
 
+@pytest.fixture(scope="module")
+def variables():
+  """WRN-10-1's variables, made once (Flax's eager init is slow); any image size fits them."""
+  return small().init(jax.random.key(1), data()[0])
+
+
 def train_loss(model, params, x, y):
   logits, _ = model.apply({"params": params}, x, mutable=["batch_stats"])
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -45,9 +51,9 @@ def test_wrn_28_2_size_and_outputs():
   assert logits.shape == (4, 10) and logits.dtype == jnp.float32
 
 
-def test_approx_relu_gives_the_same_gradient_and_saves_bits():
+def test_approx_relu_gives_the_same_gradient_and_saves_bits(variables):
   x, y = data()
-  params = small().init(jax.random.key(1), x)["params"]
+  params = variables["params"]
   g = grad(small(), params, x, y)
   g_approx = grad(small(activation="approx"), params, x, y)
   chex.assert_trees_all_close(g_approx, g, rtol=1e-5, atol=1e-6)  # ReLU's derivative is a step
@@ -57,10 +63,9 @@ def test_approx_relu_gives_the_same_gradient_and_saves_bits():
 
 
 @pytest.mark.parametrize("conv", ["pooled", "int8"])
-def test_compressed_convs_same_forward_smaller_residuals(conv):
+def test_compressed_convs_same_forward_smaller_residuals(conv, variables):
   x, y = data(image=16)
   plain, compressed = small(), small(conv=conv)
-  variables = plain.init(jax.random.key(2), x)
   np.testing.assert_array_equal(compressed.apply(variables, x, train=False),
                                 plain.apply(variables, x, train=False))
   params = variables["params"]
@@ -75,9 +80,9 @@ def test_compressed_convs_same_forward_smaller_residuals(conv):
   assert saved.activation_bytes < plain_saved.activation_bytes
 
 
-def test_remat_same_gradient_fewer_residuals():
+def test_remat_same_gradient_fewer_residuals(variables):
   x, y = data()
-  params = small().init(jax.random.key(3), x)["params"]
+  params = variables["params"]
   g = grad(small(), params, x, y)
   g_remat = grad(small(remat=True), params, x, y)
   chex.assert_trees_all_close(g_remat, g, rtol=1e-5, atol=1e-6)
@@ -86,12 +91,11 @@ def test_remat_same_gradient_fewer_residuals():
               lambda p: train_loss(small(), p, x, y), params).activation_bytes)
 
 
-def test_micro_batches_normalise_with_their_own_statistics():
+def test_micro_batches_normalise_with_their_own_statistics(variables):
   """Under micro-batching batch norm sees each micro-batch: the step is not the
   full-batch step. With the running averages (eval mode) it would be."""
   x, y = data(batch=8)
   model = small()
-  variables = model.init(jax.random.key(4), x)
   params = variables["params"]
   halves = [(x[:4], y[:4]), (x[4:], y[4:])]
   full = grad(model, params, x, y)

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax import tree_utils as otu
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
@@ -168,7 +169,7 @@ def evaluator(net, zero_stats, x_train, x_test, y_test):
 
 
 def max_diff(a, b):
-  return max(float(jnp.max(jnp.abs(u - v))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return float(otu.tree_max(jax.tree.map(lambda u, v: jnp.abs(u - v), a, b)))
 
 
 def main():

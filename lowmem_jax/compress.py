@@ -38,6 +38,7 @@ above does not hold.
 import functools
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -194,11 +195,8 @@ def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
 def avg_pool(x: jax.Array, pool: int) -> jax.Array:
   """Mean of ``x [N, *spatial, C]`` over non-overlapping ``pool`` windows of each
   spatial axis: ``[N, *(s // pool), C]``, computed in float32, in x's dtype."""
-  shape = [x.shape[0]]
-  for s in x.shape[1:-1]:
-    shape += [s // pool, pool]
-  x32 = x.astype(jnp.float32).reshape(*shape, x.shape[-1])
-  return x32.mean(axis=tuple(range(2, x32.ndim - 1, 2))).astype(x.dtype)
+  window = (pool,) * (x.ndim - 2)
+  return nn.avg_pool(x.astype(jnp.float32), window, strides=window).astype(x.dtype)
 
 
 def upsample(x: jax.Array, pool: int) -> jax.Array:

@@ -6,11 +6,12 @@ linear layer ``x @ W + c`` becomes the plain norm followed by
 
     x @ (g[:, None] * W) + (c + b @ W)
 
-which is exact in real arithmetic. This is valid only where the norm feeds
-nothing but linear layers: pre-LN blocks, a final norm before the head. In a
-post-LN model the norm's output also feeds the residual stream, which these
-functions do not handle: there ``g, b`` must stay as an explicit affine on that
-path.
+which is exact in real arithmetic. Where the norm feeds nothing but linear
+layers (pre-LN blocks, a final norm before the head) its affine goes. In a
+post-LN model the norm's output also feeds the residual stream: there
+``keep_affine=True`` folds copies of ``g, b`` into the linear layers and keeps
+them on the norm, for an explicit affine on the residual path only
+(`lowmem_jax.models.bert.MSPostLayerNorm`).
 """
 
 from typing import Any, Mapping, Sequence
@@ -38,6 +39,12 @@ LLAMA_RULES = {
     "attention_norm": ("attention/wq", "attention/wk", "attention/wv"),
     "ffn_norm": ("feed_forward/w1", "feed_forward/w3"),
     "norm": ("output",),
+}
+# `lowmem_jax.models.bert` (post-LN, each norm in the layer that consumes it):
+# fold with keep_affine=True, since every norm also feeds the residual stream.
+BERT_RULES = {
+    "input_norm": ("attention/query", "attention/key", "attention/value"),
+    "attention_norm": ("mlp/fc1",),
 }
 
 
@@ -78,7 +85,7 @@ def _node(flat: dict, path: tuple[str, ...], arg: str) -> dict[str, Any]:
   raise ValueError(f"{arg} path {name!r} is not a module's params (it holds no arrays directly).")
 
 
-def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]]) -> None:
+def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_affine: bool) -> None:
   """Folds the norm at ``norm`` into the layers at ``into``, in place on ``flat``."""
   node = _node(flat, norm, "norm")
   g, b = node.get("scale"), node.get("bias")
@@ -108,8 +115,9 @@ def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]]) -> Non
     if g is not None:
       g32 = jnp.reshape(jnp.asarray(g, jnp.float32), g.shape + (1,) * (w.ndim - 1))
       flat[path + ("kernel",)] = (g32 * w32).astype(w.dtype)
-  for leaf in ("scale", "bias"):
-    flat.pop(norm + (leaf,), None)
+  if not keep_affine:
+    for leaf in ("scale", "bias"):
+      flat.pop(norm + (leaf,), None)
 
 
 def _flatten(params: Mapping[str, Any]) -> dict:
@@ -118,55 +126,59 @@ def _flatten(params: Mapping[str, Any]) -> dict:
   return traverse_util.flatten_dict(params, keep_empty_nodes=True)
 
 
-def _folded(params: Mapping[str, Any], folds: list) -> Mapping[str, Any]:
+def _folded(params: Mapping[str, Any], folds: list, keep_affine: bool) -> Mapping[str, Any]:
   """A copy of ``params`` (same container) with each ``(norm, into)`` of ``folds`` folded."""
   flat = _flatten(params)
   for norm, into in folds:
-    _fold(flat, norm, into)
+    _fold(flat, norm, into, keep_affine)
   tree = traverse_util.unflatten_dict(flat)
   return flax.core.freeze(tree) if isinstance(params, flax.core.FrozenDict) else tree
 
 
-def fold_norm_affine(
-    params: Mapping[str, Any], norm: Path, into: Sequence[Path]) -> Mapping[str, Any]:
+def fold_norm_affine(params: Mapping[str, Any], norm: Path, into: Sequence[Path], *,
+                     keep_affine: bool = False) -> Mapping[str, Any]:
   """Folds a norm's ``scale`` g and ``bias`` b into the Dense layers it feeds.
 
   Each kernel ``W`` of shape ``[n, ...]`` (Dense, or DenseGeneral such as
   attention's query ``[n, heads, head_dim]``) becomes ``g * W``, g broadcast
   over axis 0, and its bias ``c`` becomes ``c + tensordot(b, W, 1)``: float32
-  math, cast back to each leaf's dtype. Pre-LN only: the norm must feed nothing
-  but ``into`` (post-LN residual streams are not handled; see the module doc).
+  math, cast back to each leaf's dtype. The norm must feed nothing but
+  ``into``, unless ``keep_affine`` keeps its affine for the other consumers.
 
   Args:
     params: nested dict or FrozenDict of arrays; paths are relative to it.
     norm: path of the norm's params (``"scale"``, ``"bias"``, either may be
       absent), e.g. ``"Transformer/encoderblock_0/LayerNorm_0"`` or a tuple.
-    into: paths of every layer the norm feeds (``"kernel"``, optional ``"bias"``).
+    into: paths of every linear layer the norm feeds (``"kernel"``, optional ``"bias"``).
+    keep_affine: keep the norm's ``scale`` and ``bias`` (post-LN: the residual
+      stream still takes ``g * y + b``); by default they go.
 
   Returns:
-    A new tree of params' container type (params is not mutated). The norm loses
-    ``scale`` and ``bias``; its entry goes if that empties it, as a param-less
-    Flax module (``nn.LayerNorm(use_scale=False, use_bias=False)``) has none.
+    A new tree of params' container type (params is not mutated). Unless
+    ``keep_affine``, the norm loses ``scale`` and ``bias``; its entry goes if
+    that empties it, as a param-less Flax module
+    (``nn.LayerNorm(use_scale=False, use_bias=False)``) has none.
 
   Raises:
     ValueError: a path is not in params (naming the keys where lookup failed), a
       feature size differs from a kernel's first axis, or the norm's bias is
       nonzero and a layer in ``into`` has no bias.
   """
-  return _folded(params, [(_path(norm, "norm"), _paths(into, "into"))])
+  return _folded(params, [(_path(norm, "norm"), _paths(into, "into"))], keep_affine)
 
 
-def fold_all(
-    params: Mapping[str, Any], rules: Mapping[Path, Sequence[Path]]) -> Mapping[str, Any]:
+def fold_all(params: Mapping[str, Any], rules: Mapping[Path, Sequence[Path]], *,
+             keep_affine: bool = False) -> Mapping[str, Any]:
   """Applies `fold_norm_affine` wherever a rule's norm occurs in ``params``.
 
   A rule ``norm: into`` matches at every sub-dict of ``params``, the root
   included, that holds ``norm``; ``into`` is relative to that sub-dict. E.g.
-  `VIT_RULES`' ``"LayerNorm_0"`` matches in each encoder block. Pre-LN only.
+  `VIT_RULES`' ``"LayerNorm_0"`` matches in each encoder block.
 
   Args:
     params: nested dict or FrozenDict of arrays.
     rules: norm path -> paths of the layers it feeds, e.g. `VIT_RULES`.
+    keep_affine: as in `fold_norm_affine`; True for a post-LN model (`BERT_RULES`).
 
   Returns:
     The folded tree, as from `fold_norm_affine`; params is not mutated.
@@ -183,4 +195,4 @@ def fold_all(
     if not prefixes:
       raise ValueError(f"rule {norm!r}: {rules[norm]!r} matches nowhere in params.")
     folds += [(p + n, [p + t for t in into]) for p in sorted(prefixes)]
-  return _folded(params, folds)
+  return _folded(params, folds, keep_affine)

@@ -181,3 +181,11 @@ def test_zero_norm_bias_needs_no_layer_bias():
 def test_errors(call, error, match):
   with pytest.raises(error, match=match):
     call(_tiny())
+
+
+def test_keep_affine_folds_copies_and_keeps_the_norm():
+  params = _tiny()
+  out = fold.fold_norm_affine(params, "enc/ln", ["enc/fc"], keep_affine=True)
+  chex.assert_trees_all_equal(out["enc"]["ln"], params["enc"]["ln"])
+  chex.assert_trees_all_close(out["enc"]["fc"],
+                              fold.fold_norm_affine(params, "enc/ln", ["enc/fc"])["enc"]["fc"])

@@ -102,10 +102,12 @@ class HeadsDense(nn.Module):
   Attributes:
     features: output size.
     dtype: compute dtype; param_dtype: parameter dtype.
+    use_bias: add a bias ``[features]``, as `nn.Dense` would.
   """
   features: int
   dtype: Any
   param_dtype: Any
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -113,7 +115,11 @@ class HeadsDense(nn.Module):
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (heads * head_dim, self.features),
                         self.param_dtype)
     kernel = kernel.reshape(heads, head_dim, self.features).astype(self.dtype)
-    return jnp.einsum("...hd,hdf->...f", x.astype(self.dtype), kernel)
+    y = jnp.einsum("...hd,hdf->...f", x.astype(self.dtype), kernel)
+    if self.use_bias:
+      y = y + self.param("bias", nn.initializers.zeros, (self.features,),
+                         self.param_dtype).astype(self.dtype)
+    return y
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,115 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import fold
+from lowmem_jax.models import bert
+
+TINY = bert.BertConfig(vocab_size=50, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_len=12)
+TOKENS = jnp.arange(20, dtype=jnp.int32).reshape(2, 10) % 50
+MASK = jnp.array([[True] * 10, [True] * 6 + [False] * 4])
+
+
+def _hf_tensors(config, seed=0):
+  """Random tensors under Hugging Face's BertModel names, norm affines away from (1, 0)."""
+  rng = np.random.default_rng(seed)
+  d, f = config.dim, config.ffn_dim
+  shapes = {"embeddings.word_embeddings.weight": (config.vocab_size, d),
+            "embeddings.position_embeddings.weight": (config.max_len, d),
+            "embeddings.token_type_embeddings.weight": (config.type_vocab_size, d),
+            "embeddings.LayerNorm.weight": (d,), "embeddings.LayerNorm.bias": (d,)}
+  for i in range(config.n_layers):
+    p = f"encoder.layer.{i}."
+    for name, (n_out, n_in) in {"attention.self.query": (d, d), "attention.self.key": (d, d),
+                                "attention.self.value": (d, d), "attention.output.dense": (d, d),
+                                "intermediate.dense": (f, d), "output.dense": (d, f)}.items():
+      shapes[p + name + ".weight"], shapes[p + name + ".bias"] = (n_out, n_in), (n_out,)
+    for name in ("attention.output.LayerNorm", "output.LayerNorm"):
+      shapes[p + name + ".weight"], shapes[p + name + ".bias"] = (d,), (d,)
+  tensors = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+  for k in tensors:
+    if "LayerNorm.weight" in k:
+      tensors[k] += 1.0
+  return tensors
+
+
+def test_from_hf_matches_a_numpy_forward():
+  import finetune_minilm  # examples/: its plain NumPy BERT under Hugging Face's names
+  tensors = _hf_tensors(TINY)
+  params = bert.from_hf({"bert." + k: v for k, v in tensors.items()}, TINY)
+  model = bert.Bert(TINY)
+  assert jax.tree.structure(params) == jax.tree.structure(
+      model.init(jax.random.key(0), TOKENS, MASK)["params"])
+  got = bert.mean_pool(model.apply({"params": params}, TOKENS, MASK), MASK)
+  got = got / jnp.linalg.norm(got, axis=-1, keepdims=True)
+  want = finetune_minilm.numpy_embeddings(tensors, TINY, np.asarray(TOKENS), np.asarray(MASK))
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
+@pytest.mark.parametrize("attention", ["plain", "recompute"])
+def test_ms_norms_with_kept_affines_are_the_same_function_and_gradient(attention):
+  """Post-LN MS-LayerNorm + folded linear layers + affine on the residual path: exact."""
+  params = bert.from_hf(_hf_tensors(TINY), TINY)
+  folded = fold.fold_all(params, fold.BERT_RULES, keep_affine=True)
+  plain, ms = bert.Bert(TINY), bert.Bert(TINY, norm="ms", attention=attention)
+  assert jax.tree.structure(folded) == jax.tree.structure(
+      ms.init(jax.random.key(0), TOKENS, MASK)["params"])
+  chex.assert_trees_all_close(ms.apply({"params": folded}, TOKENS, MASK),
+                              plain.apply({"params": params}, TOKENS, MASK), atol=1e-5)
+  # The embeddings are the same leaves in both trees: their gradients agree.
+  def grad(model, params):
+    loss = lambda p: jnp.sum(model.apply({"params": p}, TOKENS, MASK)[..., :3] ** 2)
+    return jax.grad(loss)(params)["word_embeddings"]
+  chex.assert_trees_all_close(grad(ms, folded), grad(plain, params), atol=1e-4, rtol=1e-4)
+
+
+def test_approx_gelu_is_the_same_forward_and_a_near_gradient():
+  params = bert.from_hf(_hf_tensors(TINY), TINY)
+  exact, approx = bert.Bert(TINY), bert.Bert(TINY, activation="approx", remat=True)
+  chex.assert_trees_all_close(approx.apply({"params": params}, TOKENS, MASK),
+                              exact.apply({"params": params}, TOKENS, MASK), atol=1e-5)
+  def grads(model):
+    loss = lambda p: jnp.sum(model.apply({"params": p}, TOKENS, MASK)[..., :3] ** 2)
+    return jnp.concatenate([g.ravel() for g in jax.tree.leaves(jax.grad(loss)(params))])
+  g, g_exact = grads(approx), grads(exact)
+  rel = float(jnp.linalg.norm(g - g_exact) / jnp.linalg.norm(g_exact))
+  assert 0 < rel < 0.5  # ReGELU2's step derivative: 0.11 measured
+
+
+def test_lowmem_switches_save_less():
+  """MiniLM-L6 at batch 32 x 128 tokens, float32: autodiff's count, tracing only."""
+  config, tokens = bert.CONFIGS["minilm-l6"], jax.ShapeDtypeStruct((32, 128), jnp.int32)
+  mask = jax.ShapeDtypeStruct((32, 128), jnp.bool_)
+
+  def saved(**switches):
+    model = bert.Bert(config, **switches)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens, mask)["params"]
+    loss = lambda p, t, m: jnp.sum(model.apply({"params": p}, t, m))
+    return lm.memory.saved_residuals(loss, params, tokens, mask)
+
+  base, ms = saved(), saved(norm="ms")
+  every = saved(norm="ms", activation="approx", attention="recompute")
+  assert lm.names.NORM_RSTD in ms.by_name()
+  assert ms.activation_bytes < base.activation_bytes
+  assert lm.names.ATTN_PROBS not in every.by_name()
+  assert every.activation_bytes < 0.35 * base.activation_bytes  # 380 of 1175 MiB measured
+
+
+def test_bad_input():
+  params = bert.from_hf(_hf_tensors(TINY), TINY)
+  model = bert.Bert(TINY)
+  with pytest.raises(ValueError, match="mask the same shape"):
+    model.apply({"params": params}, TOKENS, MASK[:, :5])
+  with pytest.raises(ValueError, match="exceeds max_len 12"):
+    model.apply({"params": params}, jnp.zeros((1, 13), jnp.int32), jnp.ones((1, 13), bool))
+  tensors = _hf_tensors(TINY)
+  with pytest.raises(ValueError, match="no 'encoder.layer.1.output.dense.weight'"):
+    bert.from_hf({k: v for k, v in tensors.items() if k != "encoder.layer.1.output.dense.weight"},
+                 TINY)
+  with pytest.raises(ValueError, match=r"shape \(50, 16\), config expects \(51, 16\)"):
+    bert.from_hf(tensors, bert.BertConfig(**{**TINY.__dict__, "vocab_size": 51}))
+  with pytest.raises(ValueError, match="hidden_act"):
+    bert.BertConfig.from_hf({"hidden_act": "relu"})

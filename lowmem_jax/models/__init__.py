@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import optim
-from lowmem_jax.models import llama, vit, wrn
+from lowmem_jax.models import bert, llama, vit, wrn
+from lowmem_jax.models.bert import Bert, BertConfig
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 from lowmem_jax.models.wrn import WideResNet
@@ -154,4 +155,4 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   return Workload(name, model, inputs, labels)
 
 
-__all__ = ["Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload", "workload"]
+__all__ = ["Bert", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload", "workload"]

@@ -304,6 +304,12 @@ def report(args, cosines, results, classes, sizes, seconds) -> str:
     train_loss = np.mean([loss for _, loss in r["history"]["loss"][-20:]])
     lines.append(f"| {row} | {100 * r['accuracy']:.2f}% | {r['loss']:.4f} | {train_loss:.4f} | "
                  f"{mib(r['memory']['peak'])} | {mib(r['memory']['saved'])} |")
+  lines += ["", "Test accuracy / loss during training:", "",
+            "| step | " + " | ".join(results) + " |", "|---:|" + "---:|" * len(results)]
+  for i, (at, _) in enumerate(base["history"]["eval"]):
+    lines.append(f"| {at} | " + " | ".join(
+        f"{100 * r['history']['eval'][i][1]['accuracy']:.2f}% / "
+        f"{r['history']['eval'][i][1]['loss']:.4f}" for r in results.values()) + " |")
   lines += ["", f"Accuracy difference lowmem - baseline: "
             f"{100 * (low['accuracy'] - base['accuracy']):+.2f} points (one test docstring is "
             f"{100 / sizes[1]:.2f}); test loss ratio {low['loss'] / base['loss']:.4f}. Compiled "

@@ -373,7 +373,12 @@ def microbatch_step(
 ) -> Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]:
   """A train step over k micro-batches in one ``lax.scan``.
 
-  The batch's leading axis is split into k micro-batches. With an AdamA ``tx``
+  The batch's leading axis is split into k micro-batches, strided: micro-batch
+  i holds rows i, i + k, i + 2k, ... So a batch sharded along its leading axis
+  (data parallelism) splits on each device into its share of every
+  micro-batch, and no rows move between devices, provided each device's rows
+  are a multiple of k; contiguous blocks would put each micro-batch on a few
+  devices only. With an AdamA ``tx``
   (one whose state holds an `AdamAState`), each micro-batch gradient is folded
   into the moments inside the scan body by ``tx.update``, so no gradient
   accumulator exists; jitted with ``donate_argnums=(0, 1)``, XLA can free each
@@ -424,10 +429,11 @@ def microbatch_step(
 
 
 def _split(batch: Any, k: int) -> Any:
+  """Each leaf ``[n, ...]`` as ``[k, n // k, ...]``, micro-batch i the rows i, i + k, ..."""
   def split(x):
     if x.ndim == 0 or x.shape[0] % k:
       raise ValueError(f"`batch` leaves need a leading axis divisible by k={k}, got shape {x.shape}.")
-    return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+    return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
   return jax.tree.map(split, batch)
 
 

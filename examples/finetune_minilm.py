@@ -259,10 +259,11 @@ def finetune(args, tensors, config, data, classes) -> dict:
       params, opt_state, metrics = inner(*state, batch)
       return (params, opt_state), metrics
 
-    step = jax.jit(step, donate_argnums=0)
     state = (params, tx.init(params))
+    # Compiled once: measured and run.
+    step = lm.memory.compile(jax.jit(step, donate_argnums=0), state, batch_at(0))
     memory = {
-        "peak": lm.memory.analyze(step, state, batch_at(0)).peak_bytes,
+        "peak": lm.memory.stats_of(step).peak_bytes,
         "saved": lm.memory.saved_residuals(
             loss_fn, params, tuple(a[:args.batch // (args.k if row == "lowmem" else 1)]
                                    for a in batch_at(0))).activation_bytes,

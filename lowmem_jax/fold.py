@@ -10,8 +10,10 @@ which is exact in real arithmetic. Where the norm feeds nothing but linear
 layers (pre-LN blocks, a final norm before the head) its affine goes. In a
 post-LN model the norm's output also feeds the residual stream: there
 ``keep_affine=True`` folds copies of ``g, b`` into the linear layers and keeps
-them on the norm, for an explicit affine on the residual path only
-(`lowmem_jax.models.bert.MSPostLayerNorm`).
+them on the norm renamed ``residual_scale``, ``residual_bias``: the explicit
+affine of the residual path only (`lowmem_jax.models.bert.MSPostLayerNorm`).
+The new names make the folded tree differ from the unfolded one, so a model
+given the wrong one fails to load it, and a second fold finds nothing to fold.
 """
 
 from typing import Any, Mapping, Sequence
@@ -40,6 +42,8 @@ LLAMA_RULES = {
     "ffn_norm": ("feed_forward/w1", "feed_forward/w3"),
     "norm": ("output",),
 }
+# The names ``keep_affine`` gives a norm's kept ``scale`` and ``bias``.
+RESIDUAL_PREFIX = "residual_"
 # `lowmem_jax.models.bert` (post-LN, each norm in the layer that consumes it):
 # fold with keep_affine=True, since every norm also feeds the residual stream.
 BERT_RULES = {
@@ -115,9 +119,10 @@ def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_a
     if g is not None:
       g32 = jnp.reshape(jnp.asarray(g, jnp.float32), g.shape + (1,) * (w.ndim - 1))
       flat[path + ("kernel",)] = (g32 * w32).astype(w.dtype)
-  if not keep_affine:
-    for leaf in ("scale", "bias"):
-      flat.pop(norm + (leaf,), None)
+  for leaf in ("scale", "bias"):
+    value = flat.pop(norm + (leaf,), None)
+    if keep_affine and value is not None:
+      flat[norm + (RESIDUAL_PREFIX + leaf,)] = value
 
 
 def _flatten(params: Mapping[str, Any]) -> dict:
@@ -150,13 +155,14 @@ def fold_norm_affine(params: Mapping[str, Any], norm: Path, into: Sequence[Path]
     norm: path of the norm's params (``"scale"``, ``"bias"``, either may be
       absent), e.g. ``"Transformer/encoderblock_0/LayerNorm_0"`` or a tuple.
     into: paths of every linear layer the norm feeds (``"kernel"``, optional ``"bias"``).
-    keep_affine: keep the norm's ``scale`` and ``bias`` (post-LN: the residual
-      stream still takes ``g * y + b``); by default they go.
+    keep_affine: keep the norm's ``scale`` and ``bias`` as ``residual_scale``
+      and ``residual_bias`` (post-LN: the residual stream still takes
+      ``g * y + b``); by default they go.
 
   Returns:
-    A new tree of params' container type (params is not mutated). Unless
-    ``keep_affine``, the norm loses ``scale`` and ``bias``; its entry goes if
-    that empties it, as a param-less Flax module
+    A new tree of params' container type (params is not mutated). The norm
+    loses ``scale`` and ``bias`` (renamed with ``keep_affine``); its entry goes
+    if that empties it, as a param-less Flax module
     (``nn.LayerNorm(use_scale=False, use_bias=False)``) has none.
 
   Raises:

@@ -401,7 +401,9 @@ def microbatch_step(
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where
     ``metrics["loss"]`` is the mean micro-batch loss and, with ``has_aux``,
-    ``metrics["aux"]`` stacks the micro-batches' aux along a leading k axis.
+    ``metrics["aux"]`` stacks the micro-batches' aux along a leading k axis
+    (per-example aux ``[k, n // k, ...]``: ``.swapaxes(0, 1).reshape(n, ...)``
+    gives the batch's order back).
 
   For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
   it). Under `optax.apply_if_finite`, a skipped micro-batch leaves the

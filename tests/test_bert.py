@@ -59,11 +59,16 @@ def test_ms_norms_with_kept_affines_are_the_same_function_and_gradient(attention
       ms.init(jax.random.key(0), TOKENS, MASK)["params"])
   chex.assert_trees_all_close(ms.apply({"params": folded}, TOKENS, MASK),
                               plain.apply({"params": params}, TOKENS, MASK), atol=1e-5)
-  # The embeddings are the same leaves in both trees: their gradients agree.
-  def grad(model, params):
-    loss = lambda p: jnp.sum(model.apply({"params": p}, TOKENS, MASK)[..., :3] ** 2)
-    return jax.grad(loss)(params)["word_embeddings"]
-  chex.assert_trees_all_close(grad(ms, folded), grad(plain, params), atol=1e-4, rtol=1e-4)
+  # Through the fold, the MS model's gradient is the plain model's, leaf by leaf.
+  loss = lambda model, p: jnp.sum(model.apply({"params": p}, TOKENS, MASK)[..., :3] ** 2)
+  chex.assert_trees_all_close(
+      jax.grad(lambda p: loss(ms, fold.fold_all(p, fold.BERT_RULES, keep_affine=True)))(params),
+      jax.grad(lambda p: loss(plain, p))(params), atol=1e-4, rtol=1e-4)
+  # The folded and unfolded trees differ: neither model takes the other's.
+  with pytest.raises(Exception, match="residual_scale"):
+    ms.apply({"params": params}, TOKENS, MASK)
+  with pytest.raises(Exception, match="scale"):
+    plain.apply({"params": folded}, TOKENS, MASK)
 
 
 def test_approx_gelu_is_the_same_forward_and_a_near_gradient():
@@ -81,7 +86,7 @@ def test_approx_gelu_is_the_same_forward_and_a_near_gradient():
 
 def test_lowmem_switches_save_less():
   """MiniLM-L6 at batch 32 x 128 tokens, float32: autodiff's count, tracing only."""
-  config, tokens = bert.CONFIGS["minilm-l6"], jax.ShapeDtypeStruct((32, 128), jnp.int32)
+  config, tokens = bert.BertConfig(), jax.ShapeDtypeStruct((32, 128), jnp.int32)
   mask = jax.ShapeDtypeStruct((32, 128), jnp.bool_)
 
   def saved(**switches):
@@ -95,7 +100,7 @@ def test_lowmem_switches_save_less():
   assert lm.names.NORM_RSTD in ms.by_name()
   assert ms.activation_bytes < base.activation_bytes
   assert lm.names.ATTN_PROBS not in every.by_name()
-  assert every.activation_bytes < 0.35 * base.activation_bytes  # 380 of 1175 MiB measured
+  assert every.activation_bytes < 0.35 * base.activation_bytes  # 392 of 1175 MiB measured
 
 
 def test_bad_input():
@@ -113,3 +118,22 @@ def test_bad_input():
     bert.from_hf(tensors, bert.BertConfig(**{**TINY.__dict__, "vocab_size": 51}))
   with pytest.raises(ValueError, match="hidden_act"):
     bert.BertConfig.from_hf({"hidden_act": "relu"})
+  with pytest.raises(ValueError, match="position_embedding_type"):
+    bert.BertConfig.from_hf({"position_embedding_type": "relative_key"})
+  with pytest.raises(ValueError, match=r"n_heads \(5\) must divide dim \(16\)"):
+    bert.BertConfig(dim=16, n_heads=5)
+
+
+def test_ms_norm_lowers_the_compiled_peak():
+  """DESIGN asks the sharing be shown in the compiled figure: the gradient of a
+  2-layer BERT (width 128) at batch 16 x 64, float32 on CPU (a proxy)."""
+  config = bert.BertConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, ffn_dim=512, max_len=64)
+  tokens, mask = jax.ShapeDtypeStruct((16, 64), jnp.int32), jax.ShapeDtypeStruct((16, 64), bool)
+
+  def peak(norm):
+    model = bert.Bert(config, norm=norm)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens, mask)["params"]
+    loss = lambda p, t, m: jnp.sum(model.apply({"params": p}, t, m) ** 2)
+    return lm.memory.analyze(jax.grad(loss), params, tokens, mask).peak_bytes
+
+  assert peak("ms") < peak("plain")

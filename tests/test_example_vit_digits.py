@@ -51,7 +51,8 @@ def test_a_resumed_run_equals_the_uninterrupted_one(quick, tmp_path):
   got = resumed["results"]["lowmem"]
   np.testing.assert_allclose(np.array(got["history"]["loss"]), np.array(whole["history"]["loss"]),
                              rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(whole["params"])):
+  assert [e[0] for e in got["history"]["eval"]] == [e[0] for e in whole["history"]["eval"]]
+  for a, b in zip(jax.tree.leaves(got["state"]), jax.tree.leaves(whole["state"])):  # + AdamA's
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 

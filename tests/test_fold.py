@@ -186,6 +186,9 @@ def test_errors(call, error, match):
 def test_keep_affine_folds_copies_and_keeps_the_norm():
   params = _tiny()
   out = fold.fold_norm_affine(params, "enc/ln", ["enc/fc"], keep_affine=True)
-  chex.assert_trees_all_equal(out["enc"]["ln"], params["enc"]["ln"])
+  chex.assert_trees_all_equal(out["enc"]["ln"], {"residual_scale": params["enc"]["ln"]["scale"],
+                                                 "residual_bias": params["enc"]["ln"]["bias"]})
   chex.assert_trees_all_close(out["enc"]["fc"],
                               fold.fold_norm_affine(params, "enc/ln", ["enc/fc"])["enc"]["fc"])
+  with pytest.raises(ValueError, match="no 'scale' or 'bias' to fold"):  # folded once only
+    fold.fold_norm_affine(out, "enc/ln", ["enc/fc"], keep_affine=True)

@@ -155,4 +155,5 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   return Workload(name, model, inputs, labels)
 
 
-__all__ = ["Bert", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload", "workload"]
+__all__ = ["Bert", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload",
+           "workload"]

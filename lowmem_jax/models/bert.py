@@ -14,7 +14,8 @@ A post-LN norm feeds its layer's linear layers and the residual stream. With
 its affine stays as an explicit ``z = scale * y + bias`` on the residual path
 only: the linear layers take ``y`` itself, with the affine folded into their
 kernels (``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``). ``y``
-is the one array the norm, the affine and the next matmuls save.
+is the one array the norm, the affine and the next matmuls save. The last
+norm, ``final_norm``, feeds no linear layer inside the model and stays plain.
 
 Switches: ``activation`` ("exact" erf GELU or "approx" ReGELU2), ``norm``
 ("plain" or "ms"), ``attention`` ("plain", which keeps the float32
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names
+from lowmem_jax import fold, names
 from lowmem_jax.activations import regelu2
 from lowmem_jax.attention_ops import attention, dot_product_attention
 from lowmem_jax.models.llama import HeadsDense
@@ -51,33 +52,40 @@ class BertConfig:
   type_vocab_size: int = 2
   norm_eps: float = 1e-12
 
+  def __post_init__(self):
+    if self.dim % self.n_heads:
+      raise ValueError(f"n_heads ({self.n_heads}) must divide dim ({self.dim}).")
+
   @classmethod
   def from_hf(cls, config: Mapping[str, Any]) -> "BertConfig":
     """The sizes in a Hugging Face ``config.json`` of a BERT (``hidden_act`` "gelu")."""
     if config.get("hidden_act", "gelu") != "gelu":
       raise ValueError(f"config hidden_act must be 'gelu' (erf GELU), got {config['hidden_act']!r}.")
+    if config.get("position_embedding_type", "absolute") != "absolute":
+      raise ValueError("config position_embedding_type must be 'absolute', got "
+                       f"{config['position_embedding_type']!r}.")
     return cls(vocab_size=config["vocab_size"], dim=config["hidden_size"],
                n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
                ffn_dim=config["intermediate_size"], max_len=config["max_position_embeddings"],
                type_vocab_size=config["type_vocab_size"], norm_eps=config["layer_norm_eps"])
 
 
-CONFIGS = {
-    "minilm-l6": BertConfig(),
-    "bert-base": BertConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072),
-}
 
 
 class MSPostLayerNorm(nn.Module):
   """A post-LN LayerNorm as MS-LayerNorm plus its affine on the residual path.
 
-  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). Returns ``(y, z)``: ``y``
-  without affine, for the linear layers that hold the folded affine, and
-  ``z = scale * y + bias`` for the residual stream, both ``[..., features]``
-  in ``dtype``. Parameters ``scale`` and ``bias`` as `flax.linen.LayerNorm`'s.
+  Returns ``(y, z)``: ``y`` without affine, for the linear layers that hold
+  the folded affine, and ``z = residual_scale * y + residual_bias`` for the
+  residual stream, both ``[..., features]`` in ``dtype``. The parameters are
+  `flax.linen.LayerNorm`'s ``scale`` and ``bias`` under the names
+  ``fold.fold_all(..., keep_affine=True)`` gives them.
+
+  Fine-tuned, this is another parameterisation than the plain norm's: g and b
+  train separately on the residual path and inside the folded kernels.
 
   Attributes:
-    epsilon: added to the variance.
+    epsilon: MS-BP (Yang et al., ICML 2024, arXiv:2406.16282); added to the variance.
     dtype: compute dtype; param_dtype: parameter dtype.
   """
   epsilon: float = 1e-12
@@ -87,13 +95,17 @@ class MSPostLayerNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     features = x.shape[-1]
-    scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
-    bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+    scale = self.param(fold.RESIDUAL_PREFIX + "scale", nn.initializers.ones, (features,),
+                       self.param_dtype)
+    bias = self.param(fold.RESIDUAL_PREFIX + "bias", nn.initializers.zeros, (features,),
+                      self.param_dtype)
     y = ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
     return y, y * scale.astype(self.dtype) + bias.astype(self.dtype)
 
 
 class SelfAttention(nn.Module):
+  """Bidirectional attention: ``[batch, length, dim]`` and a key mask ``bool[batch, 1, 1,
+  length]`` to ``[batch, length, dim]``."""
   config: BertConfig
   attention: str
   dtype: Any
@@ -115,6 +127,7 @@ class SelfAttention(nn.Module):
 
 
 class Mlp(nn.Module):
+  """``fc2(gelu(fc1(x)))``: ``[..., dim]`` to ``[..., dim]`` through ``[..., ffn_dim]``."""
   config: BertConfig
   activation: str
   dtype: Any
@@ -164,9 +177,10 @@ class Bert(nn.Module):
   ``[batch, length, dim]`` in ``dtype``. Token type 0 throughout.
 
   Attributes:
-    config: the sizes (`CONFIGS` has the named ones).
+    config: the sizes (the defaults are MiniLM-L6-H384's).
     activation: "exact" (erf GELU) or "approx" (`lowmem_jax.regelu2`).
-    norm: "plain" (LayerNorm) or "ms" (`MSPostLayerNorm`; fold the params
+    norm: "plain" (LayerNorm) or "ms" (`MSPostLayerNorm`, MS-BP: Yang et al., ICML
+      2024, arXiv:2406.16282; fold the params
       with ``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``).
     attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
     remat: wrap each layer in `nn.remat` with ``remat_policy``.
@@ -201,7 +215,8 @@ class Bert(nn.Module):
     for i in range(cfg.n_layers):
       x = layer(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
                 name=f"layers_{i}")(x, keys)
-    return post_norm(self.norm, cfg, self.dtype, self.param_dtype, "final_norm", x)[1]
+    # No linear layer follows the last norm inside the model, so it stays plain.
+    return post_norm("plain", cfg, self.dtype, self.param_dtype, "final_norm", x)[1]
 
 
 def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:

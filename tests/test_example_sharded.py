@@ -1,6 +1,12 @@
 """examples/sharded_train.py in its quick mode on the 8 CPU devices conftest forces:
 FSDP x data parallelism equals the single-device run, and really shards."""
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -80,3 +86,22 @@ def test_bad_sizes_raise_naming_the_argument(argv, name):
     pytest.skip("needs the 8 CPU devices of tests/conftest.py")
   with pytest.raises(ValueError, match=name):
     sharded_train.main(["--quick", *argv])
+
+
+def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_path):
+  """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  script = Path(sharded_train.__file__)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  procs = [subprocess.Popen(
+      [sys.executable, str(script), "--quick", "--coordinator", f"localhost:{port}",
+       "--num-processes", "2", "--process-id", str(i), "--out", str(tmp_path)],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  text = (tmp_path / "sharded_train.md").read_text()  # written by process 0
+  assert "8 CPU device(s), 2 process(es)" in text
+  assert ": within tolerance" in text

@@ -24,8 +24,9 @@ and read with ``safetensors.numpy`` and ``tokenizers``.
    docstring comes from. The docstrings of the classes and functions of
    `PACKAGES` (read from the interpreter's own sources with `ast`, at most
    ``--per-class`` a package, split 80/20 by a hash of each text) are the
-   inputs, tokenized to ``--seq`` tokens; the model is the encoder, mean
-   pooling and a linear head. Two runs from the same pretrained weights, the
+   inputs, tokenized to ``--seq`` tokens; the model is
+   `lowmem_jax.models.bert.BertClassifier`: the encoder, mean pooling and a
+   linear head. Two runs from the same pretrained weights, the
    same head init, batches, steps and learning rate:
 
      baseline  exact GELU, plain LayerNorm, plain attention, optax.adam
@@ -51,7 +52,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,11 +142,9 @@ def numpy_embeddings(t: dict, config: bert.BertConfig, tokens: np.ndarray,
   return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
 
 
-def encoder(config: bert.BertConfig, row: str) -> bert.Bert:
-  """The encoder of a row of `ROWS`, float32."""
-  if row == "lowmem":
-    return bert.Bert(config, activation="approx", norm="ms", attention="recompute")
-  return bert.Bert(config)
+def switches(row: str) -> dict:
+  """The model switches of a row of `ROWS`."""
+  return dict(activation="approx", norm="ms", attention="recompute") if row == "lowmem" else {}
 
 
 def encoder_params(tensors: dict, config: bert.BertConfig, row: str) -> dict:
@@ -168,7 +166,8 @@ def check_forward(tensors: dict, config: bert.BertConfig, tokenizer: Tokenizer,
   reference = numpy_embeddings(tensors, config, tokens, mask)
   cosines = {}
   for row in ROWS:
-    got = np.asarray(embeddings(encoder(config, row), encoder_params(tensors, config, row),
+    got = np.asarray(embeddings(bert.Bert(config, **switches(row)),
+                                encoder_params(tensors, config, row),
                                 tokens, mask), np.float64)
     cosines[row] = float(np.min(np.sum(got * reference, -1) / np.linalg.norm(got, axis=-1)))
   return cosines
@@ -209,21 +208,10 @@ def split(texts: list[str]) -> np.ndarray:
   return np.array([hashlib.sha256(t.encode()).digest()[0] % 5 == 0 for t in texts])
 
 
-class Classifier(nn.Module):
-  """The encoder, mean pooling and a linear head: ``float32[batch, num_classes]``."""
-  encoder: bert.Bert
-  num_classes: int
-
-  @nn.compact
-  def __call__(self, tokens, mask):
-    pooled = bert.mean_pool(self.encoder(tokens, mask), mask)
-    return nn.Dense(self.num_classes, name="head")(pooled)
-
-
 def finetune(args, tensors, config, data, classes) -> dict:
   """Trains each row of `ROWS`; returns `compare.run`'s figures by row."""
   (x_train, m_train, y_train), (x_test, m_test, y_test) = data
-  head = Classifier(encoder(config, "baseline"), len(classes)).init(
+  head = bert.BertClassifier(config, len(classes)).init(
       jax.random.key(args.seed), x_train[:1], m_train[:1])["params"]["head"]
   order = compare.batch_indices(len(y_train), args.steps, args.batch, args.seed)
 
@@ -232,7 +220,7 @@ def finetune(args, tensors, config, data, classes) -> dict:
 
   results = {}
   for row in ROWS:
-    model = Classifier(encoder(config, row), len(classes))
+    model = bert.BertClassifier(config, len(classes), **switches(row))
     params = {"encoder": encoder_params(tensors, config, row), "head": head}
 
     def loss_fn(params, batch, model=model):

@@ -14,7 +14,7 @@ import optax
 
 from lowmem_jax import optim
 from lowmem_jax.models import bert, llama, vit, wrn
-from lowmem_jax.models.bert import Bert, BertConfig
+from lowmem_jax.models.bert import Bert, BertClassifier, BertConfig
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 from lowmem_jax.models.wrn import WideResNet
@@ -25,7 +25,11 @@ VIT_CONFIGS = {
     "vit-l16": dict(patch_size=16, width=1024, depth=24, mlp_dim=4096, num_heads=16),
 }
 WRN_CONFIGS = {"wrn-28-2": dict(depth=28, widen=2)}
-NAMES = tuple(VIT_CONFIGS) + tuple(llama.CONFIGS) + tuple(WRN_CONFIGS)
+BERT_CONFIGS = {  # a sequence classifier (2 classes) on the post-LN encoder
+    "minilm-l6": bert.BertConfig(),
+    "bert-base": bert.BertConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072),
+}
+NAMES = tuple(VIT_CONFIGS) + tuple(llama.CONFIGS) + tuple(BERT_CONFIGS) + tuple(WRN_CONFIGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +113,10 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
 
   Args:
     name: "vit-tiny" (two ViT-Ti/16 blocks, for quick checks), "vit-b16", "vit-l16",
-      "llama-100m", "llama-1b", "llama-7b" or "wrn-28-2" (CIFAR-10 sized).
+      "llama-100m", "llama-1b", "llama-7b", "minilm-l6", "bert-base" (a BERT
+      sequence classifier, every token real) or "wrn-28-2" (CIFAR-10 sized).
     batch: examples per batch.
-    seq: tokens per example (LLaMA).
+    seq: tokens per example (LLaMA, BERT: at most 512).
     image: image side in pixels (ViT: default 224; WideResNet: default 32).
     dtype: compute dtype; param_dtype: parameter dtype.
     activation, norm, attention, remat, remat_policy: the models' switches
@@ -143,7 +148,13 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
                      f"got {conv!r}.")
   switches = dict(activation=activation, norm=norm, attention=attention, remat=remat,
                   remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
-  if name in VIT_CONFIGS:
+  if name in BERT_CONFIGS:
+    if seq > BERT_CONFIGS[name].max_len:
+      raise ValueError(f"seq must be <= {BERT_CONFIGS[name].max_len} for {name}, got {seq}.")
+    model = BertClassifier(BERT_CONFIGS[name], **switches)
+    inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  elif name in VIT_CONFIGS:
     model = ViT(**VIT_CONFIGS[name], **switches)
     image = 224 if image is None else image
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
@@ -155,5 +166,5 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   return Workload(name, model, inputs, labels)
 
 
-__all__ = ["Bert", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload",
+__all__ = ["Bert", "BertClassifier", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload",
            "workload"]

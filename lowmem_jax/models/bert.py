@@ -219,6 +219,35 @@ class Bert(nn.Module):
     return post_norm("plain", cfg, self.dtype, self.param_dtype, "final_norm", x)[1]
 
 
+class BertClassifier(nn.Module):
+  """`Bert` (named ``encoder``), mean pooling over the real tokens and a linear
+  ``head``: ``tokens: int32[batch, length]`` and an optional ``mask:
+  bool[batch, length]`` (None: every token is real) to ``float32[batch, num_classes]``.
+
+  Attributes:
+    num_classes: outputs of the head.
+    config, activation, norm, attention, remat, remat_policy, dtype,
+      param_dtype: as `Bert`'s.
+  """
+  config: BertConfig = BertConfig()
+  num_classes: int = 2
+  activation: str = "exact"
+  norm: str = "plain"
+  attention: str = "plain"
+  remat: bool = False
+  remat_policy: Callable | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, mask=None):
+    mask = jnp.ones(tokens.shape, bool) if mask is None else mask
+    hidden = Bert(self.config, self.activation, self.norm, self.attention, self.remat,
+                  self.remat_policy, self.dtype, self.param_dtype, name="encoder")(tokens, mask)
+    head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
+    return head(mean_pool(hidden, mask).astype(self.dtype)).astype(jnp.float32)
+
+
 def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of ``hidden: [batch, length, dim]`` over the tokens where ``mask`` is
   True, float32 ``[batch, dim]`` (sentence-transformers' mean pooling)."""

@@ -162,6 +162,15 @@ def command(script: str, argv: list[str] | None) -> str:
   return " ".join(["python", f"examples/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
+def check_multiple_of_k(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                        *names: str) -> None:
+  """``parser.error`` naming the first of ``names`` whose value ``args.k`` does not divide."""
+  for name in names:
+    if getattr(args, name) % args.k:
+      parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of "
+                   f"--k {args.k}")
+
+
 def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
   """``parser.error`` naming the first of ``names`` whose value is not >= 1."""
   for name in names:

@@ -211,7 +211,7 @@ def split(texts: list[str]) -> np.ndarray:
 def finetune(args, tensors, config, data, classes) -> dict:
   """Trains each row of `ROWS`; returns `compare.run`'s figures by row."""
   (x_train, m_train, y_train), (x_test, m_test, y_test) = data
-  head = bert.BertClassifier(config, len(classes)).init(
+  head = bert.BertClassifier(config, num_classes=len(classes)).init(
       jax.random.key(args.seed), x_train[:1], m_train[:1])["params"]["head"]
   order = compare.batch_indices(len(y_train), args.steps, args.batch, args.seed)
 
@@ -220,7 +220,7 @@ def finetune(args, tensors, config, data, classes) -> dict:
 
   results = {}
   for row in ROWS:
-    model = bert.BertClassifier(config, len(classes), **switches(row))
+    model = bert.BertClassifier(config, num_classes=len(classes), **switches(row))
     params = {"encoder": encoder_params(tensors, config, row), "head": head}
 
     def loss_fn(params, batch, model=model):
@@ -293,8 +293,7 @@ def main(argv=None) -> dict:
   args.seq = args.seq or (32 if args.quick else 64)
   args.per_class = args.per_class or (24 if args.quick else 200)
   compare.check_positive(parser, args, "steps", "batch", "seq", "k", "per_class", "eval_every")
-  if args.batch % args.k:
-    parser.error(f"--batch {args.batch} must be a multiple of --k {args.k}")
+  compare.check_multiple_of_k(parser, args, "batch")
   start = time.time()
   tensors, config, tokenizer = load()
   cosines = check_forward(tensors, config, tokenizer)

@@ -57,7 +57,8 @@ import optax
 
 from lowmem_jax.models import Llama, LlamaConfig
 from lowmem_jax.optim import NU_SCALES
-from compare import TAIL, check_positive, check_shared, command, memory_lines, run, write
+from compare import (TAIL, check_multiple_of_k, check_positive, check_shared, command,
+                     memory_lines, run, write)
 
 ROWS = {
     "baseline": {},
@@ -148,10 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
   for name in ("lr", "corpus_mb"):
     if not getattr(args, name) > 0:
       parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-  for name in ("batch", "memory_batch"):
-    if getattr(args, name) % args.k:
-      parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of "
-                   f"--k {args.k}")
+  check_multiple_of_k(parser, args, "batch", "memory_batch")
   start = time.time()
   config = QUICK_CONFIG if quick else CONFIG
   train, validation, n_files = corpus(int(args.corpus_mb * 1e6))

@@ -54,8 +54,8 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.models import ViT
-from compare import (TAIL, batch_indices, check_positive, check_shared, command, memory_lines,
-                     run, write)
+from compare import (TAIL, batch_indices, check_multiple_of_k, check_positive, check_shared,
+                     command, memory_lines, run, write)
 
 ROWS = ("baseline", "lowmem")
 MODEL = dict(patch_size=2, width=64, depth=4, num_heads=4, mlp_dim=128, num_classes=10)
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
   check_positive(parser, args, "steps", "batch", "k", "memory_batch", "eval_every")
   if not args.lr > 0:
     parser.error(f"--lr must be > 0, got {args.lr}")
-  for name in ("batch", "memory_batch"):
-    if getattr(args, name) % args.k:
-      parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of "
-                   f"--k {args.k}")
+  check_multiple_of_k(parser, args, "batch", "memory_batch")
   start = time.time()
   size = QUICK_MODEL if args.quick else MODEL
   x_train, x_test, y_train, y_test = data()

@@ -1,10 +1,10 @@
 """examples/llama_charlm.py: the quick mode learns, the lowmem run holds less, a run resumes."""
 
-import jax
 import numpy as np
 import pytest
 
 import llama_charlm
+from example_checks import assert_lowmem_holds_less, assert_resumes
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +34,7 @@ def test_both_runs_learn(quick):
 
 
 def test_lowmem_saves_fewer_activations_and_compiles_to_a_lower_peak(quick):
-  base, low = quick["results"]["baseline"], quick["results"]["lowmem"]
-  for r in (base, low):
-    assert all(v > 0 for v in r["memory"].values())
-  assert low["memory"]["saved"] < base["memory"]["saved"]
-  assert low["memory"]["peak"] < base["memory"]["peak"]
+  assert_lowmem_holds_less(quick["results"])
 
 
 def test_writes_the_table_and_the_plot(quick):
@@ -56,16 +52,8 @@ def test_batches_depend_only_on_the_step():
 
 def test_a_resumed_run_equals_the_uninterrupted_one(quick, tmp_path):
   # The lowmem row only (AdamA's micro-step counter is part of the state): 8 steps, then on to 20.
-  args = ["--quick", "--rows", "lowmem", "--checkpoint-dir", str(tmp_path)]
-  first = llama_charlm.main(args + ["--steps", "8"])
-  assert len(first["results"]["lowmem"]["history"]["loss"]) == 8
-  got = llama_charlm.main(args)["results"]["lowmem"]
-  whole = quick["results"]["lowmem"]
-  np.testing.assert_allclose(np.array(got["history"]["loss"]), np.array(whole["history"]["loss"]),
-                             rtol=1e-6)
-  assert [e[0] for e in got["history"]["eval"]] == [e[0] for e in whole["history"]["eval"]]
-  for a, b in zip(jax.tree.leaves(got["state"]), jax.tree.leaves(whole["state"])):  # + AdamA's
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  assert_resumes(llama_charlm.main, ["--quick", "--rows", "lowmem", "--checkpoint-dir", str(tmp_path)],
+                 8, quick["results"]["lowmem"])
 
 
 def test_bad_arguments_are_refused():

@@ -1,10 +1,10 @@
 """examples/vit_digits.py: the quick mode learns, the lowmem run holds less, a run resumes."""
 
-import jax
 import numpy as np
 import pytest
 
 import vit_digits
+from example_checks import assert_lowmem_holds_less, assert_resumes
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,7 @@ def test_both_runs_learn_and_match_within_reason(quick):
 
 
 def test_lowmem_saves_fewer_activations_and_compiles_to_a_lower_peak(quick):
-  base, low = quick["results"]["baseline"], quick["results"]["lowmem"]
-  for r in (base, low):
-    assert all(v > 0 for v in r["memory"].values())
-  assert low["memory"]["saved"] < base["memory"]["saved"]
-  assert low["memory"]["peak"] < base["memory"]["peak"]
+  assert_lowmem_holds_less(quick["results"])
 
 
 def test_writes_the_table_and_the_plot(quick):
@@ -43,17 +39,8 @@ def test_writes_the_table_and_the_plot(quick):
 
 def test_a_resumed_run_equals_the_uninterrupted_one(quick, tmp_path):
   # The lowmem row only (AdamA's micro-step counter is part of the state): 12 steps, then on to 30.
-  first = vit_digits.main(["--quick", "--rows", "lowmem", "--steps", "12",
-                           "--checkpoint-dir", str(tmp_path)])
-  assert len(first["results"]["lowmem"]["history"]["loss"]) == 12
-  resumed = vit_digits.main(["--quick", "--rows", "lowmem", "--checkpoint-dir", str(tmp_path)])
-  whole = quick["results"]["lowmem"]
-  got = resumed["results"]["lowmem"]
-  np.testing.assert_allclose(np.array(got["history"]["loss"]), np.array(whole["history"]["loss"]),
-                             rtol=1e-6)
-  assert [e[0] for e in got["history"]["eval"]] == [e[0] for e in whole["history"]["eval"]]
-  for a, b in zip(jax.tree.leaves(got["state"]), jax.tree.leaves(whole["state"])):  # + AdamA's
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  assert_resumes(vit_digits.main, ["--quick", "--rows", "lowmem", "--checkpoint-dir", str(tmp_path)],
+                 12, quick["results"]["lowmem"])
 
 
 def test_bad_arguments_are_refused():

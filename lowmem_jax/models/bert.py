@@ -219,25 +219,17 @@ class Bert(nn.Module):
     return post_norm("plain", cfg, self.dtype, self.param_dtype, "final_norm", x)[1]
 
 
-class BertClassifier(nn.Module):
+class BertClassifier(Bert):
   """`Bert` (named ``encoder``), mean pooling over the real tokens and a linear
   ``head``: ``tokens: int32[batch, length]`` and an optional ``mask:
   bool[batch, length]`` (None: every token is real) to ``float32[batch, num_classes]``.
 
   Attributes:
-    num_classes: outputs of the head.
+    num_classes: outputs of the head (a keyword: it follows `Bert`'s attributes).
     config, activation, norm, attention, remat, remat_policy, dtype,
       param_dtype: as `Bert`'s.
   """
-  config: BertConfig = BertConfig()
   num_classes: int = 2
-  activation: str = "exact"
-  norm: str = "plain"
-  attention: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, mask=None):

@@ -102,8 +102,8 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   params = jax.tree.map(jnp.copy, params)  # the step donates its state
   state = (params, tx.init(params))
   batch = batch_at(0)
-  # Compiled once, as lowmem_jax.memory compiles (remat kept on CPU): measured and run.
-  step = lm.memory.compile(train_step(loss_fn, tx, k), state, batch)
+  # Compiled once for the devices it runs on (remat kept on CPU): measured and run.
+  step = lm.memory.compile(train_step(loss_fn, tx, k), state, batch, target="attached")
   figures = {"memory": {"peak": lm.memory.stats_of(step).peak_bytes,
                         "saved": saved_bytes(loss_fn, params, batch, k)}}
   n = jax.tree.leaves(batch)[0].shape[0]

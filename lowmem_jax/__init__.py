@@ -1,7 +1,7 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
 from lowmem_jax import (attention_ops, compress, fold, linen, memory, models, names, nnx, optim,
-                        policies, precision, sparsity)
+                        policies, precision, sparsity, targets)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
@@ -12,4 +12,5 @@ __all__ = [
     "Plan", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress",
     "fold", "linen", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
     "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "sparsity",
+    "targets",
 ]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names
+from lowmem_jax import names, targets
 from lowmem_jax._checks import check_float_array
 
 IMPLS = ("auto", "chunked", "cudnn")
@@ -90,7 +90,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | Non
     return _cudnn(q, k, v, mask, bias, causal)
   # cuDNN refuses odd lengths with a bias only in the backward, too late to fall back.
   odd = (mask is not None or bias is not None) and (q.shape[1] % 2 or k.shape[1] % 2)
-  if impl == "auto" and jax.default_backend() == "gpu" and not odd:
+  if impl == "auto" and targets.compiling_for() == "gpu" and not odd:
     try:
       return _cudnn(q, k, v, mask, bias, causal)
     except (NotImplementedError, ValueError, RuntimeError):

@@ -7,8 +7,10 @@
 A technique set joins techniques with "+"; ``--techniques`` takes a comma list
 of sets, one table row each. Every figure comes from XLA's compilation of the
 training step (AdamW, parameters and optimizer state donated) on abstract
-shapes: nothing is allocated, so a 7B model is reported on a laptop CPU. On
-CPU the figures are a proxy for an accelerator's (see docs/report.md).
+shapes for ``--target``: by default the GPU this process runs on, else an H100
+compiled for here without one (``pip install 'lowmem-jax[target]'``), else the
+CPU as a labelled proxy. Nothing is allocated, so a 7B model is reported on a
+laptop CPU (see docs/report.md).
 """
 
 import argparse
@@ -26,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lowmem_jax import memory, models, optim, planner, policies
+from lowmem_jax import memory, models, optim, planner, policies, targets
 
 TECHNIQUES = {
     "baseline": "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping its "
@@ -147,7 +149,8 @@ def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   step = jax.jit(wl.train_step(tx, k), donate_argnums=(0, 1))
   return memory.report(step, params, jax.eval_shape(tx.init, params), batch,
-                       loss_fn=wl.loss, loss_args=(params, *micro), label=setting.label, top=top)
+                       loss_fn=wl.loss, loss_args=(params, *micro), label=setting.label, top=top,
+                       target=args.target)
 
 
 def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
@@ -177,7 +180,7 @@ def _progress(console: Console) -> Progress:
 def _workload_title(args) -> str:
   size = f"{args.image}px images" if args.model in models.VIT_CONFIGS else f"{args.seq} tokens"
   return (f"{args.model} training step, batch {args.batch} of {size}, {args.dtype} compute "
-          f"unless bf16, AdamW ({jax.default_backend()}, jax {jax.__version__})")
+          f"unless bf16, AdamW (target {args.target.name}, jax {jax.__version__})")
 
 
 def _size(nbytes: float) -> str:
@@ -226,12 +229,15 @@ def report(args, console: Console) -> int:
       raise UsageError(f"--plot: {e}") from e
   if args.json:
     out = {"model": args.model, "batch": args.batch, "seq": args.seq, "image": args.image,
-           "dtype": args.dtype, "backend": jax.default_backend(), "jax": jax.__version__,
+           "dtype": args.dtype, "target": args.target.name,
+           "device_kind": args.target.device_kind, "target_note": args.target.note,
+           "jax": jax.__version__,
            "rows": [{**r, "breakdown": b.to_dict()} for r, b in zip(rows, breakdowns)]}
     console.print_json(json.dumps(out))
     return 0
   console.print(_summary(rows, _workload_title(args)))
-  if jax.default_backend() == "cpu" and (args.dtype != "float32" or any(s.bf16 for s in settings)):
+  console.print(args.target.note, highlight=False)
+  if args.target.platform == "cpu" and (args.dtype != "float32" or any(s.bf16 for s in settings)):
     console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
                   "16-bit arrays as temporaries, which an accelerator does not: compare the "
                   "techniques in float32 here.", highlight=False)
@@ -285,6 +291,7 @@ def plan(args, console: Console) -> int:
       return 1
   rows = [row(t, tried[0][0], s) for t, s in tried]
   console.print(_summary(rows, f"{_workload_title(args)}: tried, cheapest first"))
+  console.print(args.target.note, highlight=False)
   console.print(f"Fits {_size(budget)}: {setting.label} ({_size(b.stats.peak_bytes)} "
                 "compiled peak). In Python:", highlight=False)
   console.print(setting.python(args), highlight=False, markup=False)
@@ -306,11 +313,24 @@ def _planned(args, text: str, budget: int) -> Setting | None:
     return wl.with_policy(policy).train_step(tx)(params, opt_state, batch)
   try:
     chosen = planner.plan(step, params, jax.eval_shape(tx.init, params), batch, budget=budget,
-                          donate_argnums=(0, 1))
+                          donate_argnums=(0, 1), target=args.target)
   except planner.BudgetError:
     return None
   return dataclasses.replace(setting, label=f"{setting.label}+remat:{policies.describe(chosen.policy)}",
                              remat=chosen.policy)
+
+
+def _target(text: str | None) -> targets.Target:
+  """The `targets.Target` of ``--target``: a name, a config file, or None for the default."""
+  try:
+    if text is not None and text.endswith(".txtpb"):
+      return targets.load(text)
+    target = targets.resolve(text)
+    if target.deviceless:
+      target.devices()  # fails here, in one line, where the target packages are missing
+    return target
+  except (ValueError, OSError, targets.TargetUnavailable) as e:
+    raise UsageError(f"--target {text}: {e}") from e
 
 
 class _Parser(argparse.ArgumentParser):
@@ -337,6 +357,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image", type=int, default=224, help="image side in pixels (ViT; default 224)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype without the bf16 technique; parameters stay float32")
+    p.add_argument("--target", default=None, metavar="NAME",
+                   help=f"what to compile for: {', '.join(targets.names())}, attached (this "
+                        "process's devices) or a config file (.txtpb); default: this process's "
+                        "GPU, else h100 where the target packages are installed, else cpu")
   rep.add_argument("--techniques", default=DEFAULT_TECHNIQUES,
                    help=f"comma list of technique sets (default {DEFAULT_TECHNIQUES})")
   rep.add_argument("--top", type=int, default=10, help="largest live buffers to list (default 10)")
@@ -360,6 +384,7 @@ def main(argv=None) -> int:
         raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if getattr(args, "top", 0) < 0:
       raise UsageError(f"--top must be >= 0, got {args.top}.")
+    args.target = _target(args.target)
     return (report if args.command == "report" else plan)(args, console)
   except UsageError as e:
     print(f"lowmem-jax: error: {e}", file=sys.stderr)

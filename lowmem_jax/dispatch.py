@@ -7,18 +7,21 @@ Every public function with a kernel in `pallas_kernels` takes ``impl``:
   error that says why where it cannot run (no GPU, an input it cannot take).
 - ``"pallas_interpret"``: the same kernel in Pallas interpret mode; any
   backend, slow; what the tests run on CPU.
-- ``"auto"``: the kernel on a GPU where `docs/benchmarks.md` measured it no
+- ``"auto"``: the kernel for a GPU where `docs/benchmarks.md` measured it no
   slower than XLA's fusion (the families in `MEASURED_NO_SLOWER`), else XLA.
 
 ``impl=None`` (the default) reads the environment variable ``LOWMEM_JAX_IMPL``
 when the function is traced, and is ``"auto"`` where it is unset or empty, so
 one variable switches a whole program.
+
+``"On a GPU"`` means the compile target (`lowmem_jax.targets.compiling_for`): a
+step compiled for the H100 target on a machine without a GPU takes the
+kernels' Triton path, and ptxas builds them for sm_90a.
 """
 
 import os
 
-import jax
-
+from lowmem_jax import targets
 from pallas_kernels import _blocks
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -47,7 +50,8 @@ def kernel_options(impl: str | None, kernel: str, unsupported: str | None = None
     impl, source = os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}"
   if impl not in IMPLS:
     raise ValueError(f"{source} must be one of {IMPLS}, got {impl!r}.")
-  on_gpu = jax.default_backend() == "gpu"
+  platform = targets.compiling_for()
+  on_gpu = platform == "gpu"
   if impl == "xla" or (impl == "auto" and not (on_gpu and kernel in MEASURED_NO_SLOWER
                                                and unsupported is None)):
     return None
@@ -57,6 +61,7 @@ def kernel_options(impl: str | None, kernel: str, unsupported: str | None = None
   if impl == "pallas" and not on_gpu:
     raise ValueError(
         f"{source}='pallas' needs a GPU: the {kernel} kernel compiles with Pallas' Triton "
-        f"backend and JAX's backend is {jax.default_backend()!r}. Use impl='pallas_interpret' "
-        f"to run the kernel in interpret mode, or impl='xla'.")
+        f"backend and the compile target is {platform!r}. Compile for a GPU target "
+        f"(lowmem_jax.targets), use impl='pallas_interpret' to run the kernel in interpret "
+        f"mode, or impl='xla'.")
   return _blocks.Options(interpret=impl == "pallas_interpret")

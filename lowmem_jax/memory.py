@@ -2,12 +2,12 @@
 
 Two figures, and this module is the only place the project takes them from:
 
-* `analyze`: XLA's buffer assignment of the compiled function
-  (``jax.jit(fn).lower(*args).compile().memory_analysis()``). It needs no real
-  arrays (`jax.ShapeDtypeStruct` pytrees will do) and works on every backend.
-  On CPU it is a proxy for an accelerator: the CPU compiler upcasts bfloat16
-  dots and inserts layout copies that a GPU does not, so compare variants in
-  float32 compute there.
+* `analyze`: XLA's buffer assignment of the function compiled for a target
+  (``jax.jit(fn).lower(*args).compile().memory_analysis()``), by default the
+  GPU the user trains on, compiled here without one (`lowmem_jax.targets`).
+  It needs no real arrays (`jax.ShapeDtypeStruct` pytrees will do). Compiled
+  for ``target="cpu"`` it is a proxy only: the CPU compiler upcasts 16-bit
+  dots and keeps float32 copies that a GPU does not.
 * `saved_residuals`: what autodiff keeps from the forward pass for the
   backward pass (``jax.vjp``'s residuals), backend-free: what papers count.
 
@@ -31,47 +31,28 @@ import jax
 import numpy as np
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
+from jax._src.lib import _jax  # XLA's HLO cost analysis, as jax.stages.Lowered calls it
 from rich.console import Console
 from rich.table import Table
 
 from lowmem_jax import names as _names
+from lowmem_jax import targets
 
 
-def _abstract(tree):
-  """Replaces every array leaf with a `jax.ShapeDtypeStruct` (with sharding)."""
-  def leaf(x):
-    if isinstance(x, jax.ShapeDtypeStruct) or not hasattr(x, "shape"):
-      return x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-  return jax.tree.map(leaf, tree)
-
-
-# XLA's CPU pipeline expands optimization barriers before CSE, which merges the
-# recompute of `jax.checkpoint` back into the forward pass: remat then saves
-# nothing on CPU. Keeping the barriers compiles remat as accelerators do.
-CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
-
-
-def compile(fn: Callable, *args, compiler_options: dict | None = None, **kwargs) -> jax.stages.Compiled:
-  """Compiles ``fn`` (jitted here unless it already is) for the shapes of ``args``.
-
-  On CPU the compilation keeps `jax.checkpoint`'s optimization barriers
-  (`CPU_KEEPS_REMAT`), so remat policies show in the memory figures and in
-  the FLOP count; the program computes the same values.
+def compile(fn: Callable, *args, target: "targets.Target | str | None" = None,
+            compiler_options: dict | None = None, **kwargs) -> jax.stages.Compiled:
+  """Compiles ``fn`` (jitted here unless it already is) for ``target`` on the
+  shapes of ``args``; nothing runs.
 
   Args:
     fn: a function, or the result of `jax.jit` (whose static arguments and
-      shardings are then respected).
+      donation are then respected).
     *args, **kwargs: arrays or `jax.ShapeDtypeStruct` pytrees.
+    target: a `lowmem_jax.targets.Target` or its name (``"h100"``, ``"cpu"``,
+      ...); None: `lowmem_jax.targets.default`, the GPU the figures are for.
     compiler_options: XLA debug options for this compilation only.
   """
-  if not callable(fn):
-    raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  lowered = jitted.lower(*_abstract(args), **_abstract(kwargs))
-  if jax.default_backend() == "cpu":
-    compiler_options = {**CPU_KEEPS_REMAT, **(compiler_options or {})}
-  return lowered.compile(compiler_options=compiler_options)
+  return targets.resolve(target).compile(fn, *args, compiler_options=compiler_options, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +66,9 @@ class MemoryStats:
     temp_bytes: everything else the program allocates; XLA packs its
       temporaries into one block, live for the whole program.
     generated_code_bytes: the compiled program itself.
+    host_temp_bytes: temporaries in host memory: what a remat policy
+      offloads (`lowmem_jax.policies.offload`) on a GPU target; 0 on the CPU,
+      whose device memory is host memory.
     xla_peak_bytes: XLA's own ``peak_memory_in_bytes``; on CPU it counts only
       arguments and outputs, so it is not used there.
     peak_bytes: ``xla_peak_bytes`` where it is at least
@@ -97,6 +81,7 @@ class MemoryStats:
   alias_bytes: int
   temp_bytes: int
   generated_code_bytes: int
+  host_temp_bytes: int
   xla_peak_bytes: int
   peak_bytes: int
 
@@ -115,21 +100,24 @@ def stats_of(compiled: jax.stages.Compiled) -> MemoryStats:
       alias_bytes=int(m.alias_size_in_bytes),
       temp_bytes=int(m.temp_size_in_bytes),
       generated_code_bytes=int(m.generated_code_size_in_bytes),
+      host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0) or 0),
       xla_peak_bytes=xla_peak,
       peak_bytes=int(xla_peak if xla_peak >= lower_bound else total),
   )
 
 
-def analyze(fn: Callable, *args, **kwargs) -> MemoryStats:
-  """Compiles ``fn`` on the shapes of ``args`` and returns its `MemoryStats`.
+def analyze(fn: Callable, *args, target: "targets.Target | str | None" = None,
+            **kwargs) -> MemoryStats:
+  """Compiles ``fn`` for ``target`` (see `compile`) on the shapes of ``args``
+  and returns its `MemoryStats`.
 
   Example:
     >>> import jax, jax.numpy as jnp, lowmem_jax as lm
     >>> x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
-    >>> lm.memory.analyze(lambda x: x @ x, x).argument_bytes
+    >>> lm.memory.analyze(lambda x: x @ x, x, target="h100").argument_bytes
     262144
   """
-  return stats_of(compile(fn, *args, **kwargs))
+  return stats_of(compile(fn, *args, target=target, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,9 +290,10 @@ class Breakdown:
 
   Attributes:
     label: what was compiled, for tables and plots.
+    target: the `lowmem_jax.targets.Target` it was compiled for.
     stats: the compiled `MemoryStats`; ``stats.peak_bytes`` is the peak the
       figures of this project compare.
-    flops: FLOPs of the compiled step (XLA's cost analysis; a loop body counts once).
+    flops: FLOPs of the step (XLA's cost analysis, `step_flops`; a loop body counts once).
     at_peak: bytes of each of `COMPONENTS` live at the peak of XLA's heap
       simulation; they sum to ``live_peak_bytes``.
     peak_position: where in program order the peak is, of ``len(live_bytes)``.
@@ -315,6 +304,7 @@ class Breakdown:
     saved: the residuals autodiff saves for ``loss_fn``, or None.
   """
   label: str
+  target: targets.Target
   stats: MemoryStats
   flops: float
   at_peak: dict[str, int]
@@ -345,6 +335,9 @@ class Breakdown:
     saved = self.saved
     return {
         "label": self.label,
+        "target": self.target.name,
+        "device_kind": self.target.device_kind,
+        "target_note": self.target.note,
         "compiled": dataclasses.asdict(self.stats),
         "flops": self.flops,
         "at_peak": dict(self.at_peak),
@@ -377,7 +370,8 @@ class Breakdown:
 
 
 def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args: tuple = (),
-           label: str = "step", top: int | None = 10, **kwargs) -> Breakdown:
+           label: str = "step", top: int | None = 10,
+           target: "targets.Target | str | None" = None, **kwargs) -> Breakdown:
   """Where the memory of the compiled ``step_fn(*args, **kwargs)`` goes.
 
   Compiles the step once on the shapes of ``args`` (nothing runs, nothing is
@@ -408,6 +402,8 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       for autodiff's residual count; optional.
     label: a name for tables and plots.
     top: how many of the buffers live at the peak to keep (all if None).
+    target: what to compile for (see `compile`); default: the GPU the
+      figures are for (`lowmem_jax.targets.default`).
 
   Returns:
     a `Breakdown`.
@@ -415,8 +411,10 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   if top is not None and (not isinstance(top, int) or top < 0):
     raise ValueError(f"top must be an int >= 0 or None, got {top!r}.")
   saved = saved_residuals(loss_fn, *loss_args) if loss_fn is not None else None
+  target = targets.resolve(target)
   with tempfile.TemporaryDirectory() as dump:
-    compiled = compile(step_fn, *args, compiler_options={"xla_dump_to": dump}, **kwargs)
+    lowered = target.lower(step_fn, *args, **kwargs)
+    compiled = lowered.compile(target.compiler_options({"xla_dump_to": dump}))
     texts = [_read_one(dump, suffix) for suffix in (".txt", "-buffer-assignment.txt", "-live-range.txt")]
   instructions = _parse_hlo(texts[0])
   values, sequence, held = _parse_dump(instructions, *texts[1:])
@@ -446,7 +444,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   peak_name = sequence[peak_position] if peak_position < len(sequence) else "(the end)"
   peak_instr = instructions.get(peak_name, _Instr("", "", None))
   return Breakdown(
-      label=label, stats=stats_of(compiled), flops=flops_of(compiled), at_peak=at_peak,
+      label=label, target=target, stats=stats_of(compiled), flops=step_flops(lowered, compiled), at_peak=at_peak,
       peak_position=peak_position,
       peak_op=f"{peak_name} {peak_instr.op_name} {peak_instr.source}".strip(),
       live_bytes=tuple(int(b) for b in live_bytes),
@@ -455,7 +453,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
 
 
 def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,
-                **kwargs) -> str:
+                target: "targets.Target | str | None" = None, **kwargs) -> str:
   """Why ``fn(*args, **kwargs)`` does not fit: its compiled peak against the
   device's memory, what is live at the peak and the ``top`` largest buffers
   there, with the op and source line that made each.
@@ -463,16 +461,16 @@ def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 
   Compiles on abstract shapes, so it works for a step too big to run.
 
   Args:
-    fn, *args, **kwargs: as for `report`.
-    limit_bytes: the memory to compare with; default: the first device's
-      ``memory_stats()["bytes_limit"]`` where the backend gives one.
+    fn, *args, **kwargs, target: as for `report`.
+    limit_bytes: the memory to compare with; default: the target's
+      (`lowmem_jax.targets.Target.memory_bytes`).
   """
-  breakdown = report(fn, *args, top=top, **kwargs)
+  breakdown = report(fn, *args, top=top, target=target, **kwargs)
   if limit_bytes is None:
-    limit_bytes = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    limit_bytes = breakdown.target.memory_bytes
   peak = breakdown.stats.peak_bytes
   if limit_bytes is None:
-    verdict = "this backend reports no memory limit (pass limit_bytes=)"
+    verdict = f"target {breakdown.target.name} has no memory size (pass limit_bytes=)"
   elif peak > limit_bytes:
     verdict = f"over the limit of {_mib(limit_bytes)} MiB by {_mib(peak - limit_bytes)} MiB"
   else:
@@ -486,7 +484,10 @@ def _mib(nbytes: float) -> str:
 
 def _tables(b: Breakdown) -> list:
   live = b.live_peak_bytes
-  out = [f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis); "
+  host = (f"; {_mib(b.stats.host_temp_bytes)} MiB offloaded to host memory"
+          if b.stats.host_temp_bytes else "")
+  out = [b.target.note,
+         f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis){host}; "
          f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position "
          f"{b.peak_position} of {len(b.live_bytes)}: {b.peak_op}"]
   main = Table("live at the peak", "MiB", "share")
@@ -523,13 +524,33 @@ def _render(*renderables) -> str:
 
 
 def flops_of(program: jax.stages.Compiled | jax.stages.Lowered) -> float:
-  """FLOPs of a compiled (or lowered) program, from XLA's cost analysis."""
-  cost = program.cost_analysis()
+  """FLOPs of a compiled (or lowered) program, from XLA's cost analysis.
+
+  A compile-only GPU gives no cost analysis: there, give the lowered program,
+  whose FLOPs XLA's HLO cost analysis counts on the host before optimisation
+  (recompute from `jax.checkpoint` included; fusion changes no FLOP count).
+  """
+  try:
+    cost = program.cost_analysis()
+  except NotImplementedError:
+    cost = None
   if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
     cost = cost[0]
+  if not cost and isinstance(program, jax.stages.Lowered):
+    host = jax.devices("cpu")[0].client
+    cost = _jax.hlo_module_cost_analysis(host, program.compiler_ir("hlo").as_hlo_module())
   if not cost or "flops" not in cost:
-    raise RuntimeError("This backend's cost analysis gives no FLOP count.")
+    raise RuntimeError("This backend's cost analysis gives no FLOP count; for a compile-only "
+                       "target, pass the lowered program (Target.lower).")
   return float(cost["flops"])
+
+
+def step_flops(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> float:
+  """`flops_of` the compiled program where its backend counts them, else of ``lowered``."""
+  try:
+    return flops_of(compiled)
+  except RuntimeError:
+    return flops_of(lowered)
 
 
 class _Instr(NamedTuple):

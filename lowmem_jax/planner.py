@@ -21,7 +21,7 @@ checkpoint names and a few given policies, searched in four stages:
 If nothing compiled fits, `BudgetError` gives the smallest peak reached. The
 choice is the least recompute among the candidates compiled, not a proof of
 the least over every policy. Compiled results are cached per step function,
-argument shapes, policy and backend (policies must be hashable, as JAX's and
+argument shapes, policy and target (policies must be hashable, as JAX's and
 this library's are), so a second `plan` of the same step at another budget
 compiles little; the cache holds the step functions: `clear_cache` drops it.
 """
@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from lowmem_jax import memory, names as _names, policies
+from lowmem_jax import memory, names as _names, policies, targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,8 @@ class BudgetError(ValueError):
 
 def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = None,
          candidates: tuple[Callable, ...] = (policies.minimal, policies.dots), refine: int = 4,
-         donate_argnums: tuple[int, ...] = (), progress: bool = False) -> Plan:
+         donate_argnums: tuple[int, ...] = (), progress: bool = False,
+         target: "targets.Target | str | None" = None) -> Plan:
   """Finds a remat policy of least recompute whose compiled step fits ``budget``.
 
   Least among the candidates compiled (see the module docstring for the search).
@@ -128,6 +129,9 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
     donate_argnums: arguments the step donates (``jax.jit``'s), as a training
       step donates its parameters and optimizer state.
     progress: print each compiled candidate to stderr.
+    target: what the budget is for and each candidate is compiled for (a
+      `lowmem_jax.targets.Target` or its name); default
+      `lowmem_jax.targets.default`, the GPU the figures are for.
 
   Returns:
     `Plan`: the chosen policy, its peak and recompute, and the candidates tried.
@@ -148,7 +152,8 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   if not isinstance(refine, int) or refine < 0:
     raise ValueError(f"refine must be an int >= 0, got {refine!r}.")
   start = time.perf_counter()
-  search = _Search(step_fn, memory._abstract(args), int(budget), tuple(donate_argnums), progress)
+  target = targets.resolve(target)
+  search = _Search(step_fn, target, target.place(args), int(budget), tuple(donate_argnums), progress)
   tagged = search.tagged_bytes()
   names = tuple(tagged) if names is None else _checked(names, tagged)
   base = search.compiled(policies.everything)
@@ -191,10 +196,10 @@ def _checked(names, tagged) -> tuple[str, ...]:
 class _Search:
   """The compiled candidates of one `plan` call, over a cache shared by calls."""
 
-  def __init__(self, step_fn, args, budget, donate_argnums, progress):
-    self.step_fn, self.args, self.budget = step_fn, args, budget
+  def __init__(self, step_fn, target, args, budget, donate_argnums, progress):
+    self.step_fn, self.target, self.args, self.budget = step_fn, target, args, budget
     self.donate_argnums = donate_argnums
-    self.signature = _signature(args)
+    self.signature = _signature(args, target)
     self.progress = progress
     self.tried: list[Candidate] = []
     self.base_flops = None
@@ -219,17 +224,19 @@ class _Search:
 
   def tagged_bytes(self) -> dict[str, int]:
     """Bytes of the values each checkpoint name tags, in vocabulary order."""
-    jaxpr = jax.make_jaxpr(functools.partial(self.step_fn, policy=policies.everything))(*self.args)
+    with targets.compiling(self.target):
+      jaxpr = jax.make_jaxpr(functools.partial(self.step_fn, policy=policies.everything))(*self.args)
     found = collections.Counter()
     _count_tags(jaxpr.jaxpr, 1, found)
     return {n: found[n] for n in _names.ordered(found)}
 
   def greedy_order(self, names, tagged) -> list[str]:
     """``names`` by bytes saved per FLOP recomputed, best to drop first."""
-    flops_all = _lowered_flops(self.step_fn, policies.save_only(*names), self.args)
+    flops_all = _lowered_flops(self.step_fn, policies.save_only(*names), self.args, self.target)
     for n in names:
       rest = policies.save_only(*(m for m in names if m != n))
-      self.extra[n] = max(_lowered_flops(self.step_fn, rest, self.args) - flops_all, 0.0)
+      self.extra[n] = max(_lowered_flops(self.step_fn, rest, self.args, self.target) - flops_all,
+                          0.0)
     return sorted(names, key=lambda n: -tagged[n] / max(self.extra[n], 1.0))
 
   def predicted_best(self, names, tagged, count) -> list[frozenset]:
@@ -273,23 +280,24 @@ def _count_tags(jaxpr, times: int, found: collections.Counter) -> None:
       _count_tags(sub, inner, found)
 
 
-def _signature(args) -> tuple:
+def _signature(args, target) -> tuple:
   """A hashable stand-in for abstract ``args``, from which `_measure` rebuilds them.
 
-  The backend is part of it: the same shapes compile differently elsewhere.
+  The target is part of it: the same shapes compile differently elsewhere.
   """
   leaves, treedef = jax.tree.flatten(args)
-  return treedef, tuple(leaves), jax.default_backend()
+  return treedef, tuple(leaves), target
 
 
 @functools.lru_cache(maxsize=512)
 def _measure(step_fn, signature, policy, donate_argnums) -> tuple[int, float]:
   """Compiled peak bytes and FLOPs of ``step_fn(*args, policy=policy)``."""
-  treedef, leaves, _ = signature
+  treedef, leaves, target = signature
   args = jax.tree.unflatten(treedef, leaves)
-  step = jax.jit(functools.partial(step_fn, policy=policy), donate_argnums=donate_argnums)
-  compiled = memory.compile(step, *args)
-  return memory.stats_of(compiled).peak_bytes, memory.flops_of(compiled)
+  lowered = target.lower(functools.partial(step_fn, policy=policy), *args,
+                         donate_argnums=donate_argnums)
+  compiled = lowered.compile(target.compiler_options())
+  return memory.stats_of(compiled).peak_bytes, memory.step_flops(lowered, compiled)
 
 
 def clear_cache() -> None:
@@ -297,7 +305,6 @@ def clear_cache() -> None:
   _measure.cache_clear()
 
 
-def _lowered_flops(step_fn, policy, args) -> float:
-  lowered = jax.jit(functools.partial(step_fn, policy=policy)).lower(*args)
-  return memory.flops_of(lowered)
+def _lowered_flops(step_fn, policy, args, target) -> float:
+  return memory.flops_of(target.lower(functools.partial(step_fn, policy=policy), *args))
 

@@ -43,13 +43,16 @@ def test_environment_variable_sets_the_default(op, monkeypatch):
 
 
 def test_auto_takes_a_kernel_only_where_measured_on_gpu(monkeypatch):
-  monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
-  assert dispatch.kernel_options("auto", "ms_norm") is None  # not measured: XLA
-  monkeypatch.setattr(dispatch, "MEASURED_NO_SLOWER", frozenset({"ms_norm"}))
-  assert dispatch.kernel_options("auto", "ms_norm") == dispatch._blocks.Options()
-  assert dispatch.kernel_options("auto", "ms_norm", unsupported="rows too long") is None
-  with pytest.raises(ValueError, match="cannot run the ms_norm kernel: rows too long"):
-    dispatch.kernel_options("pallas", "ms_norm", unsupported="rows too long")
+  """"auto" and "pallas" decide by the compile target, here a compile-only H100."""
+  with lm.targets.compiling(lm.targets.get("h100")):
+    assert dispatch.kernel_options("pallas", "ms_norm") == dispatch._blocks.Options()
+    assert dispatch.kernel_options("auto", "ms_norm") is None  # not measured: XLA
+    monkeypatch.setattr(dispatch, "MEASURED_NO_SLOWER", frozenset({"ms_norm"}))
+    assert dispatch.kernel_options("auto", "ms_norm") == dispatch._blocks.Options()
+    assert dispatch.kernel_options("auto", "ms_norm", unsupported="rows too long") is None
+    with pytest.raises(ValueError, match="cannot run the ms_norm kernel: rows too long"):
+      dispatch.kernel_options("pallas", "ms_norm", unsupported="rows too long")
+  assert dispatch.kernel_options("auto", "ms_norm") is None  # outside: the CPU
 
 
 def test_vit_training_step_with_kernels_matches_xla(monkeypatch):
@@ -69,4 +72,4 @@ def test_vit_training_step_with_kernels_matches_xla(monkeypatch):
                  "lowmem_ms_norm_fwd", "lowmem_ms_norm_bwd"):
     assert kernel in jaxpr and kernel not in jaxpr_ref
   chex.assert_trees_all_close(loss, loss_ref, rtol=1e-6)
-  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-4, atol=1e-4)  # |grads| up to 1e2

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import memory
+from lowmem_jax import memory, targets
 
 
 def _mlp_grad():
@@ -92,7 +92,7 @@ def test_cpu_compiles_keep_remat():
   undone = {p: memory.stats_of(_remat_stack_grad(p)[0]).temp_bytes
             for p in (lm.policies.everything, lm.policies.full)}
   assert undone[lm.policies.everything] == undone[lm.policies.full]
-  kept = {p: _remat_stack_grad(p, memory.CPU_KEEPS_REMAT)[0] for p in undone}
+  kept = {p: _remat_stack_grad(p, targets.CPU_KEEPS_REMAT)[0] for p in undone}
   everything, full = (memory.stats_of(kept[p]).temp_bytes for p in undone)
   assert full < everything / 2
   _, args = _remat_stack_grad(lm.policies.full)

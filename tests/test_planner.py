@@ -37,7 +37,7 @@ def test_a_budget_the_step_fits_needs_no_remat(workload):
 def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload):
   step, args = workload
   top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
-  assert floor < top  # remat shows in the compiled figure (see memory.CPU_KEEPS_REMAT)
+  assert floor < top  # remat shows in the compiled figure (see targets.CPU_KEEPS_REMAT)
   budget = (top + floor) // 2
   plan = lm.plan(step, *args, budget=budget)
   assert plan.peak_bytes <= budget

@@ -1,0 +1,375 @@
+"""Compile targets: memory figures for the accelerator a user trains on.
+
+XLA's GPU pipeline runs without a GPU: given a target config (a text
+``stream_executor.GpuTargetConfigProto``: the card's SM count, memory size,
+compute capability, ...), JAX's CUDA plugin makes compile-only devices, and
+``jax.jit(fn).lower(*args).compile()`` on arguments placed on them runs the
+real GPU compiler (cuBLAS and cuDNN custom calls, Triton fusions, ptxas for
+the card's architecture) and XLA's buffer assignment for that card. That is
+the figure this project reports: exact for XLA's GPU buffer assignment, with
+two known gaps while nothing is autotuned (no device to time on): GEMMs go to
+cuBLAS rather than Triton tiles, and cuDNN workspaces are counted as 0 bytes.
+
+A `Target` is one of three kinds:
+
+* a compile-only GPU from a shipped config (`get`, `names`) or a user's own
+  (`load`; `Target.save` writes one, and `from_devices` reads the config of
+  the GPU this process runs on);
+* the devices this process runs on (`attached`), compiled for as usual;
+* ``"cpu"``: XLA's CPU pipeline, a proxy only. It computes 16-bit dots in
+  float32 and keeps float32 copies, about twice a GPU's peak for bfloat16
+  steps, and it merges `jax.checkpoint`'s recompute back into the forward
+  pass unless told not to (`CPU_KEEPS_REMAT`, applied here).
+
+`default` picks the GPU the process runs on, else ``"h100"`` where the
+target packages are installed (``pip install 'lowmem-jax[target]'``), else
+the CPU with `Target.note` saying so.
+
+Environment: the CUDA plugin checks its CUDA libraries against the driver
+before it registers and, with no driver, never registers. Importing this
+module on a machine without an NVIDIA driver sets
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless set) so that the plugin
+registers for compiling only; the check needs a driver, so skipping it loses
+nothing there.
+"""
+
+import contextlib
+import contextvars
+import ctypes.util
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+INSTALL = "pip install 'lowmem-jax[target]'"
+"""What installs the compile-only GPU targets: JAX's CUDA plugin for the
+installed jaxlib, ptxas (``nvidia-cuda-nvcc-cu12``) and cuDNN."""
+
+# XLA's CPU pipeline expands optimization barriers before CSE, which merges the
+# recompute of `jax.checkpoint` back into the forward pass: remat then saves
+# nothing on CPU. Keeping the barriers compiles remat as accelerators do.
+CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+# With no device there is no autotuning, and XLA's Triton GEMM emitter then
+# fails to pick tiles for some dots ("Couldn't find output tile sizes"):
+# cuBLAS takes every GEMM unless the user gives autotune results.
+DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+_CONFIGS = importlib.resources.files("lowmem_jax") / "target_configs"
+_compiling_for: contextvars.ContextVar["Target | None"] = contextvars.ContextVar(
+    "lowmem_jax_compiling_for", default=None)
+
+
+class TargetUnavailable(RuntimeError):
+  """The packages a compile-only GPU target needs are missing or cannot load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """An accelerator to compile for.
+
+  Attributes:
+    name: ``"h100"``, ``"cpu"``, ``"attached"``, or a loaded config's name.
+    platform: ``"cuda"`` for a GPU (compile-only or attached), ``"cpu"``.
+    device_kind: the device's name, e.g. ``"NVIDIA H100 80GB HBM3"``.
+    memory_bytes: what the device holds (its config's ``device_memory_size``,
+      an attached device's ``bytes_limit``), or None where unknown (the CPU).
+    config: the text ``GpuTargetConfigProto`` of a compile-only GPU, else None.
+    autotune_results: a file of XLA autotune results
+      (``xla_gpu_load_autotune_results_from``); with it, Triton GEMMs stay on.
+  """
+  name: str
+  platform: str
+  device_kind: str
+  memory_bytes: int | None
+  config: str | None = dataclasses.field(default=None, repr=False)
+  autotune_results: str | None = None
+
+  @property
+  def deviceless(self) -> bool:
+    """True for a compile-only GPU."""
+    return self.config is not None
+
+  @property
+  def note(self) -> str:
+    """One line on what the figures compiled for this target are."""
+    if self.deviceless:
+      tuned = "with the given autotune results" if self.autotune_results else (
+          "without autotuning: cuBLAS GEMMs, cuDNN workspaces not counted")
+      return (f"target {self.name} ({self.device_kind}): XLA's GPU buffer assignment, compiled "
+              f"here without a GPU, {tuned}")
+    if self.platform == "cpu":
+      return ("target cpu: a CPU proxy, not a GPU figure (16-bit dots computed in float32, about "
+              f"twice a GPU's peak for bfloat16); for GPU-true figures: {INSTALL}")
+    return f"target {self.name} ({self.device_kind}): XLA's buffer assignment on this process's GPU"
+
+  def devices(self, count: int = 1) -> list:
+    """``count`` devices to compile for: compile-only ones for a config."""
+    if not isinstance(count, int) or count < 1:
+      raise ValueError(f"count must be a positive int, got {count!r}.")
+    if self.deviceless:
+      return list(_compile_only_devices(self.config, count))
+    found = jax.devices("cpu" if self.platform == "cpu" else None)
+    if count > len(found):
+      raise ValueError(f"count={count}: target {self.name} has {len(found)} devices.")
+    return found[:count]
+
+  def mesh(self, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Mesh:
+    """A `jax.sharding.Mesh` of ``prod(shape)`` of the target's devices."""
+    if len(shape) != len(axis_names):
+      raise ValueError(f"shape {shape} and axis_names {axis_names} differ in length.")
+    count = 1
+    for n in shape:
+      count *= n
+    devices = self.devices(count)
+    return Mesh(_reshape(devices, shape), axis_names)
+
+  def place(self, tree: Any, mesh: Mesh | None = None) -> Any:
+    """``tree`` with every array leaf a `jax.ShapeDtypeStruct` on the target.
+
+    A leaf sharded over a mesh by a `NamedSharding` keeps its `PartitionSpec`
+    on ``mesh`` (default: a mesh of the target's devices with the leaf's mesh
+    shape and axis names), so a step sharded over 8 devices compiles for 8
+    target devices; any other leaf is replicated on ``mesh`` (default: one
+    device). Leaves that are not arrays stay as they are. For the CPU and an
+    attached target, leaves without a mesh keep their own sharding.
+    """
+    meshes: dict = {}
+
+    def target_mesh(shape, axis_names):
+      if mesh is not None:
+        return mesh
+      key = (tuple(shape), tuple(axis_names))
+      if key not in meshes:
+        meshes[key] = self.mesh(*key)
+      return meshes[key]
+
+    def leaf(x):
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return x
+      sharding = getattr(x, "sharding", None)
+      if isinstance(sharding, NamedSharding):
+        m = target_mesh(sharding.mesh.axis_sizes, sharding.mesh.axis_names)
+        sharding = NamedSharding(m, sharding.spec, memory_kind=sharding.memory_kind)
+      elif mesh is not None or self.deviceless:
+        sharding = NamedSharding(target_mesh((1,), ("_",)), PartitionSpec())
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(leaf, tree)
+
+  def compiler_options(self, extra: dict | None = None) -> dict:
+    """The XLA options this target compiles with, ``extra`` last."""
+    if self.platform == "cpu":
+      base = dict(CPU_KEEPS_REMAT)
+    elif self.autotune_results:
+      base = {"xla_gpu_load_autotune_results_from": self.autotune_results}
+    elif self.deviceless:
+      base = dict(DEVICELESS_OPTIONS)
+    else:
+      base = {}
+    return {**base, **(extra or {})}
+
+  def lower(self, fn: Callable, *args, donate_argnums: int | tuple[int, ...] = (),
+            mesh: Mesh | None = None, **kwargs) -> jax.stages.Lowered:
+    """Lowers ``fn`` for this target on the shapes of ``args`` (see `compile`)."""
+    if not callable(fn):
+      raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+    if hasattr(fn, "lower"):
+      if donate_argnums not in ((), None):
+        raise ValueError("donate_argnums is for a plain function; fn is already jitted: give "
+                         "donate_argnums to jax.jit.")
+      jitted = fn
+    else:
+      jitted = jax.jit(fn, donate_argnums=donate_argnums)
+    with compiling(self):
+      return jitted.lower(*self.place(args, mesh), **self.place(kwargs, mesh))
+
+  def compile(self, fn: Callable, *args, donate_argnums: int | tuple[int, ...] = (),
+              compiler_options: dict | None = None, mesh: Mesh | None = None,
+              **kwargs) -> jax.stages.Compiled:
+    """Compiles ``fn`` for this target on the shapes of ``args`` (nothing runs).
+
+    Args:
+      fn: a function, or the result of `jax.jit` (whose static arguments,
+        shardings and donation are then respected).
+      *args, **kwargs: arrays or `jax.ShapeDtypeStruct` pytrees, placed on
+        the target by `place`.
+      donate_argnums: for a plain ``fn``, the arguments to donate.
+      compiler_options: XLA options for this compilation, over the target's
+        own (`compiler_options`).
+      mesh: where to place the arguments (see `place`).
+    """
+    lowered = self.lower(fn, *args, donate_argnums=donate_argnums, mesh=mesh, **kwargs)
+    return lowered.compile(compiler_options=self.compiler_options(compiler_options))
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes this target's config (text ``GpuTargetConfigProto``) to ``path``."""
+    if not self.deviceless:
+      raise ValueError(f"target {self.name} has no config to save (platform {self.platform}); "
+                       "use from_devices() on a GPU.")
+    pathlib.Path(path).write_text(self.config)
+
+
+def names() -> tuple[str, ...]:
+  """The shipped compile-only GPUs, and ``"cpu"``."""
+  shipped = sorted(p.name[:-len(".txtpb")] for p in _CONFIGS.iterdir() if p.name.endswith(".txtpb"))
+  return (*shipped, "cpu")
+
+
+def get(name: str, *, autotune_results: str | None = None) -> Target:
+  """The target ``name``: a shipped GPU (see `names`), ``"cpu"``, or
+  ``"attached"`` (this process's devices).
+
+  Args:
+    autotune_results: for a GPU, a file of XLA autotune results to compile
+      with (``xla_gpu_load_autotune_results_from``).
+
+  Raises:
+    ValueError: an unknown name; the message lists the known ones.
+  """
+  if name == "cpu":
+    return Target("cpu", "cpu", "CPU (XLA's CPU pipeline)", None)
+  if name == "attached":
+    return attached()
+  if name not in names():
+    raise ValueError(f"unknown target {name!r}; known: {', '.join(names())}, attached, or "
+                     "targets.load(path) for a config file of your own.")
+  return _from_config((_CONFIGS / f"{name}.txtpb").read_text(), name, autotune_results)
+
+
+def load(path: str | os.PathLike, *, name: str | None = None,
+         autotune_results: str | None = None) -> Target:
+  """A compile-only GPU from a config file (`Target.save`, or one of XLA's
+  ``gpu_specs/*.txtpb``); ``name`` defaults to the file's stem."""
+  path = pathlib.Path(path)
+  return _from_config(path.read_text(), name or path.stem, autotune_results)
+
+
+def attached() -> Target:
+  """The first device this process runs on, compiled for as usual (with
+  autotuning on a GPU)."""
+  device = jax.devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+  platform = "cuda" if device.platform == "gpu" else device.platform
+  return Target("attached", platform, device.device_kind, limit)
+
+
+def from_devices(name: str = "local") -> Target:
+  """A compile-only target with the config of the GPU this process runs on,
+  to `Target.save` for compiling later on a machine without one."""
+  if jax.default_backend() != "gpu":
+    raise ValueError(f"from_devices needs a GPU; JAX's backend is {jax.default_backend()!r}.")
+  from jax._src.lib import xla_client  # the topology of real devices has no public API yet
+  config = xla_client.get_topology_for_devices(jax.devices()).target_config
+  return _from_config(config, name, None)
+
+
+def available() -> str | None:
+  """None where compile-only GPU targets can compile here, else why not."""
+  if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+    return f"JAX's CUDA plugin is not installed ({INSTALL})"
+  if _ptxas() is None:
+    return f"no ptxas found on PATH or in the nvidia-cuda-nvcc wheel ({INSTALL})"
+  return None
+
+
+def default() -> Target:
+  """The GPU this process runs on; else ``"h100"`` where `available`; else the CPU."""
+  if jax.default_backend() == "gpu":
+    return attached()
+  if available() is None:
+    return get("h100")
+  return get("cpu")
+
+
+def resolve(target: "Target | str | None") -> Target:
+  """A `Target` from a target, a name for `get`, or None for `default`."""
+  if target is None:
+    return default()
+  if isinstance(target, Target):
+    return target
+  if isinstance(target, str):
+    return get(target)
+  raise TypeError(f"target must be a Target, a name or None, got {type(target).__name__}.")
+
+
+def compiling_for() -> str:
+  """The platform being compiled for: ``"gpu"`` inside `Target.compile` for a
+  GPU target, else JAX's default backend. Ops that choose an implementation
+  (`lowmem_jax.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
+  for the H100 target takes the GPU paths on a machine without a GPU."""
+  target = _compiling_for.get()
+  if target is None:
+    return jax.default_backend()
+  return "gpu" if target.platform == "cuda" else target.platform
+
+
+@contextlib.contextmanager
+def compiling(target: Target):
+  """Within the block, `compiling_for` answers for ``target`` (for a user who
+  lowers with ``jax.jit(...).lower`` on `Target.place`'d arguments)."""
+  token = _compiling_for.set(target)
+  try:
+    yield target
+  finally:
+    _compiling_for.reset(token)
+
+
+_DEVICE_KIND = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)
+_MEMORY = re.compile(r"^\s*device_memory_size:\s*(\d+)", re.M)
+
+
+def _from_config(config: str, name: str, autotune_results: str | None) -> Target:
+  kind, memory = _DEVICE_KIND.search(config), _MEMORY.search(config)
+  if kind is None or memory is None or "gpu_device_info" not in config:
+    raise ValueError(f"target {name!r}: not a text GpuTargetConfigProto (needs gpu_device_info, "
+                     "device_memory_size and device_description_str).")
+  if autotune_results is not None and not os.path.isfile(autotune_results):
+    raise ValueError(f"autotune_results: no file at {autotune_results!r}.")
+  return Target(name, "cuda", kind.group(1), int(memory.group(1)), config, autotune_results)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only_devices(config: str, count: int) -> tuple:
+  why = available()
+  if why is not None:
+    raise TargetUnavailable(f"cannot compile for a GPU target here: {why}.")
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                            topology=f"1x1x{count}")
+  except NotImplementedError as e:
+    raise TargetUnavailable(
+        "JAX's CUDA plugin is installed but did not register: JAX looked for its plugins before "
+        "lowmem_jax was imported, and the plugin's CUDA check needs a driver. Import lowmem_jax "
+        "before the first jax.devices() call, or set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or "
+        "JAX_PLATFORMS=cpu) before Python starts.") from e
+  return tuple(topology.devices)
+
+
+def _ptxas() -> str | None:
+  found = shutil.which("ptxas")
+  if found:
+    return found
+  nvcc = importlib.util.find_spec("nvidia.cuda_nvcc")
+  roots = [pathlib.Path(p) for p in (nvcc.submodule_search_locations or ())] if nvcc else []
+  roots.append(pathlib.Path("/usr/local/cuda"))
+  for root in roots:
+    if (root / "bin" / "ptxas").is_file():
+      return str(root / "bin" / "ptxas")
+  return None
+
+
+def _reshape(devices: list, shape: tuple[int, ...]):
+  import numpy as np
+  return np.array(devices, dtype=object).reshape(shape)

@@ -1,0 +1,183 @@
+"""`lowmem_jax.targets`: XLA's GPU pipeline compiled here, without a GPU."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import lowmem_jax as lm
+from lowmem_jax import memory, names, policies, targets
+
+
+def _custom_calls(compiled) -> set[str]:
+  text = compiled.as_text()
+  return {line.split('custom_call_target="')[1].split('"')[0]
+          for line in text.splitlines() if 'custom_call_target="' in line}
+
+
+def _vit_step(dtype):
+  wl = lm.models.workload("vit-tiny", batch=8, dtype=dtype)
+  tx = optax.adamw(1e-3)
+  params = wl.abstract_params()
+  return wl.train_step(tx), (params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels))
+
+
+def test_names_and_bad_name():
+  assert {"h100", "a100-80gb", "a100-40gb", "cpu"} <= set(targets.names())
+  with pytest.raises(ValueError, match=r"unknown target 'h200x'; known: .*a100-40gb.*h100.*cpu"):
+    targets.get("h200x")
+  with pytest.raises(TypeError, match="target must be"):
+    targets.resolve(3)
+
+
+def test_shipped_configs_parse():
+  for name in targets.names():
+    t = targets.get(name)
+    if name == "cpu":
+      assert t.memory_bytes is None and not t.deviceless and "CPU proxy" in t.note
+      continue
+    assert t.platform == "cuda" and t.deviceless and t.memory_bytes > 2**33
+    assert t.device_kind.startswith(("NVIDIA", "Tesla")) and name in t.note
+  assert targets.get("h100").device_kind == "NVIDIA H100 80GB HBM3"
+  assert targets.get("a100-40gb").memory_bytes < targets.get("a100-80gb").memory_bytes
+
+
+@pytest.mark.parametrize("name", [n for n in targets.names() if n != "cpu"])
+def test_every_shipped_gpu_compiles_a_training_step(name):
+  step, args = _vit_step(jnp.bfloat16)
+  compiled = targets.get(name).compile(step, *args, donate_argnums=(0, 1))
+  device = jax.tree.leaves(compiled.input_shardings)[0].device_set.pop()
+  assert device.device_kind == targets.get(name).device_kind
+  assert memory.stats_of(compiled).temp_bytes > 0
+
+
+def test_vit_step_on_h100_uses_cublas_and_bf16_is_smaller():
+  """The GPU pipeline's GEMMs are cuBLAS custom calls, and bfloat16 halves what
+  float32 holds; the CPU pipeline, which computes 16-bit dots in float32 and
+  keeps float32 copies, gives the reverse."""
+  peak = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    step, args = _vit_step(dtype)
+    for target in ("h100", "cpu"):
+      compiled = memory.compile(step, *args, target=target)
+      peak[target, dtype] = memory.stats_of(compiled).temp_bytes
+      if target == "h100":
+        assert any(c.startswith("__cublas$") for c in _custom_calls(compiled))
+  assert peak["h100", jnp.bfloat16] < 0.8 * peak["h100", jnp.float32]
+  assert peak["cpu", jnp.bfloat16] > peak["h100", jnp.bfloat16]
+
+
+def test_cudnn_attention_compiles_for_the_target():
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+
+  def grad(impl):
+    return jax.grad(lambda q, k, v: jnp.sum(lm.attention(q, k, v, causal=True, impl=impl)
+                                            .astype(jnp.float32)), argnums=(0, 1, 2))
+  calls = _custom_calls(targets.get("h100").compile(grad("cudnn"), q, q, q))
+  assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls
+  # "auto" decides by the compile target: cuDNN for the H100, the chunked kernel on CPU.
+  assert "__cudnn$fmhaSoftmax" in _custom_calls(targets.get("h100").compile(grad("auto"), q, q, q))
+  assert not any("cudnn" in c for c in _custom_calls(targets.get("cpu").compile(grad("auto"), q, q, q)))
+
+
+def _block_stack(policy):
+  def loss(w, x):
+    def block(x, w):
+      h = jax.ad_checkpoint.checkpoint_name(jnp.tanh(x @ w), names.BLOCK_IN)
+      return jnp.tanh(h @ w)
+    for _ in range(4):
+      x = jax.checkpoint(block, policy=policy)(x, w)
+    return jnp.sum(x)
+  return (jax.grad(loss), jax.ShapeDtypeStruct((512, 512), jnp.float32),
+          jax.ShapeDtypeStruct((2048, 512), jnp.float32))
+
+
+def test_offload_puts_bytes_in_host_memory():
+  grad, w, x = _block_stack(policies.offload(names.BLOCK_IN))
+  stats = memory.analyze(grad, w, x, target="h100")
+  assert 0 < stats.host_temp_bytes <= 4 * 2048 * 512 * 4  # at most a [2048, 512] float32 a block
+  assert memory.analyze(grad, w, x, target="cpu").host_temp_bytes == 0
+  b = memory.report(grad, w, x, target="h100")
+  assert "offloaded to host memory" in str(b)
+
+
+def test_gpu_pipeline_keeps_remat_without_the_cpu_switch():
+  """`jax.checkpoint`'s recompute survives XLA's GPU pipeline as it is: the
+  CPU-only `CPU_KEEPS_REMAT` is not applied there, and remat still saves."""
+  h100 = targets.get("h100")
+  assert h100.compiler_options() == targets.DEVICELESS_OPTIONS
+  temp = {p: memory.analyze(*_block_stack(p), target=h100).temp_bytes
+          for p in (policies.everything, policies.full)}
+  assert temp[policies.full] < 0.75 * temp[policies.everything]
+
+
+def test_sharded_arguments_compile_for_eight_target_devices():
+  cpus = Mesh(jax.devices()[:8], ("x",))
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(cpus, P("x")))
+  w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(cpus, P()))
+  h100 = targets.get("h100")
+  placed = h100.place((x, w))
+  assert len(placed[0].sharding.mesh.devices.flat) == 8
+  assert placed[0].sharding.spec == P("x") and placed[1].sharding.spec == P()
+  compiled = h100.compile(lambda x, w: jnp.sum(x @ w), x, w)
+  assert "all-reduce" in compiled.as_text()
+  assert memory.stats_of(compiled).argument_bytes == (64 // 8) * 256 * 4 + 256 * 256 * 4
+
+
+def test_save_and_load(tmp_path):
+  h100 = targets.get("h100")
+  h100.save(tmp_path / "mine.txtpb")
+  mine = targets.load(tmp_path / "mine.txtpb")
+  assert (mine.name, mine.device_kind, mine.memory_bytes) == ("mine", h100.device_kind,
+                                                             h100.memory_bytes)
+  (tmp_path / "bad.txtpb").write_text("platform_name: 'CUDA'\n")
+  with pytest.raises(ValueError, match="not a text GpuTargetConfigProto"):
+    targets.load(tmp_path / "bad.txtpb")
+  with pytest.raises(ValueError, match="no config to save"):
+    targets.get("cpu").save(tmp_path / "cpu.txtpb")
+  with pytest.raises(ValueError, match="autotune_results: no file"):
+    targets.get("h100", autotune_results=str(tmp_path / "missing.textproto"))
+
+
+def test_autotune_results_turn_triton_gemm_back_on(tmp_path):
+  results = tmp_path / "autotune.textproto"
+  results.write_text("version: 3\n")
+  options = targets.get("h100", autotune_results=str(results)).compiler_options()
+  assert options == {"xla_gpu_load_autotune_results_from": str(results)}
+
+
+def test_missing_packages_name_the_install(monkeypatch):
+  real = targets.importlib.util.find_spec
+  monkeypatch.setattr(targets.importlib.util, "find_spec",
+                      lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+  why = targets.available()
+  assert "CUDA plugin" in why and targets.INSTALL in why
+  assert targets.default().name == "cpu"
+  targets._compile_only_devices.cache_clear()
+  try:
+    with pytest.raises(targets.TargetUnavailable, match=r"pip install 'lowmem-jax\[target\]'"):
+      targets.get("h100").compile(lambda x: x, jnp.ones(2))
+  finally:
+    targets._compile_only_devices.cache_clear()
+  monkeypatch.setattr(targets, "_ptxas", lambda: None)
+  monkeypatch.setattr(targets.importlib.util, "find_spec", real)
+  assert "ptxas" in targets.available()
+
+
+def test_default_and_compiling_for_follow_the_target():
+  backend = jax.default_backend()
+  assert targets.default().name == ("attached" if backend == "gpu" else "h100")
+  assert targets.compiling_for() == backend
+  with targets.compiling(targets.get("a100-80gb")):
+    assert targets.compiling_for() == "gpu"
+  with targets.compiling(targets.get("cpu")):
+    assert targets.compiling_for() == "cpu"
+  assert targets.compiling_for() == backend
+
+
+def test_explain_oom_compares_with_the_target_memory():
+  grad, w, x = _block_stack(policies.everything)
+  limit = f"{targets.get('a100-40gb').memory_bytes / 2**20:,.1f}"
+  assert f"fits in the limit of {limit} MiB" in memory.explain_oom(grad, w, x, target="a100-40gb")
+  assert "has no memory size (pass limit_bytes=)" in memory.explain_oom(grad, w, x, target="cpu")

@@ -4,8 +4,9 @@ For each variant (baseline; approximate activation, ReGELU2 or ReSiLU2; MS
 norm with folded affine; both; attention that recomputes its probabilities,
 `lowmem_jax.attention`; all three) it prints, for the gradient step of the
 loss (parameters float32):
-  - compiled peak and temp bytes (XLA's buffer assignment, abstract shapes:
-    nothing is allocated; on CPU a proxy, see lowmem_jax.memory);
+  - compiled peak and temp bytes (XLA's buffer assignment for --target,
+    abstract shapes: nothing is allocated; default the H100 target,
+    compiled here without a GPU; --target cpu is a proxy only);
   - compiled per-block bytes: the temp bytes of the model at full depth
     minus those at half depth, per block removed, i.e. what each block
     holds from its forward to its backward;
@@ -13,7 +14,7 @@ loss (parameters float32):
 and, at a size a 2-core CPU runs in seconds, the step-time ratio against the
 baseline (median of --repeats runs after one warm-up).
 
-    python benchmarks/block_memory.py              # ViT-B/16 b64 and LLaMA-100M b4 x 2048
+    python benchmarks/block_memory.py              # ViT-B/16 b64 and LLaMA-100M b4 x 2048, H100 target
     python benchmarks/block_memory.py --models vit-b16 --explain 8   # + largest buffers at the peak
 """
 
@@ -58,22 +59,23 @@ def residual_fn(wl):
   return lambda params, inputs: wl.loss(params, inputs, labels)
 
 
-def memory_rows(wl_of, explain):
-  """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(**switches)``."""
+def memory_rows(wl_of, explain, target):
+  """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(**switches)``,
+  compiled for ``target``."""
   rows = []
   for variant, switches in VARIANTS.items():
     wl = wl_of(**switches)
     params = wl.abstract_params()
     grad = jax.grad(wl.loss)
-    stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels)
+    stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels, target=target)
     half = with_depth(wl, depth(wl) // 2)
     half_stats = lm.memory.analyze(jax.grad(half.loss), half.abstract_params(), half.inputs,
-                                   half.labels)
+                                   half.labels, target=target)
     per_block = (stats.temp_bytes - half_stats.temp_bytes) / (depth(wl) - depth(half))
     saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
     rows.append((variant, stats, per_block, saved))
     if explain:
-      peak = lm.memory.report(grad, params, wl.inputs, wl.labels, top=None)
+      peak = lm.memory.report(grad, params, wl.inputs, wl.labels, top=None, target=target)
       print(f"\n{variant}: live at the peak {peak.live_peak_bytes / 2**20:,.0f} MiB; "
             "largest groups by the op that made them:")
       for (op, kind), (nbytes, count) in group_by_op(peak)[:explain]:
@@ -122,8 +124,12 @@ def main(argv=None):
   parser.add_argument("--explain", type=int, default=0, metavar="N",
                       help="also list the N largest groups of buffers live at the compiled peak")
   parser.add_argument("--no-timing", action="store_true")
+  parser.add_argument("--target", default=None,
+                      help="compile target (lowmem_jax.targets); default: targets.default()")
   args = parser.parse_args(argv)
+  target = lm.targets.resolve(args.target)
   console = Console(width=200)
+  console.print(target.note, highlight=False)
   mib = lambda b: f"{b / 2**20:,.0f}"
   for name in args.models.split(","):
     vit = name in models.VIT_CONFIGS
@@ -132,7 +138,7 @@ def main(argv=None):
       wl_of = lambda **sw: models.workload(name, dtype=jnp.dtype(dtype), **size, **sw)
       if args.explain:
         print(f"\n{name}, {dtype} compute")
-      rows = memory_rows(wl_of, args.explain)
+      rows = memory_rows(wl_of, args.explain, target)
       base = rows[0]
       table = Table(title=f"{name}, {size}, {dtype} compute, float32 params "
                           f"(gradient step; MiB; ratio to baseline)")

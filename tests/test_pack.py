@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lowmem_jax as lm
 from pallas_kernels import _blocks, pack
 
 INTERPRET = _blocks.Options(interpret=True)
@@ -74,16 +75,19 @@ def test_jit_and_vmap(impl):
   np.testing.assert_array_equal(jax.vmap(lambda p: unpack_fn(p, 2, 10))(packed), codes)
 
 
+@pytest.mark.parametrize("target", ["h100", "a100-80gb"])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_kernels_lower_for_cuda(bits):
-  """Pallas lowers both kernels to Triton IR here, without a GPU (no PTX compile)."""
+def test_kernels_compile_for_gpu_targets(bits, target):
+  """Both kernels compile through Triton and ptxas for sm_90a and sm_80, here without a GPU."""
+  target = lm.targets.get(target)
   n = 4096 + 3
   codes = jax.ShapeDtypeStruct((8, n), jnp.uint8)
-  text = jax.jit(lambda c: pack.pack(c, bits)).trace(codes).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "lowmem_pack" in text
+  lowered = target.lower(lambda c: pack.pack(c, bits), codes)
+  assert "lowmem_pack" in lowered.as_text()
   packed = jax.ShapeDtypeStruct((8, pack.packed_size(n, bits)), jnp.uint8)
-  jax.jit(lambda p: pack.unpack(p, bits, n)).trace(packed).lower(lowering_platforms=("cuda",))
+  for compiled in (lowered.compile(target.compiler_options()),
+                   target.compile(lambda p: pack.unpack(p, bits, n), packed)):
+    assert 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
 
 
 @pytest.mark.gpu

@@ -104,16 +104,17 @@ def test_transformations(name):
   assert "lowmem_approx_activation_fwd" in jaxpr and "lowmem_approx_activation_bwd" in jaxpr
 
 
+@pytest.mark.parametrize("target", ["h100", "a100-80gb"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", FITS)
-def test_kernels_lower_for_cuda(name, dtype):
-  """Pallas lowers both kernels to Triton IR here, without a GPU (no PTX compile)."""
-  fit = FITS[name]
+def test_kernels_compile_for_gpu_targets(name, dtype, target):
+  """Both kernels compile through Triton and ptxas for sm_90a and sm_80, here without a GPU."""
+  fit, target = FITS[name], lm.targets.get(target)
   x = jax.ShapeDtypeStruct((64, 197, 3072), dtype)
-  jax.jit(lambda x: kernels.forward(fit, x)).trace(x).lower(lowering_platforms=("cuda",))
   packed = jax.ShapeDtypeStruct((64, 197, 3072 * fit.bits // 8), jnp.uint8)
-  jax.jit(lambda p, dy: kernels.backward(fit, p, dy)).trace(packed, x).lower(
-      lowering_platforms=("cuda",))
+  for compiled in (target.compile(lambda x: kernels.forward(fit, x), x),
+                   target.compile(lambda p, dy: kernels.backward(fit, p, dy), packed, x)):
+    assert 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
 
 
 @pytest.mark.gpu

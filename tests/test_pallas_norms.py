@@ -97,16 +97,18 @@ def test_rows_too_long():
   assert lm.ms_layer_norm(x, impl="auto").shape == x.shape  # auto takes XLA
 
 
+@pytest.mark.parametrize("target", ["h100", "a100-80gb"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernels_lower_for_cuda(dtype):
-  """Pallas lowers both kernels to Triton IR here, without a GPU (no PTX compile)."""
+def test_kernels_compile_for_gpu_targets(dtype, target):
+  """Both kernels compile through Triton and ptxas for sm_90a and sm_80, here without a GPU."""
+  target = lm.targets.get(target)
   for centered in (True, False):
     x = jax.ShapeDtypeStruct((8, 2048, 4096), dtype)
     rstd = jax.ShapeDtypeStruct((8, 2048), jnp.float32)
-    jax.jit(lambda x: kernels.forward(x, centered=centered, eps=1e-6)).trace(x).lower(
-        lowering_platforms=("cuda",))
-    jax.jit(lambda y, r, dy: kernels.backward(y, r, dy, centered=centered)).trace(
-        x, rstd, x).lower(lowering_platforms=("cuda",))
+    for compiled in (
+        target.compile(lambda x: kernels.forward(x, centered=centered, eps=1e-6), x),
+        target.compile(lambda y, r, dy: kernels.backward(y, r, dy, centered=centered), x, rstd, x)):
+      assert 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,162 @@
+"""Truth on a real GPU: measured peaks beside the compiled figures, and the GPU tests.
+
+For ViT-B/16 (batch 64) and LLaMA-100M (batch 4 x 2,048), baseline and
+approx+ms-norm+attention, float32 and bfloat16 compute, one AdamW training
+step (parameters and optimizer state donated), each in a fresh process so
+that the device's peak counter starts at zero. It records side by side:
+
+- measured: the device's ``memory_stats()["peak_bytes_in_use"]`` after one
+  real step (parameters, optimizer state, batch and the step's buffers);
+- real compile: `lowmem_jax.memory.stats_of` the program that ran
+  (XLA's buffer assignment with autotuning, on the device);
+- target compile: the same step compiled for the target made from this
+  device's own config (`lowmem_jax.targets.from_devices`), what a machine
+  without a GPU reports; and for the shipped ``"h100"`` target;
+- the step time, median of ``--repeats`` after a warm-up, as a ratio to the
+  baseline of the same model and dtype.
+
+It then runs the ``gpu``-marked tests, saves the device's target config beside
+the report, and writes the report (default ``docs/gpu.md``) with the device
+name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
+compiled figures for the ``"h100"`` target, no GPU tests), which the test
+suite does to check this script.
+
+    python benchmarks/gpu_validate.py                              # on a GPU machine
+    python benchmarks/gpu_validate.py --dry-run --out /tmp/gpu.md  # anywhere
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=2048)}
+DRY_CASES = {"vit-tiny": dict(batch=2, image=32)}
+TECHNIQUES = {"baseline": {},
+              "approx+ms-norm+attention": dict(activation="approx", norm="ms", attention="recompute")}
+DTYPES = ("float32", "bfloat16")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -> dict:
+  """One case, in this process: measured, real-compile and target-compile figures."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from lowmem_jax import memory, models, targets
+
+  wl = models.workload(model, dtype=jnp.dtype(dtype), **size, **TECHNIQUES[techniques])
+  tx = optax.adamw(1e-3)
+  step = jax.jit(wl.train_step(tx), donate_argnums=(0, 1))
+  params = wl.init(jax.random.key(0))
+  opt_state = tx.init(params)
+  batch = wl.batch(jax.random.key(1))
+  on_gpu = jax.default_backend() == "gpu"
+  own = targets.from_devices("this-gpu") if on_gpu else None
+  figures = {"target_own": memory.analyze(step, params, opt_state, batch, target=own).peak_bytes
+             if own else None,
+             "target_h100": memory.analyze(step, params, opt_state, batch, target="h100").peak_bytes}
+  compiled = step.lower(params, opt_state, batch).compile()
+  figures["real_compile"] = memory.stats_of(compiled).peak_bytes
+  device = jax.devices()[0]
+  params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
+  figures["measured"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
+    samples.append(time.perf_counter() - start)
+  return {"model": model, "dtype": dtype, "techniques": techniques,
+          "seconds": statistics.median(samples), "device": device.device_kind, **figures}
+
+
+def run_case(model, size, dtype, techniques, repeats) -> dict:
+  """`measure` in a fresh Python process, so its peak counter starts at zero."""
+  spec = json.dumps([model, size, dtype, techniques, repeats])
+  done = subprocess.run([sys.executable, __file__, "--case", spec], capture_output=True, text=True,
+                        cwd=ROOT)
+  if done.returncode != 0:
+    raise RuntimeError(f"{model} {dtype} {techniques} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_tests() -> str:
+  """The closing line of ``pytest -m gpu``."""
+  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                         "tests"], capture_output=True, text=True, cwd=ROOT)
+  lines = [line for line in done.stdout.splitlines() if line.strip()]
+  return lines[-1] if lines else f"pytest exited {done.returncode} with no output"
+
+
+def _gib(nbytes) -> str:
+  return "n/a" if nbytes is None else f"{nbytes / 2**30:,.2f}"
+
+
+def write_report(path: pathlib.Path, rows: list[dict], tests: str, config: str, command: str,
+                 seconds: float, dry_run: bool) -> None:
+  import jax
+  device = rows[0]["device"]
+  lines = [f"# lowmem-jax on a real GPU: {device}", "",
+           ("**Dry run on the CPU** (tiny sizes; no GPU figures): it checks the pipeline only." if
+            dry_run else f"Measured on an **{device}**."),
+           f"Command: `{command}`; jax {jax.__version__}, {seconds:.0f} s in all.", "",
+           "GiB. *measured*: `peak_bytes_in_use` after one step (fresh process); *real compile*: "
+           "XLA's buffer assignment of the program that ran; *own-config target*: the same step "
+           "compiled deviceless for this device's own config (`targets.from_devices`); *h100 "
+           "target*: for the shipped `h100` config. Step time: median after a warm-up, ratio to "
+           "the baseline of the same model and dtype.", "",
+           "| model | dtype | techniques | measured | real compile | own-config target | h100 target "
+           "| h100 target / measured | step s | time ratio |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  base = {(r["model"], r["dtype"]): r["seconds"] for r in rows if r["techniques"] == "baseline"}
+  for r in rows:
+    ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] else "n/a")
+    lines.append(f"| {r['model']} | {r['dtype']} | {r['techniques']} | {_gib(r['measured'])} | "
+                 f"{_gib(r['real_compile'])} | {_gib(r['target_own'])} | {_gib(r['target_h100'])} | "
+                 f"{ratio} | {r['seconds']:.4f} | "
+                 f"{r['seconds'] / base[r['model'], r['dtype']]:.3f} |")
+  lines += ["", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
+            f"This device's target config: `{config}`.", ""]
+  path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", default=str(ROOT / "docs" / "gpu.md"), help="the report to write")
+  parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
+  parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, no GPU tests")
+  parser.add_argument("--case", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.case:
+    print(json.dumps(measure(*json.loads(args.case))))
+    return 0
+  import jax
+  from tqdm import tqdm
+
+  from lowmem_jax import targets
+  if not args.dry_run and jax.default_backend() != "gpu":
+    print(f"gpu_validate: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
+          file=sys.stderr)
+    return 2
+  start = time.perf_counter()
+  cases = DRY_CASES if args.dry_run else CASES
+  todo = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES]
+  rows = [run_case(*case, args.repeats) for case in tqdm(todo, desc="gpu_validate")]
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  config = out.with_name(out.stem + "_target.txtpb")
+  (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)
+  tests = "(dry run: not run)" if args.dry_run else gpu_tests()
+  command = "python benchmarks/gpu_validate.py" + (" --dry-run" if args.dry_run else "")
+  write_report(out, rows, tests, config.name, command, time.perf_counter() - start, args.dry_run)
+  print(out.read_text())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,28 @@
+"""benchmarks/gpu_validate.py checks itself on the CPU (--dry-run)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_validate  # noqa: E402
+
+
+def test_dry_run_writes_the_report(tmp_path):
+  out = tmp_path / "gpu.md"
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0
+  text = out.read_text()
+  assert "Dry run on the CPU" in text
+  rows = [line for line in text.splitlines() if line.startswith("| vit-tiny")]
+  assert len(rows) == len(gpu_validate.DRY_CASES) * len(gpu_validate.DTYPES) * len(
+      gpu_validate.TECHNIQUES)
+  for row in rows:
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[6]) > 0  # the h100 target's compiled peak, GiB
+    assert float(cells[4]) > 0  # the CPU's real compile
+  assert (tmp_path / "gpu_target.txtpb").read_text().count("gpu_device_info") == 1
+
+
+def test_refuses_without_a_gpu(capsys):
+  assert gpu_validate.main(["--out", "/nonexistent/gpu.md"]) == 2
+  assert "use --dry-run" in capsys.readouterr().err

@@ -126,7 +126,8 @@ def test_bad_input():
 
 def test_ms_norm_lowers_the_compiled_peak():
   """DESIGN asks the sharing be shown in the compiled figure: the gradient of a
-  2-layer BERT (width 128) at batch 16 x 64, float32 on CPU (a proxy)."""
+  2-layer BERT (width 128) at batch 16 x 64, float32, on the CPU target (a
+  proxy): on the H100 target the two peaks are equal (docs/benchmarks.md)."""
   config = bert.BertConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, ffn_dim=512, max_len=64)
   tokens, mask = jax.ShapeDtypeStruct((16, 64), jnp.int32), jax.ShapeDtypeStruct((16, 64), bool)
 
@@ -134,7 +135,7 @@ def test_ms_norm_lowers_the_compiled_peak():
     model = bert.Bert(config, norm=norm)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens, mask)["params"]
     loss = lambda p, t, m: jnp.sum(model.apply({"params": p}, t, m) ** 2)
-    return lm.memory.analyze(jax.grad(loss), params, tokens, mask).peak_bytes
+    return lm.memory.analyze(jax.grad(loss), params, tokens, mask, target="cpu").peak_bytes
 
   assert peak("ms") < peak("plain")
 

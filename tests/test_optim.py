@@ -334,7 +334,8 @@ def test_bad_arguments():
 
 
 def test_adama_step_holds_no_accumulator_in_compiled_memory():
-  """XLA's compiled peak (CPU, abstract shapes): AdamA's scan keeps no gradient-sized accumulator."""
+  """XLA's compiled peak (CPU target, abstract shapes): AdamA's scan keeps no gradient-sized
+  accumulator. On the H100 target only fold-in-backward saves (issue 21 takes it up)."""
   k = 4
   params = jax.eval_shape(lambda: scanned_init(layers=4, d=256, h=1024))
   batch = (jax.ShapeDtypeStruct((8, 256), jnp.float32), jax.ShapeDtypeStruct((8, 1), jnp.float32))
@@ -346,7 +347,8 @@ def test_adama_step_holds_no_accumulator_in_compiled_memory():
       ("fold-in-backward", lm.adama(k), lm.optim.FoldInBackward())]:
     step = jax.jit(lm.microbatch_step(scanned_loss, tx, k, fold_in_backward=options),
                    donate_argnums=(0, 1))
-    peaks[name] = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch).peak_bytes
+    peaks[name] = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch,
+                                    target="cpu").peak_bytes
   assert peaks["adama"] <= peaks["accumulate"] - 0.5 * grad_bytes, peaks
   # Folding in the layers' backward rule frees the stacked gradient of the layers.
   assert peaks["fold-in-backward"] <= peaks["adama"] - 0.5 * grad_bytes, peaks

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import importlib.resources
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -47,6 +48,7 @@ import shutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
@@ -129,11 +131,8 @@ class Target:
     """A `jax.sharding.Mesh` of ``prod(shape)`` of the target's devices."""
     if len(shape) != len(axis_names):
       raise ValueError(f"shape {shape} and axis_names {axis_names} differ in length.")
-    count = 1
-    for n in shape:
-      count *= n
-    devices = self.devices(count)
-    return Mesh(_reshape(devices, shape), axis_names)
+    devices = self.devices(math.prod(shape))
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names)
 
   def place(self, tree: Any, mesh: Mesh | None = None) -> Any:
     """``tree`` with every array leaf a `jax.ShapeDtypeStruct` on the target.
@@ -368,8 +367,3 @@ def _ptxas() -> str | None:
     if (root / "bin" / "ptxas").is_file():
       return str(root / "bin" / "ptxas")
   return None
-
-
-def _reshape(devices: list, shape: tuple[int, ...]):
-  import numpy as np
-  return np.array(devices, dtype=object).reshape(shape)

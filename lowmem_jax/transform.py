@@ -1,0 +1,1172 @@
+"""`lowmem`: the project's techniques applied to a function's jaxpr.
+
+A model the user already has (plain JAX, Flax linen or NNX, equinox) traces to
+a jaxpr. `lowmem(fn)` traces ``fn``, finds the patterns below in the jaxpr and
+evaluates it again with each pattern replaced by the project's own op, whose
+forward is the same function (to float tolerance) and whose backward keeps
+less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
+2021 for attention):
+
+- ``activations``: an elementwise function of one array that equals, on a grid
+  of test points, the erf GELU (→ `regelu2`), the tanh GELU (exact forward,
+  ReGELU2's 2-bit backward), SiLU (→ `resilu2`) or ReLU (→ `relu`, exact).
+- ``norms``: LayerNorm / RMSNorm (mean and variance, or E[x²] − E[x]²; rsqrt;
+  optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
+  `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the
+  feature axis, through reshapes and casts) gets the affine folded in inside
+  the step: ``y @ (g[:, None] * W) + b @ W``, so the norm and the matmul save
+  one array and the parameter tree does not change. Other consumers get
+  ``y * g + b`` (the models' ``keep_affine``).
+- ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
+  ``where`` mask → softmax over keys → ``dot_general(p, v)``, in any layout
+  that transposes and unit axes reach → `lowmem_jax.attention`.
+
+Nested jaxprs are rewritten too: ``jit`` calls are inlined (so a pattern may
+span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
+rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
+functions keep their own derivative rules and are left as they are, except
+`jax.nn.relu`. What the matchers miss: ``jnp.var`` (its ``ddof`` arithmetic),
+norms written with ``/ sqrt`` instead of ``rsqrt``, grouped-query attention,
+and the layout redundancies (an array saved twice in two layouts). A jaxpr
+rewrite sees hand-written code as well as framework modules; Qwix's approach
+(intercepting framework calls by module path) sees only the modules it knows.
+"""
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as jax_core  # eval_context: test points evaluate while tracing
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from lowmem_jax import activations, attention_ops, memory, norms
+
+OPTIONS = {
+    "activations": ("approx", None),
+    "norms": ("ms", None),
+    "attention": ("recompute", None),
+}
+
+# One elementwise function of one array: what an activation region may hold.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "convert_element_type", "copy", "div", "erf", "erfc", "exp", "exp2",
+    "expm1", "integer_pow", "log", "log1p", "logistic", "max", "min", "mul", "neg", "pow",
+    "rsqrt", "sign", "sqrt", "square", "sub", "tanh", "custom_jvp_call",
+})
+_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+  """One pattern `lowmem` replaced (``left`` False) or recognised and left.
+
+  Attributes:
+    kind: "activation", "norm" or "attention".
+    op: what it became, e.g. "regelu2", "ms_layer_norm + fold into 3 matmuls".
+    source: "file.py:line" of the original op.
+    saved_bytes: bytes it removes from autodiff's residuals, counted on the
+      pattern alone (its inputs to its outputs); 0 for a pattern left.
+    left: the reason it was left, or None.
+  """
+  kind: str
+  op: str
+  source: str
+  saved_bytes: int = 0
+  left: str | None = None
+
+
+class Rewrites(list):
+  """The `Rewrite`s of one trace, in program order; ``str()`` is a table."""
+
+  @property
+  def counts(self) -> dict[str, int]:
+    """Patterns replaced, by kind."""
+    return dict(collections.Counter(r.kind for r in self if r.left is None))
+
+  @property
+  def saved_bytes(self) -> int:
+    return sum(r.saved_bytes for r in self)
+
+  def __str__(self) -> str:
+    import rich.console  # pylint: disable=import-outside-toplevel
+    import rich.table  # pylint: disable=import-outside-toplevel
+    table = rich.table.Table(title=f"lm.lowmem: {sum(self.counts.values())} rewrites, "
+                             f"{self.saved_bytes / 2**20:.1f} MiB fewer residuals")
+    for col in ("kind", "became", "source", "MiB saved", "left because"):
+      table.add_column(col)
+    for r in self:
+      table.add_row(r.kind, r.op if r.left is None else "-", r.source,
+                    f"{r.saved_bytes / 2**20:.2f}", r.left or "")
+    console = rich.console.Console(width=140, record=True, file=open("/dev/null", "w"))
+    console.print(table)
+    return console.export_text()
+
+
+def _check_options(options: dict) -> dict:
+  for key, value in options.items():
+    if key not in OPTIONS:
+      raise TypeError(f"lowmem got an unknown option {key}={value!r}; the options are "
+                      f"{sorted(OPTIONS)}.")
+    if value not in OPTIONS[key]:
+      raise ValueError(f"lowmem's {key} must be one of {OPTIONS[key]}, got {value!r}.")
+  return options
+
+
+def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | None = "ms",
+           attention: str | None = "recompute") -> Callable:
+  """``fn`` with its GELU/SiLU/ReLU, norms and softmax attention rewritten.
+
+  Args:
+    fn: any function of arrays (pytrees of them; other leaves are static) that
+      traces to a jaxpr: a loss, a model's apply, an NNX pure function.
+    activations: "approx" (2-bit backward for GELU and SiLU, 1-bit exact ReLU)
+      or None to leave them.
+    norms: "ms" (memory-sharing norms, affine folded into the matmuls they
+      feed) or None.
+    attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
+
+  Returns:
+    A function with ``fn``'s signature and outputs (to float tolerance) whose
+    backward keeps less. ``.explain(*args, **kwargs)`` (arrays or
+    `jax.ShapeDtypeStruct`s) returns the `Rewrites` of that trace. Composes
+    with ``jit``, ``grad``, ``vmap``, ``jax.checkpoint`` and ``scan``.
+  """
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+  options = _check_options(
+      {"activations": activations, "norms": norms, "attention": attention})
+
+  def traced(args, kwargs):
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [_is_array(x) for x in leaves]
+
+    def flat_fn(*arrays):
+      it = iter(arrays)
+      full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+      a, kw = jax.tree.unflatten(treedef, full)
+      return fn(*a, **kw)
+
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    return closed, arrays, out_shape
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    closed, arrays, out_shape = traced(args, kwargs)
+    log = Rewrites()
+    outs = _evaluate(closed.jaxpr, closed.consts, arrays, options, log)
+    if not any(r.left is None for r in log):
+      return fn(*args, **kwargs)  # nothing to rewrite: fn's own jaxpr
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  def explain(*args, **kwargs) -> Rewrites:
+    closed, arrays, _ = traced(args, kwargs)
+    log = Rewrites()
+    jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, options, log,
+                                        count=True))(*arrays)
+    return log
+
+  wrapped.explain = explain
+  return wrapped
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "aval"))
+
+
+# --- the interpreter ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Action:
+  """Replaces equation ``index``: reads ``inputs`` (vars or tokens), writes ``outputs``."""
+  inputs: list
+  outputs: list
+  fn: Callable[..., list]
+
+
+def _inline_jit(jaxpr, consts):
+  """``jaxpr`` with its ``jit`` calls inlined, recursively, as a ClosedJaxpr."""
+  if not any(e.primitive.name in ("jit", "pjit") for e in jaxpr.eqns):
+    return jaxpr, list(consts)
+
+  def run(*args):
+    return _run(jaxpr, consts, args, {}, None, None, inline_only=True)
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+           for v in jaxpr.invars]
+  closed = jax.make_jaxpr(run)(*avals)
+  return closed.jaxpr, list(closed.consts)
+
+
+def _evaluate(jaxpr, consts, args, options, log, count=False):
+  """Evaluates ``jaxpr`` with its patterns rewritten; appends to ``log``."""
+  jaxpr, consts = _inline_jit(jaxpr, consts)
+  actions = _match(jaxpr, options, log, count)
+  return _run(jaxpr, consts, args, actions, options, log, count=count)
+
+
+def _run(jaxpr, consts, args, actions, options, log, inline_only=False, count=False):
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  keep = _live(jaxpr, actions)
+  for i, eqn in enumerate(jaxpr.eqns):
+    if not keep[i]:
+      continue
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+      if i in actions:
+        action = actions[i]
+        outs = action.fn(*map(read, action.inputs))
+        env.update(zip(action.outputs, outs))
+        continue
+      invals = list(map(read, eqn.invars))
+      if inline_only:
+        outs = _bind_inlining(eqn, invals)
+      else:
+        outs = _bind_nested(eqn, invals, options, log, count)
+    env.update(zip(eqn.outvars, outs))
+  return list(map(read, jaxpr.outvars))
+
+
+def _live(jaxpr, actions) -> list[bool]:
+  """Which equations the outputs need, with ``actions`` in place of theirs."""
+  needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+  keep = [False] * len(jaxpr.eqns)
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
+                 else (eqn.invars, eqn.outvars))
+    if any(o in needed for o in outs) or (i not in actions and eqn.effects):
+      keep[i] = True
+      needed.update(v for v in ins if not isinstance(v, jcore.Literal))
+  return keep
+
+
+def _bind(eqn, invals):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _bind_inlining(eqn, invals):
+  if eqn.primitive.name in ("jit", "pjit"):
+    inner = eqn.params["jaxpr"]
+    return _run(inner.jaxpr, inner.consts, invals, {}, None, None, inline_only=True)
+  return _bind(eqn, invals)
+
+
+def _bind_nested(eqn, invals, options, log, count):
+  """Binds ``eqn``, rewriting the jaxprs inside scan, cond and checkpoint."""
+  name = eqn.primitive.name
+  rec = functools.partial(_evaluate, options=options, log=log, count=count)
+  params = eqn.params
+  if name == "scan":
+    body = params["jaxpr"]
+    nc, nk = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+    def step(carry, x):
+      outs = rec(body.jaxpr, body.consts, [*consts, *carry, *x])
+      return outs[:nk], outs[nk:]
+
+    carry, ys = lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
+                         unroll=params["unroll"])
+    return [*carry, *ys]
+  if name == "cond":
+    branches = [functools.partial(lambda br, *ops: rec(br.jaxpr, br.consts, ops), br)
+                for br in params["branches"]]
+    return lax.switch(invals[0], branches, *invals[1:])
+  if name in ("remat2", "checkpoint"):
+    body = params["jaxpr"]
+    fn = jax.checkpoint(lambda *a: rec(body, [], a), prevent_cse=params["prevent_cse"],
+                        policy=params["policy"])
+    return fn(*invals)
+  return _bind(eqn, invals)
+
+
+# --- matching ----------------------------------------------------------------
+
+
+class _Graph:
+  """Producers and consumers of the vars of one jaxpr."""
+
+  def __init__(self, jaxpr):
+    self.jaxpr = jaxpr
+    self.eqns = jaxpr.eqns
+    self.producer = {}
+    self.consumers = collections.defaultdict(list)
+    for i, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.outvars:
+        self.producer[v] = i
+      for v in eqn.invars:
+        if isinstance(v, jcore.Var):
+          self.consumers[v].append(i)
+    self.outvars = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    self.taken = set()  # equations already part of a match
+
+  def prod(self, v):
+    """The equation that makes ``v``, or None (an input, const or literal)."""
+    i = self.producer.get(v) if isinstance(v, jcore.Var) else None
+    return None if i is None else self.eqns[i]
+
+  def index(self, v):
+    return self.producer.get(v) if isinstance(v, jcore.Var) else None
+
+  def back(self, v, prims=_LAYOUT):
+    """``v`` followed back through single-input ``prims``."""
+    while True:
+      e = self.prod(v)
+      if e is None or e.primitive.name not in prims or len(e.invars) != 1:
+        return v
+      v = e.invars[0]
+
+  def only_consumer(self, v):
+    c = self.consumers.get(v, [])
+    if len(c) != 1 or v in self.outvars:
+      return None
+    return c[0]
+
+  def closed(self, indices, outputs) -> bool:
+    """True if the vars made by ``indices`` are used only by them (or are ``outputs``)."""
+    for i in indices:
+      for v in self.eqns[i].outvars:
+        if v in outputs:
+          continue
+        if v in self.outvars or any(c not in indices for c in self.consumers.get(v, [])):
+          return False
+    return True
+
+  def source(self, i) -> str:
+    frame = source_info_util.user_frame(self.eqns[i].source_info.traceback)
+    return "?" if frame is None else f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+
+
+def _scalar(v):
+  """The value of a scalar literal, else None."""
+  if isinstance(v, jcore.Literal) and np.ndim(v.val) == 0:
+    return float(v.val)
+  return None
+
+
+def _slice(g, outputs, stops):
+  """Indices of the equations ``outputs`` depend on, back to the vars ``stops``."""
+  seen, todo = set(), [v for v in outputs]
+  while todo:
+    v = todo.pop()
+    i = g.index(v)
+    if v in stops or i is None or i in seen:
+      continue
+    seen.add(i)
+    todo.extend(w for w in g.eqns[i].invars if isinstance(w, jcore.Var))
+  return seen
+
+
+def _match(jaxpr, options, log, count):
+  g = _Graph(jaxpr)
+  actions = {}
+  if options["attention"]:
+    for i, e in enumerate(g.eqns):
+      if e.primitive.name == "div" and i not in g.taken:
+        _match_attention(g, i, actions, log, count)
+  if options["norms"]:
+    for i, e in enumerate(g.eqns):
+      if e.primitive.name == "rsqrt" and i not in g.taken:
+        _match_norm(g, i, actions, log, count)
+  if options["activations"]:
+    _match_activations(g, actions, log, count)
+  return actions
+
+
+def _residual_bytes(fn, avals) -> int:
+  """Bytes of autodiff's residuals of ``fn``, differentiated in its float args."""
+  diff = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+  def f(*d):
+    full = [jnp.zeros(a.shape, a.dtype) for a in avals]
+    for i, x in zip(diff, d):
+      full[i] = x
+    return fn(*full)
+
+  return memory.saved_residuals(f, *[avals[i] for i in diff]).total_bytes
+
+
+def _record(log, g, kind, op, anchor, count, orig=None, new=None, avals=None):
+  saved = 0
+  if count and orig is not None:
+    saved = _residual_bytes(orig, avals) - _residual_bytes(new, avals)
+  log.append(Rewrite(kind, op, g.source(anchor), saved))
+
+
+def _left(log, g, kind, anchor, why):
+  log.append(Rewrite(kind, "-", g.source(anchor), 0, why))
+
+
+def _sub_fn(g, indices, inputs, outputs, actions=None):
+  """The equations ``indices`` as a function of ``inputs``, with ``actions`` in place."""
+  actions = {i: a for i, a in (actions or {}).items() if i in indices}
+  order = sorted(indices)
+  needed, run = set(outputs), []
+  for i in reversed(order):
+    ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
+                 else (g.eqns[i].invars, g.eqns[i].outvars))
+    if any(o in needed for o in outs):
+      run.append(i)
+      needed.update(v for v in ins if not isinstance(v, jcore.Literal))
+
+  def fn(*vals):
+    env = dict(zip(inputs, vals))
+    rd = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for i in reversed(run):
+      if i in actions:
+        env.update(zip(actions[i].outputs, actions[i].fn(*map(rd, actions[i].inputs))))
+      else:
+        e = g.eqns[i]
+        env.update(zip(e.outvars, _bind(e, [rd(v) for v in e.invars])))
+    return [rd(v) for v in outputs]
+  return fn
+
+
+def _aval(v):
+  return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+
+
+# --- activations -------------------------------------------------------------
+
+_TEST_X = np.concatenate([np.linspace(-8.0, 8.0, 321), [-30.0, -12.0, 12.0, 30.0]])
+
+
+def _tanh_gelu(x):
+  return jax.nn.gelu(x, approximate=True)
+
+
+_TANH_REGELU2 = activations.approx_activation(_tanh_gelu, activations.REGELU2_A,
+                                              activations.REGELU2_C)
+_ACTIVATIONS = {  # name: (primitive hint, exact twin, replacement)
+    "regelu2": ({"erf", "erfc"}, lambda x: jax.nn.gelu(x, approximate=False),
+                activations.regelu2),
+    "tanh-gelu → regelu2 backward": ({"tanh"}, _tanh_gelu, _TANH_REGELU2),
+    "resilu2": ({"logistic", "exp"}, jax.nn.silu, activations.resilu2),
+    "relu": ({"max", "custom_jvp_call"}, jax.nn.relu, activations.relu),
+}
+_TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2,
+        jnp.dtype(jnp.float16): 3e-3}
+
+
+def _relu_call(e) -> bool:
+  """True for a custom_jvp_call whose function is one elementwise max (jax.nn.relu)."""
+  inner, _ = _inline_jit(e.params["call_jaxpr"].jaxpr, e.params["call_jaxpr"].consts)
+  return (len(inner.eqns) == 1 and inner.eqns[0].primitive.name == "max"
+          and any(_scalar(v) == 0.0 for v in inner.eqns[0].invars))
+
+
+def _regions(g):
+  """Each var made by elementwise ops from one array ``x``: var -> (x, eqn indices)."""
+  root = {}
+  for i, e in enumerate(g.eqns):
+    if i in g.taken or e.primitive.name not in _ELEMENTWISE or len(e.outvars) != 1:
+      continue
+    if e.primitive.name == "custom_jvp_call" and not _relu_call(e):
+      continue
+    out = e.outvars[0]
+    srcs = set()
+    for v in e.invars:
+      if _scalar(v) is not None:
+        continue
+      if not isinstance(v, jcore.Var) or v.aval.shape != out.aval.shape:
+        srcs = None
+        break
+      srcs.add(root[v][0] if v in root else v)
+    if srcs is None or len(srcs) != 1:
+      continue
+    (x,) = srcs
+    if not jnp.issubdtype(x.aval.dtype, jnp.floating) or x.aval.ndim < 1:
+      continue
+    idx = {i}.union(*(root[v][1] for v in e.invars if isinstance(v, jcore.Var) and v in root))
+    root[out] = (x, idx)
+  return root
+
+
+def _eval_region(g, indices, x, z, xval):
+  env = {x: xval}
+  rd = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+  for i in sorted(indices):
+    e = g.eqns[i]
+    ins = [rd(v) for v in e.invars]
+    if e.primitive.name == "custom_jvp_call":
+      out = lax.max(ins[0], jnp.zeros((), ins[0].dtype))
+    else:
+      out = e.primitive.bind(*ins, **e.params)
+    env[e.outvars[0]] = out
+  return env[z]
+
+
+def _match_activations(g, actions, log, count):
+  root = _regions(g)
+  for z, (x, idx) in root.items():
+    # z is a region's output if something outside the region reads it.
+    users = [c for c in g.consumers.get(z, []) if c not in idx]
+    if not users and z not in g.outvars:
+      continue
+    if any(root.get(o, (None,))[0] == x and z in g.eqns[c].invars and c in root.get(o)[1]
+           for c in users for o in g.eqns[c].outvars if o in root):
+      continue  # z is interior: a larger region around it has the same x
+    if not g.closed(idx, {z}):
+      continue
+    prims = {g.eqns[i].primitive.name for i in idx}
+    name = _identify(g, idx, x, z, prims)
+    if name is None:
+      continue
+    anchor = g.index(z)
+    replacement = _ACTIVATIONS[name][2]
+    out_dtype = z.aval.dtype
+
+    def fn(xv, replacement=replacement, out_dtype=out_dtype):
+      return [replacement(xv).astype(out_dtype)]
+
+    actions[anchor] = _Action([x], [z], fn)
+    g.taken |= idx
+    _record(log, g, "activation", name, anchor, count,
+            _sub_fn(g, idx, [x], [z]), fn, [_aval(x)])
+
+
+def _identify(g, idx, x, z, prims):
+  """The name in ``_ACTIVATIONS`` equal to the region on the test points, or None."""
+  dtype = jnp.dtype(x.aval.dtype)
+  if dtype not in _TOL:
+    return None
+  xs = jnp.asarray(_TEST_X, dtype)
+  with jax_core.eval_context():
+    got = np.asarray(_eval_region(g, idx, x, z, xs), np.float32)
+    for name, (hint, twin, _) in _ACTIVATIONS.items():
+      if not prims & hint:
+        continue
+      want = np.asarray(twin(xs.astype(jnp.float32)).astype(z.aval.dtype), np.float32)
+      if np.all(np.abs(got - want) <= _TOL[dtype] * (1 + np.abs(want))):
+        return name
+  return None
+
+
+# --- norms -------------------------------------------------------------------
+
+
+def _mean_of(g, v):
+  """``w`` if ``v`` is the mean of ``w`` over its last axis, else None."""
+  e = g.prod(g.back(v))
+  if e is None or e.primitive.name not in ("div", "mul"):
+    return None
+  a, b = e.invars
+  c = _scalar(b)
+  if c is None:
+    return None
+  s = g.prod(g.back(a))
+  if s is None or s.primitive.name != "reduce_sum":
+    return None
+  w = s.invars[0]
+  n = w.aval.shape[-1] if w.aval.ndim else 0
+  if tuple(s.params["axes"]) != (w.aval.ndim - 1,):
+    return None
+  ok = math.isclose(c, n) if e.primitive.name == "div" else math.isclose(c, 1 / n)
+  return w if ok else None
+
+
+def _square_of(g, v):
+  e = g.prod(g.back(v, {"convert_element_type"}))
+  if e is None:
+    return None
+  name = e.primitive.name
+  if name == "square" or (name == "integer_pow" and e.params["y"] == 2):
+    return e.invars[0]
+  if name == "mul" and e.invars[0] is e.invars[1]:
+    return e.invars[0]
+  return None
+
+
+def _is_zeros(g, v):
+  return _fill_value(g, v) == 0.0
+
+
+def _centered(g, v, x, mu):
+  """True if ``v`` is ``x - mu`` (LayerNorm) or ``x`` itself (``mu`` None: RMSNorm)."""
+  v = g.back(v, {"convert_element_type", "copy"})
+  e = g.prod(v)
+  if e is not None and e.primitive.name == "sub":
+    a, b = e.invars
+    if g.back(a, {"convert_element_type", "copy"}) is not x:
+      return False
+    if mu is None:
+      return _is_zeros(g, b)
+    return g.back(b) is g.back(mu) or _mean_of(g, b) is not None and g.back(
+        _mean_of(g, b), {"convert_element_type", "copy"}) is x
+  return mu is None and v is x
+
+
+def _feature_vector(g, v, n):
+  """The ``[n]`` array ``v`` broadcasts along the last axis, else None."""
+  src = g.back(v)
+  if src.aval.shape != (n,) or not isinstance(src, jcore.Var):
+    return None
+  e = g.prod(v)
+  while e is not None and e.primitive.name in _LAYOUT and e.invars[0] is not src:
+    e = g.prod(e.invars[0])
+  if e is not None and e.primitive.name == "broadcast_in_dim":
+    if tuple(e.params["broadcast_dimensions"]) != (len(e.params["shape"]) - 1,):
+      return None
+  return src
+
+
+def _stats(g, r_eqn):
+  """``(x, mu or None, eps, stat_indices)`` of ``rsqrt(var(x) + eps)``, else None."""
+  u = g.back(r_eqn.invars[0])
+  e = g.prod(u)
+  if e is None or e.primitive.name != "add":
+    return None
+  eps = [_scalar(v) for v in e.invars]
+  if eps[0] is None and eps[1] is None:
+    return None
+  eps_val = eps[0] if eps[0] is not None else eps[1]
+  var = g.back(e.invars[1] if eps[0] is not None else e.invars[0])
+  clip = g.prod(var)
+  if clip is not None and clip.primitive.name == "max" and 0.0 in map(_scalar, clip.invars):
+    var = g.back(next(v for v in clip.invars if _scalar(v) is None))
+  ve = g.prod(var)
+  if ve is not None and ve.primitive.name == "sub":  # E[x^2] - E[x]^2
+    sq, m2 = ve.invars
+    x = _square_of(g, _mean_of(g, sq)) if _mean_of(g, sq) is not None else None
+    mu = _square_of(g, m2)
+    if x is None or mu is None or _mean_of(g, mu) is None:
+      return None
+    if g.back(_mean_of(g, mu), {"convert_element_type", "copy"}) is not g.back(
+        x, {"convert_element_type", "copy"}):
+      return None
+    return g.back(x, {"convert_element_type", "copy"}), mu, eps_val
+  w = _mean_of(g, var)
+  d = None if w is None else _square_of(g, w)
+  if d is None:
+    return None
+  de = g.prod(g.back(d, {"convert_element_type", "copy"}))
+  if de is not None and de.primitive.name == "sub":
+    a, b = de.invars
+    x = g.back(a, {"convert_element_type", "copy"})
+    if _is_zeros(g, b):
+      return x, None, eps_val
+    m = _mean_of(g, b)
+    if m is None or g.back(m, {"convert_element_type", "copy"}) is not x:
+      return None
+    return x, b, eps_val
+  return g.back(d, {"convert_element_type", "copy"}), None, eps_val
+
+
+def _match_norm(g, ri, actions, log, count):
+  st = _stats(g, g.eqns[ri])
+  if st is None:
+    return
+  x, mu, eps = st
+  if x.aval.ndim < 1 or not jnp.issubdtype(x.aval.dtype, jnp.floating):
+    return
+  n = x.aval.shape[-1]
+  cur, scale, bias, centered = g.eqns[ri].outvars[0], None, None, False
+  while True:  # walk rsqrt's product chain forward
+    c = g.only_consumer(cur)
+    if c is None:
+      break
+    e = g.eqns[c]
+    name = e.primitive.name
+    if name in _LAYOUT and len(e.invars) == 1:
+      cur = e.outvars[0]
+      continue
+    if name == "mul":
+      other = e.invars[1] if e.invars[0] is cur else e.invars[0]
+      if not centered and _centered(g, other, x, mu):
+        centered = True
+      elif scale is None and _feature_vector(g, other, n) is not None:
+        scale = _feature_vector(g, other, n)
+      else:
+        break
+      cur = e.outvars[0]
+      continue
+    if name == "add" and centered and bias is None:
+      other = e.invars[1] if e.invars[0] is cur else e.invars[0]
+      b = _feature_vector(g, other, n)
+      if b is None:
+        break
+      bias, cur = b, e.outvars[0]
+      while (c := g.only_consumer(cur)) is not None and g.eqns[c].primitive.name in (
+          "convert_element_type",):
+        cur = g.eqns[c].outvars[0]
+      break
+    break
+  if not centered or cur.aval.shape != x.aval.shape:
+    return
+  z = cur
+  stops = {x} | {p for p in (scale, bias) if p is not None}
+  idx = _slice(g, [z], stops)
+  if not g.closed(idx, {z}):
+    _left(log, g, "norm", g.index(z), "an intermediate of the norm is used elsewhere")
+    return
+  if any(g.eqns[i].primitive.name in ("dot_general", "reduce_max") for i in idx):
+    return
+  folds, others = _foldable(g, z, n)
+  op = "ms_layer_norm" if mu is not None else "ms_rms_norm"
+  norm_fn = norms.ms_layer_norm if mu is not None else norms.ms_rms_norm
+  affine = scale is not None or bias is not None
+  y_dtype = z.aval.dtype
+  if folds and not others:
+    dtypes = {g.eqns[d].invars[side].aval.dtype for d, side, _ in folds}
+    if len(dtypes) == 1:
+      y_dtype = dtypes.pop()
+  token = ("norm_out", z)
+  inputs = [x] + [p for p in (scale, bias) if p is not None]
+
+  keep_z = others or not folds
+
+  def norm(xv, *pv):
+    y = norm_fn(xv, eps=eps, dtype=y_dtype)
+    return [y, _affine(y, scale, bias, pv, z.aval.dtype)] if keep_z else [y]
+
+  anchor = g.index(z)
+  actions[anchor] = _Action(inputs, [token, z] if keep_z else [token], norm)
+  g.taken |= idx
+  for d, side, chain in folds:
+    _fold_action(g, d, side, chain, token, scale, bias, actions)
+    g.taken.add(d)
+  where = f" + fold into {len(folds)} matmul{'s' * (len(folds) != 1)}" if affine and folds else ""
+  kept = " (affine kept for other users)" if affine and others else ""
+  if count:
+    dots = {d for d, _, _ in folds}
+    outs = [z] * keep_z + [g.eqns[d].outvars[0] for d in sorted(dots)]
+    mats = [v for d in sorted(dots) for v in g.eqns[d].invars if v not in idx and v is not z]
+    ins = list(dict.fromkeys(inputs + [v for v in mats if isinstance(v, jcore.Var)
+                                       and g.index(v) not in idx and v is not z]))
+    sub_idx = idx | dots | {i for d, _, chain in folds for i in chain}
+    orig = _sub_fn(g, sub_idx, ins, outs)
+    new = _sub_fn(g, sub_idx, ins, outs, actions)
+    _record(log, g, "norm", op + where + kept, anchor, True, orig, new, [_aval(v) for v in ins])
+  else:
+    _record(log, g, "norm", op + where + kept, anchor, False)
+
+
+def _affine(y, scale, bias, pv, dtype):
+  it = iter(pv)
+  z = y.astype(jnp.float32)
+  if scale is not None:
+    z = z * next(it).astype(jnp.float32)
+  if bias is not None:
+    z = z + next(it).astype(jnp.float32)
+  return z.astype(dtype)
+
+
+def _foldable(g, z, n):
+  """The matmuls ``z`` feeds over its last axis: ``[(index, side, chain)]``, and other users."""
+  folds, others = [], False
+  todo = [(z, [])]
+  while todo:
+    v, chain = todo.pop()
+    for c in g.consumers.get(v, []):
+      e = g.eqns[c]
+      name = e.primitive.name
+      if name == "convert_element_type" or (
+          name == "reshape" and e.outvars[0].aval.shape[-1:] == (n,)):
+        todo.append((e.outvars[0], chain + [c]))
+      elif name == "dot_general" and _contracts_last(e, v):
+        folds.append((c, e.invars.index(v), chain))
+      else:
+        others = True
+    if v in g.outvars:
+      others = True
+  return folds, others
+
+
+def _contracts_last(e, v) -> bool:
+  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+  if e.invars[0] is e.invars[1]:
+    return False
+  side = e.invars.index(v)
+  contract, batch = (lc, lb) if side == 0 else (rc, rb)
+  other_contract = rc if side == 0 else lc
+  return (tuple(contract) == (v.aval.ndim - 1,) and not batch and len(other_contract) == 1)
+
+
+def _fold_action(g, d, side, chain, token, scale, bias, actions):
+  e = g.eqns[d]
+  w = e.invars[1 - side]
+  (lc, rc), _ = e.params["dimension_numbers"]
+  kd = (rc if side == 0 else lc)[0]
+  chain_eqns = [g.eqns[i] for i in chain]
+  inputs = [token, w] + [p for p in (scale, bias) if p is not None]
+  out = e.outvars[0]
+
+  def fn(y, wv, *pv):
+    for ce in chain_eqns:
+      y = _bind(ce, [y])[0] if ce.primitive.name == "reshape" else y.astype(
+          ce.params["new_dtype"])
+    it = iter(pv)
+    gv = next(it) if scale is not None else None
+    bv = next(it) if bias is not None else None
+    w32 = wv.astype(jnp.float32)
+    if gv is not None:
+      wv = (w32 * lax.broadcast_in_dim(gv.astype(jnp.float32), w32.shape, (kd,))).astype(
+          wv.dtype)
+    operands = [y, wv] if side == 0 else [wv, y]
+    res = _bind(e, operands)[0]
+    if bv is not None:
+      bw = lax.dot_general(bv.astype(jnp.float32), w32, (((0,), (kd,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+      free = [i for i in range(res.ndim)]
+      dims = free[res.ndim - bw.ndim:] if side == 0 else free[:bw.ndim]
+      res = (res.astype(jnp.float32) + lax.broadcast_in_dim(bw, res.shape, dims)).astype(
+          res.dtype)
+    return [res]
+
+  actions[d] = _Action(inputs, [out], fn)
+
+
+# --- attention ---------------------------------------------------------------
+
+_SOFTMAX_BACK = frozenset({"broadcast_in_dim", "reshape", "stop_gradient"})
+_MASK_FILL = -1e4  # a `where` fill at or below this masks a key out
+
+
+def _softmax_of(g, i):
+  """``s`` if equation ``i`` is ``exp(s - max(s)) / sum(exp(...))`` over the last axis."""
+  e = g.eqns[i]
+  num, den = e.invars
+  ex = g.prod(num)
+  red = g.prod(g.back(den, _SOFTMAX_BACK))
+  if ex is None or ex.primitive.name != "exp" or red is None:
+    return None
+  last = (num.aval.ndim - 1,)
+  if red.primitive.name != "reduce_sum" or red.invars[0] is not num or tuple(
+      red.params["axes"]) != last:
+    return None
+  sub = g.prod(ex.invars[0])
+  if sub is None or sub.primitive.name != "sub":
+    return None
+  s, m = sub.invars
+  m = g.back(m, _SOFTMAX_BACK | {"transpose"})
+  me = g.prod(m)
+  if me is not None and me.primitive.name == "max" and any(
+      _scalar(v) == -math.inf for v in me.invars):
+    m = g.back(next(v for v in me.invars if _scalar(v) is None), _SOFTMAX_BACK | {"transpose"})
+    me = g.prod(m)
+  if me is None or me.primitive.name != "reduce_max" or tuple(me.params["axes"]) != (
+      me.invars[0].aval.ndim - 1,):
+    return None
+  if _untransposed(g, me.invars[0]) is not _untransposed(g, s):
+    return None
+  return s
+
+
+def _untransposed(g, v):
+  """``v`` followed back through transposes that keep the last axis last."""
+  while (e := g.prod(v)) is not None and e.primitive.name == "transpose" and (
+      e.params["permutation"][-1] == len(e.params["permutation"]) - 1):
+    v = e.invars[0]
+  return v
+
+
+def _fill_value(g, v):
+  """The scalar ``v`` broadcasts, else None."""
+  e = g.prod(v)
+  while e is not None and e.primitive.name in ("broadcast_in_dim", "convert_element_type",
+                                               "transpose", "reshape"):
+    v = e.invars[0]
+    e = g.prod(v)
+  return _scalar(v)
+
+
+def _scores_chain(g, s):
+  """Walks back from the softmax input to ``dot_general(q, k)``.
+
+  Returns ``(dot_index, steps)``, steps in forward order as ``(kind, eqn, operand)``
+  with kind one of "layout", "scale", "bias", "mask", "mask_not"; else a reason (str).
+  """
+  steps = []
+  v = s
+  while True:
+    i = g.index(v)
+    if i is None:
+      return "the scores are not a matmul of queries and keys"
+    e = g.eqns[i]
+    name = e.primitive.name
+    if name == "dot_general":
+      return i, steps[::-1]
+    if name in ("convert_element_type", "transpose", "copy") or (
+        name == "reshape" and _unit_reshape(e)):
+      steps.append(("layout", e, None))
+      v = e.invars[0]
+    elif name in ("mul", "div") and _scalar_operand(e) is not None:
+      k = _scalar_operand(e)
+      steps.append(("scale", e, k))
+      v = e.invars[1 - k]
+    elif name == "add":
+      a, b = e.invars
+      side = 0 if _leads_to_dot(g, a) else 1
+      steps.append(("bias", e, 1 - side))
+      v = e.invars[side]
+    elif name == "select_n" and len(e.invars) == 3:
+      pred, f, t = e.invars
+      if _fill_value(g, f) is not None and _fill_value(g, f) <= _MASK_FILL:
+        steps.append(("mask", e, 0))
+        v = t
+      elif _fill_value(g, t) is not None and _fill_value(g, t) <= _MASK_FILL:
+        steps.append(("mask_not", e, 0))
+        v = f
+      else:
+        return "a select in the scores that is not a mask"
+    else:
+      return f"the scores pass through {name}"
+
+
+def _scalar_operand(e):
+  """Which operand of a binary ``e`` is a scalar, or None."""
+  for k, v in enumerate(e.invars):
+    if v.aval.ndim == 0 and e.invars[1 - k].aval.ndim > 0:
+      return k if e.primitive.name == "mul" or k == 1 else None
+  return None
+
+
+def _leads_to_dot(g, v, depth=8):
+  for _ in range(depth):
+    e = g.prod(v)
+    if e is None:
+      return False
+    if e.primitive.name == "dot_general":
+      return True
+    v = e.invars[0] if len(e.invars) == 1 else max(e.invars, key=lambda w: w.aval.ndim)
+  return False
+
+
+def _unit_reshape(e) -> bool:
+  old = [d for d in e.invars[0].aval.shape if d != 1]
+  new = [d for d in e.outvars[0].aval.shape if d != 1]
+  return old == new and e.params.get("dimensions") is None
+
+
+def _relabel(e, labels):
+  """Labels of ``e``'s output from its (first) input's ``labels``."""
+  name = e.primitive.name
+  if name == "transpose":
+    return [labels[p] for p in e.params["permutation"]]
+  if name == "reshape":
+    shape = e.invars[0].aval.shape
+    kept = [lab for lab, d in zip(labels, shape) if d != 1]
+    if any(lab != "U" and d == 1 for lab, d in zip(labels, shape)):
+      return None
+    it = iter(kept)
+    return [next(it) if d != 1 else "U" for d in e.outvars[0].aval.shape]
+  return labels
+
+
+def _operand_labels(e, side, free_label):
+  """Labels of operand ``side`` of ``dot_general`` ``e``: B0.., "D", and its free axes."""
+  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+  contract, batch = (lc, lb) if side == 0 else (rc, rb)
+  v = e.invars[side]
+  labels = [None] * v.aval.ndim
+  for j, d in enumerate(batch):
+    labels[d] = f"B{j}"
+  for d in contract:
+    labels[d] = "D"
+  free = [d for d in range(v.aval.ndim) if labels[d] is None]
+  if len(free) == 1:
+    labels[free[0]] = free_label
+  else:
+    big = [d for d in free if v.aval.shape[d] != 1]
+    if len(big) != 1:
+      return None
+    for d in free:
+      labels[d] = free_label if d == big[0] else "U"
+  return labels if len(contract) == 1 else None
+
+
+def _out_labels(e, lhs, rhs):
+  (lc, rc), (lb, _) = e.params["dimension_numbers"]
+  free_l = [lab for d, lab in enumerate(lhs) if d not in lc and d not in lb]
+  free_r = [lab for d, lab in enumerate(rhs) if d not in rc and not lab.startswith("B")]
+  return [f"B{j}" for j in range(len(lb))] + free_l + free_r
+
+
+def _to_canonical(x, labels, order):
+  """``x`` (axes ``labels``) as the axes ``order``; an absent label becomes a unit axis."""
+  keep = [d for d, lab in enumerate(labels) if lab != "U"]
+  x = x.reshape([x.shape[d] for d in keep])
+  labels = [labels[d] for d in keep]
+  present = [lab for lab in order if lab in labels]
+  x = jnp.transpose(x, [labels.index(lab) for lab in present])
+  return x.reshape([x.shape[present.index(lab)] if lab in present else 1 for lab in order])
+
+
+def _from_canonical(x, order, labels, shape):
+  """Inverse of `_to_canonical` onto ``labels`` and ``shape``."""
+  present = [lab for lab in labels if lab != "U"]
+  x = x.reshape([x.shape[order.index(lab)] for lab in order if lab in present])
+  have = [lab for lab in order if lab in present]
+  x = jnp.transpose(x, [have.index(lab) for lab in present])
+  return x.reshape(shape)
+
+
+def _match_attention(g, i, actions, log, count):
+  s = _softmax_of(g, i)
+  if s is None:
+    return
+  p = g.eqns[i].outvars[0]
+  chain = _scores_chain(g, s)
+  if isinstance(chain, str):
+    _left(log, g, "attention", i, chain)
+    return
+  qk_i, steps = chain
+  # the probabilities feed one matmul with v, through casts
+  pv_i, pp = None, p
+  while (c := g.only_consumer(pp)) is not None and g.eqns[c].primitive.name in (
+      "convert_element_type",):
+    pp = g.eqns[c].outvars[0]
+  c = g.only_consumer(pp)
+  if c is None or g.eqns[c].primitive.name != "dot_general":
+    _left(log, g, "attention", i, "the probabilities feed something other than one matmul "
+          "(dropout on them, or returned)")
+    return
+  pv_i = c
+  reason = _build_attention(g, qk_i, steps, i, pp, pv_i, actions, log, count)
+  if reason:
+    _left(log, g, "attention", i, reason)
+
+
+def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
+  qk = g.eqns[qk_i]
+  lhs = _operand_labels(qk, 0, "L")
+  rhs = _operand_labels(qk, 1, "R")
+  if lhs is None or rhs is None:
+    return "the query-key matmul has more than one query or key axis (grouped heads?)"
+  nb = len(qk.params["dimension_numbers"][1][0])
+  if nb > 2:
+    return "more than two batch axes in the scores"
+  labels = _out_labels(qk, lhs, rhs)
+  stage = []  # (kind, eqn, operand index, labels at that op)
+  for kind, e, k in steps:
+    if kind == "layout":
+      labels = _relabel(e, labels)
+      if labels is None:
+        return "a reshape of the scores merges or splits axes"
+    else:
+      stage.append((kind, e, k, list(labels)))
+  if labels[-1] not in ("L", "R"):
+    return "the softmax is not over the keys"
+  k_side = 0 if labels[-1] == "L" else 1
+  kinds = [st[0] for st in stage]
+  if "scale" in kinds and any(kd in ("bias", "mask", "mask_not") for kd in
+                              kinds[:kinds.index("scale")]):
+    return "the scores are scaled after a bias or mask"
+  if kinds.count("scale") > 1 or kinds.count("bias") > 1 or len(
+      [kd for kd in kinds if kd.startswith("mask")]) > 1:
+    return "more than one scale, bias or mask"
+  to_canon = {"L" if k_side == 1 else "R": "T", "L" if k_side == 0 else "R": "S", "D": "D",
+              "U": "U", "B0": "B0", "B1": "B1"}
+  order_qkv = ["B0", "T", "B1", "D"]
+  order_mask = ["B0", "B1", "T", "S"]
+  pv = g.eqns[pv_i]
+  p_side = pv.invars.index(pp)
+  (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
+  p_contract, p_batch = (lc, lb) if p_side == 0 else (rc, rb)
+  v_contract, v_batch = (rc, rb) if p_side == 0 else (lc, lb)
+  p_labels = [to_canon[lab] for lab in labels]
+  if [p_labels[d] for d in p_contract] != ["S"] or sorted(
+      p_labels[d] for d in p_batch) != [f"B{j}" for j in range(nb)]:
+    return "the probabilities' matmul does not contract the keys"
+  v_var = pv.invars[1 - p_side]
+  v_labels = [None] * v_var.aval.ndim
+  for dp, dv in zip(p_batch, v_batch):
+    v_labels[dv] = p_labels[dp]
+  v_labels[v_contract[0]] = "T"  # v's key axis plays the length axis of its layout
+  free_v = [d for d in range(v_var.aval.ndim) if v_labels[d] is None]
+  big = [d for d in free_v if v_var.aval.shape[d] != 1]
+  if len(big) != 1 or len(v_contract) != 1:
+    return "the values have more than one feature axis"
+  for d in free_v:
+    v_labels[d] = "D" if d == big[0] else "U"
+  p_free = [p_labels[d] for d in range(len(p_labels)) if d not in p_contract and d not in p_batch]
+  v_free = [v_labels[d] for d in free_v]
+  out_labels = [f"B{j}" for j in range(nb)] + (v_free + p_free if p_side == 1 else p_free + v_free)
+  q_side = 1 - k_side
+  q_labels = [to_canon[lab] for lab in (lhs if q_side == 0 else rhs)]
+  k_labels = [to_canon[lab] for lab in (rhs if q_side == 0 else lhs)]
+  k_labels = ["T" if lab == "S" else lab for lab in k_labels]
+  q_var, k_var = qk.invars[q_side], qk.invars[k_side]
+  if q_var.aval.dtype != k_var.aval.dtype or q_var.aval.dtype != v_var.aval.dtype:
+    return "q, k and v differ in dtype"
+  head_dim = q_var.aval.shape[q_labels.index("D")]
+  extras, shapes = [], []
+  for kind, e, k, _ in stage:
+    var = e.invars[k] if kind in ("scale", "bias") else e.invars[0]
+    var, shape = (var, None) if kind == "scale" else _unbroadcast(g, var)
+    extras.append(var)
+    shapes.append(shape)
+  out = pv.outvars[0]
+
+  dynamic = [v for v in extras if isinstance(v, jcore.Var)]
+
+  def fn(qv, kv, vv, *dv):
+    it = iter(dv)
+    ev = [next(it) if isinstance(v, jcore.Var) else v.val for v in extras]
+    qc = _to_canonical(qv, q_labels, order_qkv)
+    kc = _to_canonical(kv, k_labels, order_qkv)
+    vc = _to_canonical(vv, v_labels, order_qkv)
+    factor, bias, mask = math.sqrt(head_dim), None, None
+    for (kind, e, _, lab), x, shape in zip(stage, ev, shapes):
+      lab = [to_canon[t] for t in lab]
+      if shape is not None:
+        x = x.reshape(shape)
+      if kind == "scale":
+        factor = (factor * x) if e.primitive.name == "mul" else (factor / x)
+      elif kind == "bias":
+        bias = _to_canonical(x, lab, order_mask)
+      else:
+        m = _to_canonical(x, lab, order_mask)
+        mask = m if kind == "mask" else jnp.logical_not(m)
+    if not (isinstance(factor, (float, np.generic)) and float(factor) == 1.0):
+      qc = (qc.astype(jnp.float32) * factor).astype(qc.dtype)
+    o = attention_ops.attention(qc, kc, vc, mask=mask, bias=bias)
+    return [_from_canonical(o, order_qkv, out_labels, out.aval.shape).astype(out.aval.dtype)]
+
+  inputs = [q_var, k_var, v_var] + dynamic
+  indices = _slice(g, [out], set(inputs))
+  if not g.closed(indices, {out}):
+    return "the scores or probabilities are used elsewhere"
+  actions[pv_i] = _Action(inputs, [out], fn)
+  g.taken |= indices
+  if count:
+    orig = _sub_fn(g, indices, inputs, [out])
+    _record(log, g, "attention", "lm.attention", sm_i, True, orig, fn,
+            [_aval(v) for v in inputs])
+  else:
+    _record(log, g, "attention", "lm.attention", sm_i, False)
+  return None
+
+
+def _unbroadcast(g, var):
+  """``(source, shape)``: ``var`` is ``source`` broadcast; ``shape`` has 1 on new axes."""
+  e = g.prod(var)
+  if e is None or e.primitive.name != "broadcast_in_dim" or not isinstance(
+      e.invars[0], jcore.Var) or list(e.params["broadcast_dimensions"]) != sorted(
+          e.params["broadcast_dimensions"]):
+    return var, None
+  shape = [1] * var.aval.ndim
+  for j, d in enumerate(e.params["broadcast_dimensions"]):
+    shape[d] = e.invars[0].aval.shape[j]
+  return e.invars[0], tuple(shape)

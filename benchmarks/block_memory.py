@@ -2,7 +2,7 @@
 
 For each variant (baseline; approximate activation, ReGELU2 or ReSiLU2; MS
 norm with folded affine; both; attention that recomputes its probabilities,
-`lowmem_jax.attention`; all three) it prints, for the gradient step of the
+`lowmem_jax.attention`; all three; the baseline's loss through `lm.lowmem`) it prints, for the gradient step of the
 loss (parameters float32):
   - compiled peak and temp bytes (XLA's buffer assignment for --target,
     abstract shapes: nothing is allocated; default the H100 target,
@@ -38,7 +38,13 @@ VARIANTS = {
     "both": dict(activation="approx", norm="ms"),
     "attention": dict(attention="recompute"),
     "all three": dict(activation="approx", norm="ms", attention="recompute"),
+    "lm.lowmem(baseline)": dict(),
 }
+TRANSFORMED = "lm.lowmem(baseline)"  # the baseline model's loss through `lm.lowmem`
+
+
+def loss_of(wl, variant):
+  return lm.lowmem(wl.loss) if variant == TRANSFORMED else wl.loss
 
 
 def with_depth(wl, depth):
@@ -54,9 +60,10 @@ def depth(wl):
   return wl.model.config.n_layers if isinstance(wl.model, models.Llama) else wl.model.depth
 
 
-def residual_fn(wl):
+def residual_fn(wl, variant):
   labels = jnp.zeros(wl.labels.shape, jnp.int32)
-  return lambda params, inputs: wl.loss(params, inputs, labels)
+  loss = loss_of(wl, variant)
+  return lambda params, inputs: loss(params, inputs, labels)
 
 
 def memory_rows(wl_of, explain, target):
@@ -66,13 +73,13 @@ def memory_rows(wl_of, explain, target):
   for variant, switches in VARIANTS.items():
     wl = wl_of(**switches)
     params = wl.abstract_params()
-    grad = jax.grad(wl.loss)
+    grad = jax.grad(loss_of(wl, variant))
     stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels, target=target)
     half = with_depth(wl, depth(wl) // 2)
-    half_stats = lm.memory.analyze(jax.grad(half.loss), half.abstract_params(), half.inputs,
+    half_stats = lm.memory.analyze(jax.grad(loss_of(half, variant)), half.abstract_params(), half.inputs,
                                    half.labels, target=target)
     per_block = (stats.temp_bytes - half_stats.temp_bytes) / (depth(wl) - depth(half))
-    saved = lm.memory.saved_residuals(residual_fn(wl), params, wl.inputs)
+    saved = lm.memory.saved_residuals(residual_fn(wl, variant), params, wl.inputs)
     rows.append((variant, stats, per_block, saved))
     if explain:
       peak = lm.memory.report(grad, params, wl.inputs, wl.labels, top=None, target=target)
@@ -99,7 +106,7 @@ def time_rows(wl_of, repeats):
     wl = wl_of(**switches)
     params = wl.init(jax.random.key(0))
     inputs, labels = wl.batch(jax.random.key(1))
-    step = jax.jit(jax.grad(wl.loss))
+    step = jax.jit(jax.grad(loss_of(wl, variant)))
     jax.block_until_ready(step(params, inputs, labels))
     samples = []
     for _ in range(repeats):

@@ -161,9 +161,11 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
   def wrapped(*args, **kwargs):
     closed, arrays, out_shape = traced(args, kwargs)
     log = Rewrites()
-    outs = _evaluate(closed.jaxpr, closed.consts, arrays, options, log)
+    rewritten = jax.make_jaxpr(
+        lambda *a: _evaluate(closed.jaxpr, closed.consts, a, options, log))(*arrays)
     if not any(r.left is None for r in log):
       return fn(*args, **kwargs)  # nothing to rewrite: fn's own jaxpr
+    outs = jcore.jaxpr_as_fun(rewritten)(*arrays)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   def explain(*args, **kwargs) -> Rewrites:
@@ -383,7 +385,7 @@ def _match(jaxpr, options, log, count):
   actions = {}
   if options["attention"]:
     for i, e in enumerate(g.eqns):
-      if e.primitive.name == "div" and i not in g.taken:
+      if e.primitive.name in ("div", "custom_vjp_call") and i not in g.taken:
         _match_attention(g, i, actions, log, count)
   if options["norms"]:
     for i, e in enumerate(g.eqns):
@@ -517,17 +519,23 @@ def _eval_region(g, indices, x, z, xval):
   return env[z]
 
 
+def _reduced(g):
+  """Vars computed from reductions alone by elementwise and layout ops (norm statistics)."""
+  out = set()
+  for e in g.eqns:
+    name = e.primitive.name
+    arrays = [v for v in e.invars if isinstance(v, jcore.Var)]
+    if name.startswith("reduce_") or (name in _ELEMENTWISE | _LAYOUT and arrays and all(
+        v in out for v in arrays)):
+      out.update(e.outvars)
+  return out
+
+
 def _match_activations(g, actions, log, count):
   root = _regions(g)
+  reduced = _reduced(g)
   for z, (x, idx) in root.items():
-    # z is a region's output if something outside the region reads it.
-    users = [c for c in g.consumers.get(z, []) if c not in idx]
-    if not users and z not in g.outvars:
-      continue
-    if any(root.get(o, (None,))[0] == x and z in g.eqns[c].invars and c in root.get(o)[1]
-           for c in users for o in g.eqns[c].outvars if o in root):
-      continue  # z is interior: a larger region around it has the same x
-    if not g.closed(idx, {z}):
+    if idx & g.taken or x in reduced or not g.closed(idx, {z}):
       continue
     prims = {g.eqns[i].primitive.name for i in idx}
     name = _identify(g, idx, x, z, prims)
@@ -844,8 +852,19 @@ _MASK_FILL = -1e4  # a `where` fill at or below this masks a key out
 
 
 def _softmax_of(g, i):
-  """``s`` if equation ``i`` is ``exp(s - max(s)) / sum(exp(...))`` over the last axis."""
+  """``s`` if equation ``i`` is ``exp(s - max(s)) / sum(exp(...))`` over the last axis,
+  or a ``custom_vjp`` function of ``s`` that computes only that."""
   e = g.eqns[i]
+  if e.primitive.name == "custom_vjp_call":
+    inner, _ = _inline_jit(e.params["call_jaxpr"].jaxpr, e.params["call_jaxpr"].consts)
+    ig = _Graph(inner)
+    last = len(inner.eqns) - 1
+    if (len(inner.invars) == 1 and len(inner.outvars) == 1 and last >= 0
+        and inner.outvars[0] is inner.eqns[last].outvars[0]
+        and inner.eqns[last].primitive.name == "div"
+        and _softmax_of(ig, last) is inner.invars[0]):
+      return e.invars[0]
+    return None
   num, den = e.invars
   ex = g.prod(num)
   red = g.prod(g.back(den, _SOFTMAX_BACK))
@@ -913,25 +932,44 @@ def _scores_chain(g, s):
       v = e.invars[0]
     elif name in ("mul", "div") and _scalar_operand(e) is not None:
       k = _scalar_operand(e)
-      steps.append(("scale", e, k))
+      steps.append(("scale", e, e.invars[k]))
       v = e.invars[1 - k]
     elif name == "add":
-      a, b = e.invars
-      side = 0 if _leads_to_dot(g, a) else 1
-      steps.append(("bias", e, 1 - side))
+      side = 0 if _leads_to_dot(g, e.invars[0]) else 1
+      bias = e.invars[1 - side]
+      steps.append(_additive_mask(g, e, bias) or ("bias", e, bias))
       v = e.invars[side]
     elif name == "select_n" and len(e.invars) == 3:
-      pred, f, t = e.invars
-      if _fill_value(g, f) is not None and _fill_value(g, f) <= _MASK_FILL:
-        steps.append(("mask", e, 0))
-        v = t
-      elif _fill_value(g, t) is not None and _fill_value(g, t) <= _MASK_FILL:
-        steps.append(("mask_not", e, 0))
-        v = f
-      else:
+      kind = _mask_kind(g, e.invars[1], e.invars[2])
+      if kind is None:
         return "a select in the scores that is not a mask"
+      steps.append((kind, e, e.invars[0]))
+      v = e.invars[2] if kind == "mask" else e.invars[1]
     else:
       return f"the scores pass through {name}"
+
+
+def _mask_kind(g, on_false, on_true):
+  """"mask" if ``select_n(pred, on_false, on_true)`` keeps where pred, "mask_not" if it
+  keeps where not pred (the other case a fill at or below ``_MASK_FILL``), else None."""
+  f, t = _fill_value(g, on_false), _fill_value(g, on_true)
+  if f is not None and f <= _MASK_FILL:
+    return "mask"
+  if t is not None and t <= _MASK_FILL:
+    return "mask_not"
+  return None
+
+
+def _additive_mask(g, e, bias):
+  """A bias ``where(keep, 0, fill)`` as the mask step it is, else None."""
+  sel = g.prod(g.back(bias))
+  if sel is None or sel.primitive.name != "select_n" or len(sel.invars) != 3:
+    return None
+  kind = _mask_kind(g, sel.invars[1], sel.invars[2])
+  zero = sel.invars[2] if kind == "mask" else sel.invars[1]
+  if kind is None or _fill_value(g, zero) != 0.0:
+    return None
+  return kind, e, sel.invars[0]
 
 
 def _scalar_operand(e):
@@ -1112,9 +1150,10 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
     return "q, k and v differ in dtype"
   head_dim = q_var.aval.shape[q_labels.index("D")]
   extras, shapes = [], []
-  for kind, e, k, _ in stage:
-    var = e.invars[k] if kind in ("scale", "bias") else e.invars[0]
+  for kind, e, var, lab in stage:
     var, shape = (var, None) if kind == "scale" else _unbroadcast(g, var)
+    if kind != "scale" and len(shape or var.aval.shape) != len(lab):
+      return "a mask or bias of another rank than the scores"
     extras.append(var)
     shapes.append(shape)
   out = pv.outvars[0]

@@ -1,0 +1,284 @@
+"""`lm.lowmem`: every rewrite against the function it replaces (its exact twin)."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowmem_jax as lm
+
+KEY = jax.random.key(0)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+
+
+def _normal(shape, dtype=jnp.float32, key=KEY, scale=1.0):
+  return (scale * jax.random.normal(key, shape)).astype(dtype)
+
+
+def _close(a, b, tol):
+  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), a),
+                              jax.tree.map(lambda x: x.astype(jnp.float32), b),
+                              atol=tol, rtol=tol)
+
+
+def _float_residuals(fn, *args):
+  return [r for r in lm.memory.saved_residuals(fn, *args).rows
+          if jnp.issubdtype(r.dtype, jnp.floating) and not r.is_argument]
+
+
+ACTIVATIONS = {  # form: (function, the project's op it becomes)
+    "jax.nn.gelu (tanh)": (jax.nn.gelu, "tanh"),
+    "jax.nn.gelu (erfc)": (lambda x: jax.nn.gelu(x, approximate=False), lm.regelu2),
+    "erf by hand": (lambda x: 0.5 * x * (1 + jax.lax.erf(x / np.sqrt(2.0))), lm.regelu2),
+    "jax.nn.silu": (jax.nn.silu, lm.resilu2),
+    "x * sigmoid(x)": (lambda x: x * jax.nn.sigmoid(x), lm.resilu2),
+    "jax.nn.relu": (jax.nn.relu, lm.relu),
+    "maximum(x, 0)": (lambda x: jnp.maximum(x, 0.0), lm.relu),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("form", list(ACTIVATIONS))
+def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype):
+  fn, op = ACTIVATIONS[form]
+  x = _normal((4, 8, 64), dtype, scale=3.0)
+  loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) * jnp.arange(64.0))
+  fast = lm.lowmem(loss)
+  assert fast.explain(x).counts == {"activation": 1}
+  _close(fast(x), loss(x), TOL[dtype] * 10)
+  if op == "tanh":  # the tanh GELU keeps its forward and takes ReGELU2's backward
+    op = lm.transform._TANH_REGELU2
+  twin = lambda x: jnp.sum(op(x).astype(jnp.float32) * jnp.arange(64.0))
+  chex.assert_trees_all_equal(jax.grad(fast)(x), jax.grad(twin)(x))
+  saved = [r for r in _float_residuals(fast, x) if r.shape == x.shape]
+  assert not saved, "a float activation input is still saved"
+
+
+def test_relu_gradient_is_exact():
+  x = _normal((8, 32))
+  loss = lambda x: jnp.sum(jax.nn.relu(x) ** 2)
+  chex.assert_trees_all_close(jax.grad(lm.lowmem(loss))(x), jax.grad(loss)(x), atol=1e-6)
+
+
+class _PreLN(nn.Module):
+  norm: type = nn.LayerNorm
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    h = self.norm(dtype=self.dtype)(x)
+    return jnp.sum(nn.Dense(16, dtype=self.dtype)(h) ** 2) + jnp.sum(nn.Dense(8, dtype=self.dtype)(h))
+
+
+class _PostLN(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    return jnp.sum((nn.Dense(32)(h) + h) ** 2)
+
+
+def _perturbed(params):
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(KEY, len(leaves))
+  return jax.tree.unflatten(tree, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
+                                   for p, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_linen_norm_folded_into_its_matmuls(norm, dtype):
+  model = _PreLN(norm, dtype)
+  x = _normal((4, 16, 32), scale=2.0) + 1.0
+  params = _perturbed(model.init(KEY, x))
+  loss = lambda p, x: model.apply(p, x)
+  fast = lm.lowmem(loss)
+  (rewrite,) = fast.explain(params, x)
+  assert rewrite.kind == "norm" and "fold into 2 matmuls" in rewrite.op, rewrite
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  _close(fast(params, x), loss(params, x), tol)
+  _close(jax.grad(fast, (0, 1))(params, x), jax.grad(loss, (0, 1))(params, x), tol * 10)
+  names = {r.name for r in lm.memory.saved_residuals(fast, params, x).rows}
+  assert {"norm_out", "norm_rstd"} <= names
+  # the parameter tree is the user's: pretrained weights load as they are
+  assert jax.tree.structure(jax.grad(fast)(params, x)) == jax.tree.structure(params)
+
+
+def _hand_ln(p, x):
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+
+
+def _hand_rms(p, x):
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * p["g"]
+
+
+@pytest.mark.parametrize("norm", [_hand_ln, _hand_rms])
+def test_hand_written_norm(norm):
+  p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)), "w": _normal((32, 8)),
+       "c": _normal((8,))}
+  x = _normal((4, 16, 32), scale=3.0)
+  loss = lambda p, x: jnp.sum(jnp.tanh(norm(p, x) @ p["w"] + p["c"]))
+  fast = lm.lowmem(loss, activations=None)
+  assert fast.explain(p, x).counts == {"norm": 1}
+  _close(fast(p, x), loss(p, x), 1e-5)
+  _close(jax.grad(fast, (0, 1))(p, x), jax.grad(loss, (0, 1))(p, x), 1e-4)
+  shapes = [r.shape for r in _float_residuals(fast, p, x) if r.name is None]
+  assert x.shape not in shapes, "the norm's input is still saved"
+
+
+def test_post_ln_keeps_the_affine_on_the_residual_path():
+  model = _PostLN()
+  x = _normal((4, 16, 32))
+  params = _perturbed(model.init(KEY, x))
+  loss = lambda p, x: model.apply(p, x)
+  fast = lm.lowmem(loss)
+  (rewrite,) = fast.explain(params, x)
+  assert "affine kept" in rewrite.op
+  _close(jax.grad(fast)(params, x), jax.grad(loss)(params, x), 1e-4)
+
+
+def test_norm_like_expression_over_the_wrong_axis_is_left():
+  x = _normal((16, 32))
+  def loss(x):
+    mu = x.mean(0, keepdims=True)
+    y = (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(0, keepdims=True) + 1e-5)
+    return jnp.sum(y @ jnp.ones((32, 4)))
+  assert lm.lowmem(loss).explain(x).counts == {}
+
+
+L = 32
+MASK = jnp.tril(jnp.ones((L, L), bool))[None, None]
+BIAS = _normal((1, 4, L, L), key=jax.random.key(3))
+
+
+def _einsum_attention(q, k, v):
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+  s = jnp.where(MASK, s, -1e9)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+ATTENTIONS = {
+    "jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+    "jax.nn.dot_product_attention, mask": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=MASK),
+    "flax.linen, mask": lambda q, k, v: nn.dot_product_attention(q, k, v, mask=MASK),
+    "flax.linen, bias": lambda q, k, v: nn.dot_product_attention(q, k, v, bias=BIAS),
+    "nnx, mask": lambda q, k, v: nnx.dot_product_attention(q, k, v, mask=MASK),
+    "einsum by hand, where": _einsum_attention,
+    "lm.attention_ops.dot_product_attention": (
+        lambda q, k, v: lm.attention_ops.dot_product_attention(q, k, v, causal=True)),
+}
+
+
+@pytest.mark.parametrize("form", list(ATTENTIONS))
+def test_attention_rewritten_without_an_lxl_residual(form):
+  q, k, v = _normal((3, 2, L, 4, 16))
+  loss = lambda q, k, v: jnp.sum(ATTENTIONS[form](q, k, v) ** 2)
+  fast = lm.lowmem(loss)
+  assert fast.explain(q, k, v).counts == {"attention": 1}
+  _close(fast(q, k, v), loss(q, k, v), 1e-5)
+  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
+  lxl = [r for r in _float_residuals(fast, q, k, v) if r.shape[-2:] == (L, L)]
+  assert not lxl, lxl
+
+
+def test_softmax_not_followed_by_a_matmul_is_left():
+  q, k = _normal((2, 2, L, 4, 16))
+  loss = lambda q, k: jnp.sum(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1) ** 2)
+  rewrites = lm.lowmem(loss).explain(q, k)
+  assert rewrites.counts == {}
+  assert [r.kind for r in rewrites] == ["attention"] and "matmul" in rewrites[0].left
+
+
+class _Block(nnx.Module):
+  """A transformer block of Flax's stock NNX modules."""
+
+  def __init__(self, rngs):
+    self.ln1 = nnx.LayerNorm(32, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(32, rngs=rngs)
+    self.fc1 = nnx.Linear(32, 64, rngs=rngs)
+    self.fc2 = nnx.Linear(64, 32, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+
+def test_nnx_block_of_stock_modules():
+  graphdef, state = nnx.split(_Block(nnx.Rngs(0)))
+  state = _perturbed(state)
+  x = _normal((2, 16, 32))
+  loss = lambda state, x: jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+  assert lm.lowmem(loss).explain(state, x).counts == {"attention": 1, "norm": 2, "activation": 1}
+  exact = lm.lowmem(loss, activations=None)  # every other rewrite is exact
+  _close(exact(state, x), loss(state, x), 1e-5)
+  _close(jax.grad(exact)(state, x), jax.grad(loss)(state, x), 1e-4)
+
+
+def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
+  ws = _normal((3, 32, 32), scale=0.2)
+  x = _normal((4, 32))
+  policy = jax.checkpoint_policies.save_only_these_names("act_code")
+
+  @jax.jit
+  def layer(h, w):
+    return jax.nn.gelu(h @ w, approximate=False)
+
+  def loss(ws, x):
+    def body(h, w):
+      h = jax.checkpoint(layer, policy=policy)(h, w)
+      return jax.lax.cond(h.sum() > 0, jax.nn.relu, jax.nn.silu, h), None
+    return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+  fast = lm.lowmem(loss)
+  assert fast.explain(ws, x).counts == {"activation": 3}
+  _close(fast(ws, x), loss(ws, x), 1e-5)
+  jaxpr = str(jax.make_jaxpr(fast)(ws, x))
+  assert jaxpr.count("custom_vjp_call") == 3 and "remat" in jaxpr and "scan" in jaxpr
+  grads = jax.jit(jax.grad(fast))(ws, x)
+  assert np.isfinite(np.asarray(grads)).all()
+
+
+def test_composes_with_vmap_and_jit():
+  x = _normal((3, 8, 64))
+  fn = lambda x: jnp.sum(jax.nn.gelu(x) ** 2)
+  fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn))))
+  twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.transform._TANH_REGELU2(x) ** 2)))
+  _close(fast(x), twin(x), 1e-6)
+
+
+def test_nothing_to_rewrite_gives_the_same_jaxpr():
+  fn = lambda x, w: jnp.sum(jnp.tanh(x @ w) * 2.0 + 1.0)
+  x, w = _normal((4, 8)), _normal((8, 8))
+  assert str(jax.make_jaxpr(lm.lowmem(fn))(x, w)) == str(jax.make_jaxpr(fn)(x, w))
+
+
+def test_options_turn_rewrites_off_and_bad_options_raise():
+  x = _normal((4, 16, 32))
+  fn = lambda x: jnp.sum(jax.nn.gelu(nn.LayerNorm().apply({"params": {"scale": jnp.ones(32),
+                                                                      "bias": jnp.zeros(32)}}, x)))
+  assert lm.lowmem(fn, norms=None).explain(x).counts == {"activation": 1}
+  assert lm.lowmem(fn, activations=None, norms=None).explain(x).counts == {}
+  with pytest.raises(ValueError, match="norms"):
+    lm.lowmem(fn, norms="fast")
+  with pytest.raises(TypeError, match="remat"):
+    lm.lowmem(fn, remat=True)
+  with pytest.raises(TypeError, match="fn must be callable"):
+    lm.lowmem(3)
+
+
+def test_explain_counts_the_bytes_and_prints_a_table():
+  q, k, v = _normal((3, 2, L, 4, 16))
+  loss = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2)
+  rewrites = lm.lowmem(loss).explain(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)))
+  plain = lm.memory.saved_residuals(loss, q, k, v).total_bytes
+  fast = lm.memory.saved_residuals(lm.lowmem(loss), q, k, v).total_bytes
+  assert plain - fast > 0  # counted on the pattern alone: equal up to scalars
+  np.testing.assert_allclose(rewrites.saved_bytes, plain - fast, rtol=1e-3)
+  assert "lm.attention" in str(rewrites) and "test_transform.py" in rewrites[0].source

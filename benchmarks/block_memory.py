@@ -66,11 +66,11 @@ def residual_fn(wl, variant):
   return lambda params, inputs: loss(params, inputs, labels)
 
 
-def memory_rows(wl_of, explain, target):
+def memory_rows(wl_of, explain, target, variants=VARIANTS):
   """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(**switches)``,
   compiled for ``target``."""
   rows = []
-  for variant, switches in VARIANTS.items():
+  for variant, switches in variants.items():
     wl = wl_of(**switches)
     params = wl.abstract_params()
     grad = jax.grad(loss_of(wl, variant))
@@ -100,9 +100,9 @@ def group_by_op(peak):
   return sorted(groups.items(), key=lambda kv: -kv[1][0])
 
 
-def time_rows(wl_of, repeats):
+def time_rows(wl_of, repeats, variants=VARIANTS):
   times = {}
-  for variant, switches in VARIANTS.items():
+  for variant, switches in variants.items():
     wl = wl_of(**switches)
     params = wl.init(jax.random.key(0))
     inputs, labels = wl.batch(jax.random.key(1))
@@ -131,9 +131,15 @@ def main(argv=None):
   parser.add_argument("--explain", type=int, default=0, metavar="N",
                       help="also list the N largest groups of buffers live at the compiled peak")
   parser.add_argument("--no-timing", action="store_true")
+  parser.add_argument("--variants", default=",".join(VARIANTS),
+                      help=f"comma-separated, the first the baseline of the ratios; of {list(VARIANTS)}")
   parser.add_argument("--target", default=None,
                       help="compile target (lowmem_jax.targets); default: targets.default()")
   args = parser.parse_args(argv)
+  unknown = set(args.variants.split(",")) - set(VARIANTS)
+  if unknown:
+    parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+  variants = {v: VARIANTS[v] for v in args.variants.split(",")}
   target = lm.targets.resolve(args.target)
   console = Console(width=200)
   console.print(target.note, highlight=False)
@@ -145,7 +151,7 @@ def main(argv=None):
       wl_of = lambda **sw: models.workload(name, dtype=jnp.dtype(dtype), **size, **sw)
       if args.explain:
         print(f"\n{name}, {dtype} compute")
-      rows = memory_rows(wl_of, args.explain, target)
+      rows = memory_rows(wl_of, args.explain, target, variants)
       base = rows[0]
       table = Table(title=f"{name}, {size}, {dtype} compute, float32 params "
                           f"(gradient step; MiB; ratio to baseline)")
@@ -164,13 +170,13 @@ def main(argv=None):
       b, n = (int(x) for x in (args.time_vit if vit else args.time_llama).split(","))
       small = dict(batch=b, image=n) if vit else dict(batch=b, seq=n)
       times = time_rows(lambda **sw: models.workload(name, dtype=jnp.float32, **small, **sw),
-                        args.repeats)
+                        args.repeats, variants)
       table = Table(title=f"step time, {name}, {small}, float32, "
                           f"{jax.devices()[0].device_kind}, median of {args.repeats}")
       for col in ("variant", "seconds", "ratio to baseline"):
         table.add_column(col, justify="left" if col == "variant" else "right")
       for variant, t in times.items():
-        table.add_row(variant, f"{t:.3f}", f"{t / times['baseline']:.3f}")
+        table.add_row(variant, f"{t:.3f}", f"{t / times[next(iter(times))]:.3f}")
       console.print(table)
 
 

@@ -46,7 +46,7 @@ from jax._src import core as jax_core  # eval_context: test points evaluate whil
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from lowmem_jax import activations, attention_ops, memory, norms
+from lowmem_jax import activations, attention_ops, memory, names, norms
 
 OPTIONS = {
     "activations": ("approx", None),
@@ -771,13 +771,28 @@ def _match_norm(g, ri, actions, log, count):
 
 
 def _affine(y, scale, bias, pv, dtype):
+  """``y * g + b`` in y's dtype, so the scale's gradient needs only the saved ``y``."""
   it = iter(pv)
-  z = y.astype(jnp.float32)
+  z = y
   if scale is not None:
-    z = z * next(it).astype(jnp.float32)
+    z = z * next(it).astype(y.dtype)
   if bias is not None:
-    z = z + next(it).astype(jnp.float32)
+    z = z + next(it).astype(y.dtype)
   return z.astype(dtype)
+
+
+def _apply_layout(e, x, own_name):
+  """Layout equation ``e`` (reshape, cast, checkpoint name) applied to ``x``.
+
+  A checkpoint name the replacement already gives its output is not given
+  twice, which would make autodiff count the array twice.
+  """
+  name = e.primitive.name
+  if name == "convert_element_type":
+    return x.astype(e.params["new_dtype"])
+  if name == "name" and e.params["name"] == own_name:
+    return x
+  return _bind(e, [x])[0]
 
 
 def _foldable(g, z, n):
@@ -789,7 +804,7 @@ def _foldable(g, z, n):
     for c in g.consumers.get(v, []):
       e = g.eqns[c]
       name = e.primitive.name
-      if name == "convert_element_type" or (
+      if name in ("convert_element_type", "name") or (
           name == "reshape" and e.outvars[0].aval.shape[-1:] == (n,)):
         todo.append((e.outvars[0], chain + [c]))
       elif name == "dot_general" and _contracts_last(e, v):
@@ -822,8 +837,7 @@ def _fold_action(g, d, side, chain, token, scale, bias, actions):
 
   def fn(y, wv, *pv):
     for ce in chain_eqns:
-      y = _bind(ce, [y])[0] if ce.primitive.name == "reshape" else y.astype(
-          ce.params["new_dtype"])
+      y = _apply_layout(ce, y, names.NORM_OUT)
     it = iter(pv)
     gv = next(it) if scale is not None else None
     bv = next(it) if bias is not None else None
@@ -1156,7 +1170,15 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
       return "a mask or bias of another rank than the scores"
     extras.append(var)
     shapes.append(shape)
-  out = pv.outvars[0]
+  out, tags = pv.outvars[0], []
+  while (c := g.only_consumer(out)) is not None and (
+      g.eqns[c].primitive.name in ("transpose", "convert_element_type", "copy", "name")
+      or g.eqns[c].primitive.name == "reshape" and _unit_reshape(g.eqns[c])):
+    relabelled = _relabel(g.eqns[c], out_labels)
+    if relabelled is None:
+      break
+    out_labels, out = relabelled, g.eqns[c].outvars[0]
+    tags += [g.eqns[c]] if g.eqns[c].primitive.name == "name" else []
 
   dynamic = [v for v in extras if isinstance(v, jcore.Var)]
 
@@ -1181,13 +1203,16 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
     if not (isinstance(factor, (float, np.generic)) and float(factor) == 1.0):
       qc = (qc.astype(jnp.float32) * factor).astype(qc.dtype)
     o = attention_ops.attention(qc, kc, vc, mask=mask, bias=bias)
-    return [_from_canonical(o, order_qkv, out_labels, out.aval.shape).astype(out.aval.dtype)]
+    o = _from_canonical(o, order_qkv, out_labels, out.aval.shape).astype(out.aval.dtype)
+    for tag in tags:
+      o = _apply_layout(tag, o, names.ATTN_OUT)
+    return [o]
 
   inputs = [q_var, k_var, v_var] + dynamic
   indices = _slice(g, [out], set(inputs))
   if not g.closed(indices, {out}):
     return "the scores or probabilities are used elsewhere"
-  actions[pv_i] = _Action(inputs, [out], fn)
+  actions[g.index(out)] = _Action(inputs, [out], fn)
   g.taken |= indices
   if count:
     orig = _sub_fn(g, indices, inputs, [out])

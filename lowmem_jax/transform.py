@@ -161,11 +161,13 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
   def wrapped(*args, **kwargs):
     closed, arrays, out_shape = traced(args, kwargs)
     log = Rewrites()
-    rewritten = jax.make_jaxpr(
-        lambda *a: _evaluate(closed.jaxpr, closed.consts, a, options, log))(*arrays)
+    jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, options, log))(*arrays)
     if not any(r.left is None for r in log):
       return fn(*args, **kwargs)  # nothing to rewrite: fn's own jaxpr
-    outs = jcore.jaxpr_as_fun(rewritten)(*arrays)
+    # Evaluated again under the caller's trace rather than replayed from the
+    # jaxpr above: ops that choose an implementation when differentiated
+    # (lm.attention's cuDNN fallback) choose under the caller's transformations.
+    outs = _evaluate(closed.jaxpr, closed.consts, arrays, options, Rewrites())
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   def explain(*args, **kwargs) -> Rewrites:

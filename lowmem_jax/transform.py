@@ -36,11 +36,12 @@ import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import rich.table
 from jax import lax
 from jax._src import core as jax_core  # eval_context: test points evaluate while tracing
 from jax._src import source_info_util
@@ -95,8 +96,6 @@ class Rewrites(list):
     return sum(r.saved_bytes for r in self)
 
   def __str__(self) -> str:
-    import rich.console  # pylint: disable=import-outside-toplevel
-    import rich.table  # pylint: disable=import-outside-toplevel
     table = rich.table.Table(title=f"lm.lowmem: {sum(self.counts.values())} rewrites, "
                              f"{self.saved_bytes / 2**20:.1f} MiB fewer residuals")
     for col in ("kind", "became", "source", "MiB saved", "left because"):
@@ -104,9 +103,7 @@ class Rewrites(list):
     for r in self:
       table.add_row(r.kind, r.op if r.left is None else "-", r.source,
                     f"{r.saved_bytes / 2**20:.2f}", r.left or "")
-    console = rich.console.Console(width=140, record=True, file=open("/dev/null", "w"))
-    console.print(table)
-    return console.export_text()
+    return memory._render(table)  # pylint: disable=protected-access
 
 
 def _check_options(options: dict) -> dict:
@@ -182,8 +179,8 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
 
 
 def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) or (
-      hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "aval"))
+  """Arrays (tracers included) and abstract arrays; other leaves are static."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 # --- the interpreter ---------------------------------------------------------
@@ -228,10 +225,8 @@ def _run(jaxpr, consts, args, actions, options, log, inline_only=False, count=Fa
     env[v] = x
   for v, x in zip(jaxpr.invars, args):
     env[v] = x
-  keep = _live(jaxpr, actions)
-  for i, eqn in enumerate(jaxpr.eqns):
-    if not keep[i]:
-      continue
+  for i in _live(jaxpr.eqns, range(len(jaxpr.eqns)), actions, jaxpr.outvars):
+    eqn = jaxpr.eqns[i]
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
       if i in actions:
@@ -248,18 +243,18 @@ def _run(jaxpr, consts, args, actions, options, log, inline_only=False, count=Fa
   return list(map(read, jaxpr.outvars))
 
 
-def _live(jaxpr, actions) -> list[bool]:
-  """Which equations the outputs need, with ``actions`` in place of theirs."""
-  needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-  keep = [False] * len(jaxpr.eqns)
-  for i in reversed(range(len(jaxpr.eqns))):
-    eqn = jaxpr.eqns[i]
+def _live(eqns, indices, actions, outputs) -> list[int]:
+  """The equations of ``indices`` that ``outputs`` need, in order, with
+  ``actions`` in place of theirs."""
+  needed = {v for v in outputs if not isinstance(v, jcore.Literal)}
+  keep = []
+  for i in sorted(indices, reverse=True):
     ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
-                 else (eqn.invars, eqn.outvars))
-    if any(o in needed for o in outs) or (i not in actions and eqn.effects):
-      keep[i] = True
+                 else (eqns[i].invars, eqns[i].outvars))
+    if any(o in needed for o in outs) or (i not in actions and eqns[i].effects):
+      keep.append(i)
       needed.update(v for v in ins if not isinstance(v, jcore.Literal))
-  return keep
+  return keep[::-1]
 
 
 def _bind(eqn, invals):
@@ -425,19 +420,12 @@ def _left(log, g, kind, anchor, why):
 def _sub_fn(g, indices, inputs, outputs, actions=None):
   """The equations ``indices`` as a function of ``inputs``, with ``actions`` in place."""
   actions = {i: a for i, a in (actions or {}).items() if i in indices}
-  order = sorted(indices)
-  needed, run = set(outputs), []
-  for i in reversed(order):
-    ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
-                 else (g.eqns[i].invars, g.eqns[i].outvars))
-    if any(o in needed for o in outs):
-      run.append(i)
-      needed.update(v for v in ins if not isinstance(v, jcore.Literal))
+  run = _live(g.eqns, indices, actions, outputs)
 
   def fn(*vals):
     env = dict(zip(inputs, vals))
     rd = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for i in reversed(run):
+    for i in run:
       if i in actions:
         env.update(zip(actions[i].outputs, actions[i].fn(*map(rd, actions[i].inputs))))
       else:
@@ -456,16 +444,10 @@ def _aval(v):
 _TEST_X = np.concatenate([np.linspace(-8.0, 8.0, 321), [-30.0, -12.0, 12.0, 30.0]])
 
 
-def _tanh_gelu(x):
-  return jax.nn.gelu(x, approximate=True)
-
-
-_TANH_REGELU2 = activations.approx_activation(_tanh_gelu, activations.REGELU2_A,
-                                              activations.REGELU2_C)
 _ACTIVATIONS = {  # name: (primitive hint, exact twin, replacement)
     "regelu2": ({"erf", "erfc"}, lambda x: jax.nn.gelu(x, approximate=False),
                 activations.regelu2),
-    "tanh-gelu → regelu2 backward": ({"tanh"}, _tanh_gelu, _TANH_REGELU2),
+    "tanh-gelu → regelu2 backward": ({"tanh"}, jax.nn.gelu, activations.regelu2_tanh),
     "resilu2": ({"logistic", "exp"}, jax.nn.silu, activations.resilu2),
     "relu": ({"max", "custom_jvp_call"}, jax.nn.relu, activations.relu),
 }
@@ -658,7 +640,8 @@ def _stats(g, r_eqn):
   ve = g.prod(var)
   if ve is not None and ve.primitive.name == "sub":  # E[x^2] - E[x]^2
     sq, m2 = ve.invars
-    x = _square_of(g, _mean_of(g, sq)) if _mean_of(g, sq) is not None else None
+    mean_sq = _mean_of(g, sq)
+    x = None if mean_sq is None else _square_of(g, mean_sq)
     mu = _square_of(g, m2)
     if x is None or mu is None or _mean_of(g, mu) is None:
       return None
@@ -758,18 +741,13 @@ def _match_norm(g, ri, actions, log, count):
     g.taken.add(d)
   where = f" + fold into {len(folds)} matmul{'s' * (len(folds) != 1)}" if affine and folds else ""
   kept = " (affine kept for other users)" if affine and others else ""
-  if count:
-    dots = {d for d, _, _ in folds}
-    outs = [z] * keep_z + [g.eqns[d].outvars[0] for d in sorted(dots)]
-    mats = [v for d in sorted(dots) for v in g.eqns[d].invars if v not in idx and v is not z]
-    ins = list(dict.fromkeys(inputs + [v for v in mats if isinstance(v, jcore.Var)
-                                       and g.index(v) not in idx and v is not z]))
-    sub_idx = idx | dots | {i for d, _, chain in folds for i in chain}
-    orig = _sub_fn(g, sub_idx, ins, outs)
-    new = _sub_fn(g, sub_idx, ins, outs, actions)
-    _record(log, g, "norm", op + where + kept, anchor, True, orig, new, [_aval(v) for v in ins])
-  else:
-    _record(log, g, "norm", op + where + kept, anchor, False)
+  dots = sorted(d for d, _, _ in folds)
+  outs = [z] * keep_z + [g.eqns[d].outvars[0] for d in dots]
+  weights = [g.eqns[d].invars[1 - side] for d, side, _ in folds]
+  ins = list(dict.fromkeys(inputs + [w for w in weights if isinstance(w, jcore.Var)]))
+  sub_idx = idx | set(dots) | {i for _, _, chain in folds for i in chain}
+  _record(log, g, "norm", op + where + kept, anchor, count, _sub_fn(g, sub_idx, ins, outs),
+          _sub_fn(g, sub_idx, ins, outs, actions), [_aval(v) for v in ins])
 
 
 def _affine(y, scale, bias, pv, dtype):
@@ -1087,17 +1065,15 @@ def _match_attention(g, i, actions, log, count):
     return
   qk_i, steps = chain
   # the probabilities feed one matmul with v, through casts
-  pv_i, pp = None, p
-  while (c := g.only_consumer(pp)) is not None and g.eqns[c].primitive.name in (
-      "convert_element_type",):
+  pp = p
+  while (c := g.only_consumer(pp)) is not None and g.eqns[c].primitive.name == (
+      "convert_element_type"):
     pp = g.eqns[c].outvars[0]
-  c = g.only_consumer(pp)
   if c is None or g.eqns[c].primitive.name != "dot_general":
     _left(log, g, "attention", i, "the probabilities feed something other than one matmul "
           "(dropout on them, or returned)")
     return
-  pv_i = c
-  reason = _build_attention(g, qk_i, steps, i, pp, pv_i, actions, log, count)
+  reason = _build_attention(g, qk_i, steps, i, pp, c, actions, log, count)
   if reason:
     _left(log, g, "attention", i, reason)
 

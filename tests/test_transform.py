@@ -50,7 +50,7 @@ def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype
   assert fast.explain(x).counts == {"activation": 1}
   _close(fast(x), loss(x), TOL[dtype] * 10)
   if op == "tanh":  # the tanh GELU keeps its forward and takes ReGELU2's backward
-    op = lm.transform._TANH_REGELU2
+    op = lm.activations.regelu2_tanh
   twin = lambda x: jnp.sum(op(x).astype(jnp.float32) * jnp.arange(64.0))
   chex.assert_trees_all_equal(jax.grad(fast)(x), jax.grad(twin)(x))
   saved = [r for r in _float_residuals(fast, x) if r.shape == x.shape]
@@ -249,7 +249,7 @@ def test_composes_with_vmap_and_jit():
   x = _normal((3, 8, 64))
   fn = lambda x: jnp.sum(jax.nn.gelu(x) ** 2)
   fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn))))
-  twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.transform._TANH_REGELU2(x) ** 2)))
+  twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.activations.regelu2_tanh(x) ** 2)))
   _close(fast(x), twin(x), 1e-6)
 
 

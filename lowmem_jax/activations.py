@@ -42,6 +42,9 @@ def _approx_fwd(fit, options, x):
     y, packed = kernels.forward_reference(fit, x)
   else:
     y, packed = kernels.forward(fit, x, options)
+  # Tied to y, the code is made before y's next use; alone, XLA may schedule it
+  # at the end of the forward (only the backward reads it) and keep x alive.
+  y, packed = jax.lax.optimization_barrier((y, packed))
   return y, checkpoint_name(packed, names.ACT_CODE)
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names, targets
+from lowmem_jax import _layout, names, targets
 from lowmem_jax._checks import check_float_array
 
 IMPLS = ("auto", "chunked", "cudnn")
@@ -133,7 +133,7 @@ def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
   # acc is laid out like q, so the output needs no transpose. The barrier
   # keeps XLA from fusing the division into each of out's users, which would
   # make a second output-sized array for the next layer and the backward.
-  out = lax.optimization_barrier((acc / _per_row(l)).reshape(q.shape).astype(q.dtype))
+  out, = _layout.barrier_rows((acc / _per_row(l)).reshape(q.shape).astype(q.dtype))
   out = checkpoint_name(out, names.ATTN_OUT)
   lse = checkpoint_name(m + jnp.log(l), names.ATTN_LSE)
   return out, (q, k, v, mask, bias, out, lse)

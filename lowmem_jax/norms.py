@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import dispatch, names
+from lowmem_jax import _layout, dispatch, names
 from lowmem_jax._checks import check_float_array, check_out_dtype
 from pallas_kernels import norms as kernels
 
@@ -50,7 +50,7 @@ def _ms_norm(spec, options, x):
 
 
 def _ms_norm_fwd(spec, options, x):
-  y, rstd = _forward(spec, options, x)
+  y, rstd = _layout.barrier_rows(*_forward(spec, options, x))
   y = checkpoint_name(y, names.NORM_OUT)
   return y, (y, checkpoint_name(rstd, names.NORM_RSTD))
 

@@ -121,8 +121,11 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
   """``fn`` with its GELU/SiLU/ReLU, norms and softmax attention rewritten.
 
   Args:
-    fn: any function of arrays (pytrees of them; other leaves are static) that
-      traces to a jaxpr: a loss, a model's apply, an NNX pure function.
+    fn: any function of arrays (pytrees of them, NNX modules included; other
+      leaves are static) that traces to a jaxpr: a loss, a model's apply. Give
+      the function the step differentiates (``jax.grad(lowmem(loss))``,
+      ``nnx.value_and_grad(lowmem(loss))``), not the step: a step's jaxpr
+      already holds its backward, which the rewrites do not reach.
     activations: "approx" (2-bit backward for GELU and SiLU, 1-bit exact ReLU)
       or None to leave them.
     norms: "ms" (memory-sharing norms, affine folded into the matmuls they
@@ -841,7 +844,7 @@ def _fold_action(g, d, side, chain, token, scale, bias, actions):
 
 # --- attention ---------------------------------------------------------------
 
-_SOFTMAX_BACK = frozenset({"broadcast_in_dim", "reshape", "stop_gradient"})
+_SOFTMAX_BACK = frozenset({"broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type"})
 _MASK_FILL = -1e4  # a `where` fill at or below this masks a key out
 
 
@@ -865,7 +868,7 @@ def _softmax_of(g, i):
   if ex is None or ex.primitive.name != "exp" or red is None:
     return None
   last = (num.aval.ndim - 1,)
-  if red.primitive.name != "reduce_sum" or red.invars[0] is not num or tuple(
+  if red.primitive.name != "reduce_sum" or g.back(red.invars[0], _SOFTMAX_BACK) is not num or tuple(
       red.params["axes"]) != last:
     return None
   sub = g.prod(ex.invars[0])
@@ -1159,8 +1162,12 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
     tags += [g.eqns[c]] if g.eqns[c].primitive.name == "name" else []
 
   dynamic = [v for v in extras if isinstance(v, jcore.Var)]
+  merged = _merged_matmul(g, out)  # the output projection, on out's own layout
+  final = out if merged is None else g.eqns[merged[1]].outvars[0]
 
   def fn(qv, kv, vv, *dv):
+    if merged is not None:
+      *dv, wv = dv
     it = iter(dv)
     ev = [next(it) if isinstance(v, jcore.Var) else v.val for v in extras]
     qc = _to_canonical(qv, q_labels, order_qkv)
@@ -1184,21 +1191,65 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
     o = _from_canonical(o, order_qkv, out_labels, out.aval.shape).astype(out.aval.dtype)
     for tag in tags:
       o = _apply_layout(tag, o, names.ATTN_OUT)
+    if merged is not None:
+      o = _contract_merged(g.eqns[merged[1]], merged[2], o, wv)
     return [o]
 
-  inputs = [q_var, k_var, v_var] + dynamic
-  indices = _slice(g, [out], set(inputs))
-  if not g.closed(indices, {out}):
+  inputs = [q_var, k_var, v_var] + dynamic + ([] if merged is None else [merged[0]])
+  indices = _slice(g, [final], set(inputs))
+  if not g.closed(indices, {final}):
     return "the scores or probabilities are used elsewhere"
-  actions[g.index(out)] = _Action(inputs, [out], fn)
+  actions[g.index(final)] = _Action(inputs, [final], fn)
   g.taken |= indices
+  op = "lm.attention" + ("" if merged is None else " + output projection on its layout")
   if count:
-    orig = _sub_fn(g, indices, inputs, [out])
-    _record(log, g, "attention", "lm.attention", sm_i, True, orig, fn,
-            [_aval(v) for v in inputs])
+    orig = _sub_fn(g, indices, inputs, [final])
+    _record(log, g, "attention", op, sm_i, True, orig, fn, [_aval(v) for v in inputs])
   else:
-    _record(log, g, "attention", "lm.attention", sm_i, False)
+    _record(log, g, "attention", op, sm_i, False)
+  if merged is not None:
+    _record(log, g, "layout", "matmul over the attention output's heads and features", merged[1],
+             False)
   return None
+
+
+def _merged_matmul(g, out):
+  """``(w, dot index, side)`` where ``out`` [..., h, d] is only reshaped to
+  [..., h * d] for one ``dot_general`` contracting that axis with ``w``'s; else None.
+
+  Contracting over ``out``'s two axes instead keeps one array for backward, not
+  ``out`` and its reshape: autodiff counts them apart.
+  """
+  r = g.only_consumer(out)
+  if r is None or g.eqns[r].primitive.name != "reshape" or out.aval.ndim < 2:
+    return None
+  merged = g.eqns[r].outvars[0]
+  *lead, h, d = out.aval.shape
+  if merged.aval.shape != (*lead, h * d) or g.eqns[r].params.get("dimensions") is not None:
+    return None
+  c = g.only_consumer(merged)
+  if c is None or g.eqns[c].primitive.name != "dot_general":
+    return None
+  e = g.eqns[c]
+  (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+  side = e.invars.index(merged)
+  if lb or rb or e.invars[0] is e.invars[1] or list((lc, rc)[side]) != [len(lead)]:
+    return None
+  return e.invars[1 - side], c, side
+
+
+def _contract_merged(e, side, o, w):
+  """``dot_general`` ``e`` with its operand on ``side`` given as ``o`` [..., h, d],
+  unmerged, and the other operand ``w`` split to match: the same result."""
+  (lc, rc), _ = e.params["dimension_numbers"]
+  axis = (rc, lc)[side][0]  # w's contracted axis
+  h, d = o.shape[-2:]
+  w = w.reshape(*w.shape[:axis], h, d, *w.shape[axis + 1:])
+  o_axes, w_axes = (o.ndim - 2, o.ndim - 1), (axis, axis + 1)
+  lhs, rhs, dims = (o, w, (o_axes, w_axes)) if side == 0 else (w, o, (w_axes, o_axes))
+  return lax.dot_general(lhs, rhs, (dims, ((), ())),
+                         precision=e.params.get("precision"),
+                         preferred_element_type=e.params.get("preferred_element_type"))
 
 
 def _unbroadcast(g, var):

@@ -1,0 +1,163 @@
+"""`lm.lowmem` on a plain-JAX ViT-B/16 written outside the project.
+
+The model below uses nothing of lowmem_jax: a params dict, a fused qkv
+projection, `jax.nn.gelu` (its tanh default), LayerNorm by hand, einsum
+attention with `jax.nn.softmax`, a Python loop over the blocks. The script
+compares its gradient step with the same step through `lm.lowmem`:
+  - compiled per-block bytes for --target (default the H100 target, compiled
+    here without a GPU): temp bytes at --depth minus temp bytes at half
+    depth, per block removed;
+  - autodiff's residuals (backend-free);
+  - the time `lm.lowmem` adds to tracing (median of --repeats);
+  - the CPU step-time ratio at a small size (median of --repeats).
+
+    python benchmarks/plain_vit.py                       # ViT-B/16, batch 64, bfloat16, H100 target
+    python benchmarks/plain_vit.py --explain 10          # + the largest buffers at the peak
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+
+
+def init(key, *, depth=12, dim=768, heads=12, mlp=3072, patch=16, image=224, classes=1000):
+  """Parameters of a ViT, float32, as nested dicts."""
+  del heads
+  keys = iter(jax.random.split(key, 4 * depth + 3))
+  dense = lambda n, m: {"w": jax.random.normal(next(keys), (n, m)) / n ** 0.5, "b": jnp.zeros(m)}
+  norm = lambda: {"scale": jnp.ones(dim), "bias": jnp.zeros(dim)}
+  tokens = (image // patch) ** 2 + 1
+  return {
+      "embed": dense(patch * patch * 3, dim),
+      "cls": jnp.zeros((1, 1, dim)),
+      "pos": jax.random.normal(next(keys), (1, tokens, dim)) * 0.02,
+      "blocks": [{"norm1": norm(), "qkv": dense(dim, 3 * dim), "proj": dense(dim, dim),
+                  "norm2": norm(), "fc1": dense(dim, mlp), "fc2": dense(mlp, dim)}
+                 for _ in range(depth)],
+      "norm": norm(),
+      "head": dense(dim, classes),
+  }
+
+
+def layer_norm(x, p, eps=1e-6):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def linear(x, p, dtype):
+  return x.astype(dtype) @ p["w"].astype(dtype) + p["b"].astype(dtype)
+
+
+def block(x, p, heads, dtype):
+  b, n, d = x.shape
+  qkv = linear(layer_norm(x, p["norm1"]), p["qkv"], dtype).reshape(b, n, 3, heads, d // heads)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // heads) ** 0.5
+  out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, n, d)
+  x = x + linear(out, p["proj"], dtype)
+  h = jax.nn.gelu(linear(layer_norm(x, p["norm2"]), p["fc1"], dtype))
+  return x + linear(h, p["fc2"], dtype)
+
+
+def loss(params, images, labels, *, heads=12, patch=16, dtype=jnp.bfloat16):
+  """Mean cross-entropy; images [b, H, W, 3], labels [b] int32."""
+  b, side = images.shape[0], images.shape[1] // patch
+  patches = images.reshape(b, side, patch, side, patch, 3).transpose(0, 1, 3, 2, 4, 5)
+  x = linear(patches.reshape(b, side * side, -1), params["embed"], dtype)
+  x = jnp.concatenate([jnp.broadcast_to(params["cls"].astype(dtype), (b, 1, x.shape[-1])), x], 1)
+  x = x + params["pos"].astype(dtype)
+  for p in params["blocks"]:
+    x = block(x, p, heads, dtype)
+  logits = linear(layer_norm(x[:, 0], params["norm"]), params["head"], jnp.float32)
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+def shapes(batch, image, depth):
+  params = jax.eval_shape(lambda: init(jax.random.key(0), depth=depth, image=image))
+  return (params, jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32),
+          jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def median_seconds(fn, repeats):
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--depth", type=int, default=12, help="blocks; per block compares with depth // 2")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  parser.add_argument("--target", default=None, help="compile target; default: targets.default()")
+  parser.add_argument("--time", default="2,112", help="CPU timing size: batch,image")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--explain", type=int, default=0, metavar="N",
+                      help="list the N largest buffers live at the compiled peak of each step")
+  parser.add_argument("--no-timing", action="store_true")
+  args = parser.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+  target = lm.targets.resolve(args.target)
+  console = Console(width=200)
+  console.print(target.note, highlight=False)
+  plain = lambda params, images, labels: loss(params, images, labels, dtype=dtype)
+  variants = {"plain": plain, "lm.lowmem(plain)": lm.lowmem(plain)}
+  full, half = shapes(args.batch, 224, args.depth), shapes(args.batch, 224, args.depth // 2)
+
+  table = Table(title=f"plain-JAX ViT-B/16, batch {args.batch}, {args.dtype} compute, float32 params, "
+                      f"gradient step (MiB; ratio to plain)")
+  for col in ("variant", "compiled peak", "ratio", "per block", "ratio", "autodiff's residuals", "ratio"):
+    table.add_column(col, justify="left" if col == "variant" else "right")
+  mib = lambda b: f"{b / 2**20:,.0f}"
+  base = None
+  for name, fn in variants.items():
+    stats = lm.memory.analyze(jax.grad(fn), *full, target=target)
+    half_stats = lm.memory.analyze(jax.grad(fn), *half, target=target)
+    per_block = (stats.temp_bytes - half_stats.temp_bytes) / (args.depth - args.depth // 2)
+    saved = lm.memory.saved_residuals(fn, *full).activation_bytes
+    base = base or (stats.peak_bytes, per_block, saved)
+    table.add_row(name, mib(stats.peak_bytes), f"{stats.peak_bytes / base[0]:.3f}", mib(per_block),
+                  f"{per_block / base[1]:.3f}", mib(saved), f"{saved / base[2]:.3f}")
+    if args.explain:
+      peak = lm.memory.report(jax.grad(fn), *full, top=args.explain, target=target)
+      console.print(f"\n{name}: the {args.explain} largest buffers live at the compiled peak")
+      for b in peak.buffers:
+        console.print(f"  {b.nbytes / 2**20:8,.1f} MiB {b.shape:28s} {b.op_name[-90:]}", highlight=False)
+  console.print(table)
+
+  if args.no_timing:
+    return
+  trace = {name: median_seconds(lambda: jax.make_jaxpr(jax.grad(fn))(*full), args.repeats)
+           for name, fn in variants.items()}
+  batch, image = (int(v) for v in args.time.split(","))
+  params = init(jax.random.key(0), depth=args.depth, image=image)
+  images = jax.random.normal(jax.random.key(1), (batch, image, image, 3))
+  labels = jnp.zeros((batch,), jnp.int32)
+  times = {}
+  for name, fn in variants.items():
+    fn32 = (lambda p, i, l: loss(p, i, l, dtype=jnp.float32))
+    step = jax.jit(jax.grad(lm.lowmem(fn32) if name != "plain" else fn32))
+    jax.block_until_ready(step(params, images, labels))
+    times[name] = median_seconds(lambda: jax.block_until_ready(step(params, images, labels)), args.repeats)
+  table = Table(title=f"time, median of {args.repeats}: tracing the ViT-B/16 gradient (make_jaxpr), "
+                      f"and the float32 step at batch {batch}, {image}² on {jax.devices()[0].device_kind}")
+  for col in ("variant", "trace s", "step s", "step ratio to plain"):
+    table.add_column(col, justify="left" if col == "variant" else "right")
+  for name in variants:
+    table.add_row(name, f"{trace[name]:.2f}", f"{times[name]:.3f}", f"{times[name] / times['plain']:.3f}")
+  console.print(table)
+
+
+if __name__ == "__main__":
+  main()

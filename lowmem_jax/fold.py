@@ -14,13 +14,19 @@ them on the norm renamed ``residual_scale``, ``residual_bias``: the explicit
 affine of the residual path only (`lowmem_jax.models.bert.MSPostLayerNorm`).
 The new names make the folded tree differ from the unfolded one, so a model
 given the wrong one fails to load it, and a second fold finds nothing to fold.
+
+Params are nested dicts (Flax linen) or an ``nnx.State`` (Flax NNX, e.g.
+``nnx.state(model, nnx.Param)``), whose leaves may be ``nnx.Variable``s; NNX
+list indices are int keys, given as ints in a tuple path. For NNX, build the
+model with `lowmem_jax.nnx.MSLayerNorm` / `MSRMSNorm` in place of the folded
+norms and ``nnx.update`` it with the folded state.
 """
 
 from typing import Any, Mapping, Sequence
 
 import flax
 import jax.numpy as jnp
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 Path = str | tuple[str, ...]
 
@@ -74,34 +80,49 @@ def _paths(paths: Sequence[Path], arg: str) -> list[tuple[str, ...]]:
   return paths
 
 
+def _name(path: tuple) -> str:
+  """``path`` '/'-separated; NNX list indices are ints."""
+  return "/".join(map(str, path))
+
+
 def _node(flat: dict, path: tuple[str, ...], arg: str) -> dict[str, Any]:
   """The arrays directly under ``path``, by name; raises naming the missing key."""
   node = {k[-1]: v for k, v in flat.items() if k[:-1] == path}
   if node:
     return node
-  name = "/".join(path)
+  name = _name(path)
   for i, key in enumerate(path):
-    keys = sorted({k[i] for k in flat if len(k) > i and k[:i] == path[:i]})
+    keys = sorted({k[i] for k in flat if len(k) > i and k[:i] == path[:i]}, key=str)
     if key not in keys:
-      where = "/".join(path[:i]) or "the root"
+      where = _name(path[:i]) or "the root"
       raise ValueError(
           f"{arg} path {name!r} not found: no {key!r} at {where}, which holds {keys}.")
   raise ValueError(f"{arg} path {name!r} is not a module's params (it holds no arrays directly).")
 
 
+def _value(leaf: Any) -> Any:
+  """The array of a leaf: an ``nnx.Variable``'s value, else the leaf itself (None stays None)."""
+  return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _like(leaf: Any, value: jnp.ndarray) -> Any:
+  """``value`` in ``leaf``'s place: a copy of an ``nnx.Variable`` holding it, else ``value``."""
+  return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
+
+
 def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_affine: bool) -> None:
   """Folds the norm at ``norm`` into the layers at ``into``, in place on ``flat``."""
   node = _node(flat, norm, "norm")
-  g, b = node.get("scale"), node.get("bias")
+  g, b = _value(node.get("scale")), _value(node.get("bias"))
   if g is None and b is None:
     raise ValueError(
-        f"norm {'/'.join(norm)!r} has no 'scale' or 'bias' to fold; it holds {sorted(node)}.")
+        f"norm {_name(norm)!r} has no 'scale' or 'bias' to fold; it holds {sorted(node)}.")
   for path in into:
-    name, dense = "/".join(path), _node(flat, path, "into")
+    name, dense = _name(path), _node(flat, path, "into")
     if "kernel" not in dense:
       raise ValueError(
           f"into path {name!r} is not a Dense layer: no 'kernel' among {sorted(dense)}.")
-    w = dense["kernel"]
+    w = _value(dense["kernel"])
     for leaf, v in (("scale", g), ("bias", b)):
       if v is not None and v.shape != w.shape[:1]:
         raise ValueError(
@@ -109,16 +130,16 @@ def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_a
             f"kernel at {name!r}, shape {w.shape}.")
     w32 = jnp.asarray(w, jnp.float32)
     if b is not None and "bias" in dense:
-      c = dense["bias"]
-      db = jnp.tensordot(jnp.asarray(b, jnp.float32), w32, axes=1)
-      flat[path + ("bias",)] = (jnp.asarray(c, jnp.float32) + db).astype(c.dtype)
+      c = _value(dense["bias"])
+      c32 = jnp.asarray(c, jnp.float32) + jnp.tensordot(jnp.asarray(b, jnp.float32), w32, axes=1)
+      flat[path + ("bias",)] = _like(dense["bias"], c32.astype(c.dtype))
     elif b is not None and jnp.any(b != 0):
       raise ValueError(
           f"into path {name!r} has no 'bias' to take the norm's nonzero bias; "
           f"build that layer with use_bias=True and zero bias.")
     if g is not None:
       g32 = jnp.reshape(jnp.asarray(g, jnp.float32), g.shape + (1,) * (w.ndim - 1))
-      flat[path + ("kernel",)] = (g32 * w32).astype(w.dtype)
+      flat[path + ("kernel",)] = _like(dense["kernel"], (g32 * w32).astype(w.dtype))
   for leaf in ("scale", "bias"):
     value = flat.pop(norm + (leaf,), None)
     if keep_affine and value is not None:
@@ -126,8 +147,10 @@ def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_a
 
 
 def _flatten(params: Mapping[str, Any]) -> dict:
+  if isinstance(params, nnx.State):
+    return dict(nnx.to_flat_state(params))
   if not isinstance(params, (dict, flax.core.FrozenDict)):
-    raise TypeError(f"params must be a dict or FrozenDict, got {type(params).__name__}.")
+    raise TypeError(f"params must be a dict, FrozenDict or nnx.State, got {type(params).__name__}.")
   return traverse_util.flatten_dict(params, keep_empty_nodes=True)
 
 
@@ -136,6 +159,8 @@ def _folded(params: Mapping[str, Any], folds: list, keep_affine: bool) -> Mappin
   flat = _flatten(params)
   for norm, into in folds:
     _fold(flat, norm, into, keep_affine)
+  if isinstance(params, nnx.State):
+    return nnx.from_flat_state(flat)
   tree = traverse_util.unflatten_dict(flat)
   return flax.core.freeze(tree) if isinstance(params, flax.core.FrozenDict) else tree
 
@@ -151,7 +176,8 @@ def fold_norm_affine(params: Mapping[str, Any], norm: Path, into: Sequence[Path]
   ``into``, unless ``keep_affine`` keeps its affine for the other consumers.
 
   Args:
-    params: nested dict or FrozenDict of arrays; paths are relative to it.
+    params: nested dict or FrozenDict of arrays, or an ``nnx.State`` of arrays
+      or ``nnx.Variable``s; paths are relative to it.
     norm: path of the norm's params (``"scale"``, ``"bias"``, either may be
       absent), e.g. ``"Transformer/encoderblock_0/LayerNorm_0"`` or a tuple.
     into: paths of every linear layer the norm feeds (``"kernel"``, optional ``"bias"``).
@@ -160,7 +186,8 @@ def fold_norm_affine(params: Mapping[str, Any], norm: Path, into: Sequence[Path]
       ``g * y + b``); by default they go.
 
   Returns:
-    A new tree of params' container type (params is not mutated). The norm
+    A new tree of params' container type (params is not mutated), changed
+    Variables replaced by copies holding the new values. The norm
     loses ``scale`` and ``bias`` (renamed with ``keep_affine``); its entry goes
     if that empties it, as a param-less Flax module
     (``nn.LayerNorm(use_scale=False, use_bias=False)``) has none.
@@ -182,7 +209,7 @@ def fold_all(params: Mapping[str, Any], rules: Mapping[Path, Sequence[Path]], *,
   `VIT_RULES`' ``"LayerNorm_0"`` matches in each encoder block.
 
   Args:
-    params: nested dict or FrozenDict of arrays.
+    params: as in `fold_norm_affine`.
     rules: norm path -> paths of the layers it feeds, e.g. `VIT_RULES`.
     keep_affine: as in `fold_norm_affine`; True for a post-LN model (`BERT_RULES`).
 
@@ -197,8 +224,9 @@ def fold_all(params: Mapping[str, Any], rules: Mapping[Path, Sequence[Path]], *,
   folds = []
   for norm, into in rules.items():
     n, into = _path(norm, "rules key"), _paths(into, f"rules[{norm!r}]")
-    prefixes = {k[:i] for k in keys for i in range(len(k) - len(n)) if k[i:i + len(n)] == n}
+    prefixes = dict.fromkeys(
+        k[:i] for k in keys for i in range(len(k) - len(n)) if k[i:i + len(n)] == n)
     if not prefixes:
       raise ValueError(f"rule {norm!r}: {rules[norm]!r} matches nowhere in params.")
-    folds += [(p + n, [p + t for t in into]) for p in sorted(prefixes)]
+    folds += [(p + n, [p + t for t in into]) for p in prefixes]
   return _folded(params, folds, keep_affine)

@@ -1,10 +1,33 @@
-"""Flax NNX substitutes: drop-in modules over the functional core."""
+"""Flax NNX substitutes: drop-in modules over the functional core, and a micro-batched train step.
+
+`microbatch_step` runs `lowmem_jax.optim.microbatch_step` on an NNX model and
+an ``nnx.Optimizer``, updating both in place. With ``tx`` built on
+`lowmem_jax.adama` (k micro-batches per step) each micro-batch gradient is
+folded into Adam's moments as soon as it exists, so no gradient accumulator
+is kept; with any other optax ``tx`` the gradients are accumulated and
+applied once. Dropout RNG counts and batch statistics run through the
+micro-batches as through k sequential calls.
+
+Example:
+  >>> import jax.numpy as jnp, optax, lowmem_jax as lm
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1)),
+  ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(2)))
+  >>> tx = optax.chain(lm.adama(2), optax.scale_by_learning_rate(1e-2))
+  >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  >>> loss_fn = lambda model, batch: jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  >>> step = nnx.jit(lm.nnx.microbatch_step(loss_fn, 2))
+  >>> metrics = step(model, optimizer, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))})
+  >>> metrics["loss"].shape, int(optimizer.step[...])
+  ((), 1)
+"""
 
 from typing import Any, Callable
 
 import jax
 from flax import nnx
 
+from lowmem_jax import optim
 from lowmem_jax.linen import attention_fn
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 
@@ -71,3 +94,66 @@ class MSRMSNorm(_MSNorm):
     rngs: accepted for signature compatibility with `nnx.RMSNorm`; unused.
   """
   _norm = staticmethod(ms_rms_norm)
+
+
+def microbatch_step(
+    loss_fn: Callable[..., Any], k: int, *, has_aux: bool = False,
+) -> Callable[[nnx.Module, nnx.Optimizer, Any], dict[str, Any]]:
+  """A train step over k micro-batches for an NNX model and ``nnx.Optimizer``, in place.
+
+  `lowmem_jax.optim.microbatch_step` with ``has_state``, on the model split
+  by the optimizer's ``wrt`` (the differentiated state, e.g. ``nnx.Param``)
+  and everything else (RNG keys and counts, ``nnx.BatchStat``, other
+  Variables). Micro-batch i holds rows i, i + k, i + 2k, ... of the batch and
+  sees the state micro-batch i - 1 left; the model ends with the state of the
+  last. With `lowmem_jax.adama` in the optimizer's ``tx`` the update is folded
+  per micro-batch, with another ``tx`` the mean gradient is applied once.
+  ``optimizer.step`` grows by one per call. (A model that the loss of
+  `lowmem_jax.optim.microbatch_step` closes over fails in its scan with
+  ``TraceContextError: Cannot mutate RngCount from a different trace level``;
+  this step merges a model from the carried state per micro-batch instead.)
+
+  Wrap the step in ``nnx.jit``. For plain ``jax.jit``, split the pair first:
+  ``graphdef, state = nnx.split((model, optimizer))``, then in the jitted
+  function ``model, optimizer = nnx.merge(graphdef, state)``, call the step and
+  return ``nnx.state((model, optimizer))`` with the metrics.
+
+  Args:
+    loss_fn: ``loss_fn(model, micro_batch) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), the mean loss over the micro-batch, float32 []. The model
+      it gets is a copy inside the trace: its mutations (RNG counts, batch
+      statistics) reach ``model`` through the step, not by reference.
+    k: micro-batches per step, a positive Python int; for AdamA the ``k`` given
+      to `lowmem_jax.adama`.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    ``step(model, optimizer, batch) -> metrics``: updates ``model`` and
+    ``optimizer`` in place; ``metrics`` as from `lowmem_jax.optim.microbatch_step`.
+  """
+  optim._check_k(k)
+
+  def step(model, optimizer, batch):
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, nnx.Optimizer):
+      raise TypeError(
+          f"`optimizer` must be an nnx.Optimizer, e.g. nnx.Optimizer(model, tx, wrt=nnx.Param), "
+          f"got {type(optimizer).__name__}.")
+    wrt, graph = optimizer.wrt, optimizer.graph
+    graphdef, params, rest = nnx.split(model, wrt, ..., graph=graph)
+
+    def pure_loss(params, rest, micro_batch):
+      micro_model = nnx.merge(graphdef, params, rest)
+      out = loss_fn(micro_model, micro_batch)
+      return out, nnx.as_pure(nnx.split(micro_model, wrt, ..., graph=graph)[2])
+
+    functional = optim.microbatch_step(pure_loss, optimizer.tx, k, has_aux=has_aux, has_state=True)
+    params, rest, opt_state, metrics = functional(
+        *nnx.as_pure((params, rest, optimizer.opt_state)), batch)
+    nnx.update(model, params, rest)
+    nnx.update(optimizer.opt_state, nnx.state(opt_state, graph=graph))
+    optimizer.step[...] += 1
+    return metrics
+
+  return step

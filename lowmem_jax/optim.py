@@ -369,8 +369,9 @@ def microbatch_step(
     k: int,
     *,
     has_aux: bool = False,
+    has_state: bool = False,
     fold_in_backward: FoldInBackward | None = None,
-) -> Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]:
+) -> Callable[..., tuple[Any, ...]]:
   """A train step over k micro-batches in one ``lax.scan``.
 
   The batch's leading axis is split into k micro-batches, strided: micro-batch
@@ -388,22 +389,32 @@ def microbatch_step(
   the gradients in an accumulator and calls ``tx.update`` once with their
   mean: plain accumulation, for comparison on the same call.
 
+  With ``has_state``, a state that is not differentiated (batch statistics,
+  RNG counts) runs through the micro-batches in order: micro-batch i sees the
+  state micro-batch i - 1 left, as k sequential calls would.
+  `lowmem_jax.nnx.microbatch_step` drives this for NNX models.
+
   Args:
     loss_fn: ``loss_fn(params, micro_batch) -> loss`` (or ``(loss, aux)`` with
       ``has_aux``), the mean loss over the micro-batch, float32 [].
-      With ``fold_in_backward``: ``loss_fn(params, micro_batch, moments)``.
+      With ``has_state``: ``loss_fn(params, state, micro_batch) -> (out, state)``,
+      ``out`` as above and the new state of the old one's structure and dtypes.
+      With ``fold_in_backward``: ``moments`` comes last, e.g.
+      ``loss_fn(params, micro_batch, moments)``.
     tx: the optimizer.
     k: micro-batches per step, a positive Python int; for AdamA the same k.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    has_state: whether ``loss_fn`` takes and returns a state.
     fold_in_backward: fold the stacked layers' gradients into the moments in
       the backward pass (`scan_layers`); AdamA only.
 
   Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` where
-    ``metrics["loss"]`` is the mean micro-batch loss and, with ``has_aux``,
-    ``metrics["aux"]`` stacks the micro-batches' aux along a leading k axis
-    (per-example aux ``[k, n // k, ...]``: ``.swapaxes(0, 1).reshape(n, ...)``
-    gives the batch's order back).
+    ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, with
+    ``has_state`` ``step(params, state, opt_state, batch) -> (params, state,
+    opt_state, metrics)``, where ``metrics["loss"]`` is the mean micro-batch
+    loss and, with ``has_aux``, ``metrics["aux"]`` stacks the micro-batches'
+    aux along a leading k axis (per-example aux ``[k, n // k, ...]``:
+    ``.swapaxes(0, 1).reshape(n, ...)`` gives the batch's order back).
 
   For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
   it). Under `optax.apply_if_finite`, a skipped micro-batch leaves the
@@ -412,9 +423,17 @@ def microbatch_step(
   _check_k(k)
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
     raise ValueError(f"`fold_in_backward` must be a FoldInBackward or None, got {fold_in_backward!r}.")
-  loss_and_aux = loss_fn if has_aux else lambda *args: (loss_fn(*args), None)
 
-  def step(params, opt_state, batch):
+  def loss_of(params, state, batch, *moments):
+    """``loss_fn`` as ``(loss, (aux, state))``, for ``value_and_grad(has_aux=True)``."""
+    if has_state:
+      out, state = loss_fn(params, state, batch, *moments)
+    else:
+      out = loss_fn(params, batch, *moments)
+    loss, aux = out if has_aux else (out, None)
+    return loss, (aux, state)
+
+  def stateful_step(params, state, opt_state, batch):
     adama_state = find_adama_state(opt_state)
     if adama_state is None and fold_in_backward is not None:
       raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
@@ -424,8 +443,15 @@ def microbatch_step(
                        f"{jax.tree.structure(params)} vs {jax.tree.structure(adama_state.mu)}.")
     micro_batches = _split(batch, k)
     if adama_state is None:
-      return _accumulate(loss_and_aux, tx, k, params, opt_state, micro_batches)
-    return _fold(loss_and_aux, tx, fold_in_backward, k, params, opt_state, micro_batches)
+      return _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches)
+    return _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batches)
+
+  if has_state:
+    return stateful_step
+
+  def step(params, opt_state, batch):
+    params, _, opt_state, metrics = stateful_step(params, None, opt_state, batch)
+    return params, opt_state, metrics
 
   return step
 
@@ -446,49 +472,53 @@ def _metrics(losses, aux):
   return metrics
 
 
-def _accumulate(loss_and_aux, tx, k, params, opt_state, micro_batches):
-  def body(acc, batch):
-    (loss, aux), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params, batch)
-    return jax.tree.map(jnp.add, acc, grads), (loss, aux)
+def _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches):
+  def body(carry, batch):
+    acc, state = carry
+    (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
+    return (jax.tree.map(jnp.add, acc, grads), state), (loss, aux)
 
-  acc, (losses, aux) = jax.lax.scan(body, otu.tree_zeros_like(params), micro_batches)
+  (acc, state), (losses, aux) = jax.lax.scan(
+      body, (otu.tree_zeros_like(params), state), micro_batches)
   grads = jax.tree.map(lambda g: g / k, acc)
   updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, _metrics(losses, aux)
+  return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)
 
 
-def _fold(loss_and_aux, tx, fold_in_backward, k, params, opt_state, micro_batches):
+def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batches):
   def body(carry, batch):
-    params, opt_state = carry
+    params, state, opt_state = carry
     if fold_in_backward is None:
-      (loss, aux), grads = jax.value_and_grad(loss_and_aux, has_aux=True)(params, batch)
+      (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
     else:
-      grads, folded, loss, aux = _grads_folded_in_backward(
-          loss_and_aux, fold_in_backward, k, params, opt_state, batch)
+      grads, folded, loss, (aux, state) = _grads_folded_in_backward(
+          loss_of, fold_in_backward, k, params, state, opt_state, batch)
       updates, opt_state = tx.update(grads, opt_state, params, folded=folded)
-    return (optax.apply_updates(params, updates), opt_state), (loss, aux)
+    return (optax.apply_updates(params, updates), state, opt_state), (loss, aux)
 
-  (params, opt_state), (losses, aux) = jax.lax.scan(body, (params, opt_state), micro_batches)
-  return params, opt_state, _metrics(losses, aux)
+  (params, state, opt_state), (losses, aux) = jax.lax.scan(
+      body, (params, state, opt_state), micro_batches)
+  return params, state, opt_state, _metrics(losses, aux)
 
 
-def _grads_folded_in_backward(loss_and_aux, options, k, params, opt_state, batch):
-  """The gradient (zero on ``params[key]``) and the moments ``params[key]`` folded in backward."""
+def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):
+  """The gradient (zero on ``params[key]``), the moments folded in backward, loss, (aux, state)."""
   key = options.key
   if not isinstance(params, dict) or key not in params:
     raise ValueError(f"`fold_in_backward.key` {key!r} is not an entry of the params dict.")
-  state = find_adama_state(opt_state)
+  adama_state = find_adama_state(opt_state)
   fold = MomentFold(k, options.b1, options.b2, options.nu_scale)
-  first = state.micro_step == 0
+  first = adama_state.micro_step == 0
 
-  def loss_of(params, mu_nu):
-    return loss_and_aux(params, batch, LayerMoments(*mu_nu, first, fold))
+  def loss_with_moments(params, mu_nu):
+    return loss_of(params, state, batch, LayerMoments(*mu_nu, first, fold))
 
   token = _FOLDING_SCANS.set([])
   try:
-    (loss, aux), (grads, (mu, nu)) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
-        params, (state.mu[key], state.nu[key]))
+    (loss, aux_state), (grads, (mu, nu)) = jax.value_and_grad(
+        loss_with_moments, argnums=(0, 1), has_aux=True)(
+            params, (adama_state.mu[key], adama_state.nu[key]))
     scans = len(_FOLDING_SCANS.get())
   finally:
     _FOLDING_SCANS.reset(token)
@@ -499,4 +529,4 @@ def _grads_folded_in_backward(loss_and_aux, options, k, params, opt_state, batch
   pairs = jax.tree.map(lambda m, v: (m, v), mu, nu)
   folded = {name: pairs if name == key else jax.tree.map(lambda _: None, sub)
             for name, sub in params.items()}
-  return grads, folded, loss, aux
+  return grads, folded, loss, aux_state

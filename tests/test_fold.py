@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import lowmem_jax as lm
 from lowmem_jax import fold
 
 
@@ -192,3 +194,47 @@ def test_keep_affine_folds_copies_and_keeps_the_norm():
                               fold.fold_norm_affine(params, "enc/ln", ["enc/fc"])["enc"]["fc"])
   with pytest.raises(ValueError, match="no 'scale' or 'bias' to fold"):  # folded once only
     fold.fold_norm_affine(out, "enc/ln", ["enc/fc"], keep_affine=True)
+
+
+class NnxBlock(nnx.Module):
+  """A stock NNX pre-LN block: a LayerNorm (or its stand-in) feeding a Linear."""
+
+  def __init__(self, norm, rngs):
+    self.ln = norm(6, rngs=rngs)
+    self.fc = nnx.Linear(6, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc(self.ln(x))
+
+
+class NnxModel(nnx.Module):
+  def __init__(self, norm, rngs):
+    self.blocks = nnx.List([NnxBlock(norm, rngs) for _ in range(2)])  # int keys in the state
+
+  def __call__(self, x):
+    return jnp.concatenate([block(x) for block in self.blocks], axis=-1)
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["variables", "arrays"])
+def test_nnx_state_folds_like_a_dict(pure):
+  model = NnxModel(nnx.LayerNorm, nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  for block in model.blocks:
+    block.ln.scale[...] = 1 + 0.5 * _normal(rng, (6,))
+    block.ln.bias[...] = 0.5 * _normal(rng, (6,))
+    block.fc.bias[...] = 0.5 * _normal(rng, (3,))
+  state = nnx.state(model, nnx.Param)
+  state = nnx.as_pure(state) if pure else state
+  folded = fold.fold_all(state, {"ln": ("fc",)})
+  assert type(folded) is nnx.State
+  assert type(folded["blocks"][0]["fc"]["kernel"]) is type(state["blocks"][0]["fc"]["kernel"])
+  chex.assert_trees_all_close(nnx.to_pure_dict(folded),
+                              fold.fold_all(nnx.to_pure_dict(state), {"ln": ("fc",)}))
+  one = fold.fold_norm_affine(state, ("blocks", 1, "ln"), [("blocks", 1, "fc")])
+  chex.assert_trees_all_close(nnx.to_pure_dict(one)["blocks"][1],
+                              nnx.to_pure_dict(folded)["blocks"][1])
+
+  plain = NnxModel(lm.nnx.MSLayerNorm, nnx.Rngs(1))
+  nnx.update(plain, folded)
+  x = _normal(rng, (4, 6))
+  chex.assert_trees_all_close(plain(x), model(x), atol=1e-5, rtol=1e-5)

@@ -181,6 +181,34 @@ def test_microbatch_step_accumulates_for_other_optimizers():
   chex.assert_trees_all_close((p1, s1), (optax.apply_updates(params, updates), s2), rtol=1e-5, atol=1e-7)
 
 
+def stateful_loss(params, state, batch):
+  """mlp_loss with the prediction scaled by a running state, which each micro-batch updates."""
+  x, y = batch
+  loss = jnp.mean(((1 + state) * (jnp.tanh(x @ params["w1"]) @ params["w2"]) - y) ** 2)
+  return loss, 0.5 * state + jnp.mean(x)
+
+
+@pytest.mark.parametrize("folded", [True, False], ids=["adama", "adam"])
+def test_has_state_threads_state_through_micro_batches(folded):
+  k = 4
+  tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2)) if folded else optax.adam(1e-2)
+  params, batch = mlp_init(), mlp_batch()
+  p1, c1, s1, _ = jax.jit(lm.microbatch_step(stateful_loss, tx, k, has_state=True))(
+      params, jnp.zeros([]), tx.init(params), batch)
+  p2, c2, s2, grads = params, jnp.zeros([]), tx.init(params), []
+  for i in range(k):  # k sequential passes, the state threaded
+    g, c2 = jax.grad(stateful_loss, has_aux=True)(p2, c2, jax.tree.map(lambda x: x[i::k], batch))
+    if folded:
+      updates, s2 = tx.update(g, s2, p2)
+      p2 = optax.apply_updates(p2, updates)
+    else:
+      grads.append(g)
+  if not folded:
+    updates, s2 = tx.update(jax.tree.map(lambda *g: sum(g) / k, *grads), s2, p2)
+    p2 = optax.apply_updates(p2, updates)
+  chex.assert_trees_all_close((p1, c1, s1), (p2, c2, s2), rtol=1e-5, atol=1e-7)
+
+
 def test_has_aux_stacks_aux_per_micro_batch():
   loss = lambda p, b: (mlp_loss(p, b), {"n": b[0].shape[0]})
   tx = lm.adama(2)
@@ -290,6 +318,19 @@ def test_fold_in_backward_equals_folding_after_backward(nu_scale):
     p2, s2, m2 = in_backward(p2, s2, batch)
   chex.assert_trees_all_close((p1, s1, m1), (p2, s2, m2), rtol=1e-5, atol=1e-7)
   assert float(jnp.max(jnp.abs(s2[0].mu["layers"]["w1"]))) > 0
+
+
+def test_fold_in_backward_with_state_takes_moments_last():
+  k = 2
+  tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
+  counting = lambda params, state, batch, moments: (scanned_loss(params, batch, moments), state + 1)
+  params, batch = scanned_init(), mlp_batch()
+  p1, calls, s1, _ = jax.jit(lm.microbatch_step(
+      counting, tx, k, has_state=True, fold_in_backward=lm.optim.FoldInBackward()))(
+          params, jnp.zeros([], jnp.int32), tx.init(params), batch)
+  p2, s2, _ = jax.jit(lm.microbatch_step(scanned_loss, tx, k))(params, tx.init(params), batch)
+  chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-5, atol=1e-7)
+  assert int(calls) == k
 
 
 def test_scan_layers_gradient_of_input_matches_plain_scan():

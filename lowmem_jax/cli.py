@@ -1,25 +1,39 @@
-"""The ``lowmem-jax`` command: where the memory of a reference model's training step goes.
+"""The ``lowmem-jax`` command: where the memory of a training step goes.
 
     lowmem-jax report                          # ViT-B/16 at batch 64: baseline, each technique, all
     lowmem-jax report --model llama-1b --batch 8 --seq 2048 --techniques baseline,all,all+remat:full
     lowmem-jax plan --model llama-7b --batch 8 --seq 2048 --budget 24GiB
+    lowmem-jax report --step train.py:make_step  # your own step: baseline and lowmem
 
 A technique set joins techniques with "+"; ``--techniques`` takes a comma list
 of sets, one table row each. Every figure comes from XLA's compilation of the
-training step (AdamW, parameters and optimizer state donated) on abstract
-shapes for ``--target``: by default the GPU this process runs on, else an H100
-compiled for here without one (``pip install 'lowmem-jax[target]'``), else the
-CPU as a labelled proxy. Nothing is allocated, so a 7B model is reported on a
-laptop CPU (see docs/report.md).
+training step (for the reference models: AdamW, parameters and optimizer state
+donated) on abstract shapes for ``--target``: by default the GPU this process
+runs on, else an H100 compiled for here without one (``pip install
+'lowmem-jax[target]'``), else the CPU as a labelled proxy. Nothing is
+allocated, so a 7B model is reported on a laptop CPU (see docs/report.md).
+
+``--step FILE.py:FUNCTION`` (or ``MODULE:FUNCTION``) measures a step of your
+own: ``FUNCTION()`` returns ``(step, args)`` or ``(step, args, (loss_fn,
+loss_args))``: the training step (jitted or not, ``nnx.jit`` too), a tuple of
+its arguments (arrays or `jax.ShapeDtypeStruct` pytrees) and, optionally, the
+function it differentiates with its arguments, for autodiff's residuals. Its
+techniques are ``baseline`` and ``lowmem``: for ``lowmem`` the CLI calls
+``FUNCTION(lowmem=lm.lowmem)``, and the step differentiates ``lowmem(loss_fn)``
+(a ``lowmem`` argument defaulting to ``lambda f: f``). ``lm.lowmem`` of a
+whole step would not do: the step's jaxpr already holds the backward pass.
 """
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import re
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lowmem_jax import memory, models, optim, planner, policies, targets
+from lowmem_jax import memory, models, optim, planner, policies, targets, transform
 
 TECHNIQUES = {
     "baseline": "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping its "
@@ -41,8 +55,12 @@ TECHNIQUES = {
                       + ", ".join(policies.READY_MADE),
     "adama:<k>": "AdamA over k micro-batches of the batch (lowmem_jax.adamaw, microbatch_step)",
     "all": "approx+ms-norm+attention+bf16",
+    "lowmem": "--step only: the step differentiates lm.lowmem(loss_fn) (make_step(lowmem=lm.lowmem)): "
+              "GELU/SiLU, norms and attention rewritten",
 }
 DEFAULT_TECHNIQUES = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
+STEP_TECHNIQUES = ("baseline", "lowmem")
+"""The techniques of a user's step (``--step``); the others change a reference model."""
 LEARNING_RATE = 1e-3
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -54,7 +72,8 @@ class UsageError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One technique set: the reference model's switches and the optimizer."""
+  """One technique set: the reference model's switches and the optimizer, or
+  for a user's step whether it differentiates ``lm.lowmem(loss_fn)``."""
   label: str
   approx: bool = False
   ms_norm: bool = False
@@ -62,6 +81,7 @@ class Setting:
   bf16: bool = False
   remat: Callable | None = None
   adama: int = 1
+  lowmem: bool = False
 
   def workload(self, args) -> models.Workload:
     return models.workload(
@@ -104,12 +124,24 @@ class Setting:
     ])
 
 
-def parse_setting(text: str) -> Setting:
-  """A `Setting` from ``"all+remat:full+adama:4"``; `UsageError` on a mistake."""
+def parse_setting(text: str, step: bool = False) -> Setting:
+  """A `Setting` from ``"all+remat:full+adama:4"``, or for a user's step
+  (``step``) from ``"baseline"`` or ``"lowmem"``; `UsageError` on a mistake."""
   fields = {}
   for term in text.strip().split("+"):
     name, _, value = term.strip().partition(":")
+    if step and term.strip() not in STEP_TECHNIQUES:
+      what = ("applies only to the reference models (--model)"
+              if name in ("remat", "adama") or (name in TECHNIQUES and not value) else "is unknown")
+      raise UsageError(f"technique {term.strip()!r} in {text!r} {what}; with --step, choose from "
+                       f"{', '.join(STEP_TECHNIQUES)}.")
     if name == "baseline" and not value:
+      continue
+    if name == "lowmem" and not value:
+      if not step:
+        raise UsageError(f"technique 'lowmem' in {text!r} applies only to --step (a step of your "
+                         "own); a reference model takes approx, ms-norm, attention or all.")
+      fields["lowmem"] = True
       continue
     if name == "all" and not value:
       fields.update(approx=True, ms_norm=True, attention=True, bf16=True)
@@ -137,8 +169,87 @@ def parse_bytes(text: str) -> int:
   return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def load_step(spec: str) -> Callable:
+  """The function ``spec`` names: ``path/to/file.py:make_step`` (the file's
+  folder goes first on sys.path, as for ``python file.py``) or
+  ``package.module:make_step`` (imported from sys.path); it must take no
+  arguments. `UsageError` naming ``spec`` where there is none."""
+  where, _, name = spec.rpartition(":")
+  if not where or not name.isidentifier():
+    raise UsageError(f"--step {spec}: give FILE.py:FUNCTION or MODULE:FUNCTION, e.g. "
+                     "train.py:make_step.")
+  if where.endswith(".py") or "/" in where or os.sep in where:
+    if not os.path.isfile(where):
+      raise UsageError(f"--step {spec}: no file {where}.")
+    module_name = "_lowmem_jax_step_" + re.sub(r"\W", "_", os.path.basename(where)[:-3])
+    module_spec = importlib.util.spec_from_file_location(module_name, where)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickle look their module up there
+    folder = os.path.dirname(os.path.abspath(where))
+    if folder not in sys.path:
+      sys.path.insert(0, folder)  # for the modules beside it that it imports
+    module_spec.loader.exec_module(module)
+  else:
+    try:
+      module = importlib.import_module(where)
+    except ModuleNotFoundError as e:
+      if e.name is None or not (where == e.name or where.startswith(e.name + ".")):
+        raise  # the module exists; something it imports does not
+      raise UsageError(f"--step {spec}: no module named {where!r} on sys.path (install it, set "
+                       "PYTHONPATH, or give FILE.py:FUNCTION).") from e
+  fn = getattr(module, name, None)
+  if not callable(fn):
+    raise UsageError(f"--step {spec}: {where} has no function {name!r}.")
+  try:
+    inspect.signature(fn).bind()
+  except TypeError as e:
+    raise UsageError(f"--step {spec}: {name} must be callable with no arguments ({e}).") from e
+  return fn
+
+
+def takes_lowmem(make_step: Callable) -> bool:
+  """Whether ``make_step`` takes the ``lowmem`` argument that the lowmem technique passes."""
+  try:
+    inspect.signature(make_step).bind(lowmem=transform.lowmem)
+  except TypeError:
+    return False
+  return True
+
+
+def _what(x: Any) -> str:
+  return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {type(x).__name__}"
+
+
+def user_step(args, setting: Setting) -> tuple[Callable, tuple, Callable | None, tuple]:
+  """``(step, step_args, loss_fn, loss_args)`` of ``--step`` for ``setting``
+  (``loss_fn`` None where make_step gives none)."""
+  name = args.step.rpartition(":")[2]
+  made = args.make_step(lowmem=transform.lowmem) if setting.lowmem else args.make_step()
+  said = f"--step {args.step}: {name}() returned"
+  if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+    raise UsageError(f"{said} {_what(made)}; expected (step, args) or "
+                     "(step, args, (loss_fn, loss_args)).")
+  step, step_args, *loss = made
+  if not callable(step):
+    raise UsageError(f"{said} {_what(step)} as its step; expected a function.")
+  if not isinstance(step_args, (tuple, list)):
+    raise UsageError(f"{said} {_what(step_args)} as the step's args; expected a tuple of its "
+                     "arguments (arrays or jax.ShapeDtypeStruct pytrees).")
+  if not loss:
+    return step, tuple(step_args), None, ()
+  if not (isinstance(loss[0], (tuple, list)) and len(loss[0]) == 2 and callable(loss[0][0])
+          and isinstance(loss[0][1], (tuple, list))):
+    raise UsageError(f"{said} {_what(loss[0])} as its third element; expected (loss_fn, loss_args), "
+                     "loss_args a tuple.")
+  return step, tuple(step_args), loss[0][0], tuple(loss[0][1])
+
+
 def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
   """The `memory.Breakdown` of ``setting``'s training step, with its residuals."""
+  if args.step is not None:
+    step, step_args, loss_fn, loss_args = user_step(args, setting)
+    return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args, label=setting.label,
+                         top=top, target=args.target)
   wl = setting.workload(args)
   k = setting.adama
   if args.batch % k:
@@ -156,10 +267,12 @@ def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
 def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
   """The summary figures of one technique set against ``base``."""
   at = b.at_peak
+  found = b.argument_components
   return {
       "techniques": b.label,
-      "parameters": at["parameters"],
-      "optimizer_state": at["optimizer state"],
+      # None: no argument is a parameter (or optimizer state); see memory.COMPONENTS.
+      "parameters": at["parameters"] if "parameters" in found else None,
+      "optimizer_state": at["optimizer state"] if "optimizer state" in found else None,
       "gradients": at["gradients"],
       "activations": at["activations"],
       "other": at["inputs"] + at["updates"] + at["temporaries"],
@@ -168,7 +281,7 @@ def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
       "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
       # XLA's cost analysis counts a loop body once: a micro-batch scan's FLOPs are per micro-batch.
       "extra_flops": (b.flops - base.flops) / base.flops if setting.adama == 1 else None,
-      "saved_activation_bytes": b.saved.activation_bytes,
+      "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
   }
 
 
@@ -178,6 +291,8 @@ def _progress(console: Console) -> Progress:
 
 
 def _workload_title(args) -> str:
+  if args.step is not None:
+    return f"{args.step} training step (target {args.target.name}, jax {jax.__version__})"
   size = f"{args.image}px images" if args.model in models.VIT_CONFIGS else f"{args.seq} tokens"
   return (f"{args.model} training step, batch {args.batch} of {size}, {args.dtype} compute "
           f"unless bf16, AdamW (target {args.target.name}, jax {jax.__version__})")
@@ -191,22 +306,33 @@ def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   table = Table(title=title, caption=f"{unit} live at the compiled peak (XLA buffer assignment); "
                 "gradients and other (updates) are estimated; peak: XLA's memory analysis; saved: "
-                "autodiff's residuals of the loss; extra FLOPs: n/a for a micro-batch loop, whose "
-                "body XLA counts once")
+                "autodiff's residuals of the loss (- without one); extra FLOPs: n/a for a micro-batch "
+                "loop, whose body XLA counts once; none found: no argument is one")
   for column in ("techniques", "params", "optimizer", "gradients", "activations", "other",
                  "peak", "× less", "extra FLOPs", "saved"):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
-    sizes = [f"{r[k] / scale:,.2f}" for k in ("parameters", "optimizer_state", "gradients",
-                                              "activations", "other", "peak_bytes")]
+    sizes = ["none found" if r[k] is None else f"{r[k] / scale:,.2f}"
+             for k in ("parameters", "optimizer_state", "gradients", "activations", "other",
+                       "peak_bytes")]
     flops = "n/a" if r["extra_flops"] is None else f"{100 * r['extra_flops']:+.1f}%"
+    saved = r["saved_activation_bytes"]
     table.add_row(r["techniques"], *sizes, f"{r['reduction']:.2f}", flops,
-                  f"{r['saved_activation_bytes'] / scale:,.2f}")
+                  "-" if saved is None else f"{saved / scale:,.2f}")
   return table
 
 
 def report(args, console: Console) -> int:
-  settings = [parse_setting(t) for t in args.techniques.split(",")]
+  techniques = args.techniques
+  if techniques is None:
+    techniques = (DEFAULT_TECHNIQUES if args.step is None else
+                  ",".join(STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]))
+  settings = [parse_setting(t, step=args.step is not None) for t in techniques.split(",")]
+  if any(s.lowmem for s in settings) and not takes_lowmem(args.make_step):
+    name = args.step.rpartition(":")[2]
+    raise UsageError(f"--step {args.step}: lowmem calls {name}(lowmem=lm.lowmem), and {name} takes "
+                     f"no lowmem argument: define {name}(lowmem=lambda f: f) and differentiate "
+                     "lowmem(loss_fn) in the step.")
   if args.plot:
     try:
       os.makedirs(args.plot, exist_ok=True)
@@ -228,8 +354,10 @@ def report(args, console: Console) -> int:
     except (ImportError, OSError) as e:
       raise UsageError(f"--plot: {e}") from e
   if args.json:
-    out = {"model": args.model, "batch": args.batch, "seq": args.seq, "image": args.image,
-           "dtype": args.dtype, "target": args.target.name,
+    workload = ({"step": args.step} if args.step is not None else
+                {"model": args.model, "batch": args.batch, "seq": args.seq, "image": args.image,
+                 "dtype": args.dtype})
+    out = {**workload, "target": args.target.name,
            "device_kind": args.target.device_kind, "target_note": args.target.note,
            "jax": jax.__version__,
            "rows": [{**r, "breakdown": b.to_dict()} for r, b in zip(rows, breakdowns)]}
@@ -237,7 +365,8 @@ def report(args, console: Console) -> int:
     return 0
   console.print(_summary(rows, _workload_title(args)))
   console.print(args.target.note, highlight=False)
-  if args.target.platform == "cpu" and (args.dtype != "float32" or any(s.bf16 for s in settings)):
+  if args.target.platform == "cpu" and args.step is None and (
+      args.dtype != "float32" or any(s.bf16 for s in settings)):
     console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
                   "16-bit arrays as temporaries, which an accelerator does not: compare the "
                   "techniques in float32 here.", highlight=False)
@@ -263,6 +392,8 @@ def ladder(batch: int) -> list[str]:
 
 def plan(args, console: Console) -> int:
   budget = parse_bytes(args.budget)
+  if args.step is not None:
+    return _plan_step(args, budget, console)
   wl = parse_setting("baseline").workload(args)
   params = wl.abstract_params()
   fixed = memory.tree_bytes((params, jax.eval_shape(optax.adamw(LEARNING_RATE).init, params)))
@@ -295,6 +426,40 @@ def plan(args, console: Console) -> int:
   console.print(f"Fits {_size(budget)}: {setting.label} ({_size(b.stats.peak_bytes)} "
                 "compiled peak). In Python:", highlight=False)
   console.print(setting.python(args), highlight=False, markup=False)
+  return 0
+
+
+def _plan_step(args, budget: int, console: Console) -> int:
+  """`plan` for ``--step``: whether its baseline and its lowmem step fit ``budget``."""
+  texts = STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]
+  measured = []
+  with _progress(Console(stderr=True)) as progress:
+    task = progress.add_task("compiling", total=len(texts))
+    for text in texts:
+      progress.update(task, description=f"compiling {text}")
+      setting = parse_setting(text, step=True)
+      measured.append((measure(args, setting), setting))
+      progress.advance(task)
+  base = measured[0][0]
+  console.print(_summary([row(b, base, s) for b, s in measured],
+                         f"{_workload_title(args)}: against {_size(budget)}"))
+  console.print(args.target.note, highlight=False)
+  for b, _ in measured:
+    peak = b.stats.peak_bytes
+    verdict = (f"fits with {_size(budget - peak)} to spare" if peak <= budget
+               else f"over by {_size(peak - budget)}")
+    console.print(f"{b.label}: {_size(peak)} compiled peak, {verdict}.", highlight=False)
+  if len(texts) == 1:
+    console.print("lowmem: not tried: make_step takes no lowmem argument (see lowmem-jax "
+                  "report --help).", highlight=False)
+  fits = [b for b, _ in measured if b.stats.peak_bytes <= budget]
+  if not fits:
+    smallest = min((b for b, _ in measured), key=lambda b: b.stats.peak_bytes)
+    print(f"lowmem-jax: nothing fits {_size(budget)}: the smallest compiled peak is "
+          f"{_size(smallest.stats.peak_bytes)}, with {smallest.label}.", file=sys.stderr)
+    return 1
+  console.print(f"Fits {_size(budget)}: {fits[0].label} ({_size(fits[0].stats.peak_bytes)} "
+                "compiled peak).", highlight=False)
   return 0
 
 
@@ -338,31 +503,52 @@ class _Parser(argparse.ArgumentParser):
     raise UsageError(message)
 
 
+class _Given(argparse.Action):
+  """Stores the value and records the option in ``given``: a default is not given."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    setattr(namespace, self.dest, values)
+    namespace.given = (*namespace.given, option_string)
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="lowmem-jax", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   techniques = "\n".join(f"  {name:<15} {text}" for name, text in TECHNIQUES.items())
-  rep = sub.add_parser("report", help="memory of a reference model's training step, per technique set",
-                       description=f"techniques:\n{techniques}",
+  rep = sub.add_parser("report", help="memory of a training step (a reference model's or yours: "
+                       "--step), per technique set",
+                       description=f"techniques:\n{techniques}\n\nwith --step: "
+                       f"{', '.join(STEP_TECHNIQUES)} (default: both, or baseline where make_step "
+                       "takes no lowmem argument)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
-                      description=f"Tries, cheapest first: {', '.join(ladder(8))}, ...")
+                      description=f"Tries, cheapest first: {', '.join(ladder(8))}, ...; with --step: "
+                      f"whether its {' and '.join(STEP_TECHNIQUES)} steps fit")
   for p in (rep, pl):
+    p.set_defaults(given=())
     # The techniques and the plan's ladder are the transformers' (ms-norm, attention).
-    p.add_argument("--model", default="vit-b16",
+    p.add_argument("--model", default="vit-b16", action=_Given,
                    choices=[n for n in models.NAMES if n not in models.WRN_CONFIGS])
-    p.add_argument("--batch", type=int, default=64, help="examples per step (default 64)")
-    p.add_argument("--seq", type=int, default=512, help="tokens per example (LLaMA; default 512)")
-    p.add_argument("--image", type=int, default=224, help="image side in pixels (ViT; default 224)")
+    p.add_argument("--batch", type=int, default=64, action=_Given, help="examples per step (default 64)")
+    p.add_argument("--seq", type=int, default=512, action=_Given,
+                   help="tokens per example (LLaMA; default 512)")
+    p.add_argument("--image", type=int, default=224, action=_Given,
+                   help="image side in pixels (ViT; default 224)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   action=_Given,
                    help="compute dtype without the bf16 technique; parameters stay float32")
+    p.add_argument("--step", metavar="SPEC",
+                   help="your own step instead of --model: FILE.py:FUNCTION or MODULE:FUNCTION, where "
+                        "FUNCTION() returns (step, args) or (step, args, (loss_fn, loss_args)); "
+                        "FUNCTION(lowmem=lm.lowmem) makes the lowmem step (see lowmem-jax --help)")
     p.add_argument("--target", default=None, metavar="NAME",
                    help=f"what to compile for: {', '.join(targets.names())}, attached (this "
                         "process's devices) or a config file (.txtpb); default: this process's "
                         "GPU, else h100 where the target packages are installed, else cpu")
-  rep.add_argument("--techniques", default=DEFAULT_TECHNIQUES,
-                   help=f"comma list of technique sets (default {DEFAULT_TECHNIQUES})")
+  rep.add_argument("--techniques",
+                   help=f"comma list of technique sets (default {DEFAULT_TECHNIQUES}; with --step "
+                        f"{','.join(STEP_TECHNIQUES)})")
   rep.add_argument("--top", type=int, default=10, help="largest live buffers to list (default 10)")
   rep.add_argument("--details", action="store_true",
                    help="the full breakdown of every technique set, not only the last")
@@ -384,6 +570,10 @@ def main(argv=None) -> int:
         raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if getattr(args, "top", 0) < 0:
       raise UsageError(f"--top must be >= 0, got {args.top}.")
+    if args.step is not None and args.given:
+      raise UsageError(f"{args.given[0]} is for the reference models; --step {args.step} gives its "
+                       "own step and shapes.")
+    args.make_step = load_step(args.step) if args.step is not None else None
     args.target = _target(args.target)
     return (report if args.command == "report" else plan)(args, console)
   except UsageError as e:

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
+from flax import nnx
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
 from jax._src.lib import _jax  # XLA's HLO cost analysis, as jax.stages.Lowered calls it
@@ -213,10 +214,14 @@ COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activatio
 """What `report` splits the buffers live at the peak into, in this order:
 
 * parameters, optimizer state, inputs: the step's arguments, told apart by
-  their path: one under a name ``opt_state`` is optimizer state, one under
-  ``params`` a parameter (``train_step(state, batch)`` with a Flax
-  ``TrainState``, or ``train_step(params, opt_state, batch)``), any other
-  argument an input.
+  their type or their path. Optimizer state: a leaf inside an optax state
+  (a NamedTuple of optax or of lowmem_jax, e.g. ``ScaleByAdamState``, ``AdamAState``),
+  an ``nnx.Optimizer``'s state (``nnx.OptState`` variables), or under a name
+  ``opt_state``; else a parameter: an ``nnx.Param`` variable (an NNX model or
+  its ``nnx.state``), or under a name ``params`` (``train_step(state, batch)``
+  with a Flax ``TrainState``, or ``train_step(params, opt_state, batch)``);
+  any other argument is an input. A component with no argument at all is
+  reported as "none found", not as 0.
 * gradients (estimated): values made by the backward pass (an op under
   ``transpose(...)``) with the shape and dtype of a parameter. A gradient that
   XLA fuses into the optimizer's update never exists as a buffer.
@@ -301,6 +306,9 @@ class Breakdown:
     live_bytes: bytes live at each position of the program order.
     buffers: the buffers live at the peak, largest first (``top`` of them).
     activations_by_layer: bytes of the activations live at the peak, by `Buffer.layer`.
+    argument_components: which of parameters, optimizer state and inputs the
+      step's arguments hold; parameters or optimizer state missing here are
+      rendered as "none found".
     saved: the residuals autodiff saves for ``loss_fn``, or None.
   """
   label: str
@@ -313,6 +321,7 @@ class Breakdown:
   live_bytes: tuple[int, ...]
   buffers: tuple[Buffer, ...]
   activations_by_layer: dict[str, int]
+  argument_components: frozenset[str]
   saved: Residuals | None = None
 
   @property
@@ -347,6 +356,7 @@ class Breakdown:
         "positions": len(self.live_bytes),
         "peak_op": self.peak_op,
         "activations_by_layer": dict(self.activations_by_layer),
+        "argument_components": sorted(self.argument_components),
         "saved_activation_bytes": saved.activation_bytes if saved else None,
         "saved_by_name": {str(k): v for k, v in saved.by_name().items()} if saved else None,
         "saved_by_kind": self.saved_by_kind() if saved else None,
@@ -395,9 +405,11 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   Args:
     step_fn: the step, jitted here unless it already is (then its static
       arguments and donation are respected).
-    *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct` pytrees.
-      Name the arguments ``params`` and ``opt_state`` (or pass a state with
-      such fields) so that they are told apart from the inputs.
+    *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct` pytrees
+      (NNX modules and ``nnx.Optimizer`` included, for an ``nnx.jit`` step).
+      Parameters and optimizer state are told apart from the inputs by type
+      (``nnx.Param``, an optax state, an ``nnx.Optimizer``) or by name
+      (``params``, ``opt_state``, or a state with such fields); see `COMPONENTS`.
     loss_fn, loss_args: the function the step differentiates and its arguments,
       for autodiff's residual count; optional.
     label: a name for tables and plots.
@@ -414,10 +426,16 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   target = targets.resolve(target)
   with tempfile.TemporaryDirectory() as dump:
     lowered = target.lower(step_fn, *args, **kwargs)
+    if not isinstance(lowered, jax.stages.Lowered):
+      lowered = lowered.lowered  # flax.nnx.jit's Lowered wraps jax's
     compiled = lowered.compile(target.compiler_options({"xla_dump_to": dump}))
     texts = [_read_one(dump, suffix) for suffix in (".txt", "-buffer-assignment.txt", "-live-range.txt")]
   instructions = _parse_hlo(texts[0])
-  values, sequence, held = _parse_dump(instructions, *texts[1:])
+  typed = _typed_components(lowered, args, kwargs,
+                            sum(i.parameter is not None for i in instructions.values()))
+  arguments = {name: _argument_component(i.op_name, typed.get(i.parameter))
+               for name, i in instructions.items() if i.parameter is not None}
+  values, sequence, held = _parse_dump(instructions, arguments, *texts[1:])
   names_by_place = _names_by_place(saved)
   param_shapes = {v.shape for v in values if v.component == "parameters"}
   last = max(v.end for v in values)  # one past the last instruction: the program's end
@@ -449,7 +467,8 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       peak_op=f"{peak_name} {peak_instr.op_name} {peak_instr.source}".strip(),
       live_bytes=tuple(int(b) for b in live_bytes),
       buffers=tuple(buffers[:top] if top is not None else buffers),
-      activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])), saved=saved)
+      activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])),
+      argument_components=frozenset(arguments.values()), saved=saved)
 
 
 def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,
@@ -478,6 +497,14 @@ def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 
   return f"compiled peak {_mib(peak)} MiB: {verdict}.\n{breakdown}"
 
 
+_NONE_FOUND = {
+    "parameters": "pass them as an argument (or a field) named `params`, or as nnx.Param "
+                  "variables (an NNX model).",
+    "optimizer state": "pass it as an argument (or a field) named `opt_state`, as an optax "
+                       "state or as an nnx.Optimizer.",
+}
+
+
 def _mib(nbytes: float) -> str:
   return f"{nbytes / 2**20:,.1f}"
 
@@ -491,10 +518,15 @@ def _tables(b: Breakdown) -> list:
          f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position "
          f"{b.peak_position} of {len(b.live_bytes)}: {b.peak_op}"]
   main = Table("live at the peak", "MiB", "share")
+  missing = [c for c in _NONE_FOUND if c not in b.argument_components]
   for component, nbytes in b.at_peak.items():
     note = " (estimated)" if component in ESTIMATED else ""
-    main.add_row(component + note, _mib(nbytes), f"{100 * nbytes / live:.1f}%" if live else "-")
+    if component in missing:
+      main.add_row(component, "none found", "-")
+    else:
+      main.add_row(component + note, _mib(nbytes), f"{100 * nbytes / live:.1f}%" if live else "-")
   out.append(main)
+  out.extend(f"{c}: none found among the step's arguments: {_NONE_FOUND[c]}" for c in missing)
   if b.saved is not None:
     out.append(f"saved for the backward pass: {_mib(b.saved.activation_bytes)} MiB "
                "(autodiff's residuals of loss_fn)")
@@ -603,7 +635,7 @@ def _parse_hlo(text: str) -> dict[str, _Instr]:
   return out
 
 
-def _parse_dump(instructions: dict[str, _Instr], assignment: str,
+def _parse_dump(instructions: dict[str, _Instr], arguments: dict[str, str], assignment: str,
                 live_range: str) -> tuple[list[Buffer], list[str], dict[str, str]]:
   """The values with their live ranges, the program order, and the component
   of the argument whose buffer holds each other value, where one does (an
@@ -613,9 +645,8 @@ def _parse_dump(instructions: dict[str, _Instr], assignment: str,
   has its component. Where a value is written over another in place (same
   buffer and offset), XLA's live ranges overlap at the writing position; here
   the new value takes over the buffer there, so the bytes are counted once.
+  ``arguments`` maps each argument's instruction name to its component.
   """
-  arguments = {name: _argument_component(i.op_name) for name, i in instructions.items()
-               if i.parameter is not None}
   by_number = {i.parameter: arguments[name] for name, i in instructions.items() if name in arguments}
   found, allocation, parameter = {}, None, None
   for line in assignment.splitlines():
@@ -656,11 +687,66 @@ def _parse_dump(instructions: dict[str, _Instr], assignment: str,
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_RANK = {None: 0, "inputs": 0, "parameters": 1, "optimizer state": 2}  # the stronger one wins
 
 
-def _argument_component(path: str) -> str:
+def _argument_component(path: str, typed: str | None = None) -> str:
+  """The component of an argument from its HLO path and the component its type says, if any."""
   words = set(_IDENTIFIER.findall(path))
-  return "optimizer state" if "opt_state" in words else "parameters" if "params" in words else "inputs"
+  named = "optimizer state" if "opt_state" in words else "parameters" if "params" in words else "inputs"
+  return max(named, typed or "inputs", key=_RANK.get)
+
+
+def _type_component(node: Any) -> str | None:
+  """The component a pytree node's type says its leaves belong to, if any."""
+  if isinstance(node, nnx.OptState):  # an nnx.Optimizer's state and step count
+    return "optimizer state"
+  if isinstance(node, nnx.Param):
+    return "parameters"
+  if (isinstance(node, tuple) and hasattr(node, "_fields")
+      and type(node).__module__.partition(".")[0] in ("optax", "lowmem_jax")):
+    return "optimizer state"  # optax's states, lowmem_jax.optim's AdamAState
+  return None
+
+
+def _typed_leaves(tree: Any, within: str | None = None) -> list[tuple[Any, str | None]]:
+  """Each leaf of ``tree`` (in jax's flattening order) with the component the
+  types of the nodes above it say, the stronger one where several do; None
+  under no such node."""
+  def typed(node):
+    return node is not tree and _type_component(node) is not None
+
+  out = []
+  for node in jax.tree.leaves(tree, is_leaf=typed):
+    if typed(node):
+      out.extend(_typed_leaves(node, max(within, _type_component(node), key=_RANK.get)))
+    else:
+      out.append((node, within))
+  return out
+
+
+def _typed_components(lowered: jax.stages.Lowered, args: tuple, kwargs: dict,
+                      parameters: int) -> dict[int, str]:
+  """HLO entry parameter number -> the component its argument's type says,
+  where one does (see `_typed_leaves`).
+
+  The types are read from the step's own arguments where their leaves are
+  the lowered program's arguments: those of a jit without static arguments,
+  and of an ``nnx.jit``, to which each NNX module is a flat list of its
+  Variables' arrays in the order jax flattens the module; else from the
+  lowered program's own argument tree (a jit with static arguments). A jit
+  prunes unused arguments: the entry parameters are the kept ones, in order.
+  """
+  avals = [(a.shape, a.dtype) for a in jax.tree.leaves(lowered.in_avals)]
+  leaves = _typed_leaves((args, kwargs))
+  if [(tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)) for x, _ in leaves] != avals:
+    leaves = _typed_leaves(lowered.args_info)
+  # jax keeps the pruning only in its lowering's compile args.
+  lowering = getattr(lowered, "_lowering", None)
+  kept = sorted(getattr(lowering, "compile_args", {}).get("kept_var_idx", range(len(avals))))
+  if len(kept) != parameters or len(leaves) != len(avals):
+    return {}  # not the layout assumed here (a jax change): the names alone decide
+  return {number: leaves[i][1] for number, i in enumerate(kept) if leaves[i][1]}
 
 
 def _computed_component(value: Buffer, param_shapes: set[str], holder: str | None) -> str:

@@ -1,7 +1,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import lowmem_jax as lm
 from lowmem_jax import memory, targets
@@ -99,6 +101,75 @@ def test_cpu_compiles_keep_remat():
   for a, b in zip(jax.tree.leaves(kept[lm.policies.full](*args)),
                   jax.tree.leaves(kept[lm.policies.everything](*args))):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+class _NnxMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(64, 256, rngs=rngs)
+    self.norm = nnx.LayerNorm(256, rngs=rngs)
+    self.fc2 = nnx.Linear(256, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(self.norm(nnx.gelu(self.fc1(x))))
+
+
+def test_report_finds_nnx_params_and_optimizer_by_type():
+  """An nnx.jit step on an NNX model and nnx.Optimizer: no argument is named params or opt_state."""
+  model = _NnxMLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  b = memory.report(step, model, optimizer, jnp.ones((32, 64)))
+  weights = memory.tree_bytes(nnx.state(model, nnx.Param))
+  assert b.at_peak["parameters"] == weights
+  assert b.at_peak["optimizer state"] == 2 * weights + 4 + 4  # mu, nu; adam's count, the step
+  assert b.at_peak["inputs"] == 32 * 64 * 4
+  assert "none found" not in str(b)
+
+
+def test_report_finds_an_optax_state_by_type():
+  """Arguments named w and s: s is an optax state; an unused argument and a static one
+  are left out of the compiled program, which shifts the arguments' numbers."""
+  tx = optax.adam(1e-3)
+
+  def step(w, unused, s, x, scale):
+    grads = jax.grad(lambda w: scale * jnp.sum(jnp.tanh(x @ w["k"])))(w)
+    updates, s = tx.update(grads, s)
+    return optax.apply_updates(w, updates), s
+
+  w = {"k": jax.ShapeDtypeStruct((64, 128), jnp.float32)}
+  x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+  b = memory.report(jax.jit(step, static_argnames="scale"), w, jnp.ones(7),
+                    jax.eval_shape(tx.init, w), x, scale=2.0, target="cpu")
+  assert b.at_peak["optimizer state"] == 2 * 64 * 128 * 4 + 4
+  assert b.at_peak["inputs"] == (64 * 128 + 32 * 64) * 4  # w is named neither params nor an nnx.Param
+  table = str(b)
+  assert "parameters: none found among the step's arguments: pass them as an argument" in table
+  assert "optimizer state: none found" not in table
+  assert b.argument_components == {"optimizer state", "inputs"}
+
+
+def _components(tree):
+  return {c for _, c in memory._typed_leaves(tree)}
+
+
+def test_components_of_typed_leaves():
+  model = _NnxMLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  assert _components(nnx.state(model)) == {"parameters"}
+  assert _components(optimizer) == {"optimizer state"}
+  params = {"w": jnp.ones(3)}
+  assert _components(optax.chain(lm.adama(2), optax.scale_by_learning_rate(1e-3)).init(params)) \
+      == {"optimizer state"}
+  assert _components((params, jnp.ones(2))) == {None}
+  # An optax state over a Flax linen tree stays optimizer state under its "params" key.
+  assert memory._argument_component("opt_state[0].mu['params']['w']") == "optimizer state"
+  assert memory._argument_component("s[0].mu['params']['w']", "optimizer state") == "optimizer state"
 
 
 def test_bad_fn():

@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,134 @@ def test_parse_bytes():
   assert cli.parse_bytes("24GiB") == 24 * 2**30
   assert cli.parse_bytes("1.5 GB") == 1_500_000_000
   assert cli.parse_bytes("4096") == 4096
+
+
+# --step: a user's own step, from a file or a module.
+STEP_FILE = '''
+import jax, jax.numpy as jnp, optax
+
+
+def loss(params, x):
+  h = x @ params["w1"]
+  mu = h.mean(-1, keepdims=True)
+  h = (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * params["g"]
+  return jnp.mean(jax.nn.gelu(h, approximate=False) @ params["w2"])
+
+
+def make_step(lowmem=lambda f: f):
+  tx = optax.adam(1e-3)
+  grad = jax.grad(lowmem(loss))
+
+  def step(params, opt_state, x):
+    updates, opt_state = tx.update(grad(params, x), opt_state)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"w1": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+            "g": jax.ShapeDtypeStruct((256,), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+  x = jax.ShapeDtypeStruct((1024, 64), jnp.float32)
+  args = (params, jax.eval_shape(tx.init, params), x)
+  return jax.jit(step, donate_argnums=(0, 1)), args, (lowmem(loss), (params, x))
+
+
+def no_lowmem():
+  step, args, _ = make_step()
+  return step, args
+
+
+def returns_a_dict():
+  return {"step": None}
+
+
+def args_not_a_tuple():
+  step, (params, opt_state, x), _ = make_step()
+  return step, {"params": params}
+
+
+def needs_an_argument(batch):
+  return make_step()
+'''
+STEP_PARAMS = 4 * (64 * 256 + 256 + 256 * 64)
+
+
+@pytest.fixture
+def step_file(tmp_path):
+  path = tmp_path / "mlp_step.py"
+  path.write_text(STEP_FILE)
+  return str(path)
+
+
+def test_cli_report_step(capsys, step_file):
+  """lowmem (the step differentiates lm.lowmem(loss)) keeps no more than the baseline, on
+  the H100 target."""
+  assert cli.main(["report", "--step", f"{step_file}:make_step", "--target", "h100"]) == 0
+  out = capsys.readouterr().out
+  header = next(line for line in out.splitlines() if line.startswith("┃ techniques"))
+  peak = [c.strip() for c in header.split("┃")].index("peak")
+  rows = {c[1]: c for c in ([c.strip() for c in line.split("│")] for line in out.splitlines()
+                            if line.startswith("│ "))}
+  assert list(rows)[:2] == ["baseline", "lowmem"]  # the default with --step: both
+  assert float(rows["lowmem"][peak]) <= float(rows["baseline"][peak])
+  assert "none found" not in rows["baseline"] + rows["lowmem"]  # params and optimizer state
+
+
+def test_cli_report_step_module_json(capsys, step_file, monkeypatch):
+  monkeypatch.syspath_prepend(str(pathlib.Path(step_file).parent))
+  assert cli.main(["report", "--step", "mlp_step:make_step", "--techniques", "baseline,lowmem",
+                   "--target", "cpu", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["step"] == "mlp_step:make_step" and "model" not in out
+  base, low = out["rows"]
+  assert (base["techniques"], low["techniques"]) == ("baseline", "lowmem")
+  for r in (base, low):
+    assert r["parameters"] == STEP_PARAMS and r["optimizer_state"] == 2 * STEP_PARAMS + 4
+  assert low["peak_bytes"] <= base["peak_bytes"]
+  assert low["saved_activation_bytes"] < base["saved_activation_bytes"]
+
+
+def test_cli_plan_step(capsys, step_file):
+  spec = f"{step_file}:make_step"
+  assert cli.main(["report", "--step", spec, "--target", "cpu", "--json"]) == 0
+  base, low = (r["peak_bytes"] for r in json.loads(capsys.readouterr().out)["rows"])
+  assert low < base
+  assert cli.main(["plan", "--step", spec, "--target", "cpu", "--budget", f"{(base + low) // 2}B"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "over by" in next(line for line in lines if line.startswith("baseline: "))
+  assert "fits with" in next(line for line in lines if line.startswith("lowmem: "))
+  assert lines[-1].startswith("Fits") and "lowmem" in lines[-1]
+  # A make_step without the lowmem argument: only its baseline is tried.
+  assert cli.main(["plan", "--step", f"{step_file}:no_lowmem", "--target", "cpu",
+                   "--budget", "1MiB"]) == 1
+  captured = capsys.readouterr()
+  assert "lowmem: not tried" in captured.out
+  assert captured.err == ("lowmem-jax: nothing fits 1.0 MiB: the smallest compiled peak is "
+                          f"{base / 2**20:,.1f} MiB, with baseline.\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--step", "{dir}/missing.py:make_step"], "--step {dir}/missing.py:make_step: no file"),
+    (["report", "--step", "{file}:make_stp"], "has no function 'make_stp'"),
+    (["report", "--step", "{file}"], "give FILE.py:FUNCTION or MODULE:FUNCTION"),
+    (["report", "--step", "no_such_module_here:make_step"], "no module named 'no_such_module_here'"),
+    (["report", "--step", "{file}:needs_an_argument"], "must be callable with no arguments"),
+    (["report", "--step", "{file}:returns_a_dict", "--target", "cpu"],
+     "returned a dict; expected (step, args)"),
+    (["report", "--step", "{file}:args_not_a_tuple", "--target", "cpu"],
+     "returned a dict as the step's args"),
+    (["report", "--step", "{file}:no_lowmem", "--techniques", "lowmem"], "takes no lowmem argument"),
+    (["report", "--step", "{file}:make_step", "--techniques", "baseline,remat:full"],
+     "'remat:full' in 'remat:full' applies only to the reference models (--model)"),
+    (["report", "--step", "{file}:make_step", "--techniques", "bf16"], "'bf16' in 'bf16' applies only"),
+    (["report", "--step", "{file}:make_step", "--techniques", "adama:2"], "'adama:2'"),
+    (["report", "--step", "{file}:make_step", "--batch", "8"], "--batch is for the reference models"),
+    (["plan", "--model", "vit-tiny", "--step", "{file}:make_step", "--budget", "1GiB"],
+     "--model is for the reference models"),
+    (["report", "--model", "vit-tiny", "--techniques", "lowmem"], "applies only to --step"),
+])
+def test_cli_step_errors(capsys, step_file, argv, message):
+  directory = str(pathlib.Path(step_file).parent)
+  argv = [a.format(file=step_file, dir=directory) for a in argv]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message.format(dir=directory) in err, err
+  assert err.count("\n") == 1 and "Traceback" not in err

@@ -27,9 +27,8 @@ from rich.table import Table
 import lowmem_jax as lm
 
 
-def init(key, *, depth=12, dim=768, heads=12, mlp=3072, patch=16, image=224, classes=1000):
+def init(key, *, depth=12, dim=768, mlp=3072, patch=16, image=224, classes=1000):
   """Parameters of a ViT, float32, as nested dicts."""
-  del heads
   keys = iter(jax.random.split(key, 4 * depth + 3))
   dense = lambda n, m: {"w": jax.random.normal(next(keys), (n, m)) / n ** 0.5, "b": jnp.zeros(m)}
   norm = lambda: {"scale": jnp.ones(dim), "bias": jnp.zeros(dim)}

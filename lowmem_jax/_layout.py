@@ -9,12 +9,17 @@ from jax import lax
 def barrier_rows(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   """``arrays`` through one ``optimization_barrier``, each as ``[rows, last axis]``.
 
-  The barrier keeps XLA from recomputing an array in the backward from what
-  made it (which keeps those inputs alive too). Flattened to two axes, the
-  array takes the row-major layout the next matmul reads: XLA's layout
-  assignment otherwise gives it the layout of its producer (for instance
-  batch-minor, chosen for a sum over the batch in the backward) and makes a
-  row-major copy for the matmul, and both live until the backward.
+  The values are unchanged. The barrier keeps XLA from recomputing an array
+  in the backward from what made it (which keeps those inputs alive too).
+  Flattened to two axes, the array takes the row-major layout the next
+  matmul reads: XLA's layout assignment otherwise gives it the layout of its
+  producer (for instance batch-minor, chosen for a sum over the batch in the
+  backward) and makes a row-major copy for the matmul, and both live until
+  the backward. Arrays of rank 0 or 1 pass as they are.
+
+  Under SPMD, merging the leading axes keeps a sharding of the first axis
+  (data parallelism, FSDP); an array sharded along a later leading axis
+  (sequence or heads) would be gathered.
   """
   flat = lax.optimization_barrier(tuple(
       x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.ndim > 1 else x for x in arrays))

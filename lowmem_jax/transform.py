@@ -69,7 +69,9 @@ class Rewrite:
   """One pattern `lowmem` replaced (``left`` False) or recognised and left.
 
   Attributes:
-    kind: "activation", "norm" or "attention".
+    kind: "activation", "norm", "attention" or "layout" (a matmul over an
+      array as saved rather than over its reshape; logged beside the
+      attention rewrite it belongs to).
     op: what it became, e.g. "regelu2", "ms_layer_norm + fold into 3 matmuls".
     source: "file.py:line" of the original op.
     saved_bytes: bytes it removes from autodiff's residuals, counted on the
@@ -790,7 +792,7 @@ def _foldable(g, z, n):
       if name in ("convert_element_type", "name") or (
           name == "reshape" and e.outvars[0].aval.shape[-1:] == (n,)):
         todo.append((e.outvars[0], chain + [c]))
-      elif name == "dot_general" and _contracts_last(e, v):
+      elif name == "dot_general" and _contracts_last(e, v) and c not in g.taken:
         folds.append((c, e.invars.index(v), chain))
       else:
         others = True
@@ -868,7 +870,7 @@ def _softmax_of(g, i):
   if ex is None or ex.primitive.name != "exp" or red is None:
     return None
   last = (num.aval.ndim - 1,)
-  if red.primitive.name != "reduce_sum" or g.back(red.invars[0], _SOFTMAX_BACK) is not num or tuple(
+  if red.primitive.name != "reduce_sum" or g.back(red.invars[0], {"convert_element_type"}) is not num or tuple(
       red.params["axes"]) != last:
     return None
   sub = g.prod(ex.invars[0])
@@ -1249,7 +1251,8 @@ def _contract_merged(e, side, o, w):
   lhs, rhs, dims = (o, w, (o_axes, w_axes)) if side == 0 else (w, o, (w_axes, o_axes))
   return lax.dot_general(lhs, rhs, (dims, ((), ())),
                          precision=e.params.get("precision"),
-                         preferred_element_type=e.params.get("preferred_element_type"))
+                         preferred_element_type=e.params.get("preferred_element_type"),
+                         out_sharding=e.params.get("out_sharding"))
 
 
 def _unbroadcast(g, var):

@@ -9,8 +9,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402  (XLA_FLAGS must be set before jax starts its backend)
 import pytest  # noqa: E402
 
-# The examples are scripts, not a package: their tests import them from examples/.
+# The examples and benchmarks are scripts, not a package: their tests import them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # Strict promotion catches silent upcasts in our functional core. Flax's own
 # normalisation layers mix bfloat16 and float32 implicitly, so the tests that

@@ -1,11 +1,6 @@
 """benchmarks/gpu_validate.py checks itself on the CPU (--dry-run)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import gpu_validate  # noqa: E402
+import gpu_validate  # benchmarks/, on sys.path in conftest.py
 
 
 def test_dry_run_writes_the_report(tmp_path):

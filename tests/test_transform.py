@@ -1,8 +1,5 @@
 """`lm.lowmem`: every rewrite against the function it replaces (its exact twin)."""
 
-import sys
-from pathlib import Path
-
 import chex
 import flax.linen as nn
 import jax
@@ -12,6 +9,7 @@ import pytest
 from flax import nnx
 
 import lowmem_jax as lm
+import plain_vit  # benchmarks/, on sys.path in conftest.py
 
 KEY = jax.random.key(0)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
@@ -322,12 +320,9 @@ def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
   [16, 65, 256] bfloat16. Without `_layout.barrier_rows` XLA kept 13.8: the
   norm and attention outputs in two layouts, the fc1 output for the code.
   """
-  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-  import plain_vit
-
   def shapes(depth):
     params = jax.eval_shape(lambda: plain_vit.init(
-        KEY, depth=depth, dim=256, heads=4, mlp=1024, image=128, classes=10))
+        KEY, depth=depth, dim=256, mlp=1024, image=128, classes=10))
     return (params, jax.ShapeDtypeStruct((16, 128, 128, 3), jnp.float32),
             jax.ShapeDtypeStruct((16,), jnp.int32))
 

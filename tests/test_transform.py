@@ -335,3 +335,15 @@ def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
   plain, lowmem = per_block(loss), per_block(lm.lowmem(loss))
   assert lowmem <= 11 * unit
   assert lowmem <= 0.5 * plain
+
+
+def test_memory_report_names_the_rewritten_residuals():
+  params = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": _normal((64, 256)),
+            "w2": _normal((256, 64))}
+  x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+  fast = lm.lowmem(lambda p, x: jnp.mean(
+      jax.nn.gelu(_hand_ln(p, x) @ p["w1"], approximate=False) @ p["w2"]))
+  b = lm.memory.report(jax.grad(fast), params, x, loss_fn=fast, loss_args=(params, x), target="cpu")
+  names = b.saved.by_name()
+  assert {lm.names.NORM_OUT, lm.names.NORM_RSTD, lm.names.ACT_CODE} <= set(names)
+  assert lm.names.NORM_OUT in str(b)

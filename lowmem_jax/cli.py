@@ -264,6 +264,23 @@ def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
                        target=args.target)
 
 
+def _measure_all(args, settings: list[Setting], top: int | None = 10) -> list[memory.Breakdown]:
+  """`measure` of each setting, with a progress bar."""
+  breakdowns = []
+  with _progress(Console(stderr=True)) as progress:
+    task = progress.add_task("compiling", total=len(settings))
+    for s in settings:
+      progress.update(task, description=f"compiling {s.label}")
+      breakdowns.append(measure(args, s, top=top))
+      progress.advance(task)
+  return breakdowns
+
+
+def _step_techniques(args) -> tuple[str, ...]:
+  """The techniques ``--step``'s function allows: lowmem only where it takes ``lowmem``."""
+  return STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]
+
+
 def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
   """The summary figures of one technique set against ``base``."""
   at = b.at_peak
@@ -325,8 +342,7 @@ def _summary(rows: list[dict], title: str) -> Table:
 def report(args, console: Console) -> int:
   techniques = args.techniques
   if techniques is None:
-    techniques = (DEFAULT_TECHNIQUES if args.step is None else
-                  ",".join(STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]))
+    techniques = DEFAULT_TECHNIQUES if args.step is None else ",".join(_step_techniques(args))
   settings = [parse_setting(t, step=args.step is not None) for t in techniques.split(",")]
   if any(s.lowmem for s in settings) and not takes_lowmem(args.make_step):
     name = args.step.rpartition(":")[2]
@@ -338,13 +354,7 @@ def report(args, console: Console) -> int:
       os.makedirs(args.plot, exist_ok=True)
     except OSError as e:
       raise UsageError(f"--plot {args.plot}: {e.strerror}.") from e
-  breakdowns = []
-  with _progress(Console(stderr=True)) as progress:
-    task = progress.add_task("compiling", total=len(settings))
-    for s in settings:
-      progress.update(task, description=f"compiling {s.label}")
-      breakdowns.append(measure(args, s, top=args.top))
-      progress.advance(task)
+  breakdowns = _measure_all(args, settings, top=args.top)
   base = next((b for b in breakdowns if b.label == "baseline"), breakdowns[0])
   rows = [row(b, base, s) for b, s in zip(breakdowns, settings)]
   if args.plot:
@@ -431,15 +441,9 @@ def plan(args, console: Console) -> int:
 
 def _plan_step(args, budget: int, console: Console) -> int:
   """`plan` for ``--step``: whether its baseline and its lowmem step fit ``budget``."""
-  texts = STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]
-  measured = []
-  with _progress(Console(stderr=True)) as progress:
-    task = progress.add_task("compiling", total=len(texts))
-    for text in texts:
-      progress.update(task, description=f"compiling {text}")
-      setting = parse_setting(text, step=True)
-      measured.append((measure(args, setting), setting))
-      progress.advance(task)
+  texts = _step_techniques(args)
+  settings = [parse_setting(text, step=True) for text in texts]
+  measured = list(zip(_measure_all(args, settings), settings))
   base = measured[0][0]
   console.print(_summary([row(b, base, s) for b, s in measured],
                          f"{_workload_title(args)}: against {_size(budget)}"))

@@ -317,8 +317,9 @@ def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
 
   Through `lm.lowmem` a block keeps the two norm outputs, q, k, v, the
   attention output, the GELU output and its 2-bit code: 10.5 arrays of
-  [16, 65, 256] bfloat16. Without `_layout.barrier_rows` XLA kept 13.8: the
-  norm and attention outputs in two layouts, the fc1 output for the code.
+  [16, 65, 256] bfloat16. Without the barriers (`_layout.barrier_rows` and
+  the activation's) XLA kept 13.8: the norm and attention outputs in two
+  layouts, the fc1 output for the code.
   """
   def shapes(depth):
     params = jax.eval_shape(lambda: plain_vit.init(

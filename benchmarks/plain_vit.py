@@ -1,9 +1,12 @@
-"""`lm.lowmem` on a plain-JAX ViT-B/16 written outside the project.
+"""`lm.lowmem` on a ViT-B/16 written outside the project, in plain JAX or Flax's stock NNX modules.
 
-The model below uses nothing of lowmem_jax: a params dict, a fused qkv
-projection, `jax.nn.gelu` (its tanh default), LayerNorm by hand, einsum
-attention with `jax.nn.softmax`, a Python loop over the blocks. The script
-compares its gradient step with the same step through `lm.lowmem`:
+Neither model uses anything of lowmem_jax. ``--model plain``: a params dict,
+a fused qkv projection, `jax.nn.gelu` (its tanh default), LayerNorm by hand,
+einsum attention with `jax.nn.softmax`, a Python loop over the blocks.
+``--model nnx``: `StockViT`, of ``nnx.LayerNorm``, ``nnx.MultiHeadAttention``,
+``nnx.Linear`` and ``nnx.gelu`` (computing in ``--dtype``, float32 params),
+its loss on the state of ``nnx.split``. The script compares the gradient step
+with the same step through `lm.lowmem`:
   - compiled per-block bytes for --target (default the H100 target, compiled
     here without a GPU): temp bytes at --depth minus temp bytes at half
     depth, per block removed;
@@ -13,6 +16,7 @@ compares its gradient step with the same step through `lm.lowmem`:
 
     python benchmarks/plain_vit.py                       # ViT-B/16, batch 64, bfloat16, H100 target
     python benchmarks/plain_vit.py --explain 10          # + the largest buffers at the peak
+    python benchmarks/plain_vit.py --model nnx           # the stock-NNX ViT-B/16
 """
 
 import argparse
@@ -21,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
@@ -79,10 +84,67 @@ def loss(params, images, labels, *, heads=12, patch=16, dtype=jnp.bfloat16):
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
 
-def shapes(batch, image, depth):
-  params = jax.eval_shape(lambda: init(jax.random.key(0), depth=depth, image=image))
-  return (params, jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32),
-          jax.ShapeDtypeStruct((batch,), jnp.int32))
+class StockBlock(nnx.Module):
+  """A pre-LN ViT block of Flax's stock NNX modules."""
+
+  def __init__(self, dim, heads, mlp, dtype, rngs):
+    self.norm1 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, dim, dtype=dtype, decode=False, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.fc1 = nnx.Linear(dim, mlp, dtype=dtype, rngs=rngs)
+    self.fc2 = nnx.Linear(mlp, dim, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.norm1(x))
+    return x + self.fc2(nnx.gelu(self.fc1(self.norm2(x))))
+
+
+class StockViT(nnx.Module):
+  """ViT of stock NNX modules: images [b, H, W, 3] float32 -> logits [b, classes] float32."""
+
+  def __init__(self, *, depth=12, dim=768, heads=12, mlp=3072, patch=16, image=224, classes=1000,
+               dtype=jnp.bfloat16, rngs):
+    self.patch = patch
+    self.embed = nnx.Linear(patch * patch * 3, dim, dtype=dtype, rngs=rngs)
+    self.cls = nnx.Param(jnp.zeros((1, 1, dim)))
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, (image // patch) ** 2 + 1, dim)))
+    self.blocks = nnx.List([StockBlock(dim, heads, mlp, dtype, rngs) for _ in range(depth)])
+    self.norm = nnx.LayerNorm(dim, rngs=rngs)
+    self.head = nnx.Linear(dim, classes, rngs=rngs)
+
+  def __call__(self, images):
+    b, side, p = images.shape[0], images.shape[1] // self.patch, self.patch
+    patches = images.reshape(b, side, p, side, p, 3).transpose(0, 1, 3, 2, 4, 5)
+    x = self.embed(patches.reshape(b, side * side, -1))
+    cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (b, 1, x.shape[-1]))
+    x = jnp.concatenate([cls, x], 1) + self.pos[...].astype(x.dtype)
+    for blk in self.blocks:
+      x = blk(x)
+    return self.head(self.norm(x[:, 0].astype(jnp.float32)))
+
+
+def problem(model, batch, image, depth, dtype, *, abstract=True):
+  """``(loss, (params, images, labels))`` of ``--model`` ``model``; ``ShapeDtypeStruct``s if abstract.
+
+  ``loss(params, images, labels)``: mean cross-entropy, float32 []; images
+  float32 [batch, image, image, 3], labels int32 [batch].
+  """
+  if model == "plain":
+    fn = lambda params, images, labels: loss(params, images, labels, dtype=dtype)
+    make = lambda: init(jax.random.key(0), depth=depth, image=image)
+  else:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: StockViT(depth=depth, image=image, dtype=dtype,
+                                                            rngs=nnx.Rngs(0))))
+
+    def fn(params, images, labels):
+      logits = nnx.merge(graphdef, params)(images)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+    make = lambda: nnx.state(StockViT(depth=depth, image=image, dtype=dtype, rngs=nnx.Rngs(0)))
+  if abstract:
+    return fn, (jax.eval_shape(make), jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32),
+                jax.ShapeDtypeStruct((batch,), jnp.int32))
+  return fn, (make(), jax.random.normal(jax.random.key(1), (batch, image, image, 3)),
+              jnp.zeros((batch,), jnp.int32))
 
 
 def median_seconds(fn, repeats):
@@ -105,31 +167,33 @@ def main(argv=None):
   parser.add_argument("--explain", type=int, default=0, metavar="N",
                       help="list the N largest buffers live at the compiled peak of each step")
   parser.add_argument("--no-timing", action="store_true")
+  parser.add_argument("--model", default="plain", choices=("plain", "nnx"))
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   target = lm.targets.resolve(args.target)
   console = Console(width=200)
   console.print(target.note, highlight=False)
-  plain = lambda params, images, labels: loss(params, images, labels, dtype=dtype)
-  variants = {"plain": plain, "lm.lowmem(plain)": lm.lowmem(plain)}
-  full, half = shapes(args.batch, 224, args.depth), shapes(args.batch, 224, args.depth // 2)
+  fn, full = problem(args.model, args.batch, 224, args.depth, dtype)
+  fn_half, half = problem(args.model, args.batch, 224, args.depth // 2, dtype)
+  variants = {"plain": lambda f: f, "lm.lowmem(plain)": lm.lowmem}
+  title = "plain-JAX ViT-B/16" if args.model == "plain" else "ViT-B/16 of stock NNX modules"
 
-  table = Table(title=f"plain-JAX ViT-B/16, batch {args.batch}, {args.dtype} compute, float32 params, "
+  table = Table(title=f"{title}, batch {args.batch}, {args.dtype} compute, float32 params, "
                       f"gradient step (MiB; ratio to plain)")
   for col in ("variant", "compiled peak", "ratio", "per block", "ratio", "autodiff's residuals", "ratio"):
     table.add_column(col, justify="left" if col == "variant" else "right")
   mib = lambda b: f"{b / 2**20:,.0f}"
   base = None
-  for name, fn in variants.items():
-    stats = lm.memory.analyze(jax.grad(fn), *full, target=target)
-    half_stats = lm.memory.analyze(jax.grad(fn), *half, target=target)
+  for name, wrap in variants.items():
+    stats = lm.memory.analyze(jax.grad(wrap(fn)), *full, target=target)
+    half_stats = lm.memory.analyze(jax.grad(wrap(fn_half)), *half, target=target)
     per_block = (stats.temp_bytes - half_stats.temp_bytes) / (args.depth - args.depth // 2)
-    saved = lm.memory.saved_residuals(fn, *full).activation_bytes
+    saved = lm.memory.saved_residuals(wrap(fn), *full).activation_bytes
     base = base or (stats.peak_bytes, per_block, saved)
     table.add_row(name, mib(stats.peak_bytes), f"{stats.peak_bytes / base[0]:.3f}", mib(per_block),
                   f"{per_block / base[1]:.3f}", mib(saved), f"{saved / base[2]:.3f}")
     if args.explain:
-      peak = lm.memory.report(jax.grad(fn), *full, top=args.explain, target=target)
+      peak = lm.memory.report(jax.grad(wrap(fn)), *full, top=args.explain, target=target)
       console.print(f"\n{name}: the {args.explain} largest buffers live at the compiled peak")
       for b in peak.buffers:
         console.print(f"  {b.nbytes / 2**20:8,.1f} MiB {b.shape:28s} {b.op_name[-90:]}", highlight=False)
@@ -137,18 +201,15 @@ def main(argv=None):
 
   if args.no_timing:
     return
-  trace = {name: median_seconds(lambda: jax.make_jaxpr(jax.grad(fn))(*full), args.repeats)
-           for name, fn in variants.items()}
+  trace = {name: median_seconds(lambda: jax.make_jaxpr(jax.grad(wrap(fn)))(*full), args.repeats)
+           for name, wrap in variants.items()}
   batch, image = (int(v) for v in args.time.split(","))
-  params = init(jax.random.key(0), depth=args.depth, image=image)
-  images = jax.random.normal(jax.random.key(1), (batch, image, image, 3))
-  labels = jnp.zeros((batch,), jnp.int32)
+  fn32, real = problem(args.model, batch, image, args.depth, jnp.float32, abstract=False)
   times = {}
-  for name, fn in variants.items():
-    fn32 = (lambda p, i, l: loss(p, i, l, dtype=jnp.float32))
-    step = jax.jit(jax.grad(lm.lowmem(fn32) if name != "plain" else fn32))
-    jax.block_until_ready(step(params, images, labels))
-    times[name] = median_seconds(lambda: jax.block_until_ready(step(params, images, labels)), args.repeats)
+  for name, wrap in variants.items():
+    step = jax.jit(jax.grad(wrap(fn32)))
+    jax.block_until_ready(step(*real))
+    times[name] = median_seconds(lambda: jax.block_until_ready(step(*real)), args.repeats)
   table = Table(title=f"time, median of {args.repeats}: tracing the ViT-B/16 gradient (make_jaxpr), "
                       f"and the float32 step at batch {batch}, {image}² on {jax.devices()[0].device_kind}")
   for col in ("variant", "trace s", "step s", "step ratio to plain"):

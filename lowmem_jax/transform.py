@@ -10,8 +10,8 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
 - ``activations``: an elementwise function of one array that equals, on a grid
   of test points, the erf GELU (→ `regelu2`), the tanh GELU (exact forward,
   ReGELU2's 2-bit backward), SiLU (→ `resilu2`) or ReLU (→ `relu`, exact).
-- ``norms``: LayerNorm / RMSNorm (mean and variance, or E[x²] − E[x]²; rsqrt;
-  optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
+- ``norms``: LayerNorm / RMSNorm (mean and variance, ``jnp.var`` with
+  ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
   `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the
   feature axis, through reshapes and casts) gets the affine folded in inside
   the step: ``y @ (g[:, None] * W) + b @ W``, so the norm and the matmul save
@@ -19,15 +19,19 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   ``y * g + b`` (the models' ``keep_affine``).
 - ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
   ``where`` mask → softmax over keys → ``dot_general(p, v)``, in any layout
-  that transposes and unit axes reach → `lowmem_jax.attention`.
+  that transposes and unit axes reach, grouped-query heads included (a group
+  axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
+  writes them) → `lowmem_jax.attention`.
+- ``"layout"`` (with attention): a matmul whose input is the attention output
+  ``[.., h, d]`` only reshaped to ``[.., h * d]`` contracts over ``(h, d)``
+  instead, so autodiff saves one array, not two.
 
 Nested jaxprs are rewritten too: ``jit`` calls are inlined (so a pattern may
 span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
 rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
 functions keep their own derivative rules and are left as they are, except
-`jax.nn.relu`. What the matchers miss: ``jnp.var`` (its ``ddof`` arithmetic),
-norms written with ``/ sqrt`` instead of ``rsqrt``, grouped-query attention,
-and the layout redundancies (an array saved twice in two layouts). A jaxpr
+`jax.nn.relu`. What the matchers miss: layout redundancies other than the
+attention output's. A jaxpr
 rewrite sees hand-written code as well as framework modules; Qwix's approach
 (intercepting framework calls by module path) sees only the modules it knows.
 """
@@ -369,6 +373,23 @@ def _scalar(v):
   return None
 
 
+_SCALAR_OPS = {"add": float.__add__, "sub": float.__sub__, "mul": float.__mul__,
+               "div": float.__truediv__, "convert_element_type": float}
+
+
+def _constant(g, v, depth=4):
+  """The value of scalar ``v`` if literals alone make it (as ``n - ddof`` in ``jnp.var``), else None."""
+  if (c := _scalar(v)) is not None or depth == 0:
+    return c
+  e = g.prod(v)
+  if e is None or e.outvars[0].aval.shape != () or e.primitive.name not in _SCALAR_OPS:
+    return None
+  args = [_constant(g, w, depth - 1) for w in e.invars]
+  if None in args or e.primitive.name == "div" and args[1] == 0.0:
+    return None
+  return _SCALAR_OPS[e.primitive.name](*args)
+
+
 def _slice(g, outputs, stops):
   """Indices of the equations ``outputs`` depend on, back to the vars ``stops``."""
   seen, todo = set(), [v for v in outputs]
@@ -391,7 +412,7 @@ def _match(jaxpr, options, log, count):
         _match_attention(g, i, actions, log, count)
   if options["norms"]:
     for i, e in enumerate(g.eqns):
-      if e.primitive.name == "rsqrt" and i not in g.taken:
+      if e.primitive.name in ("rsqrt", "sqrt") and i not in g.taken:
         _match_norm(g, i, actions, log, count)
   if options["activations"]:
     _match_activations(g, actions, log, count)
@@ -569,7 +590,7 @@ def _mean_of(g, v):
   if e is None or e.primitive.name not in ("div", "mul"):
     return None
   a, b = e.invars
-  c = _scalar(b)
+  c = _constant(g, b)
   if c is None:
     return None
   s = g.prod(g.back(a))
@@ -629,7 +650,7 @@ def _feature_vector(g, v, n):
 
 
 def _stats(g, r_eqn):
-  """``(x, mu or None, eps, stat_indices)`` of ``rsqrt(var(x) + eps)``, else None."""
+  """``(x, mu or None, eps)`` of ``rsqrt(var(x) + eps)`` or ``sqrt(...)``, else None."""
   u = g.back(r_eqn.invars[0])
   e = g.prod(u)
   if e is None or e.primitive.name != "add":
@@ -642,6 +663,10 @@ def _stats(g, r_eqn):
   clip = g.prod(var)
   if clip is not None and clip.primitive.name == "max" and 0.0 in map(_scalar, clip.invars):
     var = g.back(next(v for v in clip.invars if _scalar(v) is None))
+  guard = g.prod(var)  # jnp.var's where(n - ddof > 0, var, nan)
+  if guard is not None and guard.primitive.name == "select_n" and len(guard.invars) == 3 and (
+      guard.invars[0].aval.shape == () and np.isnan(_fill_value(g, guard.invars[1]) or 0.0)):
+    var = g.back(guard.invars[2])
   ve = g.prod(var)
   if ve is not None and ve.primitive.name == "sub":  # E[x^2] - E[x]^2
     sq, m2 = ve.invars
@@ -680,7 +705,16 @@ def _match_norm(g, ri, actions, log, count):
     return
   n = x.aval.shape[-1]
   cur, scale, bias, centered = g.eqns[ri].outvars[0], None, None, False
-  while True:  # walk rsqrt's product chain forward
+  if g.eqns[ri].primitive.name == "sqrt":  # (x - mu) / sqrt(var + eps)
+    while (c := g.only_consumer(cur)) is not None and g.eqns[c].primitive.name in _LAYOUT and (
+        len(g.eqns[c].invars) == 1):
+      cur = g.eqns[c].outvars[0]
+    e = None if c is None else g.eqns[c]
+    if e is None or e.primitive.name != "div" or e.invars[1] is not cur or not _centered(
+        g, e.invars[0], x, mu):
+      return
+    cur, centered = e.outvars[0], True
+  while True:  # walk the product chain forward
     c = g.only_consumer(cur)
     if c is None:
       break
@@ -1012,7 +1046,11 @@ def _relabel(e, labels):
 
 
 def _operand_labels(e, side, free_label):
-  """Labels of operand ``side`` of ``dot_general`` ``e``: B0.., "D", and its free axes."""
+  """Labels of operand ``side`` of ``dot_general`` ``e``: B0.., "D", and its free axes.
+
+  Two free axes are grouped-query attention's queries: the one right after
+  the second batch axis (the kv heads) is the group axis "G".
+  """
   (lc, rc), (lb, rb) = e.params["dimension_numbers"]
   contract, batch = (lc, lb) if side == 0 else (rc, rb)
   v = e.invars[side]
@@ -1022,15 +1060,24 @@ def _operand_labels(e, side, free_label):
   for d in contract:
     labels[d] = "D"
   free = [d for d in range(v.aval.ndim) if labels[d] is None]
-  if len(free) == 1:
-    labels[free[0]] = free_label
-  else:
-    big = [d for d in free if v.aval.shape[d] != 1]
-    if len(big) != 1:
-      return None
-    for d in free:
+  big = [d for d in free if v.aval.shape[d] != 1]
+  if len(big) == 2 and len(batch) == 2 and batch[1] + 1 in big:
+    labels[batch[1] + 1] = "G"
+    big.remove(batch[1] + 1)
+  if len(big) != 1:
+    return None
+  for d in free:
+    if labels[d] is None:
       labels[d] = free_label if d == big[0] else "U"
   return labels if len(contract) == 1 else None
+
+
+def _merge_groups(x, order):
+  """``x`` on ``order``'s axes with "B1", "G" adjacent: those two as one heads axis, kv-major."""
+  i = order.index("B1")
+  if x.shape[i] == 1 and x.shape[i + 1] == 1:
+    return x.reshape(x.shape[:i] + (1,) + x.shape[i + 2:])
+  return x.reshape(x.shape[:i] + (-1,) + x.shape[i + 2:])
 
 
 def _out_labels(e, lhs, rhs):
@@ -1088,7 +1135,8 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
   lhs = _operand_labels(qk, 0, "L")
   rhs = _operand_labels(qk, 1, "R")
   if lhs is None or rhs is None:
-    return "the query-key matmul has more than one query or key axis (grouped heads?)"
+    return ("the query-key matmul has more than one query or key axis (and no group axis "
+            "right after the kv heads)")
   nb = len(qk.params["dimension_numbers"][1][0])
   if nb > 2:
     return "more than two batch axes in the scores"
@@ -1112,9 +1160,15 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
       [kd for kd in kinds if kd.startswith("mask")]) > 1:
     return "more than one scale, bias or mask"
   to_canon = {"L" if k_side == 1 else "R": "T", "L" if k_side == 0 else "R": "S", "D": "D",
-              "U": "U", "B0": "B0", "B1": "B1"}
+              "U": "U", "B0": "B0", "B1": "B1", "G": "G"}
   order_qkv = ["B0", "T", "B1", "D"]
   order_mask = ["B0", "B1", "T", "S"]
+  if "G" in labels:  # grouped-query attention: q's heads are (B1, G), k's and v's B1
+    if "G" in (lhs if k_side == 0 else rhs):
+      return "the keys, not the queries, have the group axis"
+    order_q, order_mask = ["B0", "T", "B1", "G", "D"], ["B0", "B1", "G", "T", "S"]
+  else:
+    order_q = order_qkv
   pv = g.eqns[pv_i]
   p_side = pv.invars.index(pp)
   (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
@@ -1172,7 +1226,7 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
       *dv, wv = dv
     it = iter(dv)
     ev = [next(it) if isinstance(v, jcore.Var) else v.val for v in extras]
-    qc = _to_canonical(qv, q_labels, order_qkv)
+    qc = _to_canonical(qv, q_labels, order_q)
     kc = _to_canonical(kv, k_labels, order_qkv)
     vc = _to_canonical(vv, v_labels, order_qkv)
     factor, bias, mask = math.sqrt(head_dim), None, None
@@ -1187,10 +1241,21 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
       else:
         m = _to_canonical(x, lab, order_mask)
         mask = m if kind == "mask" else jnp.logical_not(m)
+    if order_q is not order_qkv:
+      kv_heads, groups = qc.shape[2], qc.shape[3]
+      qc = _merge_groups(qc, order_q)
+
+      def grouped(x):
+        if x is not None and x.shape[1:3] not in ((1, 1), (kv_heads, groups)):
+          x = jnp.broadcast_to(x, x.shape[:1] + (kv_heads, groups) + x.shape[3:])
+        return None if x is None else _merge_groups(x, order_mask)
+      bias, mask = grouped(bias), grouped(mask)
     if not (isinstance(factor, (float, np.generic)) and float(factor) == 1.0):
       qc = (qc.astype(jnp.float32) * factor).astype(qc.dtype)
     o = attention_ops.attention(qc, kc, vc, mask=mask, bias=bias)
-    o = _from_canonical(o, order_qkv, out_labels, out.aval.shape).astype(out.aval.dtype)
+    if order_q is not order_qkv:
+      o = o.reshape(o.shape[:2] + (kv_heads, groups) + o.shape[3:])
+    o = _from_canonical(o, order_q, out_labels, out.aval.shape).astype(out.aval.dtype)
     for tag in tags:
       o = _apply_layout(tag, o, names.ATTN_OUT)
     if merged is not None:

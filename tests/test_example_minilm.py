@@ -19,24 +19,40 @@ def quick(tmp_path_factory):
                                "--out", str(tmp_path_factory.mktemp("results"))])
 
 
-def test_forward_matches_numpy_with_and_without_the_lowmem_switches(quick):
+def test_forward_of_the_stock_nnx_model_matches_numpy_plain_and_through_lowmem(quick):
   assert set(quick["cosines"]) == {"baseline", "lowmem"}
   for row, cosine in quick["cosines"].items():
     assert cosine >= 0.9999, row
 
 
-def test_quick_finetune_learns_and_the_lowmem_step_holds_less(quick):
-  base, low = quick["results"]["baseline"], quick["results"]["lowmem"]
+def test_lowmem_rewrites_every_gelu_norm_and_attention_of_the_stock_model():
+  tensors, config, tokenizer = finetune_minilm.load()
+  graphdef, params = finetune_minilm.pretrained(tensors, config, 3, 0)
+  tokens, mask = finetune_minilm.tokenize(tokenizer, finetune_minilm.SENTENCES[:2], 16)
+  counts = finetune_minilm.lm.lowmem(finetune_minilm.embedding_fn(graphdef)).explain(
+      params, tokens, mask).counts
+  n = config.n_layers
+  assert counts == {"attention": n, "norm": 2 * n + 1, "activation": n}
+
+
+def test_quick_finetune_learns_stops_early_and_the_lowmem_step_holds_less(quick):
+  (seed, results), = quick["results"].items()
+  base, low = results["baseline"], results["lowmem"]
   for r in (base, low):
     losses = [loss for _, loss in r["history"]["loss"]]
     assert len(losses) == 3 and np.all(np.isfinite(losses))
     assert r["loss"] < losses[0]  # the test loss after 3 steps is below the first training loss
+    evals = dict(r["history"]["eval"])
+    assert r["best"]["step"] in evals
+    assert r["best"]["val_loss"] == min(e["val_loss"] for e in evals.values())
   assert low["memory"]["saved"] < 0.5 * base["memory"]["saved"]
   assert low["memory"]["peak"] < base["memory"]["peak"]
+  assert np.isfinite(quick["loss_ratio"])
 
 
-def test_docstring_task_is_balanced_and_split():
+def test_docstring_task_is_balanced_and_split_three_ways():
   texts, labels, classes = finetune_minilm.docstrings(per_class=24)
   assert len(classes) >= 2 and np.bincount(labels).max() <= 24
-  test = finetune_minilm.split(texts)
-  assert 0 < test.sum() < len(texts)
+  part = finetune_minilm.split(texts)
+  assert set(np.unique(part)) == {0, 1, 2}
+  assert 0.4 < np.mean(part == 0) < 0.8

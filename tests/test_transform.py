@@ -118,7 +118,16 @@ def _hand_rms(p, x):
   return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * p["g"]
 
 
-@pytest.mark.parametrize("norm", [_hand_ln, _hand_rms])
+def _var_over_sqrt_ln(p, x):
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * p["g"] + p["b"]
+
+
+def _rms_over_sqrt(p, x):
+  return p["g"] * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))
+
+
+@pytest.mark.parametrize("norm", [_hand_ln, _hand_rms, _var_over_sqrt_ln, _rms_over_sqrt])
 def test_hand_written_norm(norm):
   p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)), "w": _normal((32, 8)),
        "c": _normal((8,))}
@@ -141,6 +150,13 @@ def test_post_ln_keeps_the_affine_on_the_residual_path():
   (rewrite,) = fast.explain(params, x)
   assert "affine kept" in rewrite.op
   _close(jax.grad(fast)(params, x), jax.grad(loss)(params, x), 1e-4)
+
+
+def test_unbiased_variance_is_not_a_layer_norm():
+  x = _normal((4, 32))
+  loss = lambda x: jnp.sum((x - x.mean(-1, keepdims=True)) / jnp.sqrt(
+      jnp.var(x, -1, ddof=1, keepdims=True) + 1e-5) @ jnp.ones((32, 4)))
+  assert lm.lowmem(loss).explain(x).counts == {}
 
 
 def test_norm_like_expression_over_the_wrong_axis_is_left():
@@ -186,6 +202,39 @@ def test_attention_rewritten_without_an_lxl_residual(form):
   _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
   lxl = [r for r in _float_residuals(fast, q, k, v) if r.shape[-2:] == (L, L)]
   assert not lxl, lxl
+
+
+HEAD_MASK = jax.random.bernoulli(jax.random.key(5), 0.7, (2, 8, L, L)) | jnp.eye(L, dtype=bool)
+HEAD_BIAS = _normal((1, 8, L, L), key=jax.random.key(6))
+
+
+def _grouped_by_hand(q, k, v):
+  b, t, n, d = q.shape
+  s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, k.shape[2], n // k.shape[2], d), k)
+  s = jnp.where(MASK[:, :, None], s * d ** -0.5, -1e9)
+  return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, -1), v).reshape(b, t, n, d)
+
+
+GROUPED = {
+    "jax.nn, causal": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    "jax.nn, a mask per head": lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=HEAD_MASK),
+    "jax.nn, bias": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=HEAD_BIAS),
+    "einsum by hand": _grouped_by_hand,
+}
+
+
+@pytest.mark.parametrize("form", list(GROUPED))
+def test_grouped_query_attention_rewritten_without_an_lxl_residual(form):
+  q = _normal((2, L, 8, 16))
+  k, v = _normal((2, 2, L, 2, 16), key=jax.random.key(1))
+  loss = lambda q, k, v: jnp.sum(GROUPED[form](q, k, v) ** 2)
+  fast = lm.lowmem(loss)
+  assert fast.explain(q, k, v).counts == {"attention": 1}
+  _close(fast(q, k, v), loss(q, k, v), 1e-5)
+  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
+  scores = [r for r in _float_residuals(fast, q, k, v) if np.prod(r.shape) == 2 * 8 * L * L]
+  assert not scores, scores  # the bias [1, 8, L, L] is kept: its gradient needs no scores
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

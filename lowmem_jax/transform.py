@@ -40,10 +40,12 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
 import rich.table
 from jax import lax
@@ -52,6 +54,8 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from lowmem_jax import activations, attention_ops, memory, names, norms
+
+_FLAX_DIR = os.path.dirname(flax.__file__) + os.sep
 
 OPTIONS = {
     "activations": ("approx", None),
@@ -362,7 +366,10 @@ class _Graph:
     return True
 
   def source(self, i) -> str:
-    frame = source_info_util.user_frame(self.eqns[i].source_info.traceback)
+    """``file:line`` of equation i's first frame outside JAX and Flax: the user's call."""
+    frames = list(source_info_util.user_frames(self.eqns[i].source_info.traceback))
+    frame = next((f for f in frames if not f.file_name.startswith(_FLAX_DIR)), None)
+    frame = frame or (frames[0] if frames else None)
     return "?" if frame is None else f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
 
 

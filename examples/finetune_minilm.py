@@ -350,10 +350,15 @@ def finetune(args, tensors, config, data, classes, seed) -> dict:
     fn, k = (lm.lowmem(loss_fn), args.k) if row == "lowmem" else (loss_fn, 1)
     r = compare.run(row, fn, params, k, batch_at, args=run_args, evaluate=evaluate,
                     memory_batch=args.batch)
-    step, best = min(r["history"]["eval"], key=lambda e: e[1]["val_loss"])
-    r["best"] = {"step": step, **best}
+    r["best"] = early_stopped(r["history"]["eval"])
     results[row] = r
   return results
+
+
+def early_stopped(evals: list) -> dict:
+  """``{"step", **figures}`` of the evaluation ``[step, figures]`` with the least ``val_loss``."""
+  step, figures = min(evals, key=lambda e: e[1]["val_loss"])
+  return {"step": step, **figures}
 
 
 def summary(by_seed: dict) -> dict:

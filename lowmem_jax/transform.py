@@ -31,7 +31,7 @@ span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
 rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
 functions keep their own derivative rules and are left as they are, except
 `jax.nn.relu`. What the matchers miss: layout redundancies other than the
-attention output's. A jaxpr
+attention output's, and grouped queries laid out group-major (``[.., G, K, ..]``). A jaxpr
 rewrite sees hand-written code as well as framework modules; Qwix's approach
 (intercepting framework calls by module path) sees only the modules it knows.
 """
@@ -397,6 +397,17 @@ def _constant(g, v, depth=4):
   return _SCALAR_OPS[e.primitive.name](*args)
 
 
+def _always_true(g, pred) -> bool:
+  """True if scalar ``pred`` is ``c > 0`` for a positive `_constant` c (or a literal True)."""
+  if isinstance(pred, jcore.Literal):
+    return np.ndim(pred.val) == 0 and bool(pred.val)
+  e = g.prod(pred)
+  if e is None or e.primitive.name != "gt" or _scalar(e.invars[1]) != 0.0:
+    return False
+  c = _constant(g, e.invars[0])
+  return c is not None and c > 0
+
+
 def _slice(g, outputs, stops):
   """Indices of the equations ``outputs`` depend on, back to the vars ``stops``."""
   seen, todo = set(), [v for v in outputs]
@@ -670,9 +681,9 @@ def _stats(g, r_eqn):
   clip = g.prod(var)
   if clip is not None and clip.primitive.name == "max" and 0.0 in map(_scalar, clip.invars):
     var = g.back(next(v for v in clip.invars if _scalar(v) is None))
-  guard = g.prod(var)  # jnp.var's where(n - ddof > 0, var, nan)
+  guard = g.prod(var)  # jnp.var's where(n - ddof > 0, var, nan), true for ddof < n
   if guard is not None and guard.primitive.name == "select_n" and len(guard.invars) == 3 and (
-      guard.invars[0].aval.shape == () and np.isnan(_fill_value(g, guard.invars[1]) or 0.0)):
+      _always_true(g, guard.invars[0]) and np.isnan(_fill_value(g, guard.invars[1]) or 0.0)):
     var = g.back(guard.invars[2])
   ve = g.prod(var)
   if ve is not None and ve.primitive.name == "sub":  # E[x^2] - E[x]^2
@@ -1067,7 +1078,7 @@ def _operand_labels(e, side, free_label):
   for d in contract:
     labels[d] = "D"
   free = [d for d in range(v.aval.ndim) if labels[d] is None]
-  big = [d for d in free if v.aval.shape[d] != 1]
+  big = free if len(free) == 1 else [d for d in free if v.aval.shape[d] != 1]
   if len(big) == 2 and len(batch) == 2 and batch[1] + 1 in big:
     labels[batch[1] + 1] = "G"
     big.remove(batch[1] + 1)

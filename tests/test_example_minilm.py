@@ -42,9 +42,7 @@ def test_quick_finetune_learns_stops_early_and_the_lowmem_step_holds_less(quick)
     losses = [loss for _, loss in r["history"]["loss"]]
     assert len(losses) == 3 and np.all(np.isfinite(losses))
     assert r["loss"] < losses[0]  # the test loss after 3 steps is below the first training loss
-    evals = dict(r["history"]["eval"])
-    assert r["best"]["step"] in evals
-    assert r["best"]["val_loss"] == min(e["val_loss"] for e in evals.values())
+    assert r["best"] == finetune_minilm.early_stopped(r["history"]["eval"])
   assert low["memory"]["saved"] < 0.5 * base["memory"]["saved"]
   assert low["memory"]["peak"] < base["memory"]["peak"]
   assert np.isfinite(quick["loss_ratio"])
@@ -56,3 +54,9 @@ def test_docstring_task_is_balanced_and_split_three_ways():
   part = finetune_minilm.split(texts)
   assert set(np.unique(part)) == {0, 1, 2}
   assert 0.4 < np.mean(part == 0) < 0.8
+
+
+def test_early_stopping_chooses_by_validation_loss_only():
+  evals = [[25, {"val_loss": 0.5, "loss": 0.30}], [50, {"val_loss": 0.4, "loss": 0.35}],
+           [75, {"val_loss": 0.45, "loss": 0.20}]]
+  assert finetune_minilm.early_stopped(evals) == {"step": 50, "val_loss": 0.4, "loss": 0.35}

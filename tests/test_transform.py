@@ -159,6 +159,18 @@ def test_unbiased_variance_is_not_a_layer_norm():
   assert lm.lowmem(loss).explain(x).counts == {}
 
 
+def test_a_users_own_scalar_guard_on_the_variance_is_kept():
+  x = _normal((4, 32))
+
+  def loss(x, ok):
+    mu = x.mean(-1, keepdims=True)
+    var = jnp.where(ok, jnp.mean(jnp.square(x - mu), -1, keepdims=True), jnp.nan)
+    return jnp.sum(((x - mu) * jax.lax.rsqrt(var + 1e-5)) @ jnp.ones((32, 4)))
+  ok = jnp.array(False)
+  assert lm.lowmem(loss).explain(x, ok).counts == {}  # only jnp.var's n - ddof > 0 is passed
+  assert np.isnan(lm.lowmem(loss)(x, ok))
+
+
 def test_norm_like_expression_over_the_wrong_axis_is_left():
   x = _normal((16, 32))
   def loss(x):
@@ -234,7 +246,7 @@ def test_grouped_query_attention_rewritten_without_an_lxl_residual(form):
   _close(fast(q, k, v), loss(q, k, v), 1e-5)
   _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
   scores = [r for r in _float_residuals(fast, q, k, v) if np.prod(r.shape) == 2 * 8 * L * L]
-  assert not scores, scores  # the bias [1, 8, L, L] is kept: its gradient needs no scores
+  assert not scores, scores  # the [1, 8, L, L] bias, a constant here, has another size
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -251,6 +263,16 @@ def test_output_projection_contracts_the_attention_output_as_saved(dtype):
   _close(*jax.tree.map(lambda g: g / scale, grads), 1e-4 if dtype == jnp.float32 else 3e-2)
   saved = [r.shape for r in _float_residuals(fast, q, k, v, w)]
   assert (2, L, 4, 16) in saved and (2, L, 64) not in saved, saved
+
+
+def test_attention_of_a_single_query():
+  q = _normal((2, 1, 4, 16))
+  k, v = _normal((2, 2, L, 4, 16), key=jax.random.key(1))
+  loss = lambda q, k, v: jnp.sum(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(
+      jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -1), v) ** 2)
+  fast = lm.lowmem(loss)
+  assert fast.explain(q, k, v).counts == {"attention": 1}
+  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
 
 
 def test_softmax_not_followed_by_a_matmul_is_left():

@@ -71,17 +71,28 @@ def block(x, p, heads, dtype):
   return x + linear(h, p["fc2"], dtype)
 
 
-def loss(params, images, labels, *, heads=12, patch=16, dtype=jnp.bfloat16):
-  """Mean cross-entropy; images [b, H, W, 3], labels [b] int32."""
+def patchify(images, patch):
+  """float32 [b, H, W, 3] -> [b, (H / patch) * (W / patch), patch * patch * 3]."""
   b, side = images.shape[0], images.shape[1] // patch
   patches = images.reshape(b, side, patch, side, patch, 3).transpose(0, 1, 3, 2, 4, 5)
-  x = linear(patches.reshape(b, side * side, -1), params["embed"], dtype)
+  return patches.reshape(b, side * side, -1)
+
+
+def cross_entropy(logits, labels):
+  """Mean cross-entropy of float32 logits [b, classes] against int32 labels [b]."""
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+
+
+def loss(params, images, labels, *, heads=12, patch=16, dtype=jnp.bfloat16):
+  """Mean cross-entropy; images [b, H, W, 3], labels [b] int32."""
+  b = images.shape[0]
+  x = linear(patchify(images, patch), params["embed"], dtype)
   x = jnp.concatenate([jnp.broadcast_to(params["cls"].astype(dtype), (b, 1, x.shape[-1])), x], 1)
   x = x + params["pos"].astype(dtype)
   for p in params["blocks"]:
     x = block(x, p, heads, dtype)
   logits = linear(layer_norm(x[:, 0], params["norm"]), params["head"], jnp.float32)
-  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+  return cross_entropy(logits, labels)
 
 
 class StockBlock(nnx.Module):
@@ -113,10 +124,8 @@ class StockViT(nnx.Module):
     self.head = nnx.Linear(dim, classes, rngs=rngs)
 
   def __call__(self, images):
-    b, side, p = images.shape[0], images.shape[1] // self.patch, self.patch
-    patches = images.reshape(b, side, p, side, p, 3).transpose(0, 1, 3, 2, 4, 5)
-    x = self.embed(patches.reshape(b, side * side, -1))
-    cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (b, 1, x.shape[-1]))
+    x = self.embed(patchify(images, self.patch))
+    cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (x.shape[0], 1, x.shape[-1]))
     x = jnp.concatenate([cls, x], 1) + self.pos[...].astype(x.dtype)
     for blk in self.blocks:
       x = blk(x)
@@ -137,8 +146,7 @@ def problem(model, batch, image, depth, dtype, *, abstract=True):
                                                             rngs=nnx.Rngs(0))))
 
     def fn(params, images, labels):
-      logits = nnx.merge(graphdef, params)(images)
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
+      return cross_entropy(nnx.merge(graphdef, params)(images), labels)
     make = lambda: nnx.state(StockViT(depth=depth, image=image, dtype=dtype, rngs=nnx.Rngs(0)))
   if abstract:
     return fn, (jax.eval_shape(make), jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32),

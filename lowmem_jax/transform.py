@@ -1093,9 +1093,7 @@ def _operand_labels(e, side, free_label):
 def _merge_groups(x, order):
   """``x`` on ``order``'s axes with "B1", "G" adjacent: those two as one heads axis, kv-major."""
   i = order.index("B1")
-  if x.shape[i] == 1 and x.shape[i + 1] == 1:
-    return x.reshape(x.shape[:i] + (1,) + x.shape[i + 2:])
-  return x.reshape(x.shape[:i] + (-1,) + x.shape[i + 2:])
+  return x.reshape(x.shape[:i] + (x.shape[i] * x.shape[i + 1],) + x.shape[i + 2:])
 
 
 def _out_labels(e, lhs, rhs):

@@ -8,16 +8,21 @@ that the device's peak counter starts at zero. It records side by side:
 - measured: the device's ``memory_stats()["peak_bytes_in_use"]`` after one
   real step (parameters, optimizer state, batch and the step's buffers);
 - real compile: `lowmem_jax.memory.stats_of` the program that ran
-  (XLA's buffer assignment with autotuning, on the device);
+  (XLA's buffer assignment with autotuning, on the device), and the same
+  compile with Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``), as
+  the deviceless targets compile: on an H100 (jax 0.11.2) that alone made the
+  bfloat16 baselines 17-21% smaller, equal to the target compile;
 - target compile: the same step compiled for the target made from this
   device's own config (`lowmem_jax.targets.from_devices`), what a machine
   without a GPU reports; and for the shipped ``"h100"`` target;
 - the step time, median of ``--repeats`` after a warm-up, as a ratio to the
   baseline of the same model and dtype.
 
-It then runs the ``gpu``-marked tests, saves the device's target config beside
-the report, and writes the report (default ``docs/gpu.md``) with the device
-name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
+Each finished case is appended to a JSON-lines file beside the report
+(``--rows``), and cases already there are not run again, so a run cut off by a
+time limit resumes where it stopped. It then runs the ``gpu``-marked tests,
+saves the device's target config beside the report, and writes the report
+(default ``docs/gpu.md``) with the device name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
 compiled figures for the ``"h100"`` target, no GPU tests), which the test
 suite does to check this script.
 
@@ -60,8 +65,11 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
   figures = {"target_own": memory.analyze(step, params, opt_state, batch, target=own).peak_bytes
              if own else None,
              "target_h100": memory.analyze(step, params, opt_state, batch, target="h100").peak_bytes}
-  compiled = step.lower(params, opt_state, batch).compile()
+  lowered = step.lower(params, opt_state, batch)
+  compiled = lowered.compile()
   figures["real_compile"] = memory.stats_of(compiled).peak_bytes
+  figures["real_no_triton_gemm"] = memory.stats_of(
+      lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS) if on_gpu else compiled).peak_bytes
   device = jax.devices()[0]
   params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
   figures["measured"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
@@ -105,18 +113,21 @@ def write_report(path: pathlib.Path, rows: list[dict], tests: str, config: str, 
             dry_run else f"Measured on an **{device}**."),
            f"Command: `{command}`; jax {jax.__version__}, {seconds:.0f} s in all.", "",
            "GiB. *measured*: `peak_bytes_in_use` after one step (fresh process); *real compile*: "
-           "XLA's buffer assignment of the program that ran; *own-config target*: the same step "
+           "XLA's buffer assignment of the program that ran; *no Triton GEMMs*: the same compile "
+           "with `xla_gpu_enable_triton_gemm=False`, as the deviceless targets compile; "
+           "*own-config target*: the same step "
            "compiled deviceless for this device's own config (`targets.from_devices`); *h100 "
            "target*: for the shipped `h100` config. Step time: median after a warm-up, ratio to "
            "the baseline of the same model and dtype.", "",
-           "| model | dtype | techniques | measured | real compile | own-config target | h100 target "
-           "| h100 target / measured | step s | time ratio |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| model | dtype | techniques | measured | real compile | no Triton GEMMs "
+           "| own-config target | h100 target | h100 target / measured | step s | time ratio |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   base = {(r["model"], r["dtype"]): r["seconds"] for r in rows if r["techniques"] == "baseline"}
   for r in rows:
     ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] else "n/a")
     lines.append(f"| {r['model']} | {r['dtype']} | {r['techniques']} | {_gib(r['measured'])} | "
-                 f"{_gib(r['real_compile'])} | {_gib(r['target_own'])} | {_gib(r['target_h100'])} | "
+                 f"{_gib(r['real_compile'])} | {_gib(r.get('real_no_triton_gemm'))} | "
+                 f"{_gib(r['target_own'])} | {_gib(r['target_h100'])} | "
                  f"{ratio} | {r['seconds']:.4f} | "
                  f"{r['seconds'] / base[r['model'], r['dtype']]:.3f} |")
   lines += ["", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
@@ -130,6 +141,8 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=str(ROOT / "docs" / "gpu.md"), help="the report to write")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
   parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, no GPU tests")
+  parser.add_argument("--rows", help="finished cases, JSON lines; default: the report's name "
+                      "with .jsonl; cases already in it are kept and not run again")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -145,10 +158,21 @@ def main(argv=None) -> int:
     return 2
   start = time.perf_counter()
   cases = DRY_CASES if args.dry_run else CASES
-  todo = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES]
-  rows = [run_case(*case, args.repeats) for case in tqdm(todo, desc="gpu_validate")]
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
+  rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
+  rows = ([json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+          if rows_path.exists() else [])
+  done = {(r["model"], r["dtype"], r["techniques"]) for r in rows}
+  todo = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES
+          if (m, d, t) not in done]
+  for case in tqdm(todo, desc="gpu_validate"):
+    rows.append(run_case(*case, args.repeats))
+    with rows_path.open("a") as f:
+      f.write(json.dumps(rows[-1]) + "\n")
+  order = {(m, d, t): i for i, (m, d, t) in enumerate(
+      (m, d, t) for m in cases for d in DTYPES for t in TECHNIQUES)}
+  rows.sort(key=lambda r: order[r["model"], r["dtype"], r["techniques"]])
   config = out.with_name(out.stem + "_target.txtpb")
   (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)
   tests = "(dry run: not run)" if args.dry_run else gpu_tests()

@@ -71,11 +71,13 @@ class MemoryStats:
       offloads (`lowmem_jax.policies.offload`) on a GPU target; 0 on the CPU,
       whose device memory is host memory.
     xla_peak_bytes: XLA's own ``peak_memory_in_bytes``; on CPU it counts only
-      arguments and outputs, so it is not used there.
-    peak_bytes: ``xla_peak_bytes`` where it is at least
-      ``argument_bytes + temp_bytes`` (a real simulated peak), else
-      ``argument_bytes + output_bytes - alias_bytes + temp_bytes``: every
-      allocation of the program at once, which is what the CPU backend holds.
+      arguments and outputs, and with host temporaries it may be the host
+      heap's peak, so it is not used there.
+    peak_bytes: the device's peak: ``xla_peak_bytes`` where it is at least
+      ``argument_bytes + temp_bytes`` (a real simulated peak) and there are no
+      host temporaries, else ``argument_bytes + output_bytes - alias_bytes +
+      temp_bytes``: every device allocation of the program at once, which is
+      what the CPU backend holds.
   """
   argument_bytes: int
   output_bytes: int
@@ -93,6 +95,7 @@ def stats_of(compiled: jax.stages.Compiled) -> MemoryStats:
   if m is None:
     raise RuntimeError("This backend gives no memory analysis for compiled programs.")
   xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  host_temp = int(getattr(m, "host_temp_size_in_bytes", 0) or 0)
   lower_bound = m.argument_size_in_bytes + m.temp_size_in_bytes
   total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
   return MemoryStats(
@@ -101,9 +104,9 @@ def stats_of(compiled: jax.stages.Compiled) -> MemoryStats:
       alias_bytes=int(m.alias_size_in_bytes),
       temp_bytes=int(m.temp_size_in_bytes),
       generated_code_bytes=int(m.generated_code_size_in_bytes),
-      host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0) or 0),
+      host_temp_bytes=host_temp,
       xla_peak_bytes=xla_peak,
-      peak_bytes=int(xla_peak if xla_peak >= lower_bound else total),
+      peak_bytes=int(xla_peak if xla_peak >= lower_bound and not host_temp else total),
   )
 
 

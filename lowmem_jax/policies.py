@@ -46,7 +46,9 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from lowmem_jax import names as _names
 
-MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+# JAX's remat places any other memory kind ("unpinned_host") in device memory:
+# an offload there would be a silent device-to-device copy.
+MEMORY_KINDS = ("device", "pinned_host")
 
 
 def _checked_names(names: tuple, fn: str) -> frozenset[str]:

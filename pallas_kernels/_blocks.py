@@ -1,14 +1,18 @@
 """The block-size rule and call options every kernel of this package shares.
 
 A kernel sees its operand as rows: ``[..., n]`` becomes ``[rows, n]`` (a
-free reshape). Blocks are powers of two, as Triton needs; edge blocks that
-overhang the array are masked by Pallas.
+free reshape). Blocks are powers of two, as Triton needs. Pallas' Triton
+backend does not mask a block that overhangs the array: an unmasked ``ref[...]``
+there reads and writes the next rows' memory (on an H100, jax 0.11.2, the norm
+kernels' padded columns overwrote the next row). Kernels therefore read and
+write their blocks with `load` and `store`, which mask what lies outside.
 """
 
 import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # Elements a program handles: 16 KiB of float32, a Triton elementwise sweet spot.
@@ -38,9 +42,14 @@ class Options:
         raise ValueError(f"{name} must be a power of two >= 1 or None, got {value!r}.")
 
   def compiler_params(self):
-    """Pallas' Triton backend with ``num_warps``; imported here, when a kernel is built."""
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=self.num_warps)
+    """Pallas' Triton backend with ``num_warps``."""
+    return _triton().CompilerParams(num_warps=self.num_warps)
+
+
+def _triton():
+  """Pallas' Triton module, imported when a kernel is built, not with this package."""
+  from jax.experimental.pallas import triton
+  return triton
 
 
 def block_shape(rows: int, cols: int, options: Options, elements_per_col: int = 1) -> tuple[int, int]:
@@ -60,3 +69,35 @@ def block_shape(rows: int, cols: int, options: Options, elements_per_col: int = 
 def as_rows(x: jax.Array) -> jax.Array:
   """``[..., n]`` as ``[prod(...), n]`` (a reshape, free in XLA)."""
   return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def in_bounds(block: tuple[int, ...], shape: tuple[int, ...],
+              index: tuple) -> jax.Array | None:
+  """bool ``block``: which elements of the block at ``index`` lie inside an
+  array of ``shape``; None where all of them do (no axis overhangs).
+
+  ``index`` gives the block's position on each axis (`pl.program_id` or 0).
+  """
+  mask = None
+  for axis, (size, n, i) in enumerate(zip(block, shape, index)):
+    if n % size:
+      inside = i * size + jax.lax.broadcasted_iota(jnp.int32, block, axis) < n
+      mask = inside if mask is None else mask & inside
+  return mask
+
+
+def load(ref, shape: tuple[int, ...], index: tuple) -> jax.Array:
+  """The block ``ref`` of an array of ``shape``, zero outside the array."""
+  mask = in_bounds(ref.shape, shape, index)
+  if mask is None:
+    return ref[...]
+  return _triton().load(ref, mask=mask, other=0)
+
+
+def store(ref, value: jax.Array, shape: tuple[int, ...], index: tuple) -> None:
+  """Writes ``value`` to the block ``ref`` of an array of ``shape``, inside the array only."""
+  mask = in_bounds(ref.shape, shape, index)
+  if mask is None:
+    ref[...] = value
+  else:
+    _triton().store(ref, value, mask=mask)

@@ -77,15 +77,18 @@ def gelu(x: jax.Array) -> jax.Array:
   return 0.5 * x * jnp.where(z >= 0, tail, 2 - tail)
 
 
-def _forward_kernel(x_ref, y_ref, packed_ref, *, fit):
-  x = x_ref[...].astype(jnp.float32)
-  y_ref[...] = (fit.kernel_fn or fit.fn)(x).astype(y_ref.dtype)
-  packed_ref[...] = pack.codes_to_bytes(fit.code(x), fit.bits)
+def _forward_kernel(x_ref, y_ref, packed_ref, *, fit, shape):
+  at = (pl.program_id(0), pl.program_id(1), 0)
+  x = _blocks.load(x_ref, shape, at).astype(jnp.float32)
+  _blocks.store(y_ref, (fit.kernel_fn or fit.fn)(x).astype(y_ref.dtype), shape, at)
+  _blocks.store(packed_ref, pack.codes_to_bytes(fit.code(x), fit.bits), shape[:2], at[:2])
 
 
-def _backward_kernel(packed_ref, dy_ref, dx_ref, *, fit):
-  slope = fit.slope(pack.bytes_to_codes(packed_ref[...], fit.bits))
-  dx_ref[...] = (dy_ref[...].astype(jnp.float32) * slope).astype(dx_ref.dtype)
+def _backward_kernel(packed_ref, dy_ref, dx_ref, *, fit, shape):
+  at = (pl.program_id(0), pl.program_id(1), 0)
+  slope = fit.slope(pack.bytes_to_codes(_blocks.load(packed_ref, shape[:2], at[:2]), fit.bits))
+  dy = _blocks.load(dy_ref, shape, at).astype(jnp.float32)
+  _blocks.store(dx_ref, (dy * slope).astype(dx_ref.dtype), shape, at)
 
 
 @functools.partial(jax.jit, static_argnames=("fit", "options"))
@@ -110,7 +113,7 @@ def forward(fit: Fit, x: jax.Array, options: _blocks.Options = _blocks.Options()
   view = pack.grouped(x, fit.bits, fill=-jnp.inf)
   grid, grouped_spec, bytes_spec = pack.byte_grid(view.shape[0], size, fit.bits, options)
   y, packed = pl.pallas_call(
-      functools.partial(_forward_kernel, fit=fit),
+      functools.partial(_forward_kernel, fit=fit, shape=view.shape),
       out_shape=(jax.ShapeDtypeStruct(view.shape, x.dtype),
                  jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8)),
       grid=grid, in_specs=[grouped_spec], out_specs=(grouped_spec, bytes_spec),
@@ -140,7 +143,7 @@ def backward(fit: Fit, packed: jax.Array, dy: jax.Array,
   rows, size = view.shape[:2]
   grid, grouped_spec, bytes_spec = pack.byte_grid(rows, size, fit.bits, options)
   dx = pl.pallas_call(
-      functools.partial(_backward_kernel, fit=fit),
+      functools.partial(_backward_kernel, fit=fit, shape=view.shape),
       out_shape=jax.ShapeDtypeStruct(view.shape, dy.dtype),
       grid=grid, in_specs=[bytes_spec, grouped_spec], out_specs=grouped_spec,
       interpret=options.interpret, compiler_params=options.compiler_params(),

@@ -50,29 +50,32 @@ def _row_grid(rows: int, n: int, options: _blocks.Options):
   return grid, row_spec, stat_spec
 
 
-def _masked(ref, n):
-  """The block as float32, zero beyond column ``n``, and the column mask."""
-  value = ref[...].astype(jnp.float32)
-  mask = jax.lax.broadcasted_iota(jnp.int32, value.shape, 1) < n
+def _masked(ref, shape):
+  """The block of ``[rows, n]`` as float32, zero beyond column ``n``, and the column mask."""
+  value = _blocks.load(ref, shape, (pl.program_id(0), 0)).astype(jnp.float32)
+  mask = jax.lax.broadcasted_iota(jnp.int32, value.shape, 1) < shape[1]
   return jnp.where(mask, value, 0.0), mask
 
 
-def _forward_kernel(x_ref, y_ref, rstd_ref, *, centered, eps, n):
-  x, mask = _masked(x_ref, n)
+def _forward_kernel(x_ref, y_ref, rstd_ref, *, centered, eps, shape):
+  n = shape[1]
+  x, mask = _masked(x_ref, shape)
   if centered:
     x = jnp.where(mask, x - jnp.sum(x, axis=1, keepdims=True) / n, 0.0)
   rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / n + eps)
-  y_ref[...] = (x * rstd[:, None]).astype(y_ref.dtype)
-  rstd_ref[...] = rstd
+  _blocks.store(y_ref, (x * rstd[:, None]).astype(y_ref.dtype), shape, (pl.program_id(0), 0))
+  _blocks.store(rstd_ref, rstd, shape[:1], (pl.program_id(0),))
 
 
-def _backward_kernel(y_ref, rstd_ref, dy_ref, dx_ref, *, centered, n):
-  y, _ = _masked(y_ref, n)
-  dy, _ = _masked(dy_ref, n)
+def _backward_kernel(y_ref, rstd_ref, dy_ref, dx_ref, *, centered, shape):
+  n = shape[1]
+  y, _ = _masked(y_ref, shape)
+  dy, _ = _masked(dy_ref, shape)
   g = dy - y * (jnp.sum(dy * y, axis=1, keepdims=True) / n)
   if centered:
     g = g - jnp.sum(dy, axis=1, keepdims=True) / n
-  dx_ref[...] = (rstd_ref[...][:, None] * g).astype(dx_ref.dtype)
+  rstd = _blocks.load(rstd_ref, shape[:1], (pl.program_id(0),))
+  _blocks.store(dx_ref, (rstd[:, None] * g).astype(dx_ref.dtype), shape, (pl.program_id(0), 0))
 
 
 @functools.partial(jax.jit, static_argnames=("centered", "eps", "y_dtype", "options"))
@@ -96,7 +99,7 @@ def forward(x: jax.Array, *, centered: bool, eps: float, y_dtype=None,
   rows = _blocks.as_rows(x)
   grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
   y, rstd = pl.pallas_call(
-      functools.partial(_forward_kernel, centered=centered, eps=eps, n=x.shape[-1]),
+      functools.partial(_forward_kernel, centered=centered, eps=eps, shape=rows.shape),
       out_shape=(jax.ShapeDtypeStruct(rows.shape, y_dtype),
                  jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32)),
       grid=grid, in_specs=[row_spec], out_specs=(row_spec, stat_spec),
@@ -127,7 +130,7 @@ def backward(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool, x_
   rows = _blocks.as_rows(y)
   grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
   dx = pl.pallas_call(
-      functools.partial(_backward_kernel, centered=centered, n=y.shape[-1]),
+      functools.partial(_backward_kernel, centered=centered, shape=rows.shape),
       out_shape=jax.ShapeDtypeStruct(rows.shape, x_dtype),
       grid=grid, in_specs=[row_spec, stat_spec, row_spec], out_specs=row_spec,
       interpret=options.interpret, compiler_params=options.compiler_params(),

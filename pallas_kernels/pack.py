@@ -84,12 +84,18 @@ def byte_grid(rows: int, m: int, bits: int, options: _blocks.Options):
   return grid, grouped_spec, bytes_spec
 
 
-def _pack_kernel(codes_ref, packed_ref, *, bits):
-  packed_ref[...] = codes_to_bytes(codes_ref[...], bits)
+def _pack_kernel(codes_ref, packed_ref, *, bits, shape):
+  """``shape``: the ``[rows, m, P]`` code view; blocks outside it are masked."""
+  at = (pl.program_id(0), pl.program_id(1), 0)
+  packed = codes_to_bytes(_blocks.load(codes_ref, shape, at), bits)
+  _blocks.store(packed_ref, packed, shape[:2], at[:2])
 
 
-def _unpack_kernel(packed_ref, codes_ref, *, bits):
-  codes_ref[...] = bytes_to_codes(packed_ref[...], bits).astype(codes_ref.dtype)
+def _unpack_kernel(packed_ref, codes_ref, *, bits, shape):
+  """``shape``: the ``[rows, m, P]`` code view; blocks outside it are masked."""
+  at = (pl.program_id(0), pl.program_id(1), 0)
+  codes = bytes_to_codes(_blocks.load(packed_ref, shape[:2], at[:2]), bits)
+  _blocks.store(codes_ref, codes.astype(codes_ref.dtype), shape, at)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "options"))
@@ -110,7 +116,7 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
     return jnp.zeros(out_shape, jnp.uint8)
   grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], out_shape[-1], bits, options)
   packed = pl.pallas_call(
-      functools.partial(_pack_kernel, bits=bits),
+      functools.partial(_pack_kernel, bits=bits, shape=view.shape),
       out_shape=jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8),
       grid=grid, in_specs=[grouped_spec], out_specs=bytes_spec,
       interpret=options.interpret, compiler_params=options.compiler_params(),
@@ -129,7 +135,7 @@ def unpack(packed: jax.Array, bits: int, n: int, *,
   view = _blocks.as_rows(packed)
   grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], view.shape[1], bits, options)
   codes = pl.pallas_call(
-      functools.partial(_unpack_kernel, bits=bits),
+      functools.partial(_unpack_kernel, bits=bits, shape=view.shape + (8 // bits,)),
       out_shape=jax.ShapeDtypeStruct(view.shape + (8 // bits,), jnp.uint8),
       grid=grid, in_specs=[bytes_spec], out_specs=grouped_spec,
       interpret=options.interpret, compiler_params=options.compiler_params(),

@@ -187,7 +187,9 @@ def test_gpu_impls_match_the_chunked_reference(impl):
   ref = lambda *a: lm.attention(*a, causal=True, impl="chunked")
   for got, want in zip(jax.tree.leaves(_value_and_grads(ours, q, k, v)),
                        jax.tree.leaves(_value_and_grads(ref, q, k, v))):
-    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=5e-2)
+    # Two bfloat16 roundings apart at most: 2**-7 relative (0.125 at 21.4, seen on an H100).
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
+                               rtol=2**-7, atol=5e-2)
 
 
 def test_linen_modules_keep_flax_params_names_and_function():

@@ -1,9 +1,11 @@
 """benchmarks/gpu_validate.py checks itself on the CPU (--dry-run)."""
 
+import pytest
+
 import gpu_validate  # benchmarks/, on sys.path in conftest.py
 
 
-def test_dry_run_writes_the_report(tmp_path):
+def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   out = tmp_path / "gpu.md"
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0
   text = out.read_text()
@@ -13,9 +15,14 @@ def test_dry_run_writes_the_report(tmp_path):
       gpu_validate.TECHNIQUES)
   for row in rows:
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[6]) > 0  # the h100 target's compiled peak, GiB
+    assert float(cells[7]) > 0  # the h100 target's compiled peak, GiB
     assert float(cells[4]) > 0  # the CPU's real compile
   assert (tmp_path / "gpu_target.txtpb").read_text().count("gpu_device_info") == 1
+  # A second run resumes from the finished cases in gpu.jsonl: it runs none again.
+  monkeypatch.setattr(gpu_validate, "run_case", lambda *a: pytest.fail(f"ran {a} again"))
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0
+  assert out.read_text().count("| vit-tiny") == len(rows)
+  assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(rows)
 
 
 def test_refuses_without_a_gpu(capsys):

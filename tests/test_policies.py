@@ -123,16 +123,35 @@ def test_offload_on_cpu_marks_host_residuals_and_compiles_like_save_only():
           == lm.memory.analyze(grad(policies.save_only(names.MLP_ACT)), params, x, target=cpu))
 
 
-@pytest.mark.gpu
-def test_offload_on_gpu_frees_device_memory():
-  block = _vit_block()
+def _scanned_offload_peaks(target):
+  """Device peaks of 4 scanned ViT blocks (mlp 1024) saving vs offloading MLP_ACT.
+
+  Offload pays in a scan: the residuals live as one stacked host buffer. In a
+  Python loop XLA's GPU scheduler defers the copies and the weight-gradient
+  matmuls, and the peak rises instead (the H100 target and a real H100 agree).
+  """
+  block = Encoder1DBlock(mlp_dim=1024, num_heads=2)
   x = jax.ShapeDtypeStruct((64, 197, 32), jnp.float32)
-  params = jax.eval_shape(block.init, jax.random.key(0), x)
-  grad = lambda policy: jax.grad(lambda p, x: jnp.sum(
-      jax.checkpoint(lambda p, x: block.apply(p, x), policy=policy)(p, x)))
-  saved = lm.memory.analyze(grad(policies.save_only(names.MLP_ACT)), params, x)
-  offloaded = lm.memory.analyze(grad(policies.offload(names.MLP_ACT)), params, x)
-  assert offloaded.peak_bytes < saved.peak_bytes
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((4, *a.shape), a.dtype),
+                        jax.eval_shape(block.init, jax.random.key(0), x))
+
+  def grad(policy):
+    layer = jax.checkpoint(lambda p, x: block.apply(p, x), policy=policy)
+    return jax.grad(lambda ps, x: jnp.sum(jax.lax.scan(lambda x, p: (layer(p, x), None), x, ps)[0]))
+  return [lm.memory.analyze(grad(policy), params, x, target=target)
+          for policy in (policies.save_only(names.MLP_ACT), policies.offload(names.MLP_ACT))]
+
+
+def test_offload_in_a_scan_frees_h100_target_memory():
+  saved, offloaded = _scanned_offload_peaks("h100")
+  assert offloaded.host_temp_bytes > 0 and saved.host_temp_bytes == 0
+  assert offloaded.peak_bytes < 0.7 * saved.peak_bytes
+
+
+@pytest.mark.gpu
+def test_offload_in_a_scan_frees_device_memory():
+  saved, offloaded = _scanned_offload_peaks(None)
+  assert offloaded.peak_bytes < 0.7 * saved.peak_bytes
 
 
 def test_linen_remat_and_scan_accept_the_policies():

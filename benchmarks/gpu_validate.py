@@ -19,8 +19,9 @@ that the device's peak counter starts at zero. It records side by side:
   baseline of the same model and dtype.
 
 Each finished case is appended to a JSON-lines file beside the report
-(``--rows``), and cases already there are not run again, so a run cut off by a
-time limit resumes where it stopped. It then runs the ``gpu``-marked tests,
+(``--rows``); with ``--resume``, cases already there for the same device, jax
+version, size and repeats are not run again, so a run cut off by a time limit
+goes on where it stopped. It then runs the ``gpu``-marked tests,
 saves the device's target config beside the report, and writes the report
 (default ``docs/gpu.md``) with the device name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
 compiled figures for the ``"h100"`` target, no GPU tests), which the test
@@ -36,6 +37,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 CASES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=2048)}
@@ -78,8 +80,9 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
     start = time.perf_counter()
     params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
     samples.append(time.perf_counter() - start)
-  return {"model": model, "dtype": dtype, "techniques": techniques,
-          "seconds": statistics.median(samples), "device": device.device_kind, **figures}
+  return {"model": model, "size": size, "dtype": dtype, "techniques": techniques,
+          "repeats": repeats, "seconds": statistics.median(samples),
+          "device": device.device_kind, "jax": jax.__version__, **figures}
 
 
 def run_case(model, size, dtype, techniques, repeats) -> dict:
@@ -138,11 +141,15 @@ def write_report(path: pathlib.Path, rows: list[dict], tests: str, config: str, 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default=str(ROOT / "docs" / "gpu.md"), help="the report to write")
+  parser.add_argument("--out", help="the report to write; default docs/gpu.md, and for "
+                      "--dry-run gpu_dry_run.md in the temporary directory")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
   parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, no GPU tests")
   parser.add_argument("--rows", help="finished cases, JSON lines; default: the report's name "
-                      "with .jsonl; cases already in it are kept and not run again")
+                      "with .jsonl")
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the finished cases in --rows of this device, jax version, size "
+                      "and repeats, and run only the others")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -158,14 +165,21 @@ def main(argv=None) -> int:
     return 2
   start = time.perf_counter()
   cases = DRY_CASES if args.dry_run else CASES
-  out = pathlib.Path(args.out)
+  out = pathlib.Path(args.out or (pathlib.Path(tempfile.gettempdir()) / "gpu_dry_run.md"
+                                  if args.dry_run else ROOT / "docs" / "gpu.md"))
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
-  rows = ([json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
-          if rows_path.exists() else [])
-  done = {(r["model"], r["dtype"], r["techniques"]) for r in rows}
+  wanted = {(m, json.dumps(s), d, t, args.repeats, jax.devices()[0].device_kind, jax.__version__)
+            for m, s in cases.items() for d in DTYPES for t in TECHNIQUES}
+  key = lambda r: (r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
+                   r.get("repeats"), r["device"], r.get("jax"))
+  rows = ([r for r in map(json.loads, filter(str.strip, rows_path.read_text().splitlines()))
+           if key(r) in wanted] if args.resume and rows_path.exists() else [])
+  rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  done = {key(r) for r in rows}
   todo = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES
-          if (m, d, t) not in done]
+          if (m, json.dumps(s), d, t, args.repeats, jax.devices()[0].device_kind,
+              jax.__version__) not in done]
   for case in tqdm(todo, desc="gpu_validate"):
     rows.append(run_case(*case, args.repeats))
     with rows_path.open("a") as f:

@@ -18,11 +18,17 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
     assert float(cells[7]) > 0  # the h100 target's compiled peak, GiB
     assert float(cells[4]) > 0  # the CPU's real compile
   assert (tmp_path / "gpu_target.txtpb").read_text().count("gpu_device_info") == 1
-  # A second run resumes from the finished cases in gpu.jsonl: it runs none again.
+  # --resume keeps the finished cases of the same device, jax, size and repeats.
   monkeypatch.setattr(gpu_validate, "run_case", lambda *a: pytest.fail(f"ran {a} again"))
-  assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume"]) == 0
   assert out.read_text().count("| vit-tiny") == len(rows)
   assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(rows)
+  # Other repeats are other cases: all of them run again.
+  ran = []
+  monkeypatch.setattr(gpu_validate, "run_case", lambda *a: ran.append(a) or pytest.fail("ran"))
+  with pytest.raises(pytest.fail.Exception):
+    gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "3", "--resume"])
+  assert len(ran) == 1
 
 
 def test_refuses_without_a_gpu(capsys):

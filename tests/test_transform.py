@@ -141,6 +141,20 @@ def test_hand_written_norm(norm):
   assert x.shape not in shapes, "the norm's input is still saved"
 
 
+@pytest.mark.parametrize("w_dtype", [jnp.int8, jnp.bfloat16])
+def test_no_fold_into_a_narrower_weight(w_dtype):
+  """g * W rounded to an int8 or bfloat16 weight would change a float32 matmul's result."""
+  p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)),
+       "w": (_normal((32, 8)) * 20).astype(w_dtype)}
+  x = _normal((4, 16, 32), scale=3.0)
+  loss = lambda p, x: jnp.sum(jnp.sin(jax.lax.dot_general(
+      _hand_ln(p, x), p["w"], (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)))
+  fast = lm.lowmem(loss, activations=None)
+  (rewrite,) = fast.explain(p, x)
+  assert "fold" not in rewrite.op and "affine kept" in rewrite.op, rewrite
+  _close(fast(p, x), loss(p, x), 1e-5)
+
+
 def test_post_ln_keeps_the_affine_on_the_residual_path():
   model = _PostLN()
   x = _normal((4, 16, 32))

@@ -1,7 +1,7 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
-from lowmem_jax import (attention_ops, compress, fold, linen, memory, models, names, nnx, optim,
-                        policies, precision, sparsity, targets, transform)
+from lowmem_jax import (attention_ops, compress, fold, linen, losses, memory, models, names, nnx,
+                        optim, policies, precision, sparsity, targets, transform)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
@@ -11,7 +11,7 @@ from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
 __all__ = [
     "Plan", "Rewrite", "Rewrites", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress",
-    "fold", "linen", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
+    "fold", "linen", "losses", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
     "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "sparsity",
     "targets", "transform",
 ]

@@ -1,0 +1,85 @@
+"""The LLM loss head: `losses.linear_cross_entropy` against the plain head.
+
+Memory: the gradient of the head (``dh`` and ``dw``) of a Llama-3-sized model
+(vocabulary 128,256, width 4,096) at 8 x 4,096 tokens, bfloat16, compiled for
+the target (default: `lowmem_jax.targets.default`); XLA's peak and temp
+bytes. Time: the same gradient, float32, at a CPU-sized shape, median of
+``--repeats`` after a warm-up, as a ratio to the plain head in the same run.
+
+    python benchmarks/loss_head.py [--target h100] [--time 2048,16384,256] [--repeats 5]
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+from lowmem_jax import losses
+
+HEADS = {"plain (log_softmax of the logits)": losses.linear_cross_entropy_reference,
+         "linear_cross_entropy": losses.linear_cross_entropy}
+
+
+def head_grad(fn):
+  return jax.jit(jax.grad(lambda h, w, y: fn(h, w, y), (0, 1)))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--target", default=None)
+  parser.add_argument("--tokens", type=int, default=8 * 4096)
+  parser.add_argument("--vocab", type=int, default=128256)
+  parser.add_argument("--width", type=int, default=4096)
+  parser.add_argument("--time", default="2048,16384,256", help="CPU timing size: tokens,vocab,width")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  target = lm.targets.resolve(args.target)
+  console = Console(width=160)
+  console.print(target.note, highlight=False)
+  h = jax.ShapeDtypeStruct((args.tokens, args.width), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((args.width, args.vocab), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((args.tokens,), jnp.int32)
+  table = Table(title=f"loss head gradient, {args.tokens:,} tokens, vocabulary {args.vocab:,}, "
+                      f"width {args.width:,}, bfloat16 (MiB; ratio to plain)")
+  for col in ("head", "compiled peak", "ratio", "temp", "ratio"):
+    table.add_column(col, justify="left" if col == "head" else "right")
+  base = None
+  for name, fn in HEADS.items():
+    stats = lm.memory.analyze(head_grad(fn), h, w, y, target=target)
+    base = base or stats
+    table.add_row(name, f"{stats.peak_bytes / 2**20:,.0f}", f"{stats.peak_bytes / base.peak_bytes:.4f}",
+                  f"{stats.temp_bytes / 2**20:,.0f}", f"{stats.temp_bytes / base.temp_bytes:.4f}")
+  console.print(table)
+
+  tokens, vocab, width = (int(v) for v in args.time.split(","))
+  k = jax.random.split(jax.random.key(0), 3)
+  real = (jax.random.normal(k[0], (tokens, width)), jax.random.normal(k[1], (width, vocab)) * 0.05,
+          jax.random.randint(k[2], (tokens,), 0, vocab))
+  samples = {name: [] for name in HEADS}
+  steps = {name: head_grad(fn) for name, fn in HEADS.items()}
+  for step in steps.values():
+    jax.block_until_ready(step(*real))
+  for _ in range(args.repeats):  # interleaved, so drift hits both alike
+    for name, step in steps.items():
+      start = time.perf_counter()
+      jax.block_until_ready(step(*real))
+      samples[name].append(time.perf_counter() - start)
+  table = Table(title=f"time, median of {args.repeats}: the head's gradient, float32, {tokens:,} "
+                      f"tokens, vocabulary {vocab:,}, width {width} on {jax.devices()[0].device_kind}")
+  for col in ("head", "step s", "ratio to plain"):
+    table.add_column(col, justify="left" if col == "head" else "right")
+  plain = statistics.median(samples[next(iter(HEADS))])
+  for name in HEADS:
+    t = statistics.median(samples[name])
+    table.add_row(name, f"{t:.3f}", f"{t / plain:.3f}")
+  console.print(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -169,23 +169,22 @@ def main(argv=None) -> int:
                                   if args.dry_run else ROOT / "docs" / "gpu.md"))
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
-  wanted = {(m, json.dumps(s), d, t, args.repeats, jax.devices()[0].device_kind, jax.__version__)
-            for m, s in cases.items() for d in DTYPES for t in TECHNIQUES}
-  key = lambda r: (r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
-                   r.get("repeats"), r["device"], r.get("jax"))
+  device, version = jax.devices()[0].device_kind, jax.__version__
+  all_cases = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES]
+  case_key = lambda m, s, d, t: (m, json.dumps(s), d, t, args.repeats, device, version)
+  row_key = lambda r: ((r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
+                        r.get("repeats"), r["device"], r.get("jax")))
+  wanted = {case_key(*case) for case in all_cases}
   rows = ([r for r in map(json.loads, filter(str.strip, rows_path.read_text().splitlines()))
-           if key(r) in wanted] if args.resume and rows_path.exists() else [])
+           if row_key(r) in wanted] if args.resume and rows_path.exists() else [])
   rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  done = {key(r) for r in rows}
-  todo = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES
-          if (m, json.dumps(s), d, t, args.repeats, jax.devices()[0].device_kind,
-              jax.__version__) not in done]
+  done = {row_key(r) for r in rows}
+  todo = [case for case in all_cases if case_key(*case) not in done]
   for case in tqdm(todo, desc="gpu_validate"):
     rows.append(run_case(*case, args.repeats))
     with rows_path.open("a") as f:
       f.write(json.dumps(rows[-1]) + "\n")
-  order = {(m, d, t): i for i, (m, d, t) in enumerate(
-      (m, d, t) for m in cases for d in DTYPES for t in TECHNIQUES)}
+  order = {(m, d, t): i for i, (m, _, d, t) in enumerate(all_cases)}
   rows.sort(key=lambda r: order[r["model"], r["dtype"], r["techniques"]])
   config = out.with_name(out.stem + "_target.txtpb")
   (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)

@@ -66,7 +66,7 @@ CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 # With no device there is no autotuning, and XLA's Triton GEMM emitter then
 # fails to pick tiles for some dots ("Couldn't find output tile sizes"):
 # cuBLAS takes every GEMM unless the user gives autotune results. What that
-# costs in truth (docs/gpu.md, an H100, jax 0.11.2): the real compile with
+# costs in truth (docs/gpu_probe.md, an H100, jax 0.11.2): the real compile with
 # this option equals the deviceless one; without it the bfloat16 baselines of
 # ViT-B/16 and LLaMA-100M take 21% and 27% more; float32 steps and the
 # lowmem_jax steps are within 1%.

@@ -54,11 +54,15 @@ TECHNIQUES = {
     "remat:<policy>": "nn.remat of every block with lowmem_jax.policies.<policy>, one of "
                       + ", ".join(policies.READY_MADE),
     "adama:<k>": "AdamA over k micro-batches of the batch (lowmem_jax.adamaw, microbatch_step)",
+    "fused-ce": "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] logits "
+                "(lowmem_jax.losses.linear_cross_entropy)",
     "all": "approx+ms-norm+attention+bf16",
     "lowmem": "--step only: the step differentiates lm.lowmem(loss_fn) (make_step(lowmem=lm.lowmem)): "
               "GELU/SiLU, norms and attention rewritten",
 }
 DEFAULT_TECHNIQUES = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
+LANGUAGE_MODEL_TECHNIQUES = ",fused-ce,all+fused-ce"
+"""Added to the default techniques for the language models (``fused-ce``)."""
 STEP_TECHNIQUES = ("baseline", "lowmem")
 """The techniques of a user's step (``--step``); the others change a reference model."""
 LEARNING_RATE = 1e-3
@@ -82,13 +86,18 @@ class Setting:
   remat: Callable | None = None
   adama: int = 1
   lowmem: bool = False
+  fused_ce: bool = False
 
   def workload(self, args) -> models.Workload:
+    if self.fused_ce and args.model not in models.llama.CONFIGS:
+      raise UsageError(f"fused-ce in {self.label!r} applies to the LLaMA models (a language "
+                       f"model's vocabulary-sized head), not --model {args.model}.")
     return models.workload(
         args.model, batch=args.batch, seq=args.seq, image=args.image,
         dtype=jnp.bfloat16 if self.bf16 else jnp.dtype(args.dtype),
         activation="approx" if self.approx else "exact", norm="ms" if self.ms_norm else "plain",
         attention="recompute" if self.attention else "plain",
+        loss="fused" if self.fused_ce else "plain",
         remat=self.remat is not None, remat_policy=self.remat)
 
   def optimizer(self) -> optax.GradientTransformation:
@@ -111,6 +120,8 @@ class Setting:
       switches.append('norm="ms"')
     if self.attention:
       switches.append('attention="recompute"')
+    if self.fused_ce:
+      switches.append('loss="fused"')
     if self.remat is not None:
       switches.append(f"remat=True, remat_policy=lm.policies.{policies.describe(self.remat)}")
     tx = (f"lm.adamaw({LEARNING_RATE}, k={self.adama})" if self.adama > 1
@@ -145,7 +156,7 @@ def parse_setting(text: str, step: bool = False) -> Setting:
       continue
     if name == "all" and not value:
       fields.update(approx=True, ms_norm=True, attention=True, bf16=True)
-    elif name in ("approx", "ms-norm", "attention", "bf16") and not value:
+    elif name in ("approx", "ms-norm", "attention", "bf16", "fused-ce") and not value:
       fields[name.replace("-", "_")] = True
     elif name == "remat":
       if value not in policies.READY_MADE:
@@ -296,8 +307,10 @@ def row(b: memory.Breakdown, base: memory.Breakdown, setting: Setting) -> dict:
       "live_peak_bytes": b.live_peak_bytes,
       "peak_bytes": b.stats.peak_bytes,
       "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
-      # XLA's cost analysis counts a loop body once: a micro-batch scan's FLOPs are per micro-batch.
-      "extra_flops": (b.flops - base.flops) / base.flops if setting.adama == 1 else None,
+      # XLA's cost analysis counts a loop body once: a micro-batch scan's FLOPs are per
+      # micro-batch, fused-ce's per block of logits.
+      "extra_flops": ((b.flops - base.flops) / base.flops
+                      if setting.adama == 1 and not setting.fused_ce else None),
       "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
   }
 
@@ -323,8 +336,8 @@ def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   table = Table(title=title, caption=f"{unit} live at the compiled peak (XLA buffer assignment); "
                 "gradients and other (updates) are estimated; peak: XLA's memory analysis; saved: "
-                "autodiff's residuals of the loss (- without one); extra FLOPs: n/a for a micro-batch "
-                "loop, whose body XLA counts once; none found: no argument is one")
+                "autodiff's residuals of the loss (- without one); extra FLOPs: n/a for loops (micro-"
+                "batches, fused-ce), whose body XLA counts once; none found: no argument is one")
   for column in ("techniques", "params", "optimizer", "gradients", "activations", "other",
                  "peak", "× less", "extra FLOPs", "saved"):
     table.add_column(column, justify="left" if column == "techniques" else "right")
@@ -342,7 +355,9 @@ def _summary(rows: list[dict], title: str) -> Table:
 def report(args, console: Console) -> int:
   techniques = args.techniques
   if techniques is None:
-    techniques = DEFAULT_TECHNIQUES if args.step is None else ",".join(_step_techniques(args))
+    techniques = (",".join(_step_techniques(args)) if args.step is not None
+                  else DEFAULT_TECHNIQUES + LANGUAGE_MODEL_TECHNIQUES
+                  if args.model in models.llama.CONFIGS else DEFAULT_TECHNIQUES)
   settings = [parse_setting(t, step=args.step is not None) for t in techniques.split(",")]
   if any(s.lowmem for s in settings) and not takes_lowmem(args.make_step):
     name = args.step.rpartition(":")[2]
@@ -387,17 +402,21 @@ def report(args, console: Console) -> int:
   return 0
 
 
-def ladder(batch: int) -> list[str]:
+def ladder(batch: int, language_model: bool = False) -> list[str]:
   """Technique sets `plan` tries, cheapest first: exact techniques, then an
   approximate gradient, then recompute (``remat:plan``: `lowmem_jax.plan`'s
-  policy), then micro-batches with full remat."""
-  sets = ["baseline", "bf16", "bf16+ms-norm+attention", "all", "all+remat:plan"]
+  policy), then micro-batches with full remat. A language model's sets all
+  take ``fused-ce`` (exact, and the largest single saving), after it alone."""
+  sets = ["bf16", "bf16+ms-norm+attention", "all", "all+remat:plan"]
   k = 2
   while k <= batch:
     if batch % k == 0:
       sets.append(f"all+remat:full+adama:{k}")
     k *= 2
-  return sets
+  if language_model:
+    return ["baseline", "fused-ce"] + [s.replace("all", "all+fused-ce") if s.startswith("all")
+                                       else f"{s}+fused-ce" for s in sets]
+  return ["baseline"] + sets
 
 
 def plan(args, console: Console) -> int:
@@ -413,7 +432,7 @@ def plan(args, console: Console) -> int:
     return 1
   tried = []
   with _progress(Console(stderr=True)) as progress:
-    sets = ladder(args.batch)
+    sets = ladder(args.batch, args.model in models.llama.CONFIGS)
     task = progress.add_task("compiling", total=len(sets))
     for text in sets:
       progress.update(task, description=f"compiling {text}")

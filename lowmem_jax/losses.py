@@ -66,7 +66,7 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   lead = h.shape[:-1]
   h2 = h.reshape(math.prod(lead), h.shape[-1])
   vocab = w.shape[1] if w_layout == "dv" else w.shape[0]
-  b = jnp.zeros((vocab,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+  b = None if bias is None else bias.astype(jnp.float32)
   weights = _token_weights(labels.reshape(-1), ignore_index, reduction)
   losses = _chunked(h2, w, b, labels.reshape(-1).astype(jnp.int32), weights, cfg, w_layout)
   return losses.reshape(lead) if reduction == "none" else jnp.sum(losses)
@@ -153,7 +153,7 @@ def _start(j, size: int, n: int):
 
 
 class _Head:
-  """``h [T, d]``, ``w`` in its layout, float32 ``bias [V]`` and their chunks."""
+  """``h [T, d]``, ``w`` in its layout, float32 ``bias [V]`` or None, and their chunks."""
 
   def __init__(self, h, w, b, cfg, w_layout):
     self.h, self.w, self.b, self.layout = h, w, b, w_layout
@@ -175,7 +175,8 @@ class _Head:
     s = _start(j, self.vc, self.vocab)
     raw = lax.dot_general(hc, self.w_chunk(s), (((1,), (0,)), ((), ())),
                           preferred_element_type=jnp.float32)
-    raw = raw + lax.dynamic_slice(self.b, (s,), (self.vc,))
+    if self.b is not None:
+      raw = raw + lax.dynamic_slice(self.b, (s,), (self.vc,))
     capped = raw if self.cap is None else self.cap * jnp.tanh(raw / self.cap)
     col = s + lax.broadcasted_iota(jnp.int32, raw.shape, 1)
     valid = col >= (s if whole else j * self.vc)
@@ -272,19 +273,21 @@ def _chunked_bwd(cfg, w_layout, res, g):
       dl = dlogits(hc, s, i * head.tc, j, lax.dynamic_slice(labels, (s,), (head.tc,)),
                    whole=True)
       dwc, dbc = acc
-      return (dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32), dbc + jnp.sum(dl, 0))
+      dwc = dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+      return dwc, None if dbc is None else dbc + jnp.sum(dl, 0)
 
     dwc, dbc = lax.fori_loop(0, head.nt, token_chunk,
                              (jnp.zeros((head.d, head.vc), jnp.float32),
-                              jnp.zeros((head.vc,), jnp.float32)))
+                              None if b is None else jnp.zeros((head.vc,), jnp.float32)))
     dwc = dwc.astype(w.dtype)
     dw = (lax.dynamic_update_slice(dw, dwc, (0, sv)) if w_layout == "dv"
           else lax.dynamic_update_slice(dw, dwc.T, (sv, 0)))
-    return dw, lax.dynamic_update_slice(db, dbc, (sv,))
+    return dw, None if db is None else lax.dynamic_update_slice(db, dbc, (sv,))
 
   dh = lax.fori_loop(0, head.nt, dh_chunk, jnp.zeros_like(h))
-  dw, db = lax.fori_loop(0, head.nv, dw_chunk, (jnp.zeros_like(w), jnp.zeros_like(b)))
+  db0 = None if b is None else jnp.zeros_like(b)
+  dw, db = lax.fori_loop(0, head.nv, dw_chunk, (jnp.zeros_like(w), db0))
   return dh, dw, db, None, None
 
 

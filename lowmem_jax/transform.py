@@ -24,6 +24,11 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   that transposes and unit axes reach, grouped-query heads included (a group
   axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
   writes them) → `lowmem_jax.attention`.
+- ``loss``: ``h @ w`` (optionally ``+ bias``), its log-softmax over the last
+  axis (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit
+  as ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at
+  integer labels (``take_along_axis``) → `losses.linear_cross_entropy`, where
+  the vocabulary is wider than ``h``, so the logits are the larger array.
 - ``"layout"`` (with attention): a matmul whose input is the attention output
   ``[.., h, d]`` only reshaped to ``[.., h * d]`` contracts over ``(h, d)``
   instead, so autodiff saves one array, not two.
@@ -55,7 +60,7 @@ from jax._src import core as jax_core  # eval_context: test points evaluate whil
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from lowmem_jax import activations, attention_ops, memory, names, norms
+from lowmem_jax import activations, attention_ops, losses, memory, names, norms
 
 _FLAX_DIR = os.path.dirname(flax.__file__) + os.sep
 
@@ -63,6 +68,7 @@ OPTIONS = {
     "activations": ("approx", None),
     "norms": ("ms", None),
     "attention": ("recompute", None),
+    "loss": ("fused", None),
 }
 
 # One elementwise function of one array: what an activation region may hold.
@@ -79,7 +85,7 @@ class Rewrite:
   """One pattern `lowmem` replaced (``left`` False) or recognised and left.
 
   Attributes:
-    kind: "activation", "norm", "attention" or "layout" (a matmul over an
+    kind: "activation", "norm", "attention", "loss" or "layout" (a matmul over an
       array as saved rather than over its reshape; logged beside the
       attention rewrite it belongs to).
     op: what it became, e.g. "regelu2", "ms_layer_norm + fold into 3 matmuls".
@@ -129,8 +135,8 @@ def _check_options(options: dict) -> dict:
 
 
 def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | None = "ms",
-           attention: str | None = "recompute") -> Callable:
-  """``fn`` with its GELU/SiLU/ReLU, norms and softmax attention rewritten.
+           attention: str | None = "recompute", loss: str | None = "fused") -> Callable:
+  """``fn`` with its GELU/SiLU/ReLU, norms, softmax attention and LM head's loss rewritten.
 
   Args:
     fn: any function of arrays (pytrees of them, NNX modules included; other
@@ -143,6 +149,9 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
     norms: "ms" (memory-sharing norms, affine folded into the matmuls they
       feed) or None.
     attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
+    loss: "fused" (a matmul's logits wider than its input, their log-softmax
+      taken at integer labels → `lowmem_jax.losses.linear_cross_entropy`: no
+      ``[tokens, vocab]`` logits) or None.
 
   Returns:
     A function with ``fn``'s signature and outputs (to float tolerance) whose
@@ -153,7 +162,7 @@ def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | Non
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
   options = _check_options(
-      {"activations": activations, "norms": norms, "attention": attention})
+      {"activations": activations, "norms": norms, "attention": attention, "loss": loss})
 
   def traced(args, kwargs):
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -426,6 +435,10 @@ def _slice(g, outputs, stops):
 def _match(jaxpr, options, log, count):
   g = _Graph(jaxpr)
   actions = {}
+  if options["loss"]:
+    for i, e in enumerate(g.eqns):
+      if e.primitive.name == "gather" and i not in g.taken:
+        _match_loss(g, i, actions, log, count)
   if options["attention"]:
     for i, e in enumerate(g.eqns):
       if e.primitive.name in ("div", "custom_vjp_call") and i not in g.taken:
@@ -1340,6 +1353,194 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
     _record(log, g, "layout", "matmul over the attention output's heads and features", merged[1],
              False)
   return None
+
+
+# --- the loss head -----------------------------------------------------------
+
+
+def _row_max_of(g, m):
+  """``l`` if ``m`` is ``max(l)`` over l's last axis, through the guards log_softmax and
+  logsumexp put on it (``max(-inf, .)``, ``where(isfinite(.), ., 0)``, stop_gradient,
+  broadcasts), else None."""
+  m = g.back(m, _SOFTMAX_BACK)
+  e = g.prod(m)
+  if e is not None and e.primitive.name == "select_n" and len(e.invars) == 3:
+    fin = g.prod(e.invars[0])
+    if (fin is None or fin.primitive.name != "is_finite" or fin.invars[0] is not e.invars[2]
+        or _fill_value(g, e.invars[1]) != 0.0):
+      return None
+    m = g.back(e.invars[2], _SOFTMAX_BACK)
+    e = g.prod(m)
+  if e is not None and e.primitive.name == "max" and any(
+      _scalar(v) == -math.inf for v in e.invars):
+    m = g.back(next(v for v in e.invars if _scalar(v) is None), _SOFTMAX_BACK)
+    e = g.prod(m)
+  if e is None or e.primitive.name != "reduce_max" or tuple(e.params["axes"]) != (
+      e.invars[0].aval.ndim - 1,):
+    return None
+  return e.invars[0]
+
+
+def _shifted_of(g, s):
+  """``l`` if ``s`` is ``l - max(l)`` (`_row_max_of`), else None."""
+  e = g.prod(s)
+  if e is None or e.primitive.name != "sub":
+    return None
+  return e.invars[0] if _row_max_of(g, e.invars[1]) is e.invars[0] else None
+
+
+def _log_sum_exp_of(g, v):
+  """``(l, shifted)`` if ``v`` is ``log(sum(exp(l - max(l))))`` over l's last axis
+  (shifted True: log_softmax's) or that plus ``max(l)`` (False: ``logsumexp``), else None."""
+  v = g.back(v, _SOFTMAX_BACK)
+  e = g.prod(v)
+  if e is not None and e.primitive.name == "add":
+    for a, b in (e.invars, e.invars[::-1]):
+      inner = _log_sum_exp_of(g, a)
+      if inner is not None and inner[1] and _row_max_of(g, b) is inner[0]:
+        return inner[0], False
+    return None
+  if e is None or e.primitive.name != "log":
+    return None
+  r = g.prod(g.back(e.invars[0], _SOFTMAX_BACK | {"abs"}))
+  if r is None or r.primitive.name != "reduce_sum" or tuple(r.params["axes"]) != (
+      r.invars[0].aval.ndim - 1,):
+    return None
+  ex = g.prod(g.back(r.invars[0], {"convert_element_type"}))
+  if ex is None or ex.primitive.name != "exp":
+    return None
+  l = _shifted_of(g, ex.invars[0])
+  return None if l is None else (l, True)
+
+
+_GATHER_MODES = (lax.GatherScatterMode.FILL_OR_DROP, lax.GatherScatterMode.CLIP,
+                 lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _takes_last(e) -> bool:
+  """True if gather ``e`` is ``take_along_axis(x, idx[..., None], -1)``: one element of x's
+  last axis per row, ``[..., V] -> [..., 1]``."""
+  x, idx = e.invars
+  n, dn = x.aval.ndim, e.params["dimension_numbers"]
+  batching = tuple(dn.operand_batching_dims)  # the lead axes but unit ones (offset axes)
+  units = [a for a in range(n - 1) if a not in batching]
+  return (n >= 1 and tuple(dn.collapsed_slice_dims) == (n - 1,)
+          and tuple(dn.start_index_map) == (n - 1,) and batching == tuple(sorted(batching))
+          and tuple(dn.start_indices_batching_dims) == tuple(range(len(batching)))
+          and all(x.aval.shape[a] == 1 for a in units)
+          and idx.aval.size == math.prod(x.aval.shape[:-1])
+          and all(size == 1 for size in e.params["slice_sizes"])
+          and e.outvars[0].aval.shape == x.aval.shape[:-1] + (1,)
+          and e.params["mode"] in _GATHER_MODES
+          and (e.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP
+               or e.params["fill_value"] is None or np.isnan(e.params["fill_value"])))
+
+
+def _log_prob_at_label(g, gi):
+  """``(l, out, sign)`` if gather ``gi`` starts ``out = sign * cross_entropy(l, labels)``:
+  ``log_softmax(l)`` taken at the labels (``out`` the gather's output, sign -1), or
+  ``logsumexp(l)`` less ``l`` taken at the labels (``out`` the difference, sign +1, or
+  -1 for ``picked - logsumexp``); else None."""
+  x = g.back(g.eqns[gi].invars[0], {"convert_element_type"})
+  e = g.prod(x)
+  if e is not None and e.primitive.name == "sub":
+    lse = _log_sum_exp_of(g, e.invars[1])
+    l = _shifted_of(g, e.invars[0])
+    if lse is not None and lse[1] and lse[0] is l:
+      return l, g.eqns[gi].outvars[0], -1
+  cur = g.eqns[gi].outvars[0]
+  while (c := g.only_consumer(cur)) is not None:
+    e = g.eqns[c]
+    if e.primitive.name in ("squeeze", "reshape", "convert_element_type", "copy") or (
+        e.primitive.name == "gather" and e.invars[0] is cur and e.invars[0].aval.shape[-1] == 1
+        and e.outvars[0].aval.shape == cur.aval.shape[:-1]):  # optax's [..., 0]
+      cur = e.outvars[0]
+      continue
+    if e.primitive.name != "sub":
+      return None
+    side = 1 if e.invars[1] is cur else 0
+    lse = _log_sum_exp_of(g, e.invars[1 - side])
+    if lse is None or lse[1] or g.back(lse[0], {"convert_element_type"}) is not x:
+      return None
+    return lse[0], e.outvars[0], 1 if side == 1 else -1
+  return None
+
+
+def _head_matmul(g, l):
+  """``(h, w, w_layout, bias)`` if ``l`` is ``h @ w`` (+ a ``[V]`` bias) through casts and
+  reshapes that keep the last axis, ``w`` ``[d, V]`` ("dv") or ``[V, d]`` ("vd"); else None."""
+  vocab, bias, v = l.aval.shape[-1], None, l
+  while (e := g.prod(v)) is not None:
+    name = e.primitive.name
+    if name in ("convert_element_type", "copy") or (
+        name == "reshape" and e.invars[0].aval.shape[-1:] == (vocab,)):
+      v = e.invars[0]
+    elif name == "add" and bias is None:
+      side = next((k for k in (0, 1) if _feature_vector(g, e.invars[1 - k], vocab) is not None),
+                  None)
+      if side is None:
+        return None
+      bias, v = _feature_vector(g, e.invars[1 - side], vocab), e.invars[side]
+    else:
+      break
+  if e is None or e.primitive.name != "dot_general":
+    return None
+  (ca, cb), (ba, bb) = e.params["dimension_numbers"]
+  h, w = e.invars
+  if ba or bb or w.aval.ndim != 2 or h.aval.ndim < 1 or tuple(ca) != (h.aval.ndim - 1,) or (
+      tuple(cb) not in ((0,), (1,))) or w.aval.shape[1 - cb[0]] != vocab:
+    return None
+  return h, w, "dv" if tuple(cb) == (0,) else "vd", bias
+
+
+def _match_loss(g, gi, actions, log, count):
+  if not _takes_last(g.eqns[gi]):
+    return
+  found = _log_prob_at_label(g, gi)
+  if found is None:
+    return
+  l, out, sign = found
+  head = _head_matmul(g, l)
+  if head is None:
+    _left(log, g, "loss", gi, "the logits are not a matmul of the hidden states (+ a bias)")
+    return
+  h, w, layout, bias = head
+  lead, vocab, d = l.aval.shape[:-1], l.aval.shape[-1], h.aval.shape[-1]
+  if vocab <= d:
+    _left(log, g, "loss", gi, f"the logits ({vocab} wide) are no wider than the hidden "
+          f"states ({d}): nothing to save")
+    return
+  gather = g.eqns[gi]
+  idx = gather.invars[1]
+  inputs = [h, w, idx] + ([] if bias is None else [bias])
+  indices = _slice(g, [out], set(inputs))
+  made = {v for i in indices for v in g.eqns[i].outvars}
+  free = {v for i in indices for v in g.eqns[i].invars if isinstance(v, jcore.Var)} - made
+  if indices & g.taken or not free <= set(inputs) or not g.closed(indices, {out}):
+    _left(log, g, "loss", gi, "the logits or their log-softmax are used elsewhere")
+    return
+  mode = gather.params["mode"]
+  dtype = jnp.result_type(h.aval.dtype, w.aval.dtype)
+
+  def fn(hv, wv, iv, *bv):
+    labels = iv.reshape(lead)
+    if mode == lax.GatherScatterMode.CLIP:
+      labels = jnp.clip(labels, 0, vocab - 1)
+    ce = losses.linear_cross_entropy(hv.reshape(lead + (d,)).astype(dtype), wv.astype(dtype),
+                                     labels, bias=bv[0] if bv else None, reduction="none",
+                                     w_layout=layout)
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:  # out of range: the gather's NaN
+      ce = jnp.where((labels >= 0) & (labels < vocab), ce, jnp.nan)
+    return [(sign * ce).reshape(out.aval.shape).astype(out.aval.dtype)]
+
+  actions[g.index(out)] = _Action(inputs, [out], fn)
+  g.taken |= indices
+  op = "linear_cross_entropy" + (" (tied embedding)" if layout == "vd" else "")
+  if count:
+    _record(log, g, "loss", op, gi, True, _sub_fn(g, indices, inputs, [out]), fn,
+            [_aval(v) for v in inputs])
+  else:
+    _record(log, g, "loss", op, gi, False)
 
 
 def _merged_matmul(g, out):

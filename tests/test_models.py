@@ -2,6 +2,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import lowmem_jax as lm
@@ -98,6 +99,31 @@ def test_workload_validates():
     models.workload("vit-b16", batch=1, activation="fast")
   with pytest.raises(ValueError, match="attention"):
     models.workload("vit-b16", batch=1, attention="flash")
+  with pytest.raises(ValueError, match="loss"):
+    models.workload("llama-100m", batch=1, loss="chunked")
+  with pytest.raises(ValueError, match="loss='fused' applies to the LLaMA models"):
+    models.workload("vit-b16", batch=1, loss="fused")
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_llama_fused_loss_is_the_plain_loss_without_the_logits(dtype, tol):
+  config = models.LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
+  plain = models.Llama(config, dtype=dtype)
+  fused = plain.clone(loss="fused")
+  tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
+  labels = jnp.roll(tokens, -1, axis=1)
+  params = plain.init(jax.random.key(1), tokens)["params"]
+  losses = [lambda p, m=m: m.apply({"params": p}, tokens, labels) for m in (plain, fused)]
+  values = [f(params) for f in losses]
+  np.testing.assert_allclose(values[0], values[1], rtol=tol)
+  np.testing.assert_allclose(values[0], optax.softmax_cross_entropy_with_integer_labels(
+      plain.apply({"params": params}, tokens), labels).mean(), rtol=1e-6)
+  grads = [jax.grad(f)(params) for f in losses]
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[0]))
+  chex.assert_trees_all_close(*jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
+                              atol=tol * 10)
+  saved = lm.memory.saved_residuals(losses[1], params).rows
+  assert not [r for r in saved if np.prod(r.shape) >= tokens.size * 256], saved
 
 
 def test_workload_batch_and_loss_run():

@@ -155,6 +155,8 @@ def test_cli_report_table(capsys):
     (["report", "--techniques", "adama:²"], "adama:²"),
     (["report", *SMALL, "--techniques", "adama:3"], "equal micro-batches"),
     (["report", *SMALL, "--plot", "/dev/null/x"], "--plot"),
+    (["report", *SMALL, "--techniques", "all+fused-ce"], "fused-ce in 'all+fused-ce' applies to "
+                                                          "the LLaMA models"),
     (["report", "--batch", "0"], "--batch must be >= 1"),
     (["plan", "--budget", "12 parsecs"], "budget '12 parsecs'"),
     (["plan"], "--budget"),
@@ -182,6 +184,23 @@ def test_cli_plan_nothing_fits(capsys):
   err = capsys.readouterr().err
   assert "nothing fits 1.0 MiB: the float32 parameters and AdamW state" in err
   assert err.count("\n") == 1
+
+
+def test_fused_ce_for_language_models(capsys):
+  assert cli.parse_setting("all+fused-ce") == cli.Setting(
+      "all+fused-ce", approx=True, ms_norm=True, attention=True, bf16=True, fused_ce=True)
+  assert cli.ladder(4) == ["baseline", "bf16", "bf16+ms-norm+attention", "all", "all+remat:plan",
+                           "all+remat:full+adama:2", "all+remat:full+adama:4"]
+  assert cli.ladder(2, language_model=True) == [
+      "baseline", "fused-ce", "bf16+fused-ce", "bf16+ms-norm+attention+fused-ce", "all+fused-ce",
+      "all+fused-ce+remat:plan", "all+fused-ce+remat:full+adama:2"]
+  llama = ["--model", "llama-100m", "--batch", "1", "--seq", "64", "--target", "cpu"]
+  assert cli.main(["report", *llama, "--techniques", "baseline,fused-ce", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["rows"]
+  assert rows[1]["extra_flops"] is None  # XLA counts the chunk loops' bodies once
+  # the [64, 32000] float32 logits are not kept; a float32 log-sum-exp a token is
+  saved = rows[0]["saved_activation_bytes"] - rows[1]["saved_activation_bytes"]
+  assert 64 * 32000 * 4 - 64 * 4 <= saved <= 64 * 32000 * 4, saved
 
 
 def test_parse_bytes():

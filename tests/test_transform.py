@@ -1,10 +1,13 @@
 """`lm.lowmem`: every rewrite against the function it replaces (its exact twin)."""
 
+import dataclasses
+
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -295,6 +298,88 @@ def test_softmax_not_followed_by_a_matmul_is_left():
   rewrites = lm.lowmem(loss).explain(q, k)
   assert rewrites.counts == {}
   assert [r.kind for r in rewrites] == ["attention"] and "matmul" in rewrites[0].left
+
+
+VOCAB, WIDTH = 40, 16
+LABELS = jax.random.randint(jax.random.key(7), (2, 24), 0, VOCAB)
+
+
+def _log_softmax_at(logits, labels):
+  return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
+
+
+LOSS_HEADS = {  # form: (per-token loss of (h, w, labels), w's shape)
+    "log_softmax + take_along_axis": (lambda h, w, y: _log_softmax_at(h @ w, y), (WIDTH, VOCAB)),
+    "optax, integer labels": (lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        (h @ w).astype(jnp.float32), y), (WIDTH, VOCAB)),
+    "optax, flattened tokens": (lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        (h @ w).reshape(-1, VOCAB), y.reshape(-1)).reshape(y.shape), (WIDTH, VOCAB)),
+    "tied embedding": (lambda h, e, y: optax.softmax_cross_entropy_with_integer_labels(
+        jnp.einsum("btd,vd->btv", h, e), y), (VOCAB, WIDTH)),
+    "flax Dense with bias": (lambda h, w, y: _log_softmax_at(nn.Dense(VOCAB).apply(
+        {"params": {"kernel": w, "bias": jnp.linspace(-1.0, 1.0, VOCAB)}}, h), y),
+        (WIDTH, VOCAB)),
+}
+
+
+@pytest.mark.parametrize("form", list(LOSS_HEADS))
+def test_loss_head_rewritten_without_the_logits(form):
+  per_token, w_shape = LOSS_HEADS[form]
+  h, w = _normal((2, 24, WIDTH)), _normal(w_shape, key=jax.random.key(1), scale=0.3)
+  loss = lambda h, w: jnp.mean(per_token(h, w, LABELS))
+  fast = lm.lowmem(loss)
+  assert fast.explain(h, w).counts == {"loss": 1}
+  _close(fast(h, w), loss(h, w), 1e-5)
+  _close(jax.grad(fast, (0, 1))(h, w), jax.grad(loss, (0, 1))(h, w), 1e-4)
+  logits = [r for r in _float_residuals(fast, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
+  assert not logits, logits
+  assert [r for r in _float_residuals(loss, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
+
+
+def test_loss_head_labels_out_of_range_give_the_gathers_nan():
+  h, w = _normal((2, 24, WIDTH)), _normal((WIDTH, VOCAB), key=jax.random.key(1), scale=0.3)
+  labels = LABELS.at[0, 0].set(-1).at[0, 1].set(VOCAB).at[1, 0].set(-VOCAB - 3)
+  per_token = lambda h, w: _log_softmax_at(h @ w, labels)
+  fast, plain = lm.lowmem(per_token)(h, w), per_token(h, w)
+  assert lm.lowmem(per_token).explain(h, w).counts == {"loss": 1}
+  np.testing.assert_array_equal(np.isnan(fast), np.isnan(plain))
+  assert np.isnan(plain[0, 1]) and not np.isnan(plain[0, 0])  # -1 wraps to the last class
+  _close(jnp.nan_to_num(fast), jnp.nan_to_num(plain), 1e-5)
+  kept = jnp.isfinite(plain)
+  masked = lambda f: lambda h, w: jnp.sum(jnp.where(kept, f(h, w), 0.0))
+  _close(jax.grad(masked(lm.lowmem(per_token)), (0, 1))(h, w),
+         jax.grad(masked(per_token), (0, 1))(h, w), 1e-4)
+
+
+def test_loss_head_left_where_it_saves_nothing_or_the_logits_are_used():
+  h, y = _normal((2, 24, WIDTH)), LABELS % 8
+  narrow = lambda h, w: jnp.mean(_log_softmax_at(h @ w, y))
+  rewrites = lm.lowmem(narrow).explain(h, _normal((WIDTH, 8)))
+  assert rewrites.counts == {} and "no wider" in rewrites[0].left
+  w = _normal((WIDTH, VOCAB))
+
+  def reused(h, w):
+    logits = h @ w
+    return jnp.mean(_log_softmax_at(logits, LABELS)) + jnp.mean(logits ** 2)
+  rewrites = lm.lowmem(reused).explain(h, w)
+  assert rewrites.counts == {} and "used elsewhere" in rewrites[0].left
+  smoothed = lambda h, w: jnp.mean(optax.softmax_cross_entropy(
+      h @ w, optax.smooth_labels(jax.nn.one_hot(LABELS, VOCAB), 0.1)))
+  assert lm.lowmem(smoothed).explain(h, w).counts == {}
+  assert lm.lowmem(lambda h, w: jnp.mean(_log_softmax_at(h @ w, LABELS)),
+                   loss=None).explain(h, w).counts == {}
+
+
+def test_llama_head_rewritten_as_the_fused_loss():
+  wl = lm.models.workload("llama-100m", batch=1, seq=16, dtype=jnp.float32)
+  wl = dataclasses.replace(wl, model=wl.model.clone(config=dataclasses.replace(
+      wl.model.config, dim=32, n_layers=1, n_heads=2, ffn_dim=64, vocab_size=128)))
+  params = wl.init(KEY)
+  tokens, labels = wl.batch(jax.random.key(1))
+  fast = lm.lowmem(wl.loss, activations=None)
+  assert fast.explain(params, tokens, labels).counts == {"attention": 1, "norm": 3, "loss": 1}
+  _close(fast(params, tokens, labels), wl.loss(params, tokens, labels), 1e-5)
+  _close(jax.grad(fast)(params, tokens, labels), jax.grad(wl.loss)(params, tokens, labels), 1e-4)
 
 
 class _Block(nnx.Module):

@@ -79,6 +79,8 @@ class Workload:
     running averages, which this loss does not keep (a training loop carries
     them: 2 floats a channel).
     """
+    if isinstance(self.model, Llama):  # the model's own head: its loss switch
+      return self.model.apply({"params": params}, inputs, labels)
     if isinstance(self.model, WideResNet):
       logits, _ = self.model.apply({"params": params}, inputs, mutable=["batch_stats"])
     else:
@@ -107,7 +109,7 @@ class Workload:
 def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
              activation: str = "exact", norm: str = "plain", attention: str = "plain",
-             conv: str = "plain", remat: bool = False,
+             conv: str = "plain", loss: str = "plain", remat: bool = False,
              remat_policy: Callable | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
@@ -122,6 +124,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     activation, norm, attention, remat, remat_policy: the models' switches
       (the WideResNet has batch norm and no attention: norm and attention "plain").
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
+    loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
+      (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
   """
   if name not in NAMES:
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
@@ -131,6 +135,11 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     raise ValueError(f"image must be >= 1, got {image}.")
   vit.check_switches(activation, norm, attention)
   wrn.check_switches(activation, conv)
+  if loss not in llama.LOSSES:
+    raise ValueError(f"loss must be one of {llama.LOSSES}, got {loss!r}.")
+  if loss != "plain" and name not in llama.CONFIGS:
+    raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
+                     f"vocabulary-sized head); {name} takes loss='plain'.")
   if name in WRN_CONFIGS:
     if (norm, attention) != ("plain", "plain"):
       raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
@@ -160,7 +169,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:
-    model = Llama(llama.CONFIGS[name], **switches)
+    model = Llama(llama.CONFIGS[name], loss=loss, **switches)
     inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     labels = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return Workload(name, model, inputs, labels)

@@ -8,7 +8,9 @@ folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
 Switches: ``activation`` ("exact" SiLU or "approx" ReSiLU2 on the gate),
 ``norm`` ("plain" RMSNorm with scale, or "ms" MS-RMSNorm with the scale folded
 into the next Dense), ``attention`` ("plain", which keeps the float32
-probabilities, or "recompute", `lowmem_jax.attention`, which keeps none), and
+probabilities, or "recompute", `lowmem_jax.attention`, which keeps none),
+``loss`` ("plain" float32 logits and `optax` cross-entropy, or "fused",
+`lowmem_jax.losses.linear_cross_entropy`, which never holds the logits) and
 ``remat`` / ``remat_policy`` for the layers.
 """
 
@@ -18,12 +20,17 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
 from lowmem_jax.activations import resilu2
 from lowmem_jax.attention_ops import attention, dot_product_attention
+from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models.vit import check_switches
+
+
+LOSSES = ("plain", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +166,46 @@ class TransformerBlock(nn.Module):
     return x + ff(self._normed(x, "ffn_norm"))
 
 
+class Output(nn.Module):
+  """The LM head, ``nn.Dense``'s kernel ``[dim, vocab]`` without bias.
+
+  ``x: [..., dim]`` gives float32 logits ``[..., vocab]``; with int ``labels:
+  [...]`` the mean cross-entropy, a float32 scalar: from the logits
+  (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
+  the logits block by block and keeps none.
+  """
+  vocab_size: int
+  loss: str
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x, labels=None):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.vocab_size),
+                        self.param_dtype)
+    x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+    if labels is not None and self.loss == "fused":
+      return linear_cross_entropy(x, kernel, labels)
+    logits = jnp.dot(x, kernel).astype(jnp.float32)
+    if labels is None:
+      return logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
 class Llama(nn.Module):
   """LLaMA-style causal language model.
 
-  Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``.
+  Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``
+  logits, or with ``labels: int32[batch, length]`` the mean cross-entropy, a
+  float32 scalar.
 
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
     activation: "exact" (SiLU) or "approx" (`lowmem_jax.resilu2`).
     norm: "plain" (RMSNorm with scale) or "ms" (`MSRMSNorm`, scale folded).
     attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
+    loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
+      "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
     remat: wrap each layer in `nn.remat` with ``remat_policy``.
     remat_policy: a `jax.checkpoint` policy; None saves nothing.
     dtype: compute dtype; param_dtype: parameter dtype.
@@ -177,14 +214,17 @@ class Llama(nn.Module):
   activation: str = "exact"
   norm: str = "plain"
   attention: str = "plain"
+  loss: str = "plain"
   remat: bool = False
   remat_policy: Callable | None = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, labels=None):
     check_switches(self.activation, self.norm, self.attention)
+    if self.loss not in LOSSES:
+      raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
     cfg = self.config
     x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
                  name="tok_embeddings")(tokens)
@@ -193,6 +233,4 @@ class Llama(nn.Module):
       x = block(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
                 name=f"layers_{i}")(x)
     x = _rms_norm(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm")(x)
-    logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                      param_dtype=self.param_dtype, name="output")(x)
-    return logits.astype(jnp.float32)
+    return Output(cfg.vocab_size, self.loss, self.dtype, self.param_dtype, name="output")(x, labels)

@@ -2,7 +2,8 @@
 
 For each variant (baseline; approximate activation, ReGELU2 or ReSiLU2; MS
 norm with folded affine; both; attention that recomputes its probabilities,
-`lowmem_jax.attention`; all three; the baseline's loss through `lm.lowmem`) it prints, for the gradient step of the
+`lowmem_jax.attention`; all three; for LLaMA all three with the fused loss head,
+`lowmem_jax.losses.linear_cross_entropy`; the baseline's loss through `lm.lowmem`) it prints, for the gradient step of the
 loss (parameters float32):
   - compiled peak and temp bytes (XLA's buffer assignment for --target,
     abstract shapes: nothing is allocated; default the H100 target,
@@ -38,6 +39,8 @@ VARIANTS = {
     "both": dict(activation="approx", norm="ms"),
     "attention": dict(attention="recompute"),
     "all three": dict(activation="approx", norm="ms", attention="recompute"),
+    "all three + fused loss": dict(activation="approx", norm="ms", attention="recompute",
+                                   loss="fused"),  # LLaMA only
     "lm.lowmem(baseline)": dict(),
 }
 TRANSFORMED = "lm.lowmem(baseline)"  # the baseline model's loss through `lm.lowmem`
@@ -146,12 +149,13 @@ def main(argv=None):
   mib = lambda b: f"{b / 2**20:,.0f}"
   for name in args.models.split(","):
     vit = name in models.VIT_CONFIGS
+    model_variants = {v: s for v, s in variants.items() if not (vit and "loss" in s)}
     size = (dict(batch=args.vit_batch) if vit else dict(batch=args.llama_batch, seq=args.seq))
     for dtype in args.dtypes.split(","):
       wl_of = lambda **sw: models.workload(name, dtype=jnp.dtype(dtype), **size, **sw)
       if args.explain:
         print(f"\n{name}, {dtype} compute")
-      rows = memory_rows(wl_of, args.explain, target, variants)
+      rows = memory_rows(wl_of, args.explain, target, model_variants)
       base = rows[0]
       table = Table(title=f"{name}, {size}, {dtype} compute, float32 params "
                           f"(gradient step; MiB; ratio to baseline)")
@@ -170,7 +174,7 @@ def main(argv=None):
       b, n = (int(x) for x in (args.time_vit if vit else args.time_llama).split(","))
       small = dict(batch=b, image=n) if vit else dict(batch=b, seq=n)
       times = time_rows(lambda **sw: models.workload(name, dtype=jnp.float32, **small, **sw),
-                        args.repeats, variants)
+                        args.repeats, model_variants)
       table = Table(title=f"step time, {name}, {small}, float32, "
                           f"{jax.devices()[0].device_kind}, median of {args.repeats}")
       for col in ("variant", "seconds", "ratio to baseline"):

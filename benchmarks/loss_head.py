@@ -5,11 +5,14 @@ Memory: the gradient of the head (``dh`` and ``dw``) of a Llama-3-sized model
 the target (default: `lowmem_jax.targets.default`); XLA's peak and temp
 bytes. Time: the same gradient, float32, at a CPU-sized shape, median of
 ``--repeats`` after a warm-up, as a ratio to the plain head in the same run.
+``--chunks`` gives the blocks to compare (token_chunk x vocab_chunk).
 
     python benchmarks/loss_head.py [--target h100] [--time 2048,16384,256] [--repeats 5]
+    python benchmarks/loss_head.py --chunks 1024x8192,512x4096,2048x16384
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -21,8 +24,17 @@ from rich.table import Table
 import lowmem_jax as lm
 from lowmem_jax import losses
 
-HEADS = {"plain (log_softmax of the logits)": losses.linear_cross_entropy_reference,
-         "linear_cross_entropy": losses.linear_cross_entropy}
+PLAIN = "plain (log_softmax of the logits)"
+
+
+def heads(chunks: str) -> dict:
+  """The plain head and `linear_cross_entropy` at each ``TCxVC`` block of ``chunks``."""
+  out = {PLAIN: losses.linear_cross_entropy_reference}
+  for pair in chunks.split(","):
+    tc, vc = (int(v) for v in pair.split("x"))
+    out[f"linear_cross_entropy {tc}x{vc}"] = functools.partial(
+        losses.linear_cross_entropy, token_chunk=tc, vocab_chunk=vc)
+  return out
 
 
 def head_grad(fn):
@@ -38,7 +50,10 @@ def main(argv=None):
   parser.add_argument("--width", type=int, default=4096)
   parser.add_argument("--time", default="2048,16384,256", help="CPU timing size: tokens,vocab,width")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--chunks", default="1024x8192",
+                      help="comma list of token_chunk x vocab_chunk blocks (default: the defaults)")
   args = parser.parse_args(argv)
+  candidates = heads(args.chunks)
   target = lm.targets.resolve(args.target)
   console = Console(width=160)
   console.print(target.note, highlight=False)
@@ -50,7 +65,7 @@ def main(argv=None):
   for col in ("head", "compiled peak", "ratio", "temp", "ratio"):
     table.add_column(col, justify="left" if col == "head" else "right")
   base = None
-  for name, fn in HEADS.items():
+  for name, fn in candidates.items():
     stats = lm.memory.analyze(head_grad(fn), h, w, y, target=target)
     base = base or stats
     table.add_row(name, f"{stats.peak_bytes / 2**20:,.0f}", f"{stats.peak_bytes / base.peak_bytes:.4f}",
@@ -61,8 +76,8 @@ def main(argv=None):
   k = jax.random.split(jax.random.key(0), 3)
   real = (jax.random.normal(k[0], (tokens, width)), jax.random.normal(k[1], (width, vocab)) * 0.05,
           jax.random.randint(k[2], (tokens,), 0, vocab))
-  samples = {name: [] for name in HEADS}
-  steps = {name: head_grad(fn) for name, fn in HEADS.items()}
+  samples = {name: [] for name in candidates}
+  steps = {name: head_grad(fn) for name, fn in candidates.items()}
   for step in steps.values():
     jax.block_until_ready(step(*real))
   for _ in range(args.repeats):  # interleaved, so drift hits both alike
@@ -74,8 +89,8 @@ def main(argv=None):
                       f"tokens, vocabulary {vocab:,}, width {width} on {jax.devices()[0].device_kind}")
   for col in ("head", "step s", "ratio to plain"):
     table.add_column(col, justify="left" if col == "head" else "right")
-  plain = statistics.median(samples[next(iter(HEADS))])
-  for name in HEADS:
+  plain = statistics.median(samples[PLAIN])
+  for name in candidates:
     t = statistics.median(samples[name])
     table.add_row(name, f"{t:.3f}", f"{t / plain:.3f}")
   console.print(table)

@@ -26,12 +26,14 @@ the same fixed ``--lr``. The rows:
   baseline    exact SiLU, RMSNorm, optax.adam on the whole batch
   resilu2     activation="approx": ReSiLU2 on the SwiGLU gate, a 2-bit residual
   ms-rmsnorm  norm="ms": MS-RMSNorm, the norm's output shared with the next matmul
+  fused-ce    loss="fused": the head's cross-entropy block by block
+              (lowmem_jax.losses.linear_cross_entropy), no logits kept
   adama       lowmem_jax.microbatch_step with optax.chain(lowmem_jax.adama(k),
               optax.scale_by_learning_rate(lr)) on the same batch in k = 4 micro-batches
               (``--nu-scale``, default "mean_sq": where the micro-batch gradients agree its
               v is Adam's / k, so its steps are up to sqrt(k) times Adam's; "mean" gives
               Adam's v there)
-  lowmem      all three: ReSiLU2, MS-RMSNorm and AdamA over k micro-batches
+  lowmem      all four: ReSiLU2, MS-RMSNorm, the fused loss and AdamA over k micro-batches
 
 Attention is the plain one in every row (it keeps its float32 probabilities).
 Reported per run: validation loss and its difference from the baseline's
@@ -53,7 +55,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 
 from lowmem_jax.models import Llama, LlamaConfig
 from lowmem_jax.optim import NU_SCALES
@@ -64,8 +65,9 @@ ROWS = {
     "baseline": {},
     "resilu2": dict(activation="approx"),
     "ms-rmsnorm": dict(norm="ms"),
+    "fused-ce": dict(loss="fused"),
     "adama": dict(adama=True),
-    "lowmem": dict(activation="approx", norm="ms", adama=True),
+    "lowmem": dict(activation="approx", norm="ms", loss="fused", adama=True),
 }
 QUICK_ROWS = ("baseline", "lowmem")
 CONFIG = LlamaConfig(vocab_size=128, dim=128, n_layers=4, n_heads=4, ffn_dim=384)
@@ -160,9 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
   def batch_at(i):
     return windows(train, args.batch, args.seq + 1, np.random.default_rng([args.seed, i]))
 
-  def loss_fn(params, tokens, net):
-    logits = net.apply({"params": params}, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  def loss_fn(params, tokens, net):  # the model's own head: its loss switch
+    return net.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
 
   nets, init = {}, {}
   for row in args.rows:

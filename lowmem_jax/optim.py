@@ -118,7 +118,7 @@ def adama(
   it must map zero updates to zero and keep no per-call state that should
   count optimizer steps: ``add_decayed_weights`` would decay the weights k
   times per step, and a schedule would advance k times faster. Wrap such
-  transformations in ``optax.conditionally_transform``, as `adamaw` does.
+  transformations in `on_kth_micro_step`, as `adamaw` does.
 
   Extra argument: ``folded``, a pytree with the gradient's structure whose
   leaves are either None (fold that leaf's gradient here) or a ``(mu, nu)``
@@ -209,7 +209,7 @@ def adamaw(
   """AdamA with decoupled weight decay: `optax.adamw` over k micro-batches.
 
   The chain is ``adama``, then, on the k-th micro-step only (through
-  ``optax.conditionally_transform``), ``add_decayed_weights`` and
+  `on_kth_micro_step`), ``add_decayed_weights`` and
   ``scale_by_learning_rate``. So the weights decay once per optimizer step and
   a learning-rate schedule counts optimizer steps, not micro-steps. With
   k = 1 it is `optax.adamw`.
@@ -231,10 +231,46 @@ def adamaw(
   _check_k(k)
   return optax.chain(
       adama(k, b1, b2, eps, eps_root, mu_dtype=mu_dtype, nu_scale=nu_scale),
-      optax.conditionally_transform(
-          optax.chain(optax.add_decayed_weights(weight_decay, mask),
-                      optax.scale_by_learning_rate(learning_rate)),
-          lambda micro_step: micro_step % k == k - 1))
+      on_kth_micro_step(optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                                    optax.scale_by_learning_rate(learning_rate)), k))
+
+
+class KthMicroStepState(NamedTuple):
+  """State of `on_kth_micro_step`."""
+  inner_state: Any  # ``inner``'s state, advanced on the k-th micro-steps only
+  micro_step: jax.Array  # int32 [], micro-steps seen
+
+
+def on_kth_micro_step(inner: optax.GradientTransformation,
+                      k: int) -> optax.GradientTransformationExtraArgs:
+  """``inner`` on micro-steps k - 1, 2k - 1, ... (AdamA's k-th); zero updates elsewhere.
+
+  What ``optax.conditionally_transform(inner, lambda n: n % k == k - 1)`` does,
+  with a select in place of its ``lax.cond``: ``inner`` runs on every
+  micro-step (it must be cheap and elementwise, as weight decay and a
+  learning rate are) and its updates and state are kept on the k-th only. A
+  select fuses into the parameter update, where a ``cond`` makes XLA
+  materialise the updates: two parameter-sized buffers at AdamA's step.
+
+  Args:
+    inner: the transformation to apply once per optimizer step.
+    k: micro-batches per optimizer step, a positive Python int.
+  """
+  _check_k(k)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return KthMicroStepState(inner.init(params), jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    kth = state.micro_step % k == k - 1
+    new_updates, new_state = inner.update(updates, state.inner_state, params, **extra_args)
+    keep = lambda new, old: jnp.where(kth, new, old)
+    return (jax.tree.map(keep, new_updates, updates),
+            KthMicroStepState(jax.tree.map(keep, new_state, state.inner_state),
+                              optax.safe_int32_increment(state.micro_step)))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def find_adama_state(opt_state: Any) -> AdamAState | None:
@@ -417,8 +453,11 @@ def microbatch_step(
     ``.swapaxes(0, 1).reshape(n, ...)`` gives the batch's order back).
 
   For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
-  it). Under `optax.apply_if_finite`, a skipped micro-batch leaves the
-  optimizer step unfinished at the end of the call; the next call finishes it.
+  it). The parameters change once, by the k-th micro-batch's update: the
+  micro-batches before it only fold into the moments, and no parameter-sized
+  update exists inside the loop. Under `optax.apply_if_finite`, a skipped
+  micro-batch leaves the optimizer step unfinished at the end of the call;
+  the next call finishes it (then every micro-batch's update is applied).
   """
   _check_k(k)
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
@@ -486,8 +525,12 @@ def _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches):
 
 
 def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batches):
-  def body(carry, batch):
-    params, state, opt_state = carry
+  """Micro-batches 1..k-1 folded in a scan that holds no parameter-sized carry or update
+  (AdamA's updates there are zeros, dropped), then the k-th, whose update alone is applied.
+
+  Under `optax.apply_if_finite` a skipped micro-batch shifts AdamA's step across calls, so
+  an update may fall inside the loop: there every micro-batch's update is applied."""
+  def micro_step(params, state, opt_state, batch):
     if fold_in_backward is None:
       (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -495,11 +538,38 @@ def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batc
       grads, folded, loss, (aux, state) = _grads_folded_in_backward(
           loss_of, fold_in_backward, k, params, state, opt_state, batch)
       updates, opt_state = tx.update(grads, opt_state, params, folded=folded)
-    return (optax.apply_updates(params, updates), state, opt_state), (loss, aux)
+    return updates, state, opt_state, (loss, aux)
 
-  (params, state, opt_state), (losses, aux) = jax.lax.scan(
-      body, (params, state, opt_state), micro_batches)
-  return params, state, opt_state, _metrics(losses, aux)
+  if _has_skips(opt_state):
+    def applying(carry, batch):
+      params, state, opt_state = carry
+      updates, state, opt_state, out = micro_step(params, state, opt_state, batch)
+      return (optax.apply_updates(params, updates), state, opt_state), out
+
+    (params, state, opt_state), (losses, aux) = jax.lax.scan(
+        applying, (params, state, opt_state), micro_batches)
+    return params, state, opt_state, _metrics(losses, aux)
+
+  def folding(carry, batch):
+    _, state, opt_state, out = micro_step(params, *carry, batch)
+    return (state, opt_state), out
+
+  outs = []
+  if k > 1:
+    head = jax.tree.map(lambda x: x[:-1], micro_batches)
+    (state, opt_state), out = jax.lax.scan(folding, (state, opt_state), head)
+    outs.append(out)
+  updates, state, opt_state, out = micro_step(
+      params, state, opt_state, jax.tree.map(lambda x: x[-1], micro_batches))
+  outs.append(jax.tree.map(lambda x: jnp.asarray(x)[None], out))
+  losses, aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+  return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)
+
+
+def _has_skips(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds `optax.apply_if_finite`'s state (it may skip micro-batches)."""
+  is_skip = lambda x: isinstance(x, optax.ApplyIfFiniteState)
+  return any(is_skip(x) for x in jax.tree.leaves(opt_state, is_leaf=is_skip))
 
 
 def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):

@@ -171,6 +171,59 @@ def test_microbatch_step_equals_k_updates_by_hand():
   assert int(s1[0].count) == 3 and metrics["loss"].shape == ()
 
 
+def _applying_every_micro_step(loss, tx, k):
+  """microbatch_step's AdamA path before issue 21: the params carried through the scan and
+  every micro-batch's (zero) update applied to them."""
+  def step(params, opt_state, batch):
+    def body(carry, micro):
+      params, opt_state = carry
+      value, grads = jax.value_and_grad(loss)(params, micro)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), value
+    (params, opt_state), losses = jax.lax.scan(body, (params, opt_state),
+                                               lm.optim._split(batch, k))
+    return params, opt_state, {"loss": losses.mean()}
+  return step
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_microbatch_step_applies_one_update_bit_for_bit(k):
+  tx = lm.adamaw(1e-2, k, weight_decay=0.1)
+  params, batch = mlp_init(), mlp_batch()
+  steps = [jax.jit(lm.microbatch_step(mlp_loss, tx, k)),
+           jax.jit(_applying_every_micro_step(mlp_loss, tx, k))]
+  runs = [(params, tx.init(params))] * 2
+  for _ in range(3):
+    runs = [step(p, s, batch) for step, (p, s, *_) in zip(steps, runs)]
+  exact(runs[0], runs[1])
+
+
+def dense_stack_loss(params, batch):
+  """8 float32 layers of 1024 x 1024, not scanned: issue 21's example."""
+  x, y = batch
+  for w in params:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x - y) ** 2)
+
+
+def test_microbatch_step_holds_no_update_inside_the_loop():
+  """On the H100 target: applying the update once takes a parameter-sized buffer out of
+  the loop, and AdamA then saves nearly the whole gradient against accumulation."""
+  k = 4
+  params = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+  batch = (jax.ShapeDtypeStruct((4 * 256, 1024), jnp.float32),) * 2
+  temps = {}
+  for name, make, tx in (("once", lm.microbatch_step, lm.adamaw(1e-3, k)),
+                         ("every", _applying_every_micro_step, lm.adamaw(1e-3, k)),
+                         ("accumulate", lm.microbatch_step, optax.adamw(1e-3))):
+    step = jax.jit(make(dense_stack_loss, tx, k), donate_argnums=(0, 1))
+    temps[name] = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch,
+                                    target="h100").temp_bytes
+  grad_bytes = lm.memory.tree_bytes(params)
+  assert temps["once"] <= temps["every"] - 0.4 * grad_bytes, temps
+  assert temps["once"] <= temps["accumulate"] - 0.9 * grad_bytes, temps
+
+
 def test_microbatch_step_accumulates_for_other_optimizers():
   k = 4
   tx = optax.adam(1e-2)
@@ -375,8 +428,9 @@ def test_bad_arguments():
 
 
 def test_adama_step_holds_no_accumulator_in_compiled_memory():
-  """XLA's compiled peak (CPU target, abstract shapes): AdamA's scan keeps no gradient-sized
-  accumulator. On the H100 target only fold-in-backward saves (issue 21 takes it up)."""
+  """XLA's compiled peak on the H100 target (abstract shapes). A scanned model's backward makes
+  the stacked layers' gradient whole, so AdamA alone saves little there (the unscanned stack
+  above saves nearly all of it); folding in the layers' backward rule saves the gradient."""
   k = 4
   params = jax.eval_shape(lambda: scanned_init(layers=4, d=256, h=1024))
   batch = (jax.ShapeDtypeStruct((8, 256), jnp.float32), jax.ShapeDtypeStruct((8, 1), jnp.float32))
@@ -389,7 +443,6 @@ def test_adama_step_holds_no_accumulator_in_compiled_memory():
     step = jax.jit(lm.microbatch_step(scanned_loss, tx, k, fold_in_backward=options),
                    donate_argnums=(0, 1))
     peaks[name] = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch,
-                                    target="cpu").peak_bytes
-  assert peaks["adama"] <= peaks["accumulate"] - 0.5 * grad_bytes, peaks
-  # Folding in the layers' backward rule frees the stacked gradient of the layers.
-  assert peaks["fold-in-backward"] <= peaks["adama"] - 0.5 * grad_bytes, peaks
+                                    target="h100").peak_bytes
+  assert peaks["adama"] <= peaks["accumulate"], peaks
+  assert peaks["fold-in-backward"] <= peaks["accumulate"] - 0.9 * grad_bytes, peaks

@@ -17,6 +17,8 @@ The ways to accumulate:
   accumulate     lowmem_jax.microbatch_step with optax.adam: scan, sum, then Adam
   optax.microbatch  optax.microbatch of the gradient (mean), then Adam
   adama          lowmem_jax.microbatch_step with AdamA: fold in the scan body
+  adama+fold-in-backward  AdamA, each param's gradient folded in its backward rule
+                 (fold_in_backward=True)
 On the same models with stacked layers and per-layer remat ("scanned"):
   adama          AdamA, gradient of the stacked layers from the scan's backward
   adama+fold-in-backward  the layers' gradients folded in their backward rule
@@ -114,6 +116,8 @@ def methods(config, k):
       return optax.apply_updates(params, updates), state
     out["optax.microbatch"] = (init, microbatched, adam, False)
   out["adama"] = (init, lm.microbatch_step(loss, adama_tx(k), k), adama_tx(k), False)
+  out["adama+fold-in-backward"] = (
+      init, lm.microbatch_step(loss, adama_tx(k), k, fold_in_backward=True), adama_tx(k), False)
   scanned = Scanned(config)
   out["scanned adama"] = (scanned.init, lm.microbatch_step(scanned.loss, adama_tx(k), k),
                           adama_tx(k), False)

@@ -98,6 +98,7 @@ class MSRMSNorm(_MSNorm):
 
 def microbatch_step(
     loss_fn: Callable[..., Any], k: int, *, has_aux: bool = False,
+    fold_in_backward: bool | optim.FoldInBackward | None = None,
 ) -> Callable[[nnx.Module, nnx.Optimizer, Any], dict[str, Any]]:
   """A train step over k micro-batches for an NNX model and ``nnx.Optimizer``, in place.
 
@@ -126,6 +127,9 @@ def microbatch_step(
     k: micro-batches per step, a positive Python int; for AdamA the ``k`` given
       to `lowmem_jax.adama`.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    fold_in_backward: True (or a `lowmem_jax.optim.FoldInBackward` with
+      ``key=None``) folds each parameter's micro-batch gradient into AdamA's
+      moments in the backward pass, as `lowmem_jax.optim.microbatch_step` does.
 
   Returns:
     ``step(model, optimizer, batch) -> metrics``: updates ``model`` and
@@ -148,7 +152,8 @@ def microbatch_step(
       out = loss_fn(micro_model, micro_batch)
       return out, nnx.as_pure(nnx.split(micro_model, wrt, ..., graph=graph)[2])
 
-    functional = optim.microbatch_step(pure_loss, optimizer.tx, k, has_aux=has_aux, has_state=True)
+    functional = optim.microbatch_step(pure_loss, optimizer.tx, k, has_aux=has_aux, has_state=True,
+                                       fold_in_backward=fold_in_backward)
     params, rest, opt_state, metrics = functional(
         *nnx.as_pure((params, rest, optimizer.opt_state)), batch)
     nnx.update(model, params, rest)

@@ -379,24 +379,64 @@ _folding_scan.defvjp(_folding_scan_fwd, _folding_scan_bwd)
 class FoldInBackward:
   """Options of `microbatch_step`'s optimizer-in-backward path (AdamA only).
 
-  The params must be a dict whose entry ``key`` holds the stacked layers, and
-  ``loss_fn(params, batch, moments)`` must pass ``moments`` (a `LayerMoments`)
-  to `scan_layers` over ``params[key]``. ``b1``, ``b2`` and ``nu_scale`` must be
-  the ones given to `adama`: nothing can check it, since an optax chain does
-  not expose its members' hyperparameters.
+  With ``key=None`` (``fold_in_backward=True``) any params pytree works and
+  ``loss_fn`` is unchanged: each selected leaf enters the loss through an
+  identity whose backward rule folds the leaf's whole micro-batch gradient
+  into its moments the moment it is complete, so the gradient dies there and
+  no gradient-sized set of buffers need be live at once. With ``key`` a
+  string, the params must be a dict whose entry ``key`` holds stacked layers,
+  and ``loss_fn(params, batch, moments)`` must pass ``moments`` (a
+  `LayerMoments`) to `scan_layers` over ``params[key]``, which folds layer by
+  layer inside the scan's backward.
 
-  The layers' gradients never reach ``tx.update`` (it sees zeros there), so
-  transformations that read the gradient before `adama` (global-norm
-  clipping, `optax.apply_if_finite`'s finiteness check) do not see them.
+  ``b1``, ``b2`` and ``nu_scale`` must be the ones given to `adama`: nothing
+  can check it, since an optax chain does not expose its members'
+  hyperparameters. The folded leaves' gradients never reach ``tx.update`` (it
+  sees zeros there), so transformations that read the gradient before
+  `adama` (global-norm clipping, `optax.apply_if_finite`'s finiteness check)
+  do not see them.
 
   Attributes:
-    key: the entry of the params dict with the stacked layers.
+    key: None (fold the leaves ``where`` selects), or the entry of the params
+      dict with the stacked layers.
     b1, b2, nu_scale: as in `adama`.
+    where: with ``key=None``, ``where(path, leaf) -> bool`` selects the leaves
+      to fold in backward (``path`` as `jax.tree_util.tree_map_with_path`
+      gives it); None selects every leaf.
   """
-  key: str = "layers"
+  key: str | None = "layers"
   b1: float = 0.9
   b2: float = 0.999
   nu_scale: str = "mean_sq"
+  where: Callable[[Any, Any], bool] | None = None
+
+  def __post_init__(self):
+    if self.key is not None and not isinstance(self.key, str):
+      raise ValueError(f"`FoldInBackward.key` must be a str or None, got {self.key!r}.")
+    if self.where is not None and (self.key is not None or not callable(self.where)):
+      raise ValueError("`FoldInBackward.where` must be a callable (path, leaf) -> bool, with "
+                       f"key=None; got where={self.where!r}, key={self.key!r}.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _folding_leaf(fold, p, mu, nu, first):
+  """``p``; its backward folds ``p``'s gradient into ``(mu, nu)``, their cotangents."""
+  del fold, mu, nu, first
+  return p
+
+
+def _folding_leaf_fwd(fold, p, mu, nu, first):
+  del fold
+  return p, (mu, nu, first)
+
+
+def _folding_leaf_bwd(fold, residuals, g):
+  mu, nu, first = residuals
+  new_mu, new_nu = fold(g, mu, nu, first)
+  return jnp.zeros_like(g), new_mu.astype(mu.dtype), new_nu.astype(nu.dtype), None
+
+
+_folding_leaf.defvjp(_folding_leaf_fwd, _folding_leaf_bwd)
 
 
 def microbatch_step(
@@ -406,7 +446,7 @@ def microbatch_step(
     *,
     has_aux: bool = False,
     has_state: bool = False,
-    fold_in_backward: FoldInBackward | None = None,
+    fold_in_backward: bool | FoldInBackward | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
   """A train step over k micro-batches in one ``lax.scan``.
 
@@ -441,8 +481,11 @@ def microbatch_step(
     k: micro-batches per step, a positive Python int; for AdamA the same k.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     has_state: whether ``loss_fn`` takes and returns a state.
-    fold_in_backward: fold the stacked layers' gradients into the moments in
-      the backward pass (`scan_layers`); AdamA only.
+    fold_in_backward: fold each micro-batch gradient into the moments in the
+      backward pass, so it dies there (AdamA only): True for every leaf of
+      any params pytree (`FoldInBackward` with ``key=None``; its ``where``
+      selects leaves), or a `FoldInBackward` with ``key`` for stacked layers
+      folded layer by layer by `scan_layers`.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, with
@@ -453,15 +496,24 @@ def microbatch_step(
     ``.swapaxes(0, 1).reshape(n, ...)`` gives the batch's order back).
 
   For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
-  it). The parameters change once, by the k-th micro-batch's update: the
-  micro-batches before it only fold into the moments, and no parameter-sized
-  update exists inside the loop. Under `optax.apply_if_finite`, a skipped
-  micro-batch leaves the optimizer step unfinished at the end of the call;
-  the next call finishes it (then every micro-batch's update is applied).
+  it), and each call is one optimizer step: AdamA's state must start it at
+  micro-step 0, as ``tx.init`` and every call leave it. The parameters change
+  once, by the k-th micro-batch's update: the micro-batches before it only
+  fold into the moments, and no parameter-sized update exists inside the
+  loop. Where ``tx`` holds a wrapper that may skip an update
+  (`optax.apply_if_finite`, ``conditionally_mask``, ``conditionally_transform``,
+  ``MultiSteps``), every micro-batch's update is applied instead, since a
+  skipped micro-batch leaves the optimizer step unfinished at the end of the
+  call and the next call finishes it.
   """
   _check_k(k)
+  if fold_in_backward is True:
+    fold_in_backward = FoldInBackward(key=None)
+  if fold_in_backward is False:
+    fold_in_backward = None
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
-    raise ValueError(f"`fold_in_backward` must be a FoldInBackward or None, got {fold_in_backward!r}.")
+    raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
+                     f"{fold_in_backward!r}.")
 
   def loss_of(params, state, batch, *moments):
     """``loss_fn`` as ``(loss, (aux, state))``, for ``value_and_grad(has_aux=True)``."""
@@ -528,8 +580,10 @@ def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batc
   """Micro-batches 1..k-1 folded in a scan that holds no parameter-sized carry or update
   (AdamA's updates there are zeros, dropped), then the k-th, whose update alone is applied.
 
-  Under `optax.apply_if_finite` a skipped micro-batch shifts AdamA's step across calls, so
-  an update may fall inside the loop: there every micro-batch's update is applied."""
+  A wrapper that may skip AdamA's update (`_SKIPPING_STATES`: `optax.apply_if_finite`,
+  ``conditionally_mask``, ``conditionally_transform``, ``MultiSteps``) can shift its step
+  across calls, so an update may fall inside the loop: there every micro-batch's update is
+  applied, as before."""
   def micro_step(params, state, opt_state, batch):
     if fold_in_backward is None:
       (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
@@ -566,15 +620,21 @@ def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batc
   return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)
 
 
+_SKIPPING_STATES = (optax.ApplyIfFiniteState, optax.ConditionallyMaskState,
+                    optax.ConditionallyTransformState, optax.MultiStepsState)
+
+
 def _has_skips(opt_state: Any) -> bool:
-  """Whether ``opt_state`` holds `optax.apply_if_finite`'s state (it may skip micro-batches)."""
-  is_skip = lambda x: isinstance(x, optax.ApplyIfFiniteState)
+  """Whether ``opt_state`` holds the state of a wrapper that may skip updates."""
+  is_skip = lambda x: isinstance(x, _SKIPPING_STATES)
   return any(is_skip(x) for x in jax.tree.leaves(opt_state, is_leaf=is_skip))
 
 
 def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):
-  """The gradient (zero on ``params[key]``), the moments folded in backward, loss, (aux, state)."""
+  """The gradient (zero where folded), the moments folded in backward, loss, (aux, state)."""
   key = options.key
+  if key is None:
+    return _leaves_folded_in_backward(loss_of, options, k, params, state, opt_state, batch)
   if not isinstance(params, dict) or key not in params:
     raise ValueError(f"`fold_in_backward.key` {key!r} is not an entry of the params dict.")
   adama_state = find_adama_state(opt_state)
@@ -599,4 +659,26 @@ def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, bat
   pairs = jax.tree.map(lambda m, v: (m, v), mu, nu)
   folded = {name: pairs if name == key else jax.tree.map(lambda _: None, sub)
             for name, sub in params.items()}
+  return grads, folded, loss, aux_state
+
+
+def _leaves_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):
+  """`_grads_folded_in_backward` for any pytree: `_folding_leaf` on the selected leaves."""
+  adama_state = find_adama_state(opt_state)
+  fold = MomentFold(k, options.b1, options.b2, options.nu_scale)
+  first = adama_state.micro_step == 0
+  selected = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: True if options.where is None else bool(options.where(path, leaf)),
+      params)
+  if not any(jax.tree.leaves(selected)):
+    raise ValueError("`FoldInBackward.where` selects no leaf of the params.")
+
+  def loss_with_moments(params, mu_nu):
+    hooked = jax.tree.map(lambda on, p, m, v: _folding_leaf(fold, p, m, v, first) if on else p,
+                          selected, params, *mu_nu)
+    return loss_of(hooked, state, batch)
+
+  (loss, aux_state), (grads, (mu, nu)) = jax.value_and_grad(
+      loss_with_moments, argnums=(0, 1), has_aux=True)(params, (adama_state.mu, adama_state.nu))
+  folded = jax.tree.map(lambda on, m, v: (m, v) if on else None, selected, mu, nu)
   return grads, folded, loss, aux_state

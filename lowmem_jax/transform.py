@@ -673,12 +673,14 @@ def _feature_vector(g, v, n):
   src = g.back(v)
   if src.aval.shape != (n,) or not isinstance(src, jcore.Var):
     return None
-  e = g.prod(v)
-  while e is not None and e.primitive.name in _LAYOUT and e.invars[0] is not src:
-    e = g.prod(e.invars[0])
-  if e is not None and e.primitive.name == "broadcast_in_dim":
-    if tuple(e.params["broadcast_dimensions"]) != (len(e.params["shape"]) - 1,):
+  while v is not src:  # each step keeps the vector's axis last
+    e = g.prod(v)
+    x, out = e.invars[0], e.outvars[0]
+    if x.aval.shape[-1:] != (n,) or out.aval.shape[-1:] != (n,) or (
+        e.primitive.name == "broadcast_in_dim"
+        and e.params["broadcast_dimensions"][-1] != out.aval.ndim - 1):
       return None
+    v = x
   return src
 
 
@@ -1358,22 +1360,38 @@ def _build_attention(g, qk_i, steps, sm_i, pp, pv_i, actions, log, count):
 # --- the loss head -----------------------------------------------------------
 
 
+def _row_back(g, v):
+  """``v`` followed back through casts, stop_gradient and the reshapes and broadcasts of a
+  per-row value that keep its rows in place (``[...] <-> [..., 1] -> [..., V]``)."""
+  while (e := g.prod(v)) is not None and len(e.invars) == 1:
+    x, out = e.invars[0].aval.shape, e.outvars[0].aval.shape
+    name, n = e.primitive.name, len(out) - 1
+    if name in ("convert_element_type", "stop_gradient", "copy") or (
+        name == "reshape" and (x == out + (1,) or out == x + (1,))) or (
+        name == "broadcast_in_dim" and x[:n] == out[:n] and len(x) in (n, n + 1)
+        and tuple(e.params["broadcast_dimensions"]) == tuple(range(len(x)))):
+      v = e.invars[0]
+    else:
+      break
+  return v
+
+
 def _row_max_of(g, m):
   """``l`` if ``m`` is ``max(l)`` over l's last axis, through the guards log_softmax and
   logsumexp put on it (``max(-inf, .)``, ``where(isfinite(.), ., 0)``, stop_gradient,
   broadcasts), else None."""
-  m = g.back(m, _SOFTMAX_BACK)
+  m = _row_back(g, m)
   e = g.prod(m)
   if e is not None and e.primitive.name == "select_n" and len(e.invars) == 3:
     fin = g.prod(e.invars[0])
     if (fin is None or fin.primitive.name != "is_finite" or fin.invars[0] is not e.invars[2]
         or _fill_value(g, e.invars[1]) != 0.0):
       return None
-    m = g.back(e.invars[2], _SOFTMAX_BACK)
+    m = _row_back(g, e.invars[2])
     e = g.prod(m)
   if e is not None and e.primitive.name == "max" and any(
       _scalar(v) == -math.inf for v in e.invars):
-    m = g.back(next(v for v in e.invars if _scalar(v) is None), _SOFTMAX_BACK)
+    m = _row_back(g, next(v for v in e.invars if _scalar(v) is None))
     e = g.prod(m)
   if e is None or e.primitive.name != "reduce_max" or tuple(e.params["axes"]) != (
       e.invars[0].aval.ndim - 1,):
@@ -1392,7 +1410,7 @@ def _shifted_of(g, s):
 def _log_sum_exp_of(g, v):
   """``(l, shifted)`` if ``v`` is ``log(sum(exp(l - max(l))))`` over l's last axis
   (shifted True: log_softmax's) or that plus ``max(l)`` (False: ``logsumexp``), else None."""
-  v = g.back(v, _SOFTMAX_BACK)
+  v = _row_back(g, v)
   e = g.prod(v)
   if e is not None and e.primitive.name == "add":
     for a, b in (e.invars, e.invars[::-1]):
@@ -1402,7 +1420,10 @@ def _log_sum_exp_of(g, v):
     return None
   if e is None or e.primitive.name != "log":
     return None
-  r = g.prod(g.back(e.invars[0], _SOFTMAX_BACK | {"abs"}))
+  r = e.invars[0]
+  if (a := g.prod(_row_back(g, r))) is not None and a.primitive.name == "abs":
+    r = a.invars[0]
+  r = g.prod(_row_back(g, r))
   if r is None or r.primitive.name != "reduce_sum" or tuple(r.params["axes"]) != (
       r.invars[0].aval.ndim - 1,):
     return None
@@ -1437,17 +1458,17 @@ def _takes_last(e) -> bool:
 
 
 def _log_prob_at_label(g, gi):
-  """``(l, out, sign)`` if gather ``gi`` starts ``out = sign * cross_entropy(l, labels)``:
-  ``log_softmax(l)`` taken at the labels (``out`` the gather's output, sign -1), or
-  ``logsumexp(l)`` less ``l`` taken at the labels (``out`` the difference, sign +1, or
-  -1 for ``picked - logsumexp``); else None."""
+  """``(l, out, sign, via_lse)`` if gather ``gi`` starts ``out = sign * cross_entropy(l,
+  labels)``: ``log_softmax(l)`` taken at the labels (``out`` the gather's output, sign -1,
+  via_lse False), or ``logsumexp(l)`` less ``l`` taken at the labels (``out`` the
+  difference, sign +1, or -1 for ``picked - logsumexp``; via_lse True); else None."""
   x = g.back(g.eqns[gi].invars[0], {"convert_element_type"})
   e = g.prod(x)
   if e is not None and e.primitive.name == "sub":
     lse = _log_sum_exp_of(g, e.invars[1])
     l = _shifted_of(g, e.invars[0])
     if lse is not None and lse[1] and lse[0] is l:
-      return l, g.eqns[gi].outvars[0], -1
+      return l, g.eqns[gi].outvars[0], -1, False
   cur = g.eqns[gi].outvars[0]
   while (c := g.only_consumer(cur)) is not None:
     e = g.eqns[c]
@@ -1462,7 +1483,7 @@ def _log_prob_at_label(g, gi):
     lse = _log_sum_exp_of(g, e.invars[1 - side])
     if lse is None or lse[1] or g.back(lse[0], {"convert_element_type"}) is not x:
       return None
-    return lse[0], e.outvars[0], 1 if side == 1 else -1
+    return lse[0], e.outvars[0], 1 if side == 1 else -1, True
   return None
 
 
@@ -1499,12 +1520,17 @@ def _match_loss(g, gi, actions, log, count):
   found = _log_prob_at_label(g, gi)
   if found is None:
     return
-  l, out, sign = found
+  l, out, sign, via_lse = found
   head = _head_matmul(g, l)
   if head is None:
     _left(log, g, "loss", gi, "the logits are not a matmul of the hidden states (+ a bias)")
     return
   h, w, layout, bias = head
+  if not {h.aval.dtype, w.aval.dtype} <= {jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16,
+                                                                 jnp.float16)}:
+    _left(log, g, "loss", gi, f"the matmul's inputs are {h.aval.dtype} and {w.aval.dtype}: "
+          "linear_cross_entropy takes float32, bfloat16 and float16")
+    return
   lead, vocab, d = l.aval.shape[:-1], l.aval.shape[-1], h.aval.shape[-1]
   if vocab <= d:
     _left(log, g, "loss", gi, f"the logits ({vocab} wide) are no wider than the hidden "
@@ -1529,9 +1555,12 @@ def _match_loss(g, gi, actions, log, count):
     ce = losses.linear_cross_entropy(hv.reshape(lead + (d,)).astype(dtype), wv.astype(dtype),
                                      labels, bias=bv[0] if bv else None, reduction="none",
                                      w_layout=layout)
+    ce = sign * ce
     if mode == lax.GatherScatterMode.FILL_OR_DROP:  # out of range: the gather's NaN
-      ce = jnp.where((labels >= 0) & (labels < vocab), ce, jnp.nan)
-    return [(sign * ce).reshape(out.aval.shape).astype(out.aval.dtype)]
+      valid = (labels >= 0) & (labels < vocab)
+      # through logsumexp the NaN is added to lse, whose gradient stays; else it replaces all
+      ce = ce + jnp.where(valid, 0.0, jnp.nan) if via_lse else jnp.where(valid, ce, jnp.nan)
+    return [ce.reshape(out.aval.shape).astype(out.aval.dtype)]
 
   actions[g.index(out)] = _Action(inputs, [out], fn)
   g.taken |= indices

@@ -124,6 +124,10 @@ def test_llama_fused_loss_is_the_plain_loss_without_the_logits(dtype, tol):
                               atol=tol * 10)
   saved = lm.memory.saved_residuals(losses[1], params).rows
   assert not [r for r in saved if np.prod(r.shape) >= tokens.size * 256], saved
+  for bad, finite in ((labels.at[0, 0].set(-1), True), (labels.at[0, 0].set(256), False)):
+    values = [m.apply({"params": params}, tokens, bad) for m in (plain, fused)]  # as optax's
+    assert bool(jnp.isfinite(values[1])) is finite
+    np.testing.assert_allclose(values[0], values[1], rtol=tol)
 
 
 def test_workload_batch_and_loss_run():

@@ -87,6 +87,22 @@ def test_step_equals_sequential_micro_batches_by_hand(model_cls, tx_name):
     assert float(jnp.max(jnp.abs(model.bn.mean[...]))) > 0
 
 
+@pytest.mark.parametrize("model_cls", [DropoutMLP, BatchNormMLP])
+def test_fold_in_backward_equals_folding_after_the_backward_bit_for_bit(model_cls):
+  k = 4
+  runs = []
+  for fold_in_backward in (False, True):
+    model = model_cls(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, lm.adamaw(1e-2, k), wrt=nnx.Param)
+    step = nnx.jit(lm.nnx.microbatch_step(loss_fn, k, fold_in_backward=fold_in_backward))
+    for seed in range(2):
+      step(model, optimizer, make_batch(seed=seed))
+    runs.append(jax.tree.leaves((nnx.state(model), nnx.state(optimizer.opt_state))))
+  raw = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(raw(a), raw(b))
+
+
 def test_dropout_masks_differ_between_micro_batches():
   k = 4
   model = DropoutMLP(nnx.Rngs(0))

@@ -1,4 +1,5 @@
 import chex
+import flax.linen
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,21 @@ def test_microbatch_step_applies_one_update_bit_for_bit(k):
   exact(runs[0], runs[1])
 
 
+def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
+  """A wrapper that may skip AdamA (here its second micro-step) shifts its step across calls:
+  the update then falls inside the loop, and is applied there, as before."""
+  k = 4
+  tx = optax.conditionally_mask(lm.adamaw(1e-2, k), lambda n: n != 1)
+  params, batch = mlp_init(), mlp_batch()
+  steps = [jax.jit(lm.microbatch_step(mlp_loss, tx, k)),
+           jax.jit(_applying_every_micro_step(mlp_loss, tx, k))]
+  runs = [(params, tx.init(params))] * 2
+  for _ in range(3):
+    runs = [step(p, s, batch) for step, (p, s, *_) in zip(steps, runs)]
+  exact(runs[0], runs[1])
+  assert not np.array_equal(runs[0][0]["w1"], params["w1"])
+
+
 def dense_stack_loss(params, batch):
   """8 float32 layers of 1024 x 1024, not scanned: issue 21's example."""
   x, y = batch
@@ -222,6 +238,55 @@ def test_microbatch_step_holds_no_update_inside_the_loop():
   grad_bytes = lm.memory.tree_bytes(params)
   assert temps["once"] <= temps["every"] - 0.4 * grad_bytes, temps
   assert temps["once"] <= temps["accumulate"] - 0.9 * grad_bytes, temps
+
+
+class _LinenMLP(flax.linen.Module):
+  @flax.linen.compact
+  def __call__(self, x):
+    x = jnp.tanh(flax.linen.Dense(16)(x))
+    return flax.linen.Dense(1)(jnp.tanh(flax.linen.Dense(16)(x)))
+
+
+@pytest.mark.parametrize("where", [None, lambda path, leaf: path[-1].key == "kernel"],
+                         ids=["every leaf", "kernels"])
+def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where):
+  """A non-scanned Flax linen model: bit for bit in float32 (NNX: test_nnx_train.py)."""
+  k = 4
+  model = _LinenMLP()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
+  tx = lm.adamaw(1e-2, k)
+  options = optim.FoldInBackward(key=None, where=where)
+  steps = [jax.jit(lm.microbatch_step(loss, tx, k, fold_in_backward=f)) for f in (None, options)]
+  runs = [(params, tx.init(params))] * 2
+  for seed in range(3):
+    runs = [step(p, s, mlp_batch(seed=seed)) for step, (p, s, *_) in zip(steps, runs)]
+  exact(runs[0], runs[1])
+
+
+def test_fold_in_backward_never_holds_the_whole_gradient():
+  """On the H100 target, in the compiled buffers at the step's peak."""
+  k = 4
+  params = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+  batch = (jax.ShapeDtypeStruct((4 * 256, 1024), jnp.float32),) * 2
+  tx = lm.adamaw(1e-3, k)
+  step = jax.jit(lm.microbatch_step(dense_stack_loss, tx, k, fold_in_backward=True),
+                 donate_argnums=(0, 1))
+  peak = lm.memory.report(step, params, jax.eval_shape(tx.init, params), batch, target="h100")
+  assert peak.at_peak["gradients"] <= 0.25 * lm.memory.tree_bytes(params), peak.at_peak
+
+
+def test_fold_in_backward_bad_options():
+  with pytest.raises(ValueError, match="where"):
+    optim.FoldInBackward(key=None, where=3)
+  with pytest.raises(ValueError, match="where"):
+    optim.FoldInBackward(where=lambda path, leaf: True)  # key="layers": the scanned path
+  with pytest.raises(ValueError, match="fold_in_backward"):
+    lm.microbatch_step(mlp_loss, lm.adama(2), 2, fold_in_backward="yes")
+  step = lm.microbatch_step(mlp_loss, lm.adama(2), 2,
+                            fold_in_backward=optim.FoldInBackward(None, where=lambda *_: False))
+  with pytest.raises(ValueError, match="selects no leaf"):
+    step(mlp_init(), lm.adama(2).init(mlp_init()), mlp_batch())
 
 
 def test_microbatch_step_accumulates_for_other_optimizers():

@@ -349,6 +349,17 @@ def test_loss_head_labels_out_of_range_give_the_gathers_nan():
   masked = lambda f: lambda h, w: jnp.sum(jnp.where(kept, f(h, w), 0.0))
   _close(jax.grad(masked(lm.lowmem(per_token)), (0, 1))(h, w),
          jax.grad(masked(per_token), (0, 1))(h, w), 1e-4)
+  # optax's form adds the NaN to the log-sum-exp, whose gradient stays
+  optax_form = lambda h, w: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(h @ w, labels))
+  assert np.isnan(lm.lowmem(optax_form)(h, w))
+  _close(jax.grad(lm.lowmem(optax_form), (0, 1))(h, w), jax.grad(optax_form, (0, 1))(h, w), 1e-4)
+
+
+def _by_hand_without_keepdims(logits, labels):
+  """A log-softmax whose max and log-sum-exp broadcast along the first axis (a user's bug)."""
+  shifted = logits - jnp.max(logits, -1)
+  log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), -1))
+  return -jnp.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
 
 
 def test_loss_head_left_where_it_saves_nothing_or_the_logits_are_used():
@@ -363,6 +374,17 @@ def test_loss_head_left_where_it_saves_nothing_or_the_logits_are_used():
     return jnp.mean(_log_softmax_at(logits, LABELS)) + jnp.mean(logits ** 2)
   rewrites = lm.lowmem(reused).explain(h, w)
   assert rewrites.counts == {} and "used elsewhere" in rewrites[0].left
+  square = _normal((VOCAB, WIDTH))  # as many tokens as classes: the shapes alone do not tell
+  square_labels = jnp.arange(VOCAB)[::-1]
+  shifted_by_column = lambda h, w: jnp.mean(_by_hand_without_keepdims(h @ w, square_labels))
+  assert lm.lowmem(shifted_by_column).explain(square, w).counts == {}
+  bias_by_row = lambda h, w: jnp.mean(_log_softmax_at(
+      h @ w + jnp.arange(VOCAB, dtype=jnp.float32).reshape(VOCAB, 1), square_labels))
+  assert lm.lowmem(bias_by_row).explain(square, w).counts == {}
+  int8 = lambda h, w: jnp.mean(_log_softmax_at(jnp.matmul(
+      h, w, preferred_element_type=jnp.float32), LABELS))
+  rewrites = lm.lowmem(int8).explain(h.astype(jnp.int8), w.astype(jnp.int8))
+  assert rewrites.counts == {} and "float32, bfloat16 and float16" in rewrites[0].left
   smoothed = lambda h, w: jnp.mean(optax.softmax_cross_entropy(
       h @ w, optax.smooth_labels(jax.nn.one_hot(LABELS, VOCAB), 0.1)))
   assert lm.lowmem(smoothed).explain(h, w).counts == {}

@@ -184,8 +184,10 @@ class Output(nn.Module):
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.vocab_size),
                         self.param_dtype)
     x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-    if labels is not None and self.loss == "fused":
-      return linear_cross_entropy(x, kernel, labels)
+    if labels is not None and self.loss == "fused":  # labels as optax takes them:
+      labels = jnp.where(labels < 0, labels + self.vocab_size, labels)  # -1 is the last class
+      invalid = jnp.where((labels >= 0) & (labels < self.vocab_size), 0.0, jnp.nan)
+      return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)
     logits = jnp.dot(x, kernel).astype(jnp.float32)
     if labels is None:
       return logits

@@ -187,15 +187,21 @@ def _applying_every_micro_step(loss, tx, k):
   return step
 
 
+def _three_steps(steps, params, tx):
+  """``[(params, opt_state, metrics)]`` of each step after three jitted calls from the same
+  start, on the batches of seeds 0, 1, 2."""
+  runs = [(params, tx.init(params))] * len(steps)
+  for seed in range(3):
+    runs = [jax.jit(step)(p, s, mlp_batch(seed=seed)) for step, (p, s, *_) in zip(steps, runs)]
+  return runs
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_microbatch_step_applies_one_update_bit_for_bit(k):
   tx = lm.adamaw(1e-2, k, weight_decay=0.1)
-  params, batch = mlp_init(), mlp_batch()
-  steps = [jax.jit(lm.microbatch_step(mlp_loss, tx, k)),
-           jax.jit(_applying_every_micro_step(mlp_loss, tx, k))]
-  runs = [(params, tx.init(params))] * 2
-  for _ in range(3):
-    runs = [step(p, s, batch) for step, (p, s, *_) in zip(steps, runs)]
+  params = mlp_init()
+  runs = _three_steps([lm.microbatch_step(mlp_loss, tx, k),
+                       _applying_every_micro_step(mlp_loss, tx, k)], params, tx)
   exact(runs[0], runs[1])
 
 
@@ -204,12 +210,9 @@ def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
   the update then falls inside the loop, and is applied there, as before."""
   k = 4
   tx = optax.conditionally_mask(lm.adamaw(1e-2, k), lambda n: n != 1)
-  params, batch = mlp_init(), mlp_batch()
-  steps = [jax.jit(lm.microbatch_step(mlp_loss, tx, k)),
-           jax.jit(_applying_every_micro_step(mlp_loss, tx, k))]
-  runs = [(params, tx.init(params))] * 2
-  for _ in range(3):
-    runs = [step(p, s, batch) for step, (p, s, *_) in zip(steps, runs)]
+  params = mlp_init()
+  runs = _three_steps([lm.microbatch_step(mlp_loss, tx, k),
+                       _applying_every_micro_step(mlp_loss, tx, k)], params, tx)
   exact(runs[0], runs[1])
   assert not np.array_equal(runs[0][0]["w1"], params["w1"])
 
@@ -257,10 +260,8 @@ def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where)
   loss = lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
   tx = lm.adamaw(1e-2, k)
   options = optim.FoldInBackward(key=None, where=where)
-  steps = [jax.jit(lm.microbatch_step(loss, tx, k, fold_in_backward=f)) for f in (None, options)]
-  runs = [(params, tx.init(params))] * 2
-  for seed in range(3):
-    runs = [step(p, s, mlp_batch(seed=seed)) for step, (p, s, *_) in zip(steps, runs)]
+  runs = _three_steps([lm.microbatch_step(loss, tx, k, fold_in_backward=f)
+                       for f in (None, options)], params, tx)
   exact(runs[0], runs[1])
 
 

@@ -1565,11 +1565,12 @@ def _match_loss(g, gi, actions, log, count):
   actions[g.index(out)] = _Action(inputs, [out], fn)
   g.taken |= indices
   op = "linear_cross_entropy" + (" (tied embedding)" if layout == "vd" else "")
+  matmul = min(i for i in indices if g.eqns[i].primitive.name == "dot_general")  # the user's line
   if count:
-    _record(log, g, "loss", op, gi, True, _sub_fn(g, indices, inputs, [out]), fn,
+    _record(log, g, "loss", op, matmul, True, _sub_fn(g, indices, inputs, [out]), fn,
             [_aval(v) for v in inputs])
   else:
-    _record(log, g, "loss", op, gi, False)
+    _record(log, g, "loss", op, matmul, False)
 
 
 def _merged_matmul(g, out):

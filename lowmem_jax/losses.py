@@ -57,9 +57,8 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     float32: a scalar, or ``[...]`` for ``reduction="none"``; equal to
     `linear_cross_entropy_reference` to float tolerance.
 
-  Sharded inputs work under `jax.jit` on meshes with automatic axes (tested:
-  tokens and vocabulary over 8 CPU devices); a mesh with explicit axes raises
-  a ``ShardingTypeError`` from the chunk loops, not yet handled.
+  Sharded inputs work under `jax.jit` on meshes of automatic or explicit axes
+  (tested: tokens and vocabulary over 8 CPU devices).
   """
   cfg = _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft_cap,
                reduction, w_layout, token_chunk, vocab_chunk)
@@ -140,6 +139,14 @@ def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft
           None if logit_soft_cap is None else float(logit_soft_cap), token_chunk, vocab_chunk)
 
 
+def _explicit_sharding(x):
+  """``x``'s sharding where its mesh has explicit axes, else None: a matmul contracting a
+  sharded axis must be told its output's sharding there."""
+  sharding = jax.typeof(x).sharding
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+  return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
+
+
 def _chunks(n: int, size: int) -> tuple[int, int]:
   """``(size, count)``: chunks of at most ``size`` covering ``n``; the last one's start is
   clamped to ``n - size``, so it overlaps the one before (`_start`)."""
@@ -207,7 +214,7 @@ def _forward(h, w, b, labels, weights, cfg, w_layout):
       picked = picked + jnp.sum(jnp.where(valid & (col == yc[:, None]), logits, 0.0), axis=1)
       return m_new, total_exp, total, picked
 
-    zeros = jnp.zeros((head.tc,), jnp.float32)
+    zeros = jnp.zeros_like(hc[:, 0], jnp.float32)  # hc's sharding, under explicit axes too
     m, total_exp, total, picked = lax.fori_loop(0, head.nv, vocab_chunk,
                                                 (zeros - jnp.inf, zeros, zeros, zeros))
     lse = m + jnp.log(total_exp)
@@ -215,7 +222,7 @@ def _forward(h, w, b, labels, weights, cfg, w_layout):
     return (lax.dynamic_update_slice(lse_all, lse, (s,)),
             lax.dynamic_update_slice(loss_all, loss, (s,)))
 
-  empty = jnp.zeros((head.tokens,), jnp.float32)
+  empty = jnp.zeros_like(h[:, 0], jnp.float32)
   lse, losses = lax.fori_loop(0, head.nt, token_chunk, (empty, empty))
   return jnp.where(weights > 0, losses, 0.0) * weights, lse
 
@@ -257,9 +264,10 @@ def _chunked_bwd(cfg, w_layout, res, g):
       dl = dlogits(hc, s, s, j, yc, whole=False)
       wc = head.w_chunk(_start(j, head.vc, head.vocab))
       return acc + lax.dot_general(dl.astype(wc.dtype), wc, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+                                   preferred_element_type=jnp.float32,
+                                   out_sharding=_explicit_sharding(acc))
 
-    acc = lax.fori_loop(0, head.nv, vocab_chunk, jnp.zeros((head.tc, head.d), jnp.float32))
+    acc = lax.fori_loop(0, head.nv, vocab_chunk, jnp.zeros_like(hc, jnp.float32))
     return lax.dynamic_update_slice(dh, acc.astype(h.dtype), (s, 0))
 
   def dw_chunk(j, grads):
@@ -274,12 +282,14 @@ def _chunked_bwd(cfg, w_layout, res, g):
                    whole=True)
       dwc, dbc = acc
       dwc = dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+                                  preferred_element_type=jnp.float32,
+                                  out_sharding=_explicit_sharding(dwc))
       return dwc, None if dbc is None else dbc + jnp.sum(dl, 0)
 
     dwc, dbc = lax.fori_loop(0, head.nt, token_chunk,
-                             (jnp.zeros((head.d, head.vc), jnp.float32),
-                              None if b is None else jnp.zeros((head.vc,), jnp.float32)))
+                             (jnp.zeros_like(head.w_chunk(sv), jnp.float32),
+                              None if b is None else jnp.zeros_like(
+                                  lax.dynamic_slice(b, (sv,), (head.vc,)))))
     dwc = dwc.astype(w.dtype)
     dw = (lax.dynamic_update_slice(dw, dwc, (0, sv)) if w_layout == "dv"
           else lax.dynamic_update_slice(dw, dwc.T, (sv, 0)))

@@ -128,20 +128,23 @@ def test_jit_and_vmap():
   np.testing.assert_allclose(jax.jit(jax.vmap(f))(h, labels), want, rtol=1e-6)
 
 
-def test_sharded_jit_on_8_devices():
-  """Tokens over "data", the vocabulary over "model" (automatic axes: explicit-axis
-  meshes are not supported yet): the same loss and gradients."""
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_jit_on_8_devices(axis_type):
+  """Tokens over "data", the vocabulary over "model", on a mesh of automatic or explicit
+  axes: the same loss and gradients."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
   assert jax.device_count() == 8, "conftest forces 8 CPU devices"
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, axis_type),) * 2)
   h, w, bias, labels = _problem(jnp.float32, {}, lead=(8, 6))
   w = jnp.pad(w, ((0, 0), (0, 3)))  # vocabulary 40: 2 shards of 20
   bias = jnp.pad(bias, (0, 3))
   f = lambda h, w, b, y: losses.linear_cross_entropy(h, w, y, bias=b, token_chunk=4,
                                                      vocab_chunk=8)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-  args = (put(h, P("data")), put(w, P(None, "model")), put(bias, P("model")), put(labels, P("data")))
-  value, grads = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(*args)
+  with jax.set_mesh(mesh):
+    args = (put(h, P("data")), put(w, P(None, "model")), put(bias, P("model")),
+            put(labels, P("data")))
+    value, grads = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(*args)
   ref = lambda h, w, b: losses.linear_cross_entropy_reference(h, w, labels, bias=b)
   want, want_grads = jax.value_and_grad(ref, (0, 1, 2))(h, w, bias)
   np.testing.assert_allclose(value, want, rtol=1e-5)

@@ -1,7 +1,8 @@
 """Truth on a real GPU: measured peaks beside the compiled figures, and the GPU tests.
 
 For ViT-B/16 (batch 64) and LLaMA-100M (batch 4 x 2,048), baseline and
-approx+ms-norm+attention, float32 and bfloat16 compute, one AdamW training
+approx+ms-norm+attention (for LLaMA also with the fused loss head,
+``loss="fused"``), float32 and bfloat16 compute, one AdamW training
 step (parameters and optimizer state donated), each in a fresh process so
 that the device's peak counter starts at zero. It records side by side:
 
@@ -43,7 +44,10 @@ import time
 CASES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=2048)}
 DRY_CASES = {"vit-tiny": dict(batch=2, image=32)}
 TECHNIQUES = {"baseline": {},
-              "approx+ms-norm+attention": dict(activation="approx", norm="ms", attention="recompute")}
+              "approx+ms-norm+attention": dict(activation="approx", norm="ms", attention="recompute"),
+              # the LLaMA models only: their head's loss block by block
+              "approx+ms-norm+attention+fused-ce": dict(activation="approx", norm="ms",
+                                                        attention="recompute", loss="fused")}
 DTYPES = ("float32", "bfloat16")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -83,6 +87,12 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
   return {"model": model, "size": size, "dtype": dtype, "techniques": techniques,
           "repeats": repeats, "seconds": statistics.median(samples),
           "device": device.device_kind, "jax": jax.__version__, **figures}
+
+
+def case_list(cases: dict) -> list[tuple]:
+  """``[(model, size, dtype, techniques)]`` of ``cases``; ``loss`` techniques for LLaMA only."""
+  return [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES
+          if m.startswith("llama") or "loss" not in TECHNIQUES[t]]
 
 
 def run_case(model, size, dtype, techniques, repeats) -> dict:
@@ -170,7 +180,7 @@ def main(argv=None) -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
   device, version = jax.devices()[0].device_kind, jax.__version__
-  all_cases = [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES]
+  all_cases = case_list(cases)
   case_key = lambda m, s, d, t: (m, json.dumps(s), d, t, args.repeats, device, version)
   row_key = lambda r: ((r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
                         r.get("repeats"), r["device"], r.get("jax")))

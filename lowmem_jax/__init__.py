@@ -1,9 +1,10 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
-from lowmem_jax import (attention_ops, compress, fold, linen, losses, memory, models, names, nnx,
-                        optim, policies, precision, sparsity, targets, transform)
+from lowmem_jax import (attention_ops, compress, fold, linen, losses, lowbit, memory, models, names,
+                        nnx, optim, policies, precision, sparsity, targets, transform)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention
+from lowmem_jax.lowbit import scale_by_adam_8bit
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 from lowmem_jax.optim import adama, adamaw, microbatch_step
 from lowmem_jax.planner import Plan, plan
@@ -11,7 +12,8 @@ from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
 __all__ = [
     "Plan", "Rewrite", "Rewrites", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress",
-    "fold", "linen", "losses", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
-    "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "sparsity",
+    "fold", "linen", "losses", "lowbit", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
+    "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
+    "sparsity",
     "targets", "transform",
 ]

@@ -1,0 +1,149 @@
+"""8-bit optimizer state: one quantise/dequantise within its stated bound, Adam over it."""
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lowmem_jax import lowbit
+
+
+def _wide(shape, seed=0, signed=True):
+  """Values over 14 decades, with a zero block (the first row's first) and partial blocks."""
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  x = 10.0 ** jax.random.uniform(k1, shape, minval=-12, maxval=2)
+  x = x * jax.random.uniform(k2, shape, minval=0.5, maxval=1.0)
+  if signed:
+    x = x * jnp.where(jax.random.bernoulli(k3, 0.5, shape), 1.0, -1.0)
+  return x.at[0, :lowbit.BLOCK].set(0.0)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_one_round_trip_is_within_the_error_bound(signed):
+  x = _wide((37, 301), signed=signed)  # rows of a full block and a partial one
+  q = lowbit.quantize(x, signed=signed)
+  assert q.codes.dtype == jnp.uint8 and q.codes.shape == x.shape
+  assert q.scales.shape == (37, 2)
+  back = lowbit.dequantize(q, signed=signed)
+  scale = jnp.repeat(q.scales, lowbit.BLOCK, axis=-1)[:, :301]
+  bound = lowbit.error_bound(x, scale, signed=signed)
+  err = jnp.abs(back - x)
+  assert bool(jnp.all(err <= bound * (1 + 1e-6))), float(jnp.max(err / bound))
+  assert float(jnp.max(err / bound)) > 0.5  # the bound is nearly reached: it is the real one
+  np.testing.assert_array_equal(back[0, :lowbit.BLOCK], 0.0)
+  if not signed:
+    assert bool(jnp.all((back > 0) == (x > 0)))  # no positive value becomes zero
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_stochastic_rounding_is_within_its_bound_and_unbiased(signed):
+  x = _wide((4, 256), signed=signed)
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  x = jnp.where(jnp.abs(x) >= 2.0 ** -10 * scale, x, 0.0)  # the normal range
+  keys = jax.random.split(jax.random.key(1), 2000)
+  back = jax.vmap(lambda k: lowbit.dequantize(lowbit.quantize(x, signed=signed, key=k),
+                                              signed=signed))(keys)
+  bound = lowbit.error_bound(x, scale, signed=signed, stochastic=True)
+  assert bool(jnp.all(jnp.abs(back - x) <= bound * (1 + 1e-6)))
+  # the mean of 2,000 roundings: within 4 standard errors of an ulp's Bernoulli spread
+  np.testing.assert_array_less(jnp.abs(back.mean(0) - x), 4 * bound / np.sqrt(2000) + 1e-30)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_every_code_up_to_one_is_a_fixed_point(signed):
+  top = 15 if signed else 31  # the exponent of 1.0; codes above it are never made
+  codes = [0] + [e << 3 | m for e in range(1, top) for m in range(8)] + [top << 3]
+  codes = codes + [c | 128 for c in codes[1:]] if signed else codes
+  codes = jnp.asarray(codes, jnp.uint8)
+  values = lowbit.dequantize(lowbit.QuantizedArray(codes, jnp.ones(1)), signed=signed)
+  assert float(jnp.max(jnp.abs(values))) == 1.0 and len(set(np.asarray(values))) == len(codes)
+  again = lowbit.quantize(values, signed=signed)
+  np.testing.assert_array_equal(again.codes, codes)
+
+
+def _grads(params, steps, seed=0):
+  keys = jax.random.split(jax.random.key(seed), steps)
+  return [jax.tree.map(lambda p: jax.random.normal(k, p.shape) * (1 + jnp.abs(p)), params)
+          for k in keys]
+
+
+PARAMS = {"big": jnp.linspace(-1, 1, 64 * 80).reshape(64, 80), "small": jnp.ones((3, 5))}
+
+
+def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
+  tx, ref = lowbit.scale_by_adam_8bit(), optax.scale_by_adam()
+  s, r = tx.init(PARAMS), ref.init(PARAMS)
+  assert isinstance(s.mu["big"], lowbit.QuantizedArray) and s.mu["small"].dtype == jnp.float32
+  for g in _grads(PARAMS, 20):
+    u, s = tx.update(g, s)
+    v, r = ref.update(g, r)
+    np.testing.assert_array_equal(u["small"], v["small"])
+    rel = jnp.linalg.norm(u["big"] - v["big"]) / jnp.linalg.norm(v["big"])
+    assert float(rel) < 0.1, float(rel)  # to first order 2^-4 from m, 2^-5 from sqrt(v)
+
+
+def test_training_on_digits_within_1_percent_of_adam():
+  from sklearn.datasets import load_digits
+  digits = load_digits()
+  x = jnp.asarray(digits.data / 16.0, jnp.float32)
+  y = jnp.asarray(digits.target)
+  val = np.arange(len(y)) % 5 == 0  # every 5th image held out
+
+  def loss(p, rows=~val):
+    h = jnp.tanh(x[rows] @ p["w1"] + p["b1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y[rows]).mean()
+
+  finals = {}
+  for seed in range(3):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
+              "w2": jax.random.normal(k2, (128, 10)) / 12, "b2": jnp.zeros(10)}
+    for name, adam in (("8bit", lowbit.scale_by_adam_8bit(min_size=1024)),
+                       ("float32", optax.scale_by_adam())):
+      tx = optax.chain(adam, optax.scale_by_learning_rate(1e-3))
+
+      @jax.jit
+      def step(p, s):
+        value, g = jax.value_and_grad(loss)(p)
+        u, s = tx.update(g, s)
+        return optax.apply_updates(p, u), s, value
+
+      p, s = params, tx.init(params)
+      for _ in range(150):
+        p, s, value = step(p, s)
+      finals[name, seed] = float(loss(p, val))
+  for seed in range(3):
+    rel = abs(finals["8bit", seed] - finals["float32", seed]) / finals["float32", seed]
+    assert rel < 0.01, (seed, finals)
+
+
+def test_state_serialises_and_shards_on_8_devices():
+  tx = optax.chain(lowbit.scale_by_adam_8bit(), optax.scale_by_learning_rate(1e-2))
+  grads = _grads(PARAMS, 3)
+  state = tx.init(PARAMS)
+  for g in grads[:2]:
+    _, state = tx.update(g, state)
+  restored = flax.serialization.from_bytes(tx.init(PARAMS), flax.serialization.to_bytes(state))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  mesh = jax.make_mesh((8,), ("d",))  # the parameters' leading axis over 8 devices
+  shard = lambda t: jax.tree.map(lambda a: jax.device_put(a, NamedSharding(
+      mesh, P("d") if a.ndim and a.shape[0] % 8 == 0 else P())), t)
+  sharded = shard(state)
+  assert sharded[0].mu["big"].codes.sharding.spec == P("d")
+  with jax.set_mesh(mesh):
+    u1, s1 = jax.jit(tx.update)(shard(grads[2]), sharded)
+  u2, s2 = jax.jit(tx.update)(grads[2], state)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), (u1, s1),
+               (u2, s2))
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="block"):
+    lowbit.scale_by_adam_8bit(block=0)
+  with pytest.raises(ValueError, match="min_size"):
+    lowbit.scale_by_adam_8bit(min_size=-1)
+  with pytest.raises(TypeError, match="float"):
+    lowbit.quantize(jnp.arange(3), signed=True)

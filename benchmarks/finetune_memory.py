@@ -1,0 +1,92 @@
+"""A full fine-tune's memory, technique by technique, in the shape of torchao's table.
+
+A LLaMA-style model (``llama-1b``: 1.2 B parameters; ``llama-7b`` on abstract
+shapes) trained on ``--batch`` sequences of ``--seq`` tokens, one optimizer
+step, parameters and optimizer state donated, compiled for ``--target``
+(default: the h100 target, deviceless). Rows, each adding to the one before
+except where it says "instead":
+
+  AdamW float32                float32 compute and parameters, AdamW
+  + lowmem activations         bfloat16 compute, ReSiLU2, MS-RMSNorm, attention
+                               without an LxL residual, the fused loss head
+  + AdamA (k micro-batches)    lm.adamaw over --k micro-batches, each leaf's
+                               gradient folded in its backward rule
+  8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit moments
+                               (AdamA with 8-bit moments is not built yet)
+
+    python benchmarks/finetune_memory.py --models llama-1b,llama-7b
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import optax
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+from lowmem_jax import models
+
+LR = 1e-5
+LOWMEM = dict(activation="approx", norm="ms", attention="recompute", loss="fused")
+
+
+def adamw_8bit(learning_rate: float) -> optax.GradientTransformation:
+  return optax.chain(lm.scale_by_adam_8bit(), optax.add_decayed_weights(1e-4),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def rows(k: int) -> dict:
+  """``{row: (workload switches, optimizer, micro-batches)}``."""
+  return {
+      "AdamW float32": (dict(dtype=jnp.float32), optax.adamw(LR), 1),
+      "+ lowmem activations": (dict(dtype=jnp.bfloat16, **LOWMEM), optax.adamw(LR), 1),
+      f"+ AdamA (k={k}, fold in backward)": (dict(dtype=jnp.bfloat16, **LOWMEM),
+                                             lm.adamaw(LR, k), k),
+      "8-bit Adam instead of AdamA": (dict(dtype=jnp.bfloat16, **LOWMEM), adamw_8bit(LR), 1),
+  }
+
+
+def peak(name: str, batch: int, seq: int, switches: dict, tx, k: int, target) -> int:
+  wl = models.workload(name, batch=batch, seq=seq, **switches)
+  params = wl.abstract_params()
+  if k == 1:
+    step = wl.train_step(tx)
+  else:
+    step = lm.microbatch_step(lambda p, b: wl.loss(p, *b), tx, k, fold_in_backward=True)
+  stats = lm.memory.analyze(jax.jit(step, donate_argnums=(0, 1)), params,
+                            jax.eval_shape(tx.init, params), (wl.inputs, wl.labels), target=target)
+  return stats.peak_bytes, lm.memory.tree_bytes(params), lm.memory.tree_bytes(
+      jax.eval_shape(tx.init, params))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="llama-1b")
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=2048)
+  parser.add_argument("--k", type=int, default=4, help="AdamA's micro-batches")
+  parser.add_argument("--target", default="h100")
+  args = parser.parse_args(argv)
+  target = lm.targets.resolve(args.target)
+  console = Console(width=160)
+  console.print(target.note, highlight=False)
+  for name in args.models.split(","):
+    table = Table(title=f"{name} full fine-tune, batch {args.batch} x {args.seq} tokens, one "
+                        f"step (GiB; compiled for {target.name})")
+    for col in ("techniques", "parameters", "optimizer state", "compiled peak", "× less"):
+      table.add_column(col, justify="left" if col == "techniques" else "right")
+    base = None
+    for row, (switches, tx, k) in rows(args.k).items():
+      total, params, state = peak(name, args.batch, args.seq, switches, tx, k, target)
+      base = base or total
+      table.add_row(row, f"{params / 2**30:.2f}", f"{state / 2**30:.2f}", f"{total / 2**30:.2f}",
+                    f"{base / total:.2f}")
+      console.print(f"  {name}: {row} compiled", highlight=False)
+    console.print(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -11,8 +11,9 @@ except where it says "instead":
                                without an LxL residual, the fused loss head
   + AdamA (k micro-batches)    lm.adamaw over --k micro-batches, each leaf's
                                gradient folded in its backward rule
-  8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit moments
-                               (AdamA with 8-bit moments is not built yet)
+  + 8-bit moments              lm.adamaw(state_bits=8), folding in the scan body
+                               (folding in the backward takes 32-bit moments)
+  8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit, one batch
 
     python benchmarks/finetune_memory.py --models llama-1b,llama-7b
 """
@@ -38,23 +39,27 @@ def adamw_8bit(learning_rate: float) -> optax.GradientTransformation:
 
 
 def rows(k: int) -> dict:
-  """``{row: (workload switches, optimizer, micro-batches)}``."""
+  """``{row: (workload switches, optimizer, micro-batches, fold in backward)}``."""
+  lowmem = dict(dtype=jnp.bfloat16, **LOWMEM)
   return {
-      "AdamW float32": (dict(dtype=jnp.float32), optax.adamw(LR), 1),
-      "+ lowmem activations": (dict(dtype=jnp.bfloat16, **LOWMEM), optax.adamw(LR), 1),
-      f"+ AdamA (k={k}, fold in backward)": (dict(dtype=jnp.bfloat16, **LOWMEM),
-                                             lm.adamaw(LR, k), k),
-      "8-bit Adam instead of AdamA": (dict(dtype=jnp.bfloat16, **LOWMEM), adamw_8bit(LR), 1),
+      "AdamW float32": (dict(dtype=jnp.float32), optax.adamw(LR), 1, False),
+      "+ lowmem activations": (lowmem, optax.adamw(LR), 1, False),
+      f"+ AdamA (k={k}, fold in backward)": (lowmem, lm.adamaw(LR, k), k, True),
+      "+ 8-bit moments (AdamA in the scan body)": (lowmem, lm.adamaw(LR, k, state_bits=8), k,
+                                                   False),
+      "8-bit Adam instead of AdamA": (lowmem, adamw_8bit(LR), 1, False),
   }
 
 
-def peak(name: str, batch: int, seq: int, switches: dict, tx, k: int, target) -> int:
+def peak(name: str, batch: int, seq: int, switches: dict, tx, k: int, fold: bool,
+         target) -> tuple[int, int, int]:
+  """Compiled peak, parameter bytes and optimizer-state bytes of one step."""
   wl = models.workload(name, batch=batch, seq=seq, **switches)
   params = wl.abstract_params()
   if k == 1:
     step = wl.train_step(tx)
   else:
-    step = lm.microbatch_step(lambda p, b: wl.loss(p, *b), tx, k, fold_in_backward=True)
+    step = lm.microbatch_step(lambda p, b: wl.loss(p, *b), tx, k, fold_in_backward=fold)
   stats = lm.memory.analyze(jax.jit(step, donate_argnums=(0, 1)), params,
                             jax.eval_shape(tx.init, params), (wl.inputs, wl.labels), target=target)
   return stats.peak_bytes, lm.memory.tree_bytes(params), lm.memory.tree_bytes(
@@ -79,8 +84,8 @@ def main(argv=None):
     for col in ("techniques", "parameters", "optimizer state", "compiled peak", "× less"):
       table.add_column(col, justify="left" if col == "techniques" else "right")
     base = None
-    for row, (switches, tx, k) in rows(args.k).items():
-      total, params, state = peak(name, args.batch, args.seq, switches, tx, k, target)
+    for row, (switches, tx, k, fold) in rows(args.k).items():
+      total, params, state = peak(name, args.batch, args.seq, switches, tx, k, fold, target)
       base = base or total
       table.add_row(row, f"{params / 2**30:.2f}", f"{state / 2**30:.2f}", f"{total / 2**30:.2f}",
                     f"{base / total:.2f}")

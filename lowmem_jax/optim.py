@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
+from lowmem_jax import lowbit
+
 NU_SCALES = ("mean_sq", "mean")
 
 # While `microbatch_step` traces a fold-in-backward loss: one entry per `scan_layers` that folds.
@@ -50,6 +52,15 @@ class AdamAState(NamedTuple):
   count: jax.Array  # int32 [], optimizer steps completed
   mu: optax.Updates  # first moment: the params' shapes, in mu_dtype
   nu: optax.Updates  # second moment: the params' shapes and dtypes
+
+
+def _is_quantized(x: Any) -> bool:
+  return isinstance(x, lowbit.QuantizedArray)
+
+
+def _moment_structure(moments: Any) -> Any:
+  """The tree structure of moments, an 8-bit leaf (`lowbit.QuantizedArray`) counting as one."""
+  return jax.tree.structure(moments, is_leaf=_is_quantized)
 
 
 def _check_k(k: Any, name: str = "k") -> None:
@@ -104,6 +115,8 @@ def adama(
     *,
     mu_dtype: Any | None = None,
     nu_scale: str = "mean_sq",
+    state_bits: int | None = None,
+    seed: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Scale updates by AdamA: Adam over k micro-batches without a gradient accumulator.
 
@@ -135,6 +148,14 @@ def adama(
     mu_dtype: dtype of the first moment; None keeps the params' dtypes.
     nu_scale: "mean_sq" (default, w = 1/k^2) or "mean" (w = 1/k): the weight of
       each squared micro-batch gradient in v (module docstring).
+    state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
+      for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
+      at least ``lowbit.MIN_SIZE`` elements, stochastic rounding keyed by
+      ``seed``, the step and the micro-step), dequantised to float32 to fold
+      each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
+      ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
+      list it in ``static_args``.
+    seed: the 8-bit moments' rounding seed, an int (None: 0).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `AdamAState`.
@@ -153,35 +174,62 @@ def adama(
   """
   fold = MomentFold(k, b1, b2, nu_scale)
   mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
+  if not (state_bits is None or isinstance(state_bits, int) and state_bits == 8):
+    raise ValueError(f"`state_bits` must be None or 8 (a Python int: under "
+                     f"`optax.inject_hyperparams`, pass static_args=('k', 'state_bits')), got "
+                     f"{state_bits!r}.")
+  seed = 0 if seed is None else seed
+  if state_bits == 8 and mu_dtype is not None:
+    raise ValueError("`mu_dtype` applies to 32-bit state; with `state_bits=8` give mu_dtype=None.")
+  eight = lambda p: state_bits == 8 and p.size >= lowbit.MIN_SIZE
+  load = lambda s, p, signed: lowbit.dequantize(s, signed=signed) if eight(p) else s
 
   def init_fn(params):
+    store = lambda p, signed, dtype=None: (
+        lowbit.quantize(jnp.zeros_like(p, jnp.float32), signed=signed) if eight(p)
+        else jnp.zeros_like(p, dtype))
     return AdamAState(
         micro_step=jnp.zeros([], jnp.int32),
         count=jnp.zeros([], jnp.int32),
-        mu=otu.tree_zeros_like(params, dtype=mu_dtype),
-        nu=otu.tree_zeros_like(params))
+        mu=jax.tree.map(lambda p: store(p, True, mu_dtype), params),
+        nu=jax.tree.map(lambda p: store(p, False), params))
 
   def update_fn(updates, state, params=None, *, folded=None, **extra_args):
     del params, extra_args
-    if jax.tree.structure(updates) != jax.tree.structure(state.mu):
+    if jax.tree.structure(updates) != _moment_structure(state.mu):
       raise ValueError(
           "`updates` (the gradient) and the AdamA state have different tree structures: "
-          f"{jax.tree.structure(updates)} vs {jax.tree.structure(state.mu)}. "
+          f"{jax.tree.structure(updates)} vs {_moment_structure(state.mu)}. "
           "Build the state with `init` on the params you differentiate.")
     if folded is None:
       folded = jax.tree.map(lambda _: None, updates)
+    elif state_bits == 8:
+      raise ValueError("AdamA with `state_bits=8` folds in `update` only: `folded` moments "
+                       "(microbatch_step's fold_in_backward) are not supported.")
     first = state.micro_step == 0
     last = state.micro_step == k - 1
+    stored_mu = jax.tree.map(lambda g, s: load(s, g, True), updates, state.mu, is_leaf=_is_quantized)
+    stored_nu = jax.tree.map(lambda g, s: load(s, g, False), updates, state.nu,
+                             is_leaf=_is_quantized)
     moments = jax.tree.map(
         lambda g, m, v, done: fold(g, m, v, first) if done is None else done,
-        updates, state.mu, state.nu, folded)
+        updates, stored_mu, stored_nu, folded)
     mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
     nu = jax.tree.map(lambda _, mv: mv[1], updates, moments)
     count_inc = optax.safe_int32_increment(state.count)
     mu_hat = otu.tree_bias_correction(mu, b1, count_inc)
     nu_hat = otu.tree_bias_correction(nu, b2, count_inc)
     direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
-    mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
+    if state_bits == 8:
+      key = jax.random.fold_in(jax.random.key(seed), state.count * k + state.micro_step)
+      leaves, treedef = jax.tree.flatten(updates)
+      keys = jax.tree.unflatten(treedef, list(jax.random.split(key, (len(leaves), 2))))
+      store = lambda x, p, signed, key: (lowbit.quantize(x, signed=signed, key=key) if eight(p)
+                                         else x)
+      mu = jax.tree.map(lambda m, p, key: store(m, p, True, key[0]), mu, updates, keys)
+      nu = jax.tree.map(lambda v, p, key: store(v, p, False, key[1]), nu, updates, keys)
+    else:
+      mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:
       return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu)
     direction = jax.tree.map(lambda d: jnp.where(last, d, jnp.zeros_like(d)), direction)
@@ -205,6 +253,8 @@ def adamaw(
     nu_scale: str = "mean_sq",
     weight_decay: float = 1e-4,
     mask: Any = None,
+    state_bits: int | None = None,
+    seed: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamA with decoupled weight decay: `optax.adamw` over k micro-batches.
 
@@ -221,7 +271,7 @@ def adamaw(
 
   Args:
     learning_rate: a float or an `optax.Schedule` over optimizer steps.
-    k, b1, b2, eps, eps_root, mu_dtype, nu_scale: as in `adama`.
+    k, b1, b2, eps, eps_root, mu_dtype, nu_scale, state_bits, seed: as in `adama`.
     weight_decay: the decoupled weight decay rate.
     mask: as in `optax.adamw`: which params decay.
 
@@ -230,7 +280,8 @@ def adamaw(
   """
   _check_k(k)
   return optax.chain(
-      adama(k, b1, b2, eps, eps_root, mu_dtype=mu_dtype, nu_scale=nu_scale),
+      adama(k, b1, b2, eps, eps_root, mu_dtype=mu_dtype, nu_scale=nu_scale,
+            state_bits=state_bits, seed=seed),
       on_kth_micro_step(optax.chain(optax.add_decayed_weights(weight_decay, mask),
                                     optax.scale_by_learning_rate(learning_rate)), k))
 
@@ -529,9 +580,13 @@ def microbatch_step(
     if adama_state is None and fold_in_backward is not None:
       raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
                        "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
-    if adama_state is not None and jax.tree.structure(adama_state.mu) != jax.tree.structure(params):
+    if fold_in_backward is not None and any(
+        map(_is_quantized, jax.tree.leaves(adama_state.mu, is_leaf=_is_quantized))):
+      raise ValueError("`fold_in_backward` needs 32-bit AdamA moments; `tx` has 8-bit ones "
+                       "(adama's state_bits=8): drop one of them.")
+    if adama_state is not None and _moment_structure(adama_state.mu) != jax.tree.structure(params):
       raise ValueError("`params` and `opt_state` have different tree structures: "
-                       f"{jax.tree.structure(params)} vs {jax.tree.structure(adama_state.mu)}.")
+                       f"{jax.tree.structure(params)} vs {_moment_structure(adama_state.mu)}.")
     micro_batches = _split(batch, k)
     if adama_state is None:
       return _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches)

@@ -18,7 +18,13 @@ One quantise/dequantise of ``x`` in a block of scale ``s`` errs by at most
 ``2^-4 |x|`` (half a unit of the 3-bit mantissa, rounding to nearest;
 ``2^-3 |x|``, a whole unit, rounding stochastically) where ``|x| >= 2^-14 s``
 (signed) or ``2^-30 s`` (unsigned); below that, signed values err by at most
-``2^-14 s`` and unsigned ones by at most ``2^-30 s`` (`error_bound`). Storage: 1 byte an element plus 4 bytes a block, 1.016
+``2^-14 s`` and unsigned ones by at most ``2^-30 s`` (`error_bound`), for finite values below 2^126 in magnitude (moments are).
+A non-finite value makes its block's scale non-finite, so its 255 neighbours
+decode as NaN too, for good: put `optax.apply_if_finite` around the
+optimizer where gradients may overflow. Stochastic rounding is unbiased a
+step, but its noise adds up in ``v`` over about ``1 / (1 - b2^2)`` steps
+(measured by the review: v's median relative error 0.15 after 3,000 steps of
+stationary noise). Storage: 1 byte an element plus 4 bytes a block, 1.016
 bytes at the default block of 256, against 4 for float32. Blocks lie along
 the last axis, so codes and scales shard with the parameter along its
 leading axes.

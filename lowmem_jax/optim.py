@@ -220,7 +220,8 @@ def adama(
     mu_hat = otu.tree_bias_correction(mu, b1, count_inc)
     nu_hat = otu.tree_bias_correction(nu, b2, count_inc)
     direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
-    if state_bits == 8:
+    if state_bits == 8:  # the gradient's dtype, not the dequantised moments' float32
+      direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
       key = jax.random.fold_in(jax.random.key(seed), state.count * k + state.micro_step)
       leaves, treedef = jax.tree.flatten(updates)
       keys = jax.tree.unflatten(treedef, list(jax.random.split(key, (len(leaves), 2))))

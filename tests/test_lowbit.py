@@ -86,6 +86,14 @@ def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
     assert float(rel) < 0.1, float(rel)  # to first order 2^-4 from m, 2^-5 from sqrt(v)
 
 
+def test_updates_keep_the_gradients_dtype():
+  params = {"w": jnp.ones((64, 128), jnp.bfloat16)}
+  grads = {"w": jnp.full((64, 128), 0.5, jnp.bfloat16)}
+  for tx in (lowbit.scale_by_adam_8bit(), lm.adama(1, state_bits=8)):
+    updates, _ = tx.update(grads, tx.init(params))
+    assert updates["w"].dtype == jnp.bfloat16
+
+
 def test_training_on_digits_within_1_percent_of_adam():
   from sklearn.datasets import load_digits
   digits = load_digits()

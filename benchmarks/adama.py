@@ -23,8 +23,15 @@ On the same models with stacked layers and per-layer remat ("scanned"):
   adama          AdamA, gradient of the stacked layers from the scan's backward
   adama+fold-in-backward  the layers' gradients folded in their backward rule
 
+``--loss fused`` gives the unscanned model the fused loss head
+(``Llama(loss="fused")``). ``--stack`` prints instead issue 21's example: 8
+float32 layers of 1024 x 1024, not scanned, k = 4, batch 4 x 256, AdamW, XLA's
+temp and peak bytes for accumulation, AdamA and AdamA folding in the backward.
+
     python benchmarks/adama.py                 # both models, k = 4 and 8
     python benchmarks/adama.py --models gpt2-small --ks 4 --repeats 3
+    python benchmarks/adama.py --models gpt2-small bert-large --ks 4 --loss fused --no-timing
+    python benchmarks/adama.py --stack
 """
 
 import argparse
@@ -83,10 +90,10 @@ class Scanned:
     return cross_entropy(h @ params["output"], labels)
 
 
-def unscanned(config):
-  model = Llama(config)
+def unscanned(config, head="plain"):
+  model = Llama(config, loss=head)
   init = lambda rng, length: model.init(rng, jnp.zeros((1, length), jnp.int32))["params"]
-  loss = lambda params, batch: cross_entropy(model.apply({"params": params}, batch[0]), batch[1])
+  loss = lambda params, batch: model.apply({"params": params}, batch[0], batch[1])
   return init, loss
 
 
@@ -94,9 +101,9 @@ def adama_tx(k):
   return optax.chain(lm.adama(k), optax.scale_by_learning_rate(LR))
 
 
-def methods(config, k):
+def methods(config, k, head="plain"):
   """``{name: (step, tx, per_micro_batch)}`` for the unscanned and scanned models."""
-  init, loss = unscanned(config)
+  init, loss = unscanned(config, head)
   adam = optax.adam(LR)
   multi = optax.MultiSteps(optax.adam(LR), k)
 
@@ -135,10 +142,10 @@ def shapes(init, tx, config, k, micro_batch, length, per_micro_batch):
   return params, jax.eval_shape(tx.init, params), (tokens, tokens)
 
 
-def memory_table(model, k, micro_batch, length):
+def memory_table(model, k, micro_batch, length, head="plain"):
   config = CONFIGS[model]
   rows = []
-  for name, (init, step, tx, per_micro_batch) in methods(config, k).items():
+  for name, (init, step, tx, per_micro_batch) in methods(config, k, head).items():
     params, state, batch = shapes(init, tx, config, k, micro_batch, length, per_micro_batch)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     start = time.perf_counter()
@@ -172,6 +179,32 @@ def step_times(k, micro_batch, length, repeats):
   return times
 
 
+def dense_stack_loss(params, batch):
+  """Layers ``tanh(x @ w)`` for each ``w`` of the list ``params``, then the squared error."""
+  x, y = batch
+  for w in params:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x - y) ** 2)
+
+
+def stack_table(k: int = 4) -> Table:
+  """Issue 21's example: 8 float32 layers of 1024 x 1024, batch 4 x 256, AdamW."""
+  params = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
+  batch = (jax.ShapeDtypeStruct((4 * 256, 1024), jnp.float32),) * 2
+  table = Table(title=f"8 float32 layers of 1024 x 1024, k={k}, batch 4 x 256, AdamW "
+                      f"(gradient {lm.memory.tree_bytes(params) / 2**20:.0f} MiB)")
+  for col in ("step", "temp MiB", "peak MiB"):
+    table.add_column(col, justify="left" if col == "step" else "right")
+  for name, tx, options in (("accumulate, then AdamW", optax.adamw(LR), None),
+                            ("AdamA (microbatch_step)", lm.adamaw(LR, k), None),
+                            ("AdamA, fold_in_backward=True", lm.adamaw(LR, k), True)):
+    step = jax.jit(lm.microbatch_step(dense_stack_loss, tx, k, fold_in_backward=options),
+                   donate_argnums=(0, 1))
+    stats = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch)
+    table.add_row(name, f"{stats.temp_bytes / 2**20:.1f}", f"{stats.peak_bytes / 2**20:.1f}")
+  return table
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["gpt2-small", "bert-large"])
@@ -179,12 +212,20 @@ def main():
   parser.add_argument("--micro-batch", type=int, default=2)
   parser.add_argument("--length", type=int, default=512)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--loss", choices=("plain", "fused"), default="plain",
+                      help="the unscanned model's loss head")
+  parser.add_argument("--no-timing", action="store_true")
+  parser.add_argument("--stack", action="store_true", help="issue 21's 8-layer example only")
   args = parser.parse_args()
   console = Console()
+  if args.stack:
+    console.print(lm.targets.default().note, highlight=False)
+    console.print(stack_table())
+    return
   mib = lambda b: f"{b / 2**20:,.0f}"
   for model in args.models:
     for k in args.ks:
-      rows = memory_table(model, k, args.micro_batch, args.length)
+      rows = memory_table(model, k, args.micro_batch, args.length, args.loss)
       by_name = {name: stats for name, stats, _ in rows}
       grad_bytes = rows[0][2]
       table = Table(title=f"{model}, k={k}, micro-batch {args.micro_batch}x{args.length} tokens, "
@@ -198,6 +239,8 @@ def main():
                       f"{mib(delta)} MiB ({delta / grad_bytes:+.2f} x gradient, "
                       f"{delta / base.peak_bytes:+.1%})")
       console.print(table)
+  if args.no_timing:
+    return
   times = step_times(4, args.micro_batch, 128, args.repeats)
   table = Table(title=f"step time, small LLaMA-style model, k=4, micro-batch {args.micro_batch}x128, "
                       f"CPU, median of {args.repeats}")

@@ -134,7 +134,8 @@ class ScaleByAdam8bitState(NamedTuple):
 
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                        eps_root: float = 0.0, *, block: int = BLOCK,
-                       min_size: int = MIN_SIZE, seed: int = 0) -> optax.GradientTransformation:
+                       min_size: int = MIN_SIZE, seed: int = 0,
+                       stochastic: bool = True) -> optax.GradientTransformation:
   """`optax.scale_by_adam` with its moments stored in 8 bits, block-wise.
 
   Each step dequantises a leaf's moments to float32, updates them as Adam
@@ -153,6 +154,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     block: elements a scale covers along the last axis, a positive int.
     min_size: leaves with fewer elements keep float32 moments, an int >= 0.
     seed: the stochastic rounding's seed, an int.
+    stochastic: False rounds to nearest (to show the stall; not for training).
   """
   _check(block)
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
@@ -162,6 +164,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   small = lambda p: p.size < min_size
 
   def store(x, like, signed, key=None):
+    key = key if stochastic else None
     return x if small(like) else quantize(x, signed=signed, block=block, key=key)
 
   def load(s, like, signed):

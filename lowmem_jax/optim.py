@@ -178,6 +178,9 @@ def adama(
     raise ValueError(f"`state_bits` must be None or 8 (a Python int: under "
                      f"`optax.inject_hyperparams`, pass static_args=('k', 'state_bits')), got "
                      f"{state_bits!r}.")
+  if seed is not None and (isinstance(seed, (bool, float)) or not jnp.issubdtype(
+      getattr(seed, "dtype", type(seed)), jnp.integer)):
+    raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
   seed = 0 if seed is None else seed
   if state_bits == 8 and mu_dtype is not None:
     raise ValueError("`mu_dtype` applies to 32-bit state; with `state_bits=8` give mu_dtype=None.")

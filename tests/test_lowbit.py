@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import lowbit_digits  # benchmarks/, on sys.path in conftest.py
 import lowmem_jax as lm
 from lowmem_jax import lowbit
 
@@ -94,68 +95,17 @@ def test_updates_keep_the_gradients_dtype():
     assert updates["w"].dtype == jnp.bfloat16
 
 
-def test_training_on_digits_within_1_percent_of_adam():
-  from sklearn.datasets import load_digits
-  digits = load_digits()
-  x = jnp.asarray(digits.data / 16.0, jnp.float32)
-  y = jnp.asarray(digits.target)
-  val = np.arange(len(y)) % 5 == 0  # every 5th image held out
-
-  def loss(p, rows=~val):
-    h = jnp.tanh(x[rows] @ p["w1"] + p["b1"])
-    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], y[rows]).mean()
-
-  finals = {}
+@pytest.mark.parametrize("name", ["Adam, 8-bit, stochastic rounding", "AdamA k=4, 8-bit moments"])
+def test_training_on_digits_within_1_percent_of_float32(name):
+  """Validation loss on digits against the same optimizer's 32-bit moments, 3 seeds."""
+  rows = lowbit_digits.rows()
+  tx, k = rows[name]
+  reference, _ = rows["Adam, float32 moments" if k == 1 else "AdamA k=4, 32-bit moments"]
+  if k > 1:
+    assert isinstance(tx.init(lowbit_digits.init(0))[0].mu["w1"], lowbit.QuantizedArray)
   for seed in range(3):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    params = {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
-              "w2": jax.random.normal(k2, (128, 10)) / 12, "b2": jnp.zeros(10)}
-    for name, adam in (("8bit", lowbit.scale_by_adam_8bit(min_size=1024)),
-                       ("float32", optax.scale_by_adam())):
-      tx = optax.chain(adam, optax.scale_by_learning_rate(1e-3))
-
-      @jax.jit
-      def step(p, s):
-        value, g = jax.value_and_grad(loss)(p)
-        u, s = tx.update(g, s)
-        return optax.apply_updates(p, u), s, value
-
-      p, s = params, tx.init(params)
-      for _ in range(150):
-        p, s, value = step(p, s)
-      finals[name, seed] = float(loss(p, val))
-  for seed in range(3):
-    rel = abs(finals["8bit", seed] - finals["float32", seed]) / finals["float32", seed]
-    assert rel < 0.01, (seed, finals)
-
-
-def test_adama_8bit_over_micro_batches_on_digits_within_1_percent():
-  """AdamA with 8-bit moments (k = 4) against its 32-bit self: validation loss, 3 seeds."""
-  from sklearn.datasets import load_digits
-  digits = load_digits()
-  x, y = jnp.asarray(digits.data / 16.0, jnp.float32), jnp.asarray(digits.target)
-  val = np.arange(len(y)) % 5 == 0
-  xt, yt = x[~val][:1432], y[~val][:1432]  # a multiple of k
-
-  def loss(p, batch):
-    h = jnp.tanh(batch[0] @ p["w1"] + p["b1"])
-    return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], batch[1]).mean()
-
-  for seed in range(3):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    params = {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
-              "w2": jax.random.normal(k2, (128, 10)) / 12, "b2": jnp.zeros(10)}
-    finals = []
-    for bits in (8, None):
-      tx = lm.adamaw(1e-3, 4, state_bits=bits, weight_decay=0.0)
-      step = jax.jit(lm.microbatch_step(loss, tx, 4))
-      p, s = params, tx.init(params)
-      if bits == 8:
-        assert isinstance(s[0].mu["w1"], lowbit.QuantizedArray)
-      for _ in range(150):
-        p, s, _ = step(p, s, (xt, yt))
-      finals.append(float(loss(p, (x[val], y[val]))))
-    assert abs(finals[0] - finals[1]) / finals[1] < 0.01, (seed, finals)
+    got, want = (lowbit_digits.validation_loss(t, seed, k) for t in (tx, reference))
+    assert abs(got - want) / want < 0.01, (seed, got, want)
 
 
 def test_state_serialises_and_shards_on_8_devices():
@@ -187,6 +137,8 @@ def test_bad_arguments():
     lowbit.quantize(jnp.arange(3), signed=True)
   with pytest.raises(ValueError, match="state_bits"):
     lm.adama(2, state_bits=4)
+  with pytest.raises(ValueError, match="seed"):
+    lm.adama(2, state_bits=8, seed=1.5)
   with pytest.raises(ValueError, match="mu_dtype"):
     lm.adama(2, state_bits=8, mu_dtype=jnp.bfloat16)
   params = {"w": jnp.ones((64, 128))}

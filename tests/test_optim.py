@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import lowmem_jax as lm
+from adama import dense_stack_loss  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import optim
 
 
@@ -205,6 +206,23 @@ def test_microbatch_step_applies_one_update_bit_for_bit(k):
   exact(runs[0], runs[1])
 
 
+def test_on_kth_micro_step_is_conditionally_transform():
+  """Its twin: the same updates and inner state to float tolerance (XLA fuses a select and a
+  cond differently: about 1 ulp)."""
+  k = 3
+  inner = lambda: optax.chain(optax.add_decayed_weights(0.1),
+                              optax.scale_by_learning_rate(optax.linear_schedule(1.0, 0.1, 4)))
+  ours = optax.chain(lm.adama(k), optim.on_kth_micro_step(inner(), k))
+  twin = optax.chain(lm.adama(k), optax.conditionally_transform(inner(), lambda n: n % k == k - 1))
+  s1, s2 = ours.init(PARAMS), twin.init(PARAMS)
+  for g in random_grads(PARAMS, 3 * k):
+    u1, s1 = jax.jit(ours.update)(g, s1, PARAMS)
+    u2, s2 = jax.jit(twin.update)(g, s2, PARAMS)
+    chex.assert_trees_all_close(u1, u2, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(s1[1].inner_state, s2[1].inner_state)
+  assert int(s1[1].micro_step) == int(s2[1].step) == 3 * k
+
+
 def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
   """A wrapper that may skip AdamA (here its second micro-step) shifts its step across calls:
   the update then falls inside the loop, and is applied there, as before."""
@@ -215,14 +233,6 @@ def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
                        _applying_every_micro_step(mlp_loss, tx, k)], params, tx)
   exact(runs[0], runs[1])
   assert not np.array_equal(runs[0][0]["w1"], params["w1"])
-
-
-def dense_stack_loss(params, batch):
-  """8 float32 layers of 1024 x 1024, not scanned: issue 21's example."""
-  x, y = batch
-  for w in params:
-    x = jnp.tanh(x @ w)
-  return jnp.mean((x - y) ** 2)
 
 
 def test_microbatch_step_holds_no_update_inside_the_loop():

@@ -1,0 +1,93 @@
+"""8-bit Adam and AdamA moments against float32 on scikit-learn's digits.
+
+A 64-128-10 tanh MLP, full-batch steps on 4 of every 5 images (1,432 of
+them, a multiple of k), validation loss on every 5th image, lr 1e-3, the
+same initial parameters per seed. Rows: `optax.scale_by_adam`;
+`lowmem_jax.scale_by_adam_8bit` rounding stochastically and to nearest
+(``min_size=1024``, so both weight matrices are 8-bit); AdamA over 4
+micro-batches with 32-bit and 8-bit moments.
+
+    python benchmarks/lowbit_digits.py [--steps 150] [--seeds 3]
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+
+LR = 1e-3
+
+
+def data():
+  """``(train, validation)``: each ``(images float32 [n, 64], labels int32 [n])``."""
+  from sklearn.datasets import load_digits
+  digits = load_digits()
+  x, y = jnp.asarray(digits.data / 16.0, jnp.float32), jnp.asarray(digits.target)
+  val = np.arange(len(y)) % 5 == 0
+  return (x[~val][:1432], y[~val][:1432]), (x[val], y[val])
+
+
+def init(seed: int) -> dict:
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
+          "w2": jax.random.normal(k2, (128, 10)) / 12, "b2": jnp.zeros(10)}
+
+
+def loss(params, batch):
+  h = jnp.tanh(batch[0] @ params["w1"] + params["b1"])
+  return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"] + params["b2"],
+                                                          batch[1]).mean()
+
+
+def validation_loss(tx: optax.GradientTransformation, seed: int, k: int = 1,
+                    steps: int = 150) -> float:
+  """The validation loss after ``steps`` optimizer steps of ``tx`` over k micro-batches."""
+  train, validation = data()
+  step = jax.jit(lm.microbatch_step(loss, tx, k))
+  params = init(seed)
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state, _ = step(params, state, train)
+  return float(loss(params, validation))
+
+
+def rows() -> dict:
+  """``{row: (optimizer, k)}``."""
+  chain = lambda adam: optax.chain(adam, optax.scale_by_learning_rate(LR))
+  return {
+      "Adam, float32 moments": (chain(optax.scale_by_adam()), 1),
+      "Adam, 8-bit, stochastic rounding": (chain(lm.scale_by_adam_8bit(min_size=1024)), 1),
+      "Adam, 8-bit, rounding to nearest": (
+          chain(lm.scale_by_adam_8bit(min_size=1024, stochastic=False)), 1),
+      "AdamA k=4, 32-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0), 4),
+      "AdamA k=4, 8-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0, state_bits=8), 4),
+  }
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=150)
+  parser.add_argument("--seeds", type=int, default=3)
+  args = parser.parse_args(argv)
+  table = Table(title=f"digits, validation loss after {args.steps} steps (relative to the "
+                      "float32 row of the same optimizer)")
+  table.add_column("optimizer")
+  for seed in range(args.seeds):
+    table.add_column(f"seed {seed}", justify="right")
+  base = {}
+  for name, (tx, k) in rows().items():
+    values = [validation_loss(tx, seed, k, args.steps) for seed in range(args.seeds)]
+    ref = base.setdefault(k, values)
+    table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, ref)))
+  Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -89,7 +89,7 @@ class Setting:
   fused_ce: bool = False
 
   def workload(self, args) -> models.Workload:
-    if self.fused_ce and args.model not in models.llama.CONFIGS:
+    if self.fused_ce and not _language_model(args):
       raise UsageError(f"fused-ce in {self.label!r} applies to the LLaMA models (a language "
                        f"model's vocabulary-sized head), not --model {args.model}.")
     return models.workload(
@@ -287,6 +287,11 @@ def _measure_all(args, settings: list[Setting], top: int | None = 10) -> list[me
   return breakdowns
 
 
+def _language_model(args) -> bool:
+  """Whether ``--model`` is a language model, whose head ``fused-ce`` rewrites."""
+  return args.model in models.llama.CONFIGS
+
+
 def _step_techniques(args) -> tuple[str, ...]:
   """The techniques ``--step``'s function allows: lowmem only where it takes ``lowmem``."""
   return STEP_TECHNIQUES if takes_lowmem(args.make_step) else STEP_TECHNIQUES[:1]
@@ -357,7 +362,7 @@ def report(args, console: Console) -> int:
   if techniques is None:
     techniques = (",".join(_step_techniques(args)) if args.step is not None
                   else DEFAULT_TECHNIQUES + LANGUAGE_MODEL_TECHNIQUES
-                  if args.model in models.llama.CONFIGS else DEFAULT_TECHNIQUES)
+                  if _language_model(args) else DEFAULT_TECHNIQUES)
   settings = [parse_setting(t, step=args.step is not None) for t in techniques.split(",")]
   if any(s.lowmem for s in settings) and not takes_lowmem(args.make_step):
     name = args.step.rpartition(":")[2]
@@ -432,7 +437,7 @@ def plan(args, console: Console) -> int:
     return 1
   tried = []
   with _progress(Console(stderr=True)) as progress:
-    sets = ladder(args.batch, args.model in models.llama.CONFIGS)
+    sets = ladder(args.batch, _language_model(args))
     task = progress.add_task("compiling", total=len(sets))
     for text in sets:
       progress.update(task, description=f"compiling {text}")

@@ -43,7 +43,9 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     h: float ``[..., d]`` hidden states.
     w: float ``[d, vocab]`` (``w_layout="dv"``) or ``[vocab, d]`` (``"vd"``,
       a tied embedding table).
-    labels: integer ``[...]``, h's leading shape.
+    labels: integer ``[...]``, h's leading shape. A label outside ``[0, vocab)``
+      (other than ``ignore_index``) picks no logit: its token's loss is
+      ``lse`` alone (the reference's gather gives NaN there).
     bias: optional float ``[vocab]``.
     ignore_index: a label value whose tokens add no loss and no gradient.
     label_smoothing: ``eps`` in ``[0, 1)``: the target is ``1 - eps`` on the
@@ -64,7 +66,6 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
                reduction, w_layout, token_chunk, vocab_chunk)
   lead = h.shape[:-1]
   h2 = h.reshape(math.prod(lead), h.shape[-1])
-  vocab = w.shape[1] if w_layout == "dv" else w.shape[0]
   b = None if bias is None else bias.astype(jnp.float32)
   weights = _token_weights(labels.reshape(-1), ignore_index, reduction)
   losses = _chunked(h2, w, b, labels.reshape(-1).astype(jnp.int32), weights, cfg, w_layout)

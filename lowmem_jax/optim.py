@@ -54,13 +54,9 @@ class AdamAState(NamedTuple):
   nu: optax.Updates  # second moment: the params' shapes and dtypes
 
 
-def _is_quantized(x: Any) -> bool:
-  return isinstance(x, lowbit.QuantizedArray)
-
-
 def _moment_structure(moments: Any) -> Any:
   """The tree structure of moments, an 8-bit leaf (`lowbit.QuantizedArray`) counting as one."""
-  return jax.tree.structure(moments, is_leaf=_is_quantized)
+  return jax.tree.structure(moments, is_leaf=lowbit.is_quantized)
 
 
 def _check_k(k: Any, name: str = "k") -> None:
@@ -184,18 +180,14 @@ def adama(
   seed = 0 if seed is None else seed
   if state_bits == 8 and mu_dtype is not None:
     raise ValueError("`mu_dtype` applies to 32-bit state; with `state_bits=8` give mu_dtype=None.")
-  eight = lambda p: state_bits == 8 and p.size >= lowbit.MIN_SIZE
-  load = lambda s, p, signed: lowbit.dequantize(s, signed=signed) if eight(p) else s
 
   def init_fn(params):
-    store = lambda p, signed, dtype=None: (
-        lowbit.quantize(jnp.zeros_like(p, jnp.float32), signed=signed) if eight(p)
-        else jnp.zeros_like(p, dtype))
-    return AdamAState(
-        micro_step=jnp.zeros([], jnp.int32),
-        count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(lambda p: store(p, True, mu_dtype), params),
-        nu=jax.tree.map(lambda p: store(p, False), params))
+    if state_bits == 8:
+      mu, nu = (lowbit.tree_zeros(params, signed=signed) for signed in (True, False))
+    else:
+      mu, nu = otu.tree_zeros_like(params, dtype=mu_dtype), otu.tree_zeros_like(params)
+    return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
+                      mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None, *, folded=None, **extra_args):
     del params, extra_args
@@ -211,12 +203,10 @@ def adama(
                        "(microbatch_step's fold_in_backward) are not supported.")
     first = state.micro_step == 0
     last = state.micro_step == k - 1
-    stored_mu = jax.tree.map(lambda g, s: load(s, g, True), updates, state.mu, is_leaf=_is_quantized)
-    stored_nu = jax.tree.map(lambda g, s: load(s, g, False), updates, state.nu,
-                             is_leaf=_is_quantized)
     moments = jax.tree.map(
         lambda g, m, v, done: fold(g, m, v, first) if done is None else done,
-        updates, stored_mu, stored_nu, folded)
+        updates, lowbit.tree_load(state.mu, signed=True), lowbit.tree_load(state.nu, signed=False),
+        folded)
     mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
     nu = jax.tree.map(lambda _, mv: mv[1], updates, moments)
     count_inc = optax.safe_int32_increment(state.count)
@@ -226,12 +216,9 @@ def adama(
     if state_bits == 8:  # the gradient's dtype, not the dequantised moments' float32
       direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
       key = jax.random.fold_in(jax.random.key(seed), state.count * k + state.micro_step)
-      leaves, treedef = jax.tree.flatten(updates)
-      keys = jax.tree.unflatten(treedef, list(jax.random.split(key, (len(leaves), 2))))
-      store = lambda x, p, signed, key: (lowbit.quantize(x, signed=signed, key=key) if eight(p)
-                                         else x)
-      mu = jax.tree.map(lambda m, p, key: store(m, p, True, key[0]), mu, updates, keys)
-      nu = jax.tree.map(lambda v, p, key: store(v, p, False, key[1]), nu, updates, keys)
+      mu, nu = (lowbit.tree_store(x, updates, signed=signed,
+                                  key=jax.random.fold_in(key, signed))
+                for x, signed in ((mu, True), (nu, False)))
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:
@@ -585,7 +572,7 @@ def microbatch_step(
       raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
                        "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
     if fold_in_backward is not None and any(
-        map(_is_quantized, jax.tree.leaves(adama_state.mu, is_leaf=_is_quantized))):
+        map(lowbit.is_quantized, jax.tree.leaves(adama_state.mu, is_leaf=lowbit.is_quantized))):
       raise ValueError("`fold_in_backward` needs 32-bit AdamA moments; `tx` has 8-bit ones "
                        "(adama's state_bits=8): drop one of them.")
     if adama_state is not None and _moment_structure(adama_state.mu) != jax.tree.structure(params):

@@ -135,8 +135,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     raise ValueError(f"image must be >= 1, got {image}.")
   vit.check_switches(activation, norm, attention)
   wrn.check_switches(activation, conv)
-  if loss not in llama.LOSSES:
-    raise ValueError(f"loss must be one of {llama.LOSSES}, got {loss!r}.")
+  llama.check_loss(loss)
   if loss != "plain" and name not in llama.CONFIGS:
     raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
                      f"vocabulary-sized head); {name} takes loss='plain'.")

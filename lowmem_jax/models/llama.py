@@ -33,6 +33,11 @@ from lowmem_jax.models.vit import check_switches
 LOSSES = ("plain", "fused")
 
 
+def check_loss(loss: str) -> None:
+  if loss not in LOSSES:
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Sizes of a LLaMA-style decoder."""
@@ -225,8 +230,7 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens, labels=None):
     check_switches(self.activation, self.norm, self.attention)
-    if self.loss not in LOSSES:
-      raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}.")
+    check_loss(self.loss)
     cfg = self.config
     x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
                  name="tok_embeddings")(tokens)

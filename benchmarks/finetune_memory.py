@@ -13,7 +13,13 @@ except where it says "instead":
                                gradient folded in its backward rule
   + 8-bit moments              lm.adamaw(state_bits=8), folding in the scan body
                                (folding in the backward takes 32-bit moments)
+  + bfloat16 parameters        no float32 copy: lm.lowbit.stochastic_rounding ends
+                               the chain, so each new parameter rounds stochastically
+  + moments in host memory     lm.offload.offload around 8-bit AdamA: its moments
+                               cross to the device and back every micro-step
   8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit, one batch
+  AdamW offloaded instead      lowmem activations, float32 AdamW's moments in host
+                               memory (lm.offload.offload), one batch
 
     python benchmarks/finetune_memory.py --models llama-1b,llama-7b
 """
@@ -47,23 +53,33 @@ def rows(k: int) -> dict:
       f"+ AdamA (k={k}, fold in backward)": (lowmem, lm.adamaw(LR, k), k, True),
       "+ 8-bit moments (AdamA in the scan body)": (lowmem, lm.adamaw(LR, k, state_bits=8), k,
                                                    False),
+      "+ bfloat16 parameters (stochastic rounding)": (
+          dict(lowmem, param_dtype=jnp.bfloat16),
+          optax.chain(lm.adamaw(LR, k, state_bits=8), lm.lowbit.stochastic_rounding()), k, False),
+      "+ moments in host memory (offload)": (
+          dict(lowmem, param_dtype=jnp.bfloat16),
+          optax.chain(lm.offload.offload(lm.adamaw(LR, k, state_bits=8)),
+                      lm.lowbit.stochastic_rounding()), k, False),
       "8-bit Adam instead of AdamA": (lowmem, adamw_8bit(LR), 1, False),
+      "AdamW offloaded instead of AdamA": (lowmem, lm.offload.offload(optax.adamw(LR)), 1, False),
   }
 
 
 def peak(name: str, batch: int, seq: int, switches: dict, tx, k: int, fold: bool,
-         target) -> tuple[int, int, int]:
-  """Compiled peak, parameter bytes and optimizer-state bytes of one step."""
+         target) -> tuple[int, int, int, int]:
+  """Compiled device peak, parameter bytes, optimizer-state bytes and host-memory argument
+  bytes of one step."""
   wl = models.workload(name, batch=batch, seq=seq, **switches)
   params = wl.abstract_params()
   if k == 1:
     step = wl.train_step(tx)
   else:
     step = lm.microbatch_step(lambda p, b: wl.loss(p, *b), tx, k, fold_in_backward=fold)
-  stats = lm.memory.analyze(jax.jit(step, donate_argnums=(0, 1)), params,
-                            jax.eval_shape(tx.init, params), (wl.inputs, wl.labels), target=target)
-  return stats.peak_bytes, lm.memory.tree_bytes(params), lm.memory.tree_bytes(
-      jax.eval_shape(tx.init, params))
+  state = lm.offload.abstract_state(tx, params)
+  stats = lm.memory.analyze(jax.jit(step, donate_argnums=(0, 1)), params, state,
+                            (wl.inputs, wl.labels), target=target)
+  return (stats.peak_bytes, lm.memory.tree_bytes(params), lm.memory.tree_bytes(state),
+          stats.host_argument_bytes)
 
 
 def main(argv=None):
@@ -81,13 +97,14 @@ def main(argv=None):
   for name in args.models.split(","):
     table = Table(title=f"{name} full fine-tune, batch {args.batch} x {args.seq} tokens, one "
                         f"step (GiB; compiled for {target.name})")
-    for col in ("techniques", "parameters", "optimizer state", "compiled peak", "× less"):
+    for col in ("techniques", "parameters", "optimizer state", "in host memory", "compiled peak",
+                "× less"):
       table.add_column(col, justify="left" if col == "techniques" else "right")
     base = None
     for row, (switches, tx, k, fold) in rows(args.k).items():
-      total, params, state = peak(name, args.batch, args.seq, switches, tx, k, fold, target)
+      total, params, state, host = peak(name, args.batch, args.seq, switches, tx, k, fold, target)
       base = base or total
-      table.add_row(row, f"{params / 2**30:.2f}", f"{state / 2**30:.2f}", f"{total / 2**30:.2f}",
+      table.add_row(row, *(f"{b / 2**30:.2f}" for b in (params, state, host, total)),
                     f"{base / total:.2f}")
       console.print(f"  {name}: {row} compiled", highlight=False)
     console.print(table)

@@ -1,11 +1,13 @@
-"""8-bit Adam and AdamA moments against float32 on scikit-learn's digits.
+"""8-bit Adam and AdamA moments, and bfloat16 parameters, against float32 on scikit-learn's digits.
 
 A 64-128-10 tanh MLP, full-batch steps on 4 of every 5 images (1,432 of
 them, a multiple of k), validation loss on every 5th image, lr 1e-3, the
 same initial parameters per seed. Rows: `optax.scale_by_adam`;
 `lowmem_jax.scale_by_adam_8bit` rounding stochastically and to nearest
 (``min_size=1024``, so both weight matrices are 8-bit); AdamA over 4
-micro-batches with 32-bit and 8-bit moments.
+micro-batches with 32-bit and 8-bit moments; bfloat16 parameters (no float32
+copy) with 8-bit moments, the new parameters rounded to nearest (plain
+``optax.apply_updates``) or stochastically (`lowmem_jax.lowbit.stochastic_rounding`).
 
     python benchmarks/lowbit_digits.py [--steps 150] [--seeds 3]
 """
@@ -46,11 +48,12 @@ def loss(params, batch):
 
 
 def validation_loss(tx: optax.GradientTransformation, seed: int, k: int = 1,
-                    steps: int = 150) -> float:
-  """The validation loss after ``steps`` optimizer steps of ``tx`` over k micro-batches."""
+                    steps: int = 150, param_dtype=jnp.float32) -> float:
+  """The validation loss after ``steps`` optimizer steps of ``tx`` over k micro-batches,
+  the parameters kept in ``param_dtype``."""
   train, validation = data()
   step = jax.jit(lm.microbatch_step(loss, tx, k))
-  params = init(seed)
+  params = jax.tree.map(lambda p: p.astype(param_dtype), init(seed))
   state = tx.init(params)
   for _ in range(steps):
     params, state, _ = step(params, state, train)
@@ -58,15 +61,23 @@ def validation_loss(tx: optax.GradientTransformation, seed: int, k: int = 1,
 
 
 def rows() -> dict:
-  """``{row: (optimizer, k)}``."""
-  chain = lambda adam: optax.chain(adam, optax.scale_by_learning_rate(LR))
+  """``{row: (optimizer, k, parameter dtype)}``."""
+  chain = lambda *txs: optax.chain(*txs[:1], optax.scale_by_learning_rate(LR), *txs[1:])
+  adam8 = lambda: lm.scale_by_adam_8bit(min_size=1024)
+  rounding = lm.lowbit.stochastic_rounding
+  f32, bf16 = jnp.float32, jnp.bfloat16
   return {
-      "Adam, float32 moments": (chain(optax.scale_by_adam()), 1),
-      "Adam, 8-bit, stochastic rounding": (chain(lm.scale_by_adam_8bit(min_size=1024)), 1),
+      "Adam, float32 moments": (chain(optax.scale_by_adam()), 1, f32),
+      "Adam, 8-bit, stochastic rounding": (chain(adam8()), 1, f32),
       "Adam, 8-bit, rounding to nearest": (
-          chain(lm.scale_by_adam_8bit(min_size=1024, stochastic=False)), 1),
-      "AdamA k=4, 32-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0), 4),
-      "AdamA k=4, 8-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0, state_bits=8), 4),
+          chain(lm.scale_by_adam_8bit(min_size=1024, stochastic=False)), 1, f32),
+      "Adam, 8-bit, bfloat16 params rounded to nearest": (chain(adam8()), 1, bf16),
+      "Adam, 8-bit, bfloat16 params rounded stochastically": (
+          chain(adam8(), rounding()), 1, bf16),
+      "AdamA k=4, 32-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0), 4, f32),
+      "AdamA k=4, 8-bit moments": (lm.adamaw(LR, 4, weight_decay=0.0, state_bits=8), 4, f32),
+      "AdamA k=4, 8-bit, bfloat16 params rounded stochastically": (
+          optax.chain(lm.adamaw(LR, 4, weight_decay=0.0, state_bits=8), rounding()), 4, bf16),
   }
 
 
@@ -82,8 +93,8 @@ def main(argv=None):
   for seed in range(args.seeds):
     table.add_column(f"seed {seed}", justify="right")
   base = {}
-  for name, (tx, k) in rows().items():
-    values = [validation_loss(tx, seed, k, args.steps) for seed in range(args.seeds)]
+  for name, (tx, k, dtype) in rows().items():
+    values = [validation_loss(tx, seed, k, args.steps, dtype) for seed in range(args.seeds)]
     ref = base.setdefault(k, values)
     table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, ref)))
   Console(width=160).print(table)

@@ -1,7 +1,7 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
 from lowmem_jax import (attention_ops, compress, fold, linen, losses, lowbit, memory, models, names,
-                        nnx, optim, policies, precision, sparsity, targets, transform)
+                        nnx, offload, optim, policies, precision, sparsity, targets, transform)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.lowbit import scale_by_adam_8bit
@@ -13,7 +13,7 @@ from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 __all__ = [
     "Plan", "Rewrite", "Rewrites", "adama", "adamaw", "approx_activation", "attention", "attention_ops", "compress",
     "fold", "linen", "losses", "lowbit", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
-    "nnx", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
+    "nnx", "offload", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
     "sparsity",
     "targets", "transform",
 ]

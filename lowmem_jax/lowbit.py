@@ -1,4 +1,4 @@
-"""Optimizer state in 8 bits: block-wise quantized moments, and Adam over them.
+"""Training state in fewer bits: 8-bit moments, and bfloat16 parameters rounded stochastically.
 
 Each moment leaf is cut into blocks of ``block`` consecutive elements along
 its last axis (the last block of a row padded); a block keeps its absolute
@@ -27,6 +27,11 @@ Storage: 1 byte an element plus 4 bytes a block, 1.016
 bytes at the default block of 256, against 4 for float32. Blocks lie along
 the last axis, so codes and scales shard with the parameter along its
 leading axes.
+
+bfloat16 parameters with no float32 master copy (2 bytes a parameter, not
+4 + 2): `stochastic_rounding` ends an optimizer chain so that
+``optax.apply_updates`` rounds each new parameter stochastically; the
+moments' stochastic rounding and the parameters' share one rounding rule.
 """
 
 from typing import Any, NamedTuple
@@ -69,6 +74,15 @@ def _unblocked(blocks: jax.Array, shape: tuple) -> jax.Array:
   return blocks.reshape(*blocks.shape[:-2], -1)[..., :n].reshape(shape)
 
 
+def _rounded(bits: jax.Array, dropped: int, key: jax.Array | None) -> jax.Array:
+  """float32 ``bits`` (uint32) plus the offset that makes dropping their low ``dropped`` bits
+  round: half a unit of the kept last bit (to nearest, ties away from zero) or, with a PRNG
+  ``key``, uniform bits below it (stochastically). A carry bumps the exponent."""
+  if key is None:
+    return bits + (1 << (dropped - 1))
+  return bits + (jax.random.bits(key, bits.shape, jnp.uint32) >> (32 - dropped))
+
+
 def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK,
              key: jax.Array | None = None) -> QuantizedArray:
   """``x`` (float, any shape) as a `QuantizedArray`; ``signed`` False needs ``x >= 0``.
@@ -85,12 +99,7 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK,
   blocks = _blocks(x.astype(jnp.float32), block)
   scales = jnp.max(jnp.abs(blocks), axis=-1)
   unit = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-  bits = jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32)
-  dropped = 23 - _MANTISSA  # the mantissa bits the code drops; a carry bumps the exponent
-  if key is None:
-    bits = bits + (1 << (dropped - 1))
-  else:
-    bits = bits + (jax.random.bits(key, bits.shape, jnp.uint32) >> (32 - dropped))
+  bits = _rounded(jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32), 23 - _MANTISSA, key)
   exp_bits = _EXP_BITS[signed]
   exponent = (bits >> 23).astype(jnp.int32) - 127 + (2 ** exp_bits - 1)
   mantissa = ((bits >> (23 - _MANTISSA)) & (2 ** _MANTISSA - 1)).astype(jnp.int32)
@@ -211,5 +220,80 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         x, updates, signed=signed, key=None if key is None else jax.random.fold_in(key, signed),
         min_size=min_size, block=block)
     return direction, ScaleByAdam8bitState(count, store(mu, True), store(nu, False))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def stochastic_round(x: jax.Array, *, key: jax.Array) -> jax.Array:
+  """``x`` (float32, any shape) in bfloat16, rounded stochastically with PRNG ``key``.
+
+  Each element goes to one of its two bfloat16 neighbours with the
+  probabilities that make its expected value ``x`` (Gupta et al., "Deep
+  Learning with Limited Numerical Precision", 2015, arXiv:1502.02551), so an
+  addend far below half a bfloat16 unit (``2^-9 |x|``) still moves a sum on
+  average. NaN stays NaN; a value within a unit of bfloat16's largest may
+  round up to infinity.
+  """
+  if x.dtype != jnp.float32:
+    raise TypeError(f"stochastic_round takes float32 `x`, got {x.dtype}.")
+  bits = _rounded(jax.lax.bitcast_convert_type(x, jnp.uint32), 16, key)
+  rounded = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, jnp.bfloat16), rounded)
+
+
+class StochasticRoundingState(NamedTuple):
+  """State of `stochastic_rounding`: the raw PRNG key (``jax.random.key_data``, uint32)
+  the next step splits."""
+  key: jax.Array
+
+
+def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
+  """The last transformation of a chain for bfloat16 parameters with no float32 master copy.
+
+  ``optax.apply_updates`` adds each update to its parameter and casts the sum
+  to the parameter's dtype, rounding to nearest: for a bfloat16 parameter an
+  update below half a unit (``2^-9 |p|``; Adam at lr 1e-3 makes most of them)
+  is lost. This transformation returns, for each bfloat16 leaf, the float32
+  update ``stochastic_round(p + u) - p`` (exact in float32), so that
+  ``apply_updates`` gives the stochastically rounded sum, unbiased whatever
+  the update's size (Zamirai et al., "Revisiting BFloat16 Training", 2020,
+  arXiv:2010.06192). float32 and float64 leaves pass through unchanged. The
+  key lives in the state, split every call: a restored state goes on as the
+  saved one would. In a jitted step XLA fuses the float32 update into the add,
+  so no float32 copy of the parameters is kept.
+
+  Args:
+    seed: the PRNG seed, an int.
+
+  Returns:
+    An `optax.GradientTransformation` with state `StochasticRoundingState`;
+    its ``update`` needs ``params``.
+  """
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise ValueError(f"`seed` must be an int, got {seed!r}.")
+
+  def init_fn(params):
+    del params
+    return StochasticRoundingState(jax.random.key_data(jax.random.key(seed)))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("stochastic_rounding needs `params`: pass them to `update`.")
+    leaves = jax.tree.leaves(params)
+    for p in leaves:
+      if p.dtype not in (jnp.bfloat16, jnp.float32, jnp.float64):
+        raise TypeError(f"stochastic_rounding takes bfloat16, float32 or float64 `params`, "
+                        f"got a {p.dtype} leaf.")
+    key, step = jax.random.split(jax.random.wrap_key_data(state.key))
+    keys = jax.tree.unflatten(jax.tree.structure(params), list(jax.random.split(step, len(leaves))))
+
+    def leaf(u, p, k):
+      if p.dtype != jnp.bfloat16:
+        return u
+      total = p.astype(jnp.float32) + u.astype(jnp.float32)
+      return stochastic_round(total, key=k).astype(jnp.float32) - p.astype(jnp.float32)
+
+    return (jax.tree.map(leaf, updates, params, keys),
+            StochasticRoundingState(jax.random.key_data(key)))
 
   return optax.GradientTransformation(init_fn, update_fn)

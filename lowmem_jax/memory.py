@@ -70,12 +70,14 @@ class MemoryStats:
     host_temp_bytes: temporaries in host memory: what a remat policy
       offloads (`lowmem_jax.policies.offload`) on a GPU target; 0 on the CPU,
       whose device memory is host memory.
+    host_argument_bytes: inputs in host memory (`lowmem_jax.offload`'s
+      optimizer state); not in ``argument_bytes``.
     xla_peak_bytes: XLA's own ``peak_memory_in_bytes``; on CPU it counts only
-      arguments and outputs, and with host temporaries it may be the host
-      heap's peak, so it is not used there.
+      arguments and outputs, and with host temporaries or arguments it adds
+      host bytes, so it is not used there.
     peak_bytes: the device's peak: ``xla_peak_bytes`` where it is at least
-      ``argument_bytes + temp_bytes`` (a real simulated peak) and there are no
-      host temporaries, else ``argument_bytes + output_bytes - alias_bytes +
+      ``argument_bytes + temp_bytes`` (a real simulated peak) and nothing is
+      in host memory, else ``argument_bytes + output_bytes - alias_bytes +
       temp_bytes``: every device allocation of the program at once, which is
       what the CPU backend holds.
   """
@@ -85,17 +87,19 @@ class MemoryStats:
   temp_bytes: int
   generated_code_bytes: int
   host_temp_bytes: int
+  host_argument_bytes: int
   xla_peak_bytes: int
   peak_bytes: int
 
 
-def stats_of(compiled: jax.stages.Compiled) -> MemoryStats:
+def stats_of(compiled: "jax.stages.Compiled | targets.HostArgumentsCompiled") -> MemoryStats:
   """`MemoryStats` of an already compiled program."""
   m = compiled.memory_analysis()
   if m is None:
     raise RuntimeError("This backend gives no memory analysis for compiled programs.")
   xla_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
   host_temp = int(getattr(m, "host_temp_size_in_bytes", 0) or 0)
+  host_args = int(getattr(m, "host_argument_size_in_bytes", 0) or 0)
   lower_bound = m.argument_size_in_bytes + m.temp_size_in_bytes
   total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
   return MemoryStats(
@@ -105,8 +109,10 @@ def stats_of(compiled: jax.stages.Compiled) -> MemoryStats:
       temp_bytes=int(m.temp_size_in_bytes),
       generated_code_bytes=int(m.generated_code_size_in_bytes),
       host_temp_bytes=host_temp,
+      host_argument_bytes=host_args,
       xla_peak_bytes=xla_peak,
-      peak_bytes=int(xla_peak if xla_peak >= lower_bound and not host_temp else total),
+      peak_bytes=int(xla_peak if xla_peak >= lower_bound and not (host_temp or host_args)
+                     else total),
   )
 
 

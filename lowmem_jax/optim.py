@@ -146,7 +146,8 @@ def adama(
       each squared micro-batch gradient in v (module docstring).
     state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
       for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
-      at least ``lowbit.MIN_SIZE`` elements, stochastic rounding keyed by
+      at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
+      stochastic rounding keyed by
       ``seed``, the step and the micro-step), dequantised to float32 to fold
       each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
       ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
@@ -183,7 +184,8 @@ def adama(
 
   def init_fn(params):
     if state_bits == 8:
-      mu, nu = (lowbit.tree_zeros(params, signed=signed) for signed in (True, False))
+      mu, nu = (lowbit.tree_zeros(params, signed=signed, dtype=jnp.float32)
+                for signed in (True, False))
     else:
       mu, nu = otu.tree_zeros_like(params, dtype=mu_dtype), otu.tree_zeros_like(params)
     return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),

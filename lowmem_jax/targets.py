@@ -195,6 +195,11 @@ class Target:
     else:
       jitted = jax.jit(fn, donate_argnums=donate_argnums)
     with compiling(self):
+      if self.deviceless and _in_host_memory((args, kwargs)):
+        if mesh is not None:
+          raise ValueError("mesh: arguments in host memory compile for one target device.")
+        on_cpu = lambda t: jax.tree.map(_on_cpu, t)
+        return jitted.trace(*on_cpu(args), **on_cpu(kwargs)).lower(lowering_platforms=("cuda",))
       return jitted.lower(*self.place(args, mesh), **self.place(kwargs, mesh))
 
   def compile(self, fn: Callable, *args, donate_argnums: int | tuple[int, ...] = (),
@@ -206,14 +211,21 @@ class Target:
       fn: a function, or the result of `jax.jit` (whose static arguments,
         shardings and donation are then respected).
       *args, **kwargs: arrays or `jax.ShapeDtypeStruct` pytrees, placed on
-        the target by `place`.
+        the target by `place`. For a compile-only GPU, leaves whose sharding
+        has memory kind ``"pinned_host"`` (arrays put there, or abstract ones
+        from `in_host_memory`) stay in host memory: the step is then lowered
+        for CUDA on this process's CPU devices, which know host memory, and
+        compiled for the target (a `HostArgumentsCompiled`).
       donate_argnums: for a plain ``fn``, the arguments to donate.
       compiler_options: XLA options for this compilation, over the target's
         own (`compiler_options`).
       mesh: where to place the arguments (see `place`).
     """
     lowered = self.lower(fn, *args, donate_argnums=donate_argnums, mesh=mesh, **kwargs)
-    return lowered.compile(compiler_options=self.compiler_options(compiler_options))
+    options = self.compiler_options(compiler_options)
+    if self.deviceless and _in_host_memory((args, kwargs)):
+      return HostArgumentsCompiled(self, lowered, options)
+    return lowered.compile(compiler_options=options)
 
   def save(self, path: str | os.PathLike) -> None:
     """Writes this target's config (text ``GpuTargetConfigProto``) to ``path``."""
@@ -221,6 +233,67 @@ class Target:
       raise ValueError(f"target {self.name} has no config to save (platform {self.platform}); "
                        "use from_devices() on a GPU.")
     pathlib.Path(path).write_text(self.config)
+
+
+class HostArgumentsCompiled:
+  """A program compiled for a compile-only GPU with some arguments in host memory.
+
+  Compile-only devices have no memories, so JAX drops a ``pinned_host``
+  memory kind from their shardings; `Target.compile` lowers such a step on
+  the CPU devices for CUDA and compiles the StableHLO for the target's
+  device. The memory analysis splits device and host bytes
+  (``host_argument_size_in_bytes``, ...) as a GPU's would.
+  """
+
+  def __init__(self, target: "Target", lowered: jax.stages.Lowered, options: dict):
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+    device = target.devices(1)[0]
+    compile_options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=1, device_assignment=[device],
+        env_options_overrides=options)
+    self._executable = compiler.backend_compile_and_load(
+        device.client, lowered.compiler_ir("stablehlo"), xla_client.DeviceList((device,)),
+        compile_options, [])
+
+  def memory_analysis(self) -> Any:
+    """XLA's ``CompiledMemoryStats``, host bytes apart."""
+    return self._executable.get_compiled_memory_stats()
+
+  def as_text(self) -> str:
+    """The optimised HLO; ``S(5)`` in a layout marks host memory."""
+    return self._executable.hlo_modules()[0].to_string()
+
+
+HOST = "pinned_host"
+
+
+def in_host_memory(tree: Any) -> Any:
+  """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in this process's
+  CPU host memory (memory kind ``"pinned_host"``): arguments that `Target.compile`
+  keeps on the host for a compile-only GPU."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind=HOST)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)
+
+
+def _memory_kind(x: Any) -> str | None:
+  return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
+def _in_host_memory(tree: Any) -> bool:
+  return any(_memory_kind(x) not in (None, "device") for x in jax.tree.leaves(tree))
+
+
+def _on_cpu(x: Any) -> Any:
+  """An array leaf as a `jax.ShapeDtypeStruct` on the first CPU device, in its memory kind."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    return x
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and len(sharding.device_set) > 1:
+    raise ValueError("arguments in host memory compile for one target device; got an argument "
+                     f"sharded over {len(sharding.device_set)} devices.")
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind=_memory_kind(x))
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)
 
 
 def names() -> tuple[str, ...]:

@@ -1,0 +1,83 @@
+"""Optimizer state in host memory, brought to the device leaf by leaf for the update.
+
+`offload` wraps an optimizer whose update treats each parameter leaf on its
+own (Adam, AdamW, `lowmem_jax.scale_by_adam_8bit`): the state of each leaf
+lives in pinned host memory between steps (JAX's memories API,
+``jax.memory.Space.Host``); the update runs the optimizer on one leaf at a
+time, its state copied to the device and the new state back. XLA schedules
+the copies: as many leaves are in flight as the device's memory allows (its
+scheduler keeps under the limit), so a step whose whole state would not fit
+holds the parameters, the gradient and the leaves in transit. (Updating the
+whole tree at once, XLA's schedule keeps three times as much in flight.) The
+cost is PCIe traffic: the state crosses twice a step. ZeRO-Offload (Ren et
+al., 2021, arXiv:2101.06840) keeps the state on the host too and runs the
+update on the CPU; here it runs on the device.
+
+Transformations that couple leaves (``optax.clip_by_global_norm``) go
+outside the wrapper, in a chain before it. Each leaf has its own copy of the
+inner state, so its step counter and any PRNG seed are per leaf: an inner
+transformation seeded by ``seed`` draws the same random bits for every leaf
+of the same shape.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from lowmem_jax import targets
+
+
+class OffloadState(NamedTuple):
+  """State of `offload`: the inner transformation's state for each parameter leaf, in
+  ``jax.tree.leaves`` order, in host memory."""
+  leaves: tuple
+
+
+def _to(space: Any, tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def offload(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``inner`` with its state in host memory, applied one parameter leaf at a time.
+
+  Args:
+    inner: an optax transformation that updates each leaf independently of
+      the others (module docstring); it is initialised on each leaf alone.
+
+  Returns:
+    An `optax.GradientTransformation` with state `OffloadState`; ``update``
+    passes each leaf of ``params`` on to ``inner``. For a deviceless figure,
+    compile a step on `abstract_state`.
+  """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(f"`inner` must be an optax.GradientTransformation, got "
+                    f"{type(inner).__name__}.")
+
+  def init_fn(params):
+    return OffloadState(tuple(_to(jax.memory.Space.Host, inner.init(p))
+                              for p in jax.tree.leaves(params)))
+
+  def update_fn(updates, state, params=None):
+    grads, treedef = jax.tree.flatten(updates)
+    if len(grads) != len(state.leaves):
+      raise ValueError(f"`updates` has {len(grads)} leaves, the offloaded state "
+                       f"{len(state.leaves)}: build the state with `init` on these params.")
+    leaves = [None] * len(grads) if params is None else jax.tree.leaves(params)
+    out, states = [], []
+    for g, leaf_state, p in zip(grads, state.leaves, leaves):
+      u, new_state = inner.update(g, _to(jax.memory.Space.Device, leaf_state), p)
+      out.append(u)
+      states.append(_to(jax.memory.Space.Host, new_state))
+    return jax.tree.unflatten(treedef, out), OffloadState(tuple(states))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
+  """``tx.init``'s state on the shapes of ``params`` (`jax.eval_shape`), each `OffloadState`
+  in host memory (`lowmem_jax.targets.in_host_memory`): what a deviceless compile of a
+  step takes, since ``eval_shape`` drops memory kinds."""
+  is_offloaded = lambda x: isinstance(x, OffloadState)
+  return jax.tree.map(lambda s: targets.in_host_memory(s) if is_offloaded(s) else s,
+                      jax.eval_shape(tx.init, params), is_leaf=is_offloaded)

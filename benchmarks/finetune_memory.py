@@ -15,11 +15,12 @@ except where it says "instead":
                                (folding in the backward takes 32-bit moments)
   + bfloat16 parameters        no float32 copy: lm.lowbit.stochastic_rounding ends
                                the chain, so each new parameter rounds stochastically
-  + moments in host memory     lm.offload.offload around 8-bit AdamA: its moments
-                               cross to the device and back every micro-step
   8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit, one batch
+  + bfloat16 parameters        the same, no float32 parameters (stochastic rounding)
+  + moments in host memory     the same, its moments in host memory (lm.offload.offload;
+                               not AdamA, whose moments would cross every micro-step)
   AdamW offloaded instead      lowmem activations, float32 AdamW's moments in host
-                               memory (lm.offload.offload), one batch
+                               memory, one batch
 
     python benchmarks/finetune_memory.py --models llama-1b,llama-7b
 """
@@ -47,6 +48,7 @@ def adamw_8bit(learning_rate: float) -> optax.GradientTransformation:
 def rows(k: int) -> dict:
   """``{row: (workload switches, optimizer, micro-batches, fold in backward)}``."""
   lowmem = dict(dtype=jnp.bfloat16, **LOWMEM)
+  bf16_params = dict(lowmem, param_dtype=jnp.bfloat16)
   return {
       "AdamW float32": (dict(dtype=jnp.float32), optax.adamw(LR), 1, False),
       "+ lowmem activations": (lowmem, optax.adamw(LR), 1, False),
@@ -54,13 +56,14 @@ def rows(k: int) -> dict:
       "+ 8-bit moments (AdamA in the scan body)": (lowmem, lm.adamaw(LR, k, state_bits=8), k,
                                                    False),
       "+ bfloat16 parameters (stochastic rounding)": (
-          dict(lowmem, param_dtype=jnp.bfloat16),
+          bf16_params,
           optax.chain(lm.adamaw(LR, k, state_bits=8), lm.lowbit.stochastic_rounding()), k, False),
-      "+ moments in host memory (offload)": (
-          dict(lowmem, param_dtype=jnp.bfloat16),
-          optax.chain(lm.offload.offload(lm.adamaw(LR, k, state_bits=8)),
-                      lm.lowbit.stochastic_rounding()), k, False),
       "8-bit Adam instead of AdamA": (lowmem, adamw_8bit(LR), 1, False),
+      "8-bit Adam, + bfloat16 parameters": (
+          bf16_params, optax.chain(adamw_8bit(LR), lm.lowbit.stochastic_rounding()), 1, False),
+      "8-bit Adam, bf16 parameters, + moments in host memory": (
+          bf16_params, optax.chain(lm.offload.offload(adamw_8bit(LR)),
+                                   lm.lowbit.stochastic_rounding()), 1, False),
       "AdamW offloaded instead of AdamA": (lowmem, lm.offload.offload(optax.adamw(LR)), 1, False),
   }
 

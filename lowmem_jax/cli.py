@@ -42,18 +42,30 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lowmem_jax import memory, models, optim, planner, policies, targets, transform
+from lowmem_jax import (lowbit, memory, models, offload, optim, planner, policies, targets,
+                        transform)
 
 TECHNIQUES = {
     "baseline": "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping its "
                 "probabilities, AdamW",
-    "approx": "ReGELU2/ReSiLU2: 2-bit activation residuals (an approximate gradient)",
+    "approx": "ReGELU2/ReSiLU2: 2-bit activation residuals (an approximate gradient); for "
+              "wrn-28-2, ReLU keeping a 1-bit mask (exact)",
     "ms-norm": "memory-sharing norms: the norm keeps only its output and 1/sigma",
     "attention": "attention that keeps no L×L residual (lowmem_jax.attention)",
     "bf16": "bfloat16 compute; parameters and optimizer state stay float32",
     "remat:<policy>": "nn.remat of every block with lowmem_jax.policies.<policy>, one of "
                       + ", ".join(policies.READY_MADE),
-    "adama:<k>": "AdamA over k micro-batches of the batch (lowmem_jax.adamaw, microbatch_step)",
+    "adama:<k>": "AdamA over k micro-batches of the batch, each micro-batch gradient folded into "
+                 "the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
+                 "fold_in_backward=True)); with 8bit, folded in the scan body",
+    "8bit": "optimizer moments block-wise in 8 bits (lowmem_jax.scale_by_adam_8bit; with adama, "
+            "adamaw(state_bits=8))",
+    "bf16-params": "bfloat16 parameters with no float32 copy, each update rounded "
+                   "stochastically (lowmem_jax.lowbit.stochastic_rounding)",
+    "offload-opt": "optimizer state in host memory, brought to the device leaf by leaf "
+                   "(lowmem_jax.offload)",
+    "conv:<pooled|int8>": "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
+                          "(lowmem_jax.compress)",
     "fused-ce": "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] logits "
                 "(lowmem_jax.losses.linear_cross_entropy)",
     "all": "approx+ms-norm+attention+bf16",
@@ -63,9 +75,12 @@ TECHNIQUES = {
 DEFAULT_TECHNIQUES = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
 LANGUAGE_MODEL_TECHNIQUES = ",fused-ce,all+fused-ce"
 """Added to the default techniques for the language models (``fused-ce``)."""
+CONV_NET_TECHNIQUES = "baseline,approx,conv:pooled,conv:int8,bf16,approx+conv:int8+bf16"
+"""The default techniques for the WideResNet (batch norm, no attention)."""
 STEP_TECHNIQUES = ("baseline", "lowmem")
 """The techniques of a user's step (``--step``); the others change a reference model."""
 LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 1e-4  # optax.adamw's default
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -87,33 +102,65 @@ class Setting:
   adama: int = 1
   lowmem: bool = False
   fused_ce: bool = False
+  state_bits: int | None = None
+  bf16_params: bool = False
+  offload_opt: bool = False
+  conv: str = "plain"
 
   def workload(self, args) -> models.Workload:
     if self.fused_ce and not _language_model(args):
       raise UsageError(f"fused-ce in {self.label!r} applies to the LLaMA models (a language "
                        f"model's vocabulary-sized head), not --model {args.model}.")
+    if _conv_net(args) and (self.ms_norm or self.attention):
+      raise UsageError(f"{self.label!r}: {args.model} has batch norm and no attention; its "
+                       f"techniques are {CONV_NET_TECHNIQUES.replace(',', ', ')}.")
+    if self.offload_opt and self.adama > 1:
+      raise UsageError(f"{self.label!r}: offload-opt does not take adama (AdamA's moments would "
+                       "cross to the device every micro-batch); use 8bit for its moments.")
+    if self.conv != "plain" and not _conv_net(args):
+      raise UsageError(f"conv:{self.conv} in {self.label!r} applies to wrn-28-2, not --model "
+                       f"{args.model}.")
     return models.workload(
         args.model, batch=args.batch, seq=args.seq, image=args.image,
         dtype=jnp.bfloat16 if self.bf16 else jnp.dtype(args.dtype),
+        param_dtype=jnp.bfloat16 if self.bf16_params else jnp.float32, conv=self.conv,
         activation="approx" if self.approx else "exact", norm="ms" if self.ms_norm else "plain",
         attention="recompute" if self.attention else "plain",
         loss="fused" if self.fused_ce else "plain",
         remat=self.remat is not None, remat_policy=self.remat)
 
+  @property
+  def fold_in_backward(self) -> bool:
+    """AdamA folds in the backward, except with 8-bit moments (folded in the scan body)."""
+    return self.adama > 1 and self.state_bits is None
+
   def optimizer(self) -> optax.GradientTransformation:
     if self.adama > 1:
-      return optim.adamaw(LEARNING_RATE, self.adama)
-    return optax.adamw(LEARNING_RATE)
+      tx = optim.adamaw(LEARNING_RATE, self.adama, state_bits=self.state_bits)
+    elif self.state_bits == 8:
+      tx = optax.chain(lowbit.scale_by_adam_8bit(), optax.add_decayed_weights(WEIGHT_DECAY),
+                       optax.scale_by_learning_rate(LEARNING_RATE))
+    else:
+      tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    if self.offload_opt:
+      tx = offload.offload(tx)
+    if self.bf16_params:
+      tx = optax.chain(tx, lowbit.stochastic_rounding())
+    return tx
 
   def python(self, args) -> str:
     """The lines that build this training step."""
     switches = [f"batch={args.batch}"]
-    if args.model in models.VIT_CONFIGS:
+    if args.model in models.VIT_CONFIGS or _conv_net(args):
       switches.append(f"image={args.image}")
     else:
       switches.append(f"seq={args.seq}")
     dtype = "bfloat16" if self.bf16 else args.dtype
     switches.append(f"dtype=jnp.{dtype}")
+    if self.bf16_params:
+      switches.append("param_dtype=jnp.bfloat16")
+    if self.conv != "plain":
+      switches.append(f'conv="{self.conv}"')
     if self.approx:
       switches.append('activation="approx"')
     if self.ms_norm:
@@ -124,14 +171,28 @@ class Setting:
       switches.append('loss="fused"')
     if self.remat is not None:
       switches.append(f"remat=True, remat_policy=lm.policies.{policies.describe(self.remat)}")
-    tx = (f"lm.adamaw({LEARNING_RATE}, k={self.adama})" if self.adama > 1
-          else f"optax.adamw({LEARNING_RATE})")
+    bits = ", state_bits=8" if self.state_bits == 8 else ""
+    if self.adama > 1:
+      tx = f"lm.adamaw({LEARNING_RATE}, k={self.adama}{bits})"
+    elif self.state_bits == 8:
+      tx = (f"optax.chain(lm.scale_by_adam_8bit(), optax.add_decayed_weights({WEIGHT_DECAY}), "
+            f"optax.scale_by_learning_rate({LEARNING_RATE}))")
+    else:
+      tx = f"optax.adamw({LEARNING_RATE}, weight_decay={WEIGHT_DECAY})"
+    if self.offload_opt:
+      tx = f"lm.offload.offload({tx})"
+    if self.bf16_params:
+      tx = f"optax.chain({tx}, lm.lowbit.stochastic_rounding())"
     k = f", k={self.adama}" if self.adama > 1 else ""
+    fold = ", fold_in_backward=True" if self.fold_in_backward else ""
+    state = ("lm.offload.abstract_state(tx, wl.abstract_params())  # in host memory"
+             if self.offload_opt else "tx.init(params)")
     return "\n".join([
         "import jax, jax.numpy as jnp, optax, lowmem_jax as lm",
         f'wl = lm.models.workload("{args.model}", {", ".join(switches)})',
         f"tx = {tx}",
-        f"step = jax.jit(wl.train_step(tx{k}), donate_argnums=(0, 1))",
+        f"step = jax.jit(wl.train_step(tx{k}{fold}), donate_argnums=(0, 1))",
+        f"opt_state = {state}",
     ])
 
 
@@ -143,7 +204,8 @@ def parse_setting(text: str, step: bool = False) -> Setting:
     name, _, value = term.strip().partition(":")
     if step and term.strip() not in STEP_TECHNIQUES:
       what = ("applies only to the reference models (--model)"
-              if name in ("remat", "adama") or (name in TECHNIQUES and not value) else "is unknown")
+              if name in ("remat", "adama", "conv") or (name in TECHNIQUES and not value)
+              else "is unknown")
       raise UsageError(f"technique {term.strip()!r} in {text!r} {what}; with --step, choose from "
                        f"{', '.join(STEP_TECHNIQUES)}.")
     if name == "baseline" and not value:
@@ -156,8 +218,15 @@ def parse_setting(text: str, step: bool = False) -> Setting:
       continue
     if name == "all" and not value:
       fields.update(approx=True, ms_norm=True, attention=True, bf16=True)
-    elif name in ("approx", "ms-norm", "attention", "bf16", "fused-ce") and not value:
+    elif name in ("approx", "ms-norm", "attention", "bf16", "fused-ce", "bf16-params",
+                  "offload-opt") and not value:
       fields[name.replace("-", "_")] = True
+    elif name == "8bit" and not value:
+      fields["state_bits"] = 8
+    elif name == "conv":
+      if value not in ("pooled", "int8"):
+        raise UsageError(f"conv:{value}: the convolution must be pooled or int8.")
+      fields["conv"] = value
     elif name == "remat":
       if value not in policies.READY_MADE:
         raise UsageError(f"remat:{value}: the policy must be one of {', '.join(policies.READY_MADE)}.")
@@ -269,8 +338,9 @@ def measure(args, setting: Setting, top: int | None = 10) -> memory.Breakdown:
   params = wl.abstract_params()
   batch = (wl.inputs, wl.labels)
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
-  step = jax.jit(wl.train_step(tx, k), donate_argnums=(0, 1))
-  return memory.report(step, params, jax.eval_shape(tx.init, params), batch,
+  step = jax.jit(wl.train_step(tx, k, fold_in_backward=setting.fold_in_backward),
+                 donate_argnums=(0, 1))
+  return memory.report(step, params, offload.abstract_state(tx, params), batch,
                        loss_fn=wl.loss, loss_args=(params, *micro), label=setting.label, top=top,
                        target=args.target)
 
@@ -290,6 +360,11 @@ def _measure_all(args, settings: list[Setting], top: int | None = 10) -> list[me
 def _language_model(args) -> bool:
   """Whether ``--model`` is a language model, whose head ``fused-ce`` rewrites."""
   return args.model in models.llama.CONFIGS
+
+
+def _conv_net(args) -> bool:
+  """Whether ``--model`` is the WideResNet, whose techniques are the conv ones."""
+  return args.model in models.WRN_CONFIGS
 
 
 def _step_techniques(args) -> tuple[str, ...]:
@@ -328,9 +403,11 @@ def _progress(console: Console) -> Progress:
 def _workload_title(args) -> str:
   if args.step is not None:
     return f"{args.step} training step (target {args.target.name}, jax {jax.__version__})"
-  size = f"{args.image}px images" if args.model in models.VIT_CONFIGS else f"{args.seq} tokens"
+  size = (f"{args.image}px images" if args.model in models.VIT_CONFIGS or _conv_net(args)
+          else f"{args.seq} tokens")
   return (f"{args.model} training step, batch {args.batch} of {size}, {args.dtype} compute "
-          f"unless bf16, AdamW (target {args.target.name}, jax {jax.__version__})")
+          f"unless bf16, AdamW unless adama or 8bit (target {args.target.name}, "
+          f"jax {jax.__version__})")
 
 
 def _size(nbytes: float) -> str:
@@ -362,7 +439,8 @@ def report(args, console: Console) -> int:
   if techniques is None:
     techniques = (",".join(_step_techniques(args)) if args.step is not None
                   else DEFAULT_TECHNIQUES + LANGUAGE_MODEL_TECHNIQUES
-                  if _language_model(args) else DEFAULT_TECHNIQUES)
+                  if _language_model(args) else CONV_NET_TECHNIQUES if _conv_net(args)
+                  else DEFAULT_TECHNIQUES)
   settings = [parse_setting(t, step=args.step is not None) for t in techniques.split(",")]
   if any(s.lowmem for s in settings) and not takes_lowmem(args.make_step):
     name = args.step.rpartition(":")[2]
@@ -555,14 +633,15 @@ def _parser() -> argparse.ArgumentParser:
                       f"whether its {' and '.join(STEP_TECHNIQUES)} steps fit")
   for p in (rep, pl):
     p.set_defaults(given=())
-    # The techniques and the plan's ladder are the transformers' (ms-norm, attention).
+    # The plan's ladder is the transformers' (ms-norm, attention).
     p.add_argument("--model", default="vit-b16", action=_Given,
-                   choices=[n for n in models.NAMES if n not in models.WRN_CONFIGS])
+                   choices=models.NAMES if p is rep else
+                   [n for n in models.NAMES if n not in models.WRN_CONFIGS])
     p.add_argument("--batch", type=int, default=64, action=_Given, help="examples per step (default 64)")
     p.add_argument("--seq", type=int, default=512, action=_Given,
                    help="tokens per example (LLaMA; default 512)")
-    p.add_argument("--image", type=int, default=224, action=_Given,
-                   help="image side in pixels (ViT; default 224)")
+    p.add_argument("--image", type=int, default=None, action=_Given,
+                   help="image side in pixels (ViT: default 224; wrn-28-2: default 32)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    action=_Given,
                    help="compute dtype without the bf16 technique; parameters stay float32")
@@ -593,6 +672,8 @@ def main(argv=None) -> int:
   console = Console(width=None if sys.stdout.isatty() else 200)
   try:
     args = _parser().parse_args(argv)
+    if args.image is None:
+      args.image = 32 if args.model in models.WRN_CONFIGS else 224
     for name in ("batch", "seq", "image"):
       if getattr(args, name) < 1:
         raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}.")

@@ -437,7 +437,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
     lowered = target.lower(step_fn, *args, **kwargs)
     if not isinstance(lowered, jax.stages.Lowered):
       lowered = lowered.lowered  # flax.nnx.jit's Lowered wraps jax's
-    compiled = lowered.compile(target.compiler_options({"xla_dump_to": dump}))
+    compiled = target.compile_lowered(lowered, {"xla_dump_to": dump})
     texts = [_read_one(dump, suffix) for suffix in (".txt", "-buffer-assignment.txt", "-live-range.txt")]
   instructions = _parse_hlo(texts[0])
   typed = _typed_components(lowered, args, kwargs,
@@ -609,7 +609,8 @@ _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _FILE = re.compile(r'^(\d+) "(.*)"$')
 _LOCATION = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)")
 _FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
-_ALLOCATION = re.compile(r"^allocation (?P<allocation>\d+): size \d+, (?:parameter (?P<parameter>\d+))?")
+_ALLOCATION = re.compile(r"^allocation (?P<allocation>\d+): size \d+, (?:color (?P<color>\d+), )?"
+                         r"(?:parameter (?P<parameter>\d+))?")
 _VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
                     r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>.*)$")
 _RANGE = re.compile(r"^\s+(?P<name>[\w.\-]+\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$")
@@ -646,8 +647,8 @@ def _parse_hlo(text: str) -> dict[str, _Instr]:
 
 def _parse_dump(instructions: dict[str, _Instr], arguments: dict[str, str], assignment: str,
                 live_range: str) -> tuple[list[Buffer], list[str], dict[str, str]]:
-  """The values with their live ranges, the program order, and the component
-  of the argument whose buffer holds each other value, where one does (an
+  """The values in device memory with their live ranges, the program order, and the
+  component of the argument whose buffer holds each other value, where one does (an
   output written over a donated argument).
 
   An argument, and a copy of one that XLA adds to change its layout, already
@@ -657,11 +658,12 @@ def _parse_dump(instructions: dict[str, _Instr], arguments: dict[str, str], assi
   ``arguments`` maps each argument's instruction name to its component.
   """
   by_number = {i.parameter: arguments[name] for name, i in instructions.items() if name in arguments}
-  found, allocation, parameter = {}, None, None
+  found, allocation, parameter, on_device = {}, None, None, True
   for line in assignment.splitlines():
     if m := _ALLOCATION.match(line):
       allocation, parameter = m.group("allocation"), m.group("parameter")
-    elif m := _VALUE.match(line):
+      on_device = m.group("color") in (None, "0")  # color 5: host memory
+    elif on_device and (m := _VALUE.match(line)):
       shape = _LAYOUT.sub("", _COMMENT.sub("", m.group("shape")))
       holder = by_number.get(int(parameter)) if parameter else None
       found[m.group("name") + (m.group("index") or "{}")] = (

@@ -1,7 +1,8 @@
 """Optimizer state in host memory, brought to the device leaf by leaf for the update.
 
-`offload` wraps an optimizer whose update treats each parameter leaf on its
-own (Adam, AdamW, `lowmem_jax.scale_by_adam_8bit`): the state of each leaf
+`offload` wraps an optimizer that updates once a step and treats each
+parameter leaf on its own (Adam, AdamW, `lowmem_jax.scale_by_adam_8bit`; not
+AdamA, which folds every micro-batch into its moments): the state of each leaf
 lives in pinned host memory between steps (JAX's memories API,
 ``jax.memory.Space.Host``); the update runs the optimizer on one leaf at a
 time, its state copied to the device and the new state back. XLA schedules
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import targets
+from lowmem_jax import optim, targets
 
 
 class OffloadState(NamedTuple):
@@ -55,8 +56,12 @@ def offload(inner: optax.GradientTransformation) -> optax.GradientTransformation
                     f"{type(inner).__name__}.")
 
   def init_fn(params):
-    return OffloadState(tuple(_to(jax.memory.Space.Host, inner.init(p))
-                              for p in jax.tree.leaves(params)))
+    states = tuple(inner.init(p) for p in jax.tree.leaves(params))
+    if any(optim.find_adama_state(s) is not None for s in states):
+      raise ValueError("`inner` is AdamA, which folds every micro-batch into its moments "
+                       "(k crossings a step) and which microbatch_step finds as one state: "
+                       "offload an optimizer that updates once a step.")
+    return OffloadState(tuple(_to(jax.memory.Space.Host, s) for s in states))
 
   def update_fn(updates, state, params=None):
     grads, treedef = jax.tree.flatten(updates)

@@ -214,3 +214,32 @@ def test_bad_arguments():
   step = lm.microbatch_step(lambda p, b: jnp.sum(b @ p["w"]), tx, 2, fold_in_backward=True)
   with pytest.raises(ValueError, match="32-bit AdamA moments"):
     step(params, tx.init(params), jnp.ones((4, 64)))
+
+
+def test_states_round_trip_through_orbax_sharded_on_8_devices(tmp_path):
+  """8-bit Adam, 8-bit AdamA and stochastic rounding states, sharded along the parameters'
+  leading axis, saved and restored by orbax with their shardings."""
+  import orbax.checkpoint as ocp
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+  mesh = jax.make_mesh((8,), ("d",))
+  spec = lambda a: P("d") if a.ndim and a.shape[0] % 8 == 0 else P()
+  shard = lambda t: jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), t)
+  for name, tx in (
+      ("adam", optax.chain(lowbit.scale_by_adam_8bit(), optax.scale_by_learning_rate(1e-2),
+                           lowbit.stochastic_rounding(seed=3))),
+      ("adama", optax.chain(lm.adamaw(1e-2, 2, state_bits=8), lowbit.stochastic_rounding()))):
+    state = tx.init(params)
+    for g in _grads(PARAMS, 3):
+      _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), state,
+                                    params)
+    state = shard(state)
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(tmp_path / name, state)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          state)
+    with ocp.StandardCheckpointer() as ckpt:
+      restored = ckpt.restore(tmp_path / name, target)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+    assert jax.tree.map(lambda a: a.sharding.spec, restored) == jax.tree.map(
+        lambda a: a.sharding.spec, state)

@@ -87,17 +87,22 @@ class Workload:
       logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  def train_step(self, tx: optax.GradientTransformation, k: int = 1) -> Callable:
+  def train_step(self, tx: optax.GradientTransformation, k: int = 1,
+                 fold_in_backward: bool = False) -> Callable:
     """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params,
     opt_state, metrics)`` with ``batch = (inputs, labels)`` and ``metrics["loss"]``.
 
     With ``k > 1``, `lowmem_jax.microbatch_step` over k micro-batches (give an
-    AdamA ``tx`` for the same k to fold each micro-batch gradient into its moments).
+    AdamA ``tx`` for the same k to fold each micro-batch gradient into its moments,
+    in the backward pass with ``fold_in_backward``).
     """
+    if fold_in_backward and k == 1:
+      raise ValueError("fold_in_backward folds AdamA's micro-batches: it needs k > 1.")
+
     def loss(params, batch):
       return self.loss(params, *batch)
     if k != 1:
-      return optim.microbatch_step(loss, tx, k)
+      return optim.microbatch_step(loss, tx, k, fold_in_backward=fold_in_backward or None)
 
     def step(params, opt_state, batch):
       value, grads = jax.value_and_grad(loss)(params, batch)

@@ -1,0 +1,95 @@
+"""8-bit Adam moments and bfloat16 parameters against float32 Adam on the character LLaMA.
+
+The model, corpus and batches of ``examples/llama_charlm.py`` (dim 128, 4
+layers, float32 compute, 16 windows of 64 characters a step, lr 1e-3, every
+matrix 8-bit: at least 4,096 elements), ``--steps`` steps from the initial
+parameters of each seed (the init key and the batches' seed); the validation
+loss (nats a character, the example's 128 fixed windows) after the last step.
+Rows: `optax.adam`; `lowmem_jax.scale_by_adam_8bit`; the same with bfloat16
+parameters and no float32 copy, the new parameters rounded to nearest (plain
+``optax.apply_updates``) or stochastically (`lowmem_jax.lowbit.stochastic_rounding`).
+
+    python benchmarks/lowbit_charlm.py [--steps 800] [--seeds 3]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.console import Console
+from rich.table import Table
+
+import lowmem_jax as lm
+from lowmem_jax.models import Llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama_charlm  # noqa: E402  (examples/ is not a package)
+
+LR = 1e-3
+BATCH, SEQ = 16, 64
+
+
+def rows() -> dict:
+  """``{row: (optimizer, parameter dtype)}``."""
+  adam8 = lambda *rest: optax.chain(lm.scale_by_adam_8bit(), optax.scale_by_learning_rate(LR),
+                                    *rest)
+  return {
+      "Adam, float32": (optax.adam(LR), jnp.float32),
+      "Adam, 8-bit moments": (adam8(), jnp.float32),
+      "8-bit, bfloat16 params rounded to nearest": (adam8(), jnp.bfloat16),
+      "8-bit, bfloat16 params rounded stochastically": (
+          adam8(lm.lowbit.stochastic_rounding()), jnp.bfloat16),
+  }
+
+
+def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, steps: int,
+                    data: tuple) -> float:
+  train, val = data
+  net = Llama(llama_charlm.CONFIG)
+  loss = lambda params, tokens: net.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
+  params = jax.jit(net.init)(jax.random.key(seed), val[:1, :-1])["params"]
+  params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, tokens):
+    grads = jax.grad(loss)(params, tokens)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(steps):
+    tokens = llama_charlm.windows(train, BATCH, SEQ + 1, np.random.default_rng([seed, i]))
+    params, state = step(params, state, tokens)
+  evaluate = jax.jit(loss)
+  return float(np.mean([evaluate(params, val[i:i + BATCH]) for i in range(0, len(val), BATCH)]))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=800)
+  parser.add_argument("--seeds", type=int, default=3)
+  args = parser.parse_args(argv)
+  train, validation, _ = llama_charlm.corpus(4_000_000)
+  val = llama_charlm.windows(validation, 128, SEQ + 1, np.random.default_rng(0))
+  table = Table(title=f"character LLaMA, validation loss after {args.steps} steps (relative to "
+                      "float32 Adam)")
+  table.add_column("optimizer")
+  for seed in range(args.seeds):
+    table.add_column(f"seed {seed}", justify="right")
+  base = None
+  for name, (tx, dtype) in rows().items():
+    values = [validation_loss(tx, dtype, seed, args.steps, (train, val))
+              for seed in range(args.seeds)]
+    base = base or values
+    table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, base)))
+    Console(stderr=True).print(f"  {name}: done", highlight=False)
+  Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+  main()

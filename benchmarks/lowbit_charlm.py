@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from rich.console import Console
-from rich.table import Table
 
 import lowmem_jax as lm
+from lowbit_digits import add_row, seed_table  # benchmarks/, beside this script
 from lowmem_jax.models import Llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -76,17 +76,14 @@ def main(argv=None):
   args = parser.parse_args(argv)
   train, validation, _ = llama_charlm.corpus(4_000_000)
   val = llama_charlm.windows(validation, 128, SEQ + 1, np.random.default_rng(0))
-  table = Table(title=f"character LLaMA, validation loss after {args.steps} steps (relative to "
-                      "float32 Adam)")
-  table.add_column("optimizer")
-  for seed in range(args.seeds):
-    table.add_column(f"seed {seed}", justify="right")
+  table = seed_table(f"character LLaMA, validation loss after {args.steps} steps (relative to "
+                     "float32 Adam)", args.seeds)
   base = None
   for name, (tx, dtype) in rows().items():
     values = [validation_loss(tx, dtype, seed, args.steps, (train, val))
               for seed in range(args.seeds)]
     base = base or values
-    table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, base)))
+    add_row(table, name, values, base)
     Console(stderr=True).print(f"  {name}: done", highlight=False)
   Console(width=160).print(table)
 

@@ -81,22 +81,31 @@ def rows() -> dict:
   }
 
 
+def seed_table(title: str, seeds: int) -> Table:
+  """A table of one validation loss a seed, each row beside a reference row (`add_row`)."""
+  table = Table(title=title)
+  table.add_column("optimizer")
+  for seed in range(seeds):
+    table.add_column(f"seed {seed}", justify="right")
+  return table
+
+
+def add_row(table: Table, name: str, values: list[float], reference: list[float]) -> None:
+  table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, reference)))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args(argv)
-  table = Table(title=f"digits, validation loss after {args.steps} steps (relative to the "
-                      "float32 row of the same optimizer)")
-  table.add_column("optimizer")
-  for seed in range(args.seeds):
-    table.add_column(f"seed {seed}", justify="right")
+  table = seed_table(f"digits, validation loss after {args.steps} steps (relative to the "
+                     "float32 row of the same optimizer)", args.seeds)
   base = {}
   for name, (tx, k, dtype) in rows().items():
     values = [validation_loss(tx, seed, k, args.steps, dtype) for seed in range(args.seeds)]
-    ref = base.setdefault(k, values)
-    table.add_row(name, *(f"{v:.4f} ({(v - r) / r:+.2%})" for v, r in zip(values, ref)))
+    add_row(table, name, values, base.setdefault(k, values))
   Console(width=160).print(table)
 
 

@@ -1,0 +1,30 @@
+"""Every Python block of the README runs as written, and the figures it quotes for the
+``--step`` example are the compiled ones."""
+
+import pathlib
+import re
+
+import pytest
+
+import lowmem_jax as lm
+
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def test_the_readme_has_its_blocks():
+  assert len(BLOCKS) >= 8 and any("nnx" in b for b in BLOCKS) and any("linen" in b for b in BLOCKS)
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  namespace = {"__name__": "readme"}
+  exec(compile(BLOCKS[index], f"README.md, Python block {index + 1}", "exec"), namespace)
+  if "make_step" in namespace:  # the --step example: its two rows' peaks as the README says
+    quoted = re.search(r"prints both rows \((\d+) and (\d+) MiB on the H100 target\)",
+                       README.replace("\n", " "))
+    peaks = [lm.memory.analyze(*(lambda s, a: (s, *a))(*namespace["make_step"](lowmem)),
+                               target="h100").peak_bytes / 2**20
+             for lowmem in (lambda f: f, lm.lowmem)]
+    assert [round(p) for p in peaks] == [int(quoted[1]), int(quoted[2])]

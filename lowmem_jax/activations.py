@@ -114,7 +114,7 @@ def _gelu(x):
 
 
 regelu2 = approx_activation(_gelu, REGELU2_A, REGELU2_C, kernel_fn=kernels.gelu)
-regelu2.__name__ = "regelu2"
+regelu2.__name__ = regelu2.__qualname__ = "regelu2"
 regelu2.__doc__ = """ReGELU2: exact (erf) GELU forward, 2-bit residual, step backward.
 
 Args:
@@ -128,7 +128,7 @@ Returns:
 """
 
 resilu2 = approx_activation(jax.nn.silu, RESILU2_A, RESILU2_C)
-resilu2.__name__ = "resilu2"
+resilu2.__name__ = resilu2.__qualname__ = "resilu2"
 resilu2.__doc__ = """ReSiLU2: exact SiLU forward, 2-bit residual, step backward.
 
 Args:
@@ -142,7 +142,7 @@ Returns:
 """
 
 relu = approx_activation(jax.nn.relu, (1.0,), (0.0,))
-relu.__name__ = "relu"
+relu.__name__ = relu.__qualname__ = "relu"
 relu.__doc__ = """Exact ReLU whose only residual is a 1-bit mask, 8 a byte.
 
 Args:
@@ -161,7 +161,7 @@ def _tanh_gelu(x):
 
 
 regelu2_tanh = approx_activation(_tanh_gelu, REGELU2_A, REGELU2_C)
-regelu2_tanh.__name__ = "regelu2_tanh"
+regelu2_tanh.__name__ = regelu2_tanh.__qualname__ = "regelu2_tanh"
 regelu2_tanh.__doc__ = """The tanh GELU (`jax.nn.gelu`'s default) forward with ReGELU2's backward.
 
 What `lowmem_jax.lowmem` puts in place of a tanh GELU: the forward stays the

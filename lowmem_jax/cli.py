@@ -639,7 +639,7 @@ def _parser() -> argparse.ArgumentParser:
                    [n for n in models.NAMES if n not in models.WRN_CONFIGS])
     p.add_argument("--batch", type=int, default=64, action=_Given, help="examples per step (default 64)")
     p.add_argument("--seq", type=int, default=512, action=_Given,
-                   help="tokens per example (LLaMA; default 512)")
+                   help="tokens per example (LLaMA, BERT; default 512)")
     p.add_argument("--image", type=int, default=None, action=_Given,
                    help="image side in pixels (ViT: default 224; wrn-28-2: default 32)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

@@ -68,52 +68,48 @@ def _ms_norm_bwd(spec, options, res, dy):
 _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
 
 
-def _public(centered: bool):
-  def norm(x: jax.Array, *, eps: float = 1e-6, dtype=None, impl: str | None = None) -> jax.Array:
-    check_float_array(x, "x")
-    if not isinstance(eps, (int, float)) or not eps > 0:
-      raise ValueError(f"eps must be a number > 0, got {eps!r}.")
-    x_dtype = jnp.dtype(x.dtype)
-    spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)
-    options = dispatch.kernel_options(impl, "ms_norm", kernels.supports(x.shape[-1]))
-    return _ms_norm(spec, options, x)
-  return norm
+def _norm(centered: bool, x: jax.Array, eps: float, dtype, impl: str | None) -> jax.Array:
+  check_float_array(x, "x")
+  if not isinstance(eps, (int, float)) or not eps > 0:
+    raise ValueError(f"eps must be a number > 0, got {eps!r}.")
+  x_dtype = jnp.dtype(x.dtype)
+  spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)
+  options = dispatch.kernel_options(impl, "ms_norm", kernels.supports(x.shape[-1]))
+  return _ms_norm(spec, options, x)
 
 
-ms_layer_norm = _public(centered=True)
-ms_layer_norm.__name__ = "ms_layer_norm"
-ms_layer_norm.__doc__ = """LayerNorm without affine whose backward needs only ``y`` and ``rstd``.
+def ms_layer_norm(x: jax.Array, *, eps: float = 1e-6, dtype=None,
+                  impl: str | None = None) -> jax.Array:
+  """LayerNorm without affine whose backward needs only ``y`` and ``rstd``.
 
-Args:
-  x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
-  eps: added to the (biased) variance.
-  dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
-    computes in, so that layer saves this very array.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
-    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
-    of up to 16384 elements.
+  Args:
+    x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+    eps: added to the (biased) variance.
+    dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
+      computes in, so that layer saves this very array.
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+      ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
+      of up to 16384 elements.
 
-Returns:
-  ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
-  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
-  rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
-"""
+  Returns:
+    ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
+    ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
+    rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
+  """
+  return _norm(True, x, eps, dtype, impl)
 
-ms_rms_norm = _public(centered=False)
-ms_rms_norm.__name__ = "ms_rms_norm"
-ms_rms_norm.__doc__ = """RMSNorm without affine whose backward needs only ``y`` and ``rstd``.
 
-Args:
-  x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
-  eps: added to ``mean(x**2)``.
-  dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
-    computes in, so that layer saves this very array.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
-    ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
-    of up to 16384 elements.
+def ms_rms_norm(x: jax.Array, *, eps: float = 1e-6, dtype=None,
+                impl: str | None = None) -> jax.Array:
+  """RMSNorm without affine whose backward needs only ``y`` and ``rstd``.
 
-Returns:
-  ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
-  ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
-  rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
-"""
+  Args:
+    x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+    eps: added to ``mean(x**2)``.
+    dtype, impl: as `ms_layer_norm`'s.
+
+  Returns:
+    ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
+    ``float32[...]`` ``rstd`` (``norm_rstd``), as `ms_layer_norm`.
+  """
+  return _norm(False, x, eps, dtype, impl)

@@ -89,18 +89,20 @@ class Offload:
 
 @dataclasses.dataclass(frozen=True)
 class Combine:
-  """The union of ``policies``: keep if one keeps, else offload if one offloads, else recompute."""
+  """The union of ``policies``: keep if one keeps, offload if one offloads, else recompute;
+  a value one policy keeps and another offloads is an error."""
   policies: tuple
 
   def __call__(self, prim, *args, **params):
-    offload = None
-    for policy in self.policies:
-      decision = policy(prim, *args, **params)
-      if decision is True or decision is Saveable:
-        return Saveable
-      if offload is None and isinstance(decision, Offloadable):
-        offload = decision
-    return offload or Recompute
+    decisions = [policy(prim, *args, **params) for policy in self.policies]
+    offloads = [d for d in decisions if isinstance(d, Offloadable)]
+    if any(d is True or d is Saveable for d in decisions):
+      if offloads:
+        raise ValueError(f"{self}: one policy keeps the value {_tag(prim, params) or prim.name!r} "
+                         "on the device and another offloads it; choose one (JAX's "
+                         "save_and_offload_only_these_names refuses the same).")
+      return Saveable
+    return offloads[0] if offloads else Recompute
 
   def __str__(self) -> str:
     return f"combine({', '.join(describe(p) for p in self.policies)})"
@@ -158,6 +160,11 @@ def combine(*policies) -> Combine:
   for policy in policies:
     if not callable(policy):
       raise TypeError(f"combine: each policy must be callable, got {policy!r}.")
+  saved = set().union(*(p.saveable_names for p in policies if isinstance(p, SaveOnly)))
+  offloaded = set().union(*(p.names for p in policies if isinstance(p, Offload)))
+  if saved & offloaded:
+    raise ValueError(f"combine: {_listed(frozenset(saved & offloaded))} both kept on the device "
+                     "(save_only) and offloaded; choose one.")
   return Combine(tuple(policies))
 
 

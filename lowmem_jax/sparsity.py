@@ -95,7 +95,7 @@ def dynamic_sparsity(
     stop_after: int | None = None,
     sparse: Callable[[Any], Any] | None = None,
     seed: int = 0,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Keeps a fixed global budget of active weights and moves it every ``update_every`` steps.
 
   Put it last in an ``optax.chain``, after the optimizer and the learning

@@ -137,3 +137,11 @@ def test_workload_batch_and_loss_run():
   assert 120e6 < n < 140e6
   out = jax.eval_shape(wl.loss, params, wl.inputs, wl.labels)
   assert out.shape == () and out.dtype == jnp.float32
+
+
+def test_workload_batches_draw_token_ids_from_the_vocabulary():
+  """BERT's token ids span its vocabulary, its labels its classes."""
+  wl = models.workload("minilm-l6", batch=4, seq=64)
+  tokens, labels = wl.batch(jax.random.key(0))
+  assert int(tokens.max()) >= 1000 and int(tokens.max()) < wl.model.config.vocab_size
+  assert set(np.unique(labels)) <= {0, 1}

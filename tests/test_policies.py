@@ -205,6 +205,20 @@ def test_bad_arguments_are_named():
     policies.combine()
   with pytest.raises(TypeError, match="callable"):
     policies.combine(policies.full, "dots")
+  with pytest.raises(ValueError, match="'qkv' both kept on the device"):
+    policies.combine(policies.save_only(names.QKV), policies.offload(names.QKV, names.MLP_ACT))
+
+
+def test_combine_refuses_to_keep_and_offload_the_same_value():
+  """save_all_but keeps what offload moves: refused when the value is met, naming it."""
+  policy = policies.combine(policies.save_all_but(names.MLP_ACT), policies.offload(names.QKV))
+
+  def f(x):
+    return jnp.sin(jax.ad_checkpoint.checkpoint_name(jnp.sin(x), names.QKV)).sum()
+
+  with pytest.raises(ValueError, match="keeps the value 'qkv' on the device and another "
+                                       "offloads it"):
+    jax.grad(jax.checkpoint(f, policy=policy))(jnp.ones(4))
 
 
 def test_policies_are_hashable_and_read_well():

@@ -58,13 +58,15 @@ class Workload:
   def batch(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A random batch of the workload's shapes."""
     k1, k2 = jax.random.split(rng)
-    if jnp.issubdtype(self.inputs.dtype, jnp.integer):
-      inputs = jax.random.randint(k1, self.inputs.shape, 0, self._classes(), self.inputs.dtype)
+    if jnp.issubdtype(self.inputs.dtype, jnp.integer):  # token ids
+      inputs = jax.random.randint(k1, self.inputs.shape, 0, self.model.config.vocab_size,
+                                  self.inputs.dtype)
     else:
       inputs = jax.random.normal(k1, self.inputs.shape, self.inputs.dtype)
     return inputs, jax.random.randint(k2, self.labels.shape, 0, self._classes(), jnp.int32)
 
   def _classes(self) -> int:
+    """The labels' range: the vocabulary for a language model, else the head's classes."""
     return self.model.config.vocab_size if isinstance(self.model, Llama) else self.model.num_classes
 
   def with_policy(self, policy: Callable | None) -> "Workload":

@@ -81,7 +81,7 @@ STEP_TECHNIQUES = ("baseline", "lowmem")
 """The techniques of a user's step (``--step``); the others change a reference model."""
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4  # optax.adamw's default
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -242,8 +242,11 @@ def parse_setting(text: str, step: bool = False) -> Setting:
 
 
 def parse_bytes(text: str) -> int:
-  """``"24GiB"`` -> 25769803776; units B, KB, MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB."""
+  """``"24GiB"`` -> 25769803776; units B, KB, MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB,
+  one of them required."""
   m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+  if m and not m.group(2):
+    raise UsageError(f"budget {text!r}: give a unit, e.g. {m.group(1)}GiB or {m.group(1)}B.")
   if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
     raise UsageError(f"budget {text!r}: give a positive size such as 24GiB, 500MiB or 16GB.")
   return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

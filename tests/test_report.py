@@ -245,7 +245,9 @@ def test_wrn_in_the_report(capsys):
 def test_parse_bytes():
   assert cli.parse_bytes("24GiB") == 24 * 2**30
   assert cli.parse_bytes("1.5 GB") == 1_500_000_000
-  assert cli.parse_bytes("4096") == 4096
+  assert cli.parse_bytes("4096 B") == 4096
+  with pytest.raises(cli.UsageError, match="give a unit, e.g. 24GiB"):
+    cli.parse_bytes("24")
 
 
 # --step: a user's own step, from a file or a module.

@@ -419,15 +419,19 @@ def _size(nbytes: float) -> str:
 
 def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
-  table = Table(title=title, caption=f"{unit} live at the compiled peak (XLA buffer assignment); "
-                "gradients and other (updates) are estimated; peak: XLA's memory analysis; saved: "
-                "autodiff's residuals of the loss (- without one); extra FLOPs: n/a for loops (micro-"
-                "batches, fused-ce), whose body XLA counts once; none found: no argument is one")
-  for column in ("techniques", "params", "optimizer", "gradients", "activations", "other",
-                 "peak", "× less", "extra FLOPs", "saved"):
+  table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
+                "gradients and other (updates) are estimated; 0 (none live): no gradient buffer "
+                "is live at the peak, as where XLA fuses each gradient into its update; peak: "
+                "XLA's memory analysis; saved: autodiff's residuals of the loss (- without one); "
+                "extra FLOPs: n/a for loops (micro-batches, fused-ce), whose body XLA counts once; "
+                "none found: no argument is one")
+  for column in ("techniques", f"params {unit}", f"optimizer {unit}", f"gradients {unit}",
+                 f"activations {unit}", f"other {unit}", f"peak {unit}", "× less", "extra FLOPs",
+                 f"saved {unit}"):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
-    sizes = ["none found" if r[k] is None else f"{r[k] / scale:,.2f}"
+    sizes = ["none found" if r[k] is None else "0 (none live)" if k == "gradients" and not r[k]
+             else f"{r[k] / scale:,.2f}"
              for k in ("parameters", "optimizer_state", "gradients", "activations", "other",
                        "peak_bytes")]
     flops = "n/a" if r["extra_flops"] is None else f"{100 * r['extra_flops']:+.1f}%"

@@ -61,7 +61,7 @@ TECHNIQUES = {
     "8bit": "optimizer moments block-wise in 8 bits (lowmem_jax.scale_by_adam_8bit; with adama, "
             "adamaw(state_bits=8))",
     "bf16-params": "bfloat16 parameters with no float32 copy, each update rounded "
-                   "stochastically (lowmem_jax.lowbit.stochastic_rounding)",
+                   "stochastically (lowmem_jax.lowbit.stochastic_rounding); with 8bit",
     "offload-opt": "optimizer state in host memory, brought to the device leaf by leaf "
                    "(lowmem_jax.offload)",
     "conv:<pooled|int8>": "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
@@ -114,6 +114,10 @@ class Setting:
     if _conv_net(args) and (self.ms_norm or self.attention):
       raise UsageError(f"{self.label!r}: {args.model} has batch norm and no attention; its "
                        f"techniques are {CONV_NET_TECHNIQUES.replace(',', ', ')}.")
+    if self.bf16_params and self.state_bits is None:
+      raise UsageError(f"{self.label!r}: bf16-params needs 8bit: Adam keeps its moments in the "
+                       "parameters' dtype, and a bfloat16 second moment rounded to nearest "
+                       "stalls; 8bit keeps them in 8 bits, rounded stochastically.")
     if self.offload_opt and self.adama > 1:
       raise UsageError(f"{self.label!r}: offload-opt does not take adama (AdamA's moments would "
                        "cross to the device every micro-batch); use 8bit for its moments.")
@@ -185,14 +189,13 @@ class Setting:
       tx = f"optax.chain({tx}, lm.lowbit.stochastic_rounding())"
     k = f", k={self.adama}" if self.adama > 1 else ""
     fold = ", fold_in_backward=True" if self.fold_in_backward else ""
-    state = ("lm.offload.abstract_state(tx, wl.abstract_params())  # in host memory"
-             if self.offload_opt else "tx.init(params)")
     return "\n".join([
         "import jax, jax.numpy as jnp, optax, lowmem_jax as lm",
         f'wl = lm.models.workload("{args.model}", {", ".join(switches)})',
         f"tx = {tx}",
         f"step = jax.jit(wl.train_step(tx{k}{fold}), donate_argnums=(0, 1))",
-        f"opt_state = {state}",
+        "params = wl.init(jax.random.key(0))",
+        "opt_state = tx.init(params)",
     ])
 
 

@@ -254,9 +254,11 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   to the parameter's dtype, rounding to nearest: for a bfloat16 parameter an
   update below half a unit (``2^-9 |p|``; Adam at lr 1e-3 makes most of them)
   is lost. This transformation returns, for each bfloat16 leaf, the float32
-  update ``stochastic_round(p + u) - p`` (exact in float32), so that
-  ``apply_updates`` gives the stochastically rounded sum, unbiased whatever
-  the update's size (Zamirai et al., "Revisiting BFloat16 Training", 2020,
+  update ``stochastic_round(p + u) - p``, so that ``apply_updates`` gives
+  the stochastically rounded sum, unbiased whatever the update's size (exactly
+  where ``|p + u| >= 2^-16 |p|``: the difference of two bfloat16 values that
+  far apart is a float32; where the update nearly cancels the parameter it
+  may land up to ``2^-24 |p|`` off) (Zamirai et al., "Revisiting BFloat16 Training", 2020,
   arXiv:2010.06192). float32 and float64 leaves pass through unchanged. The
   key lives in the state, split every call: a restored state goes on as the
   saved one would. In a jitted step XLA fuses the float32 update into the add,
@@ -290,8 +292,9 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     def leaf(u, p, k):
       if p.dtype != jnp.bfloat16:
         return u
-      total = p.astype(jnp.float32) + u.astype(jnp.float32)
-      return stochastic_round(total, key=k).astype(jnp.float32) - p.astype(jnp.float32)
+      p32 = p.astype(jnp.float32)
+      new = stochastic_round(p32 + u.astype(jnp.float32), key=k).astype(jnp.float32)
+      return jnp.where(new == p32, 0.0, new - p32)  # an infinite parameter stays
 
     return (jax.tree.map(leaf, updates, params, keys),
             StochasticRoundingState(jax.random.key_data(key)))

@@ -41,7 +41,8 @@ from lowmem_jax import targets
 
 
 def compile(fn: Callable, *args, target: "targets.Target | str | None" = None,
-            compiler_options: dict | None = None, **kwargs) -> jax.stages.Compiled:
+            compiler_options: dict | None = None,
+            **kwargs) -> "jax.stages.Compiled | targets.HostArgumentsCompiled":
   """Compiles ``fn`` (jitted here unless it already is) for ``target`` on the
   shapes of ``args``; nothing runs.
 
@@ -609,6 +610,7 @@ _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _FILE = re.compile(r'^(\d+) "(.*)"$')
 _LOCATION = re.compile(r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)")
 _FRAME = re.compile(r"^(\d+) \{file_location_id=(\d+)")
+_HOST_COLOR = "5"  # XLA's memory space of host memory in buffer assignment
 _ALLOCATION = re.compile(r"^allocation (?P<allocation>\d+): size \d+, (?:color (?P<color>\d+), )?"
                          r"(?:parameter (?P<parameter>\d+))?")
 _VALUE = re.compile(r"^ value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
@@ -662,7 +664,7 @@ def _parse_dump(instructions: dict[str, _Instr], arguments: dict[str, str], assi
   for line in assignment.splitlines():
     if m := _ALLOCATION.match(line):
       allocation, parameter = m.group("allocation"), m.group("parameter")
-      on_device = m.group("color") in (None, "0")  # color 5: host memory
+      on_device = m.group("color") != _HOST_COLOR
     elif on_device and (m := _VALUE.match(line)):
       shape = _LAYOUT.sub("", _COMMENT.sub("", m.group("shape")))
       holder = by_number.get(int(parameter)) if parameter else None

@@ -69,6 +69,8 @@ def offload(inner: optax.GradientTransformation) -> optax.GradientTransformation
       raise ValueError(f"`updates` has {len(grads)} leaves, the offloaded state "
                        f"{len(state.leaves)}: build the state with `init` on these params.")
     leaves = [None] * len(grads) if params is None else jax.tree.leaves(params)
+    if len(leaves) != len(grads):
+      raise ValueError(f"`params` has {len(leaves)} leaves, `updates` {len(grads)}.")
     out, states = [], []
     for g, leaf_state, p in zip(grads, state.leaves, leaves):
       u, new_state = inner.update(g, _to(jax.memory.Space.Device, leaf_state), p)

@@ -59,6 +59,14 @@ def _moment_structure(moments: Any) -> Any:
   return jax.tree.structure(moments, is_leaf=lowbit.is_quantized)
 
 
+def _disagree(a: "MomentFold", b: "MomentFold") -> bool:
+  """Whether two folds differ in a field both know (a rate traced under
+  `optax.inject_hyperparams` is not known)."""
+  known = lambda v: not isinstance(v, jax.core.Tracer)
+  return any(known(x) and known(y) and x != y for x, y in (
+      (a.k, b.k), (a.b1, b.b1), (a.b2, b.b2), (a.nu_scale, b.nu_scale)))
+
+
 def _check_k(k: Any, name: str = "k") -> None:
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
     raise ValueError(
@@ -135,7 +143,9 @@ def adama(
   backward pass; the gradient of such a leaf is ignored. Folded pairs arrive
   in the moments' storage dtypes, so with a low-precision ``mu_dtype`` their
   direction is computed from the rounded mu (the plain path uses the
-  unrounded one, as `optax.scale_by_adam` does).
+  unrounded one, as `optax.scale_by_adam` does). ``folded_with``: the
+  `MomentFold` that folded them (`microbatch_step` passes its own); one that
+  differs from this AdamA's in k, b1, b2 or nu_scale is an error.
 
   Args:
     k: micro-batches per optimizer step, a positive Python int.
@@ -191,8 +201,13 @@ def adama(
     return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
                       mu=mu, nu=nu)
 
-  def update_fn(updates, state, params=None, *, folded=None, **extra_args):
+  def update_fn(updates, state, params=None, *, folded=None, folded_with=None, **extra_args):
     del params, extra_args
+    if folded_with is not None and _disagree(folded_with, fold):
+      raise ValueError(
+          f"The moments were folded in the backward with {folded_with}, and this AdamA folds "
+          f"with {fold}: give microbatch_step's FoldInBackward the b1, b2 and nu_scale of "
+          "`adama`.")
     if jax.tree.structure(updates) != _moment_structure(state.mu):
       raise ValueError(
           "`updates` (the gradient) and the AdamA state have different tree structures: "
@@ -433,9 +448,10 @@ class FoldInBackward:
   `LayerMoments`) to `scan_layers` over ``params[key]``, which folds layer by
   layer inside the scan's backward.
 
-  ``b1``, ``b2`` and ``nu_scale`` must be the ones given to `adama`: nothing
-  can check it, since an optax chain does not expose its members'
-  hyperparameters. The folded leaves' gradients never reach ``tx.update`` (it
+  ``b1``, ``b2`` and ``nu_scale`` must be the ones given to `adama`:
+  `microbatch_step` builds one `MomentFold` from them, folds with it in the
+  backward and hands it to ``tx.update``, where `adama` raises if its own
+  differs (an optax chain does not expose its members' hyperparameters). The folded leaves' gradients never reach ``tx.update`` (it
   sees zeros there), so transformations that read the gradient before
   `adama` (global-norm clipping, `optax.apply_if_finite`'s finiteness check)
   do not see them.
@@ -558,6 +574,8 @@ def microbatch_step(
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
     raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
                      f"{fold_in_backward!r}.")
+  fold = None if fold_in_backward is None else MomentFold(
+      k, fold_in_backward.b1, fold_in_backward.b2, fold_in_backward.nu_scale)
 
   def loss_of(params, state, batch, *moments):
     """``loss_fn`` as ``(loss, (aux, state))``, for ``value_and_grad(has_aux=True)``."""
@@ -583,7 +601,7 @@ def microbatch_step(
     micro_batches = _split(batch, k)
     if adama_state is None:
       return _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches)
-    return _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batches)
+    return _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micro_batches)
 
   if has_state:
     return stateful_step
@@ -624,7 +642,7 @@ def _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches):
   return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)
 
 
-def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batches):
+def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micro_batches):
   """Micro-batches 1..k-1 folded in a scan that holds no parameter-sized carry or update
   (AdamA's updates there are zeros, dropped), then the k-th, whose update alone is applied.
 
@@ -638,8 +656,8 @@ def _fold(loss_of, tx, fold_in_backward, k, params, state, opt_state, micro_batc
       updates, opt_state = tx.update(grads, opt_state, params)
     else:
       grads, folded, loss, (aux, state) = _grads_folded_in_backward(
-          loss_of, fold_in_backward, k, params, state, opt_state, batch)
-      updates, opt_state = tx.update(grads, opt_state, params, folded=folded)
+          loss_of, fold_in_backward, fold, params, state, opt_state, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, folded=folded, folded_with=fold)
     return updates, state, opt_state, (loss, aux)
 
   if _has_skips(opt_state):
@@ -678,15 +696,14 @@ def _has_skips(opt_state: Any) -> bool:
   return any(is_skip(x) for x in jax.tree.leaves(opt_state, is_leaf=is_skip))
 
 
-def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):
+def _grads_folded_in_backward(loss_of, options, fold, params, state, opt_state, batch):
   """The gradient (zero where folded), the moments folded in backward, loss, (aux, state)."""
   key = options.key
   if key is None:
-    return _leaves_folded_in_backward(loss_of, options, k, params, state, opt_state, batch)
+    return _leaves_folded_in_backward(loss_of, options, fold, params, state, opt_state, batch)
   if not isinstance(params, dict) or key not in params:
     raise ValueError(f"`fold_in_backward.key` {key!r} is not an entry of the params dict.")
   adama_state = find_adama_state(opt_state)
-  fold = MomentFold(k, options.b1, options.b2, options.nu_scale)
   first = adama_state.micro_step == 0
 
   def loss_with_moments(params, mu_nu):
@@ -710,10 +727,9 @@ def _grads_folded_in_backward(loss_of, options, k, params, state, opt_state, bat
   return grads, folded, loss, aux_state
 
 
-def _leaves_folded_in_backward(loss_of, options, k, params, state, opt_state, batch):
+def _leaves_folded_in_backward(loss_of, options, fold, params, state, opt_state, batch):
   """`_grads_folded_in_backward` for any pytree: `_folding_leaf` on the selected leaves."""
   adama_state = find_adama_state(opt_state)
-  fold = MomentFold(k, options.b1, options.b2, options.nu_scale)
   first = adama_state.micro_step == 0
   selected = jax.tree_util.tree_map_with_path(
       lambda path, leaf: True if options.where is None else bool(options.where(path, leaf)),

@@ -296,7 +296,7 @@ def _measure(step_fn, signature, policy, donate_argnums) -> tuple[int, float]:
   args = jax.tree.unflatten(treedef, leaves)
   lowered = target.lower(functools.partial(step_fn, policy=policy), *args,
                          donate_argnums=donate_argnums)
-  compiled = lowered.compile(target.compiler_options())
+  compiled = target.compile_lowered(lowered)
   return memory.stats_of(compiled).peak_bytes, memory.step_flops(lowered, compiled)
 
 

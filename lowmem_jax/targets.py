@@ -204,7 +204,7 @@ class Target:
 
   def compile(self, fn: Callable, *args, donate_argnums: int | tuple[int, ...] = (),
               compiler_options: dict | None = None, mesh: Mesh | None = None,
-              **kwargs) -> jax.stages.Compiled:
+              **kwargs) -> "jax.stages.Compiled | HostArgumentsCompiled":
     """Compiles ``fn`` for this target on the shapes of ``args`` (nothing runs).
 
     Args:
@@ -281,10 +281,10 @@ _HOST_ARGUMENT = re.compile(r'func\.func public @main\([^\n]*mhlo\.memory_kind =
 
 
 def in_host_memory(tree: Any) -> Any:
-  """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in this process's
-  CPU host memory (memory kind ``"pinned_host"``): arguments that `Target.compile`
-  keeps on the host for a compile-only GPU."""
-  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind=HOST)
+  """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in the host memory
+  (memory kind ``"pinned_host"``) of this process's first device: arguments that
+  `Target.compile` keeps on the host, for the attached GPU or a compile-only one."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)
 
 

@@ -156,6 +156,12 @@ def test_stochastic_rounding_makes_apply_updates_round_stochastically():
   want = lowbit.stochastic_round(params["w"].astype(jnp.float32) + updates["w"], key=w_key)
   np.testing.assert_array_equal(applied["w"], want)
   np.testing.assert_array_equal(out["b"], updates["b"])  # float32 leaves pass through
+  jitted = jax.jit(lambda p, u, s: optax.apply_updates(p, tx.update(u, s, p)[0]))
+  np.testing.assert_array_equal(jitted(params, updates, state)["w"], want)
+  inf = {"w": jnp.array([jnp.inf, -jnp.inf, 1.0], jnp.bfloat16), "b": jnp.ones(8)}
+  moved = optax.apply_updates(inf, tx.update({"w": jnp.full(3, 1e-3), "b": jnp.zeros(8)},
+                                             state, inf)[0])
+  np.testing.assert_array_equal(moved["w"][:2], inf["w"][:2])  # infinite parameters stay
   again, _ = tx.update(updates, new_state, params)
   assert not np.array_equal(again["w"], out["w"])  # the key moved on
   restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(new_state))

@@ -522,3 +522,17 @@ def test_adama_step_holds_no_accumulator_in_compiled_memory():
                                     target="h100").peak_bytes
   assert peaks["adama"] <= peaks["accumulate"], peaks
   assert peaks["fold-in-backward"] <= peaks["accumulate"] - 0.9 * grad_bytes, peaks
+
+
+def test_fold_in_backward_and_adama_must_agree_on_the_fold():
+  """microbatch_step folds with FoldInBackward's rates; an adama with others refuses them."""
+  params = {"w": jnp.ones((8, 4))}
+  loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
+  x = jnp.ones((4, 8))
+  tx = optax.chain(lm.adama(2, b1=0.95), optax.scale_by_learning_rate(0.1))
+  with pytest.raises(ValueError, match="b1, b2 and nu_scale of `adama`"):
+    lm.microbatch_step(loss, tx, 2, fold_in_backward=True)(params, tx.init(params), x)
+  agreeing = lm.optim.FoldInBackward(key=None, b1=0.95)
+  lm.microbatch_step(loss, tx, 2, fold_in_backward=agreeing)(params, tx.init(params), x)
+  hyper = optax.inject_hyperparams(lm.adama, static_args=("k",))(k=2, b1=0.9)
+  lm.microbatch_step(loss, hyper, 2, fold_in_backward=True)(params, hyper.init(params), x)

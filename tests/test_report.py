@@ -165,6 +165,7 @@ def test_cli_report_table(capsys):
                                                        "wrn-28-2"),
     (["report", "--model", "wrn-28-2", "--techniques", "all"], "wrn-28-2 has batch norm"),
     (["report", *SMALL, "--techniques", "adama:2+offload-opt"], "offload-opt does not take adama"),
+    (["report", *SMALL, "--techniques", "bf16-params"], "bf16-params needs 8bit"),
     (["plan", "--model", "wrn-28-2", "--budget", "1GiB"], "invalid choice: 'wrn-28-2'"),
     (["plan", "--budget", "12 parsecs"], "budget '12 parsecs'"),
     (["plan"], "--budget"),
@@ -213,12 +214,12 @@ def test_fused_ce_for_language_models(capsys):
 
 def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
-  printed Python builds the same optimizer."""
+  printed Python runs and builds the same optimizer state."""
   s = cli.parse_setting("adama:2+8bit+bf16-params")
   assert s == cli.Setting("adama:2+8bit+bf16-params", adama=2, state_bits=8, bf16_params=True)
   assert not s.fold_in_backward and cli.parse_setting("adama:2").fold_in_backward
   small = ["--model", "vit-tiny", "--batch", "4", "--image", "32", "--target", "h100"]
-  assert cli.main(["report", *small, "--techniques", "baseline,8bit,bf16-params,offload-opt,"
+  assert cli.main(["report", *small, "--techniques", "baseline,8bit,8bit+bf16-params,offload-opt,"
                    "adama:2", "--json"]) == 0
   base, eight, bf16, off, adama = json.loads(capsys.readouterr().out)["rows"]
   assert eight["optimizer_state"] < 0.3 * base["optimizer_state"]  # 1 byte + scales, not 4
@@ -227,10 +228,15 @@ def test_optimizer_memory_techniques(capsys):
   assert off["breakdown"]["compiled"]["host_argument_bytes"] >= base["optimizer_state"]
   assert adama["techniques"] == "adama:2" and adama["extra_flops"] is None  # folds in backward
   args = cli._parser().parse_args(["report", *small])
-  args.image = 32
-  code = cli.parse_setting("8bit+bf16-params+offload-opt").python(args)
+  setting = cli.parse_setting("8bit+bf16-params+offload-opt")
+  code = setting.python(args)
   assert "lm.offload.offload(optax.chain(lm.scale_by_adam_8bit()" in code
   assert "lm.lowbit.stochastic_rounding()" in code and "param_dtype=jnp.bfloat16" in code
+  namespace = {}
+  exec(code, namespace)
+  assert jax.tree.structure(namespace["opt_state"]) == jax.tree.structure(
+      setting.optimizer().init(namespace["params"]))
+  assert {p.dtype for p in jax.tree.leaves(namespace["params"])} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_wrn_in_the_report(capsys):
@@ -311,7 +317,7 @@ def test_cli_report_step(capsys, step_file):
   assert cli.main(["report", "--step", f"{step_file}:make_step", "--target", "h100"]) == 0
   out = capsys.readouterr().out
   header = next(line for line in out.splitlines() if line.startswith("┃ techniques"))
-  peak = [c.strip() for c in header.split("┃")].index("peak")
+  peak = [c.strip().split(" ")[0] for c in header.split("┃")].index("peak")  # "peak MiB"
   rows = {c[1]: c for c in ([c.strip() for c in line.split("│")] for line in out.splitlines()
                             if line.startswith("│ "))}
   assert list(rows)[:2] == ["baseline", "lowmem"]  # the default with --step: both

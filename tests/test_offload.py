@@ -8,14 +8,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
+import offload_memory  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import offload, targets
-
-
-def _step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-  return step
 
 
 def test_offload_gives_the_inner_updates_with_the_state_on_the_host():
@@ -28,7 +22,7 @@ def test_offload_gives_the_inner_updates_with_the_state_on_the_host():
   tx = offload.offload(inner)
   state = tx.init(params)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
-  step, reference = jax.jit(_step(tx)), jax.jit(_step(inner))
+  step, reference = jax.jit(offload_memory.step(tx)), jax.jit(offload_memory.step(inner))
   got, want, ref_state = params, params, inner.init(params)
   for g in grads:
     got, state = step(got, state, g)
@@ -46,7 +40,7 @@ def test_h100_compile_keeps_the_state_on_the_host_and_the_device_under_its_memor
   peaks = {}
   for name, tx in (("plain", optax.adam(1e-3)), ("offload", offload.offload(optax.adam(1e-3)))):
     state = offload.abstract_state(tx, params)
-    compiled = target.compile(jax.jit(_step(tx), donate_argnums=(0, 1)), params, state, params)
+    compiled = target.compile(jax.jit(offload_memory.step(tx), donate_argnums=(0, 1)), params, state, params)
     stats = lm.memory.stats_of(compiled)
     peaks[name] = stats.peak_bytes
     if name == "offload":

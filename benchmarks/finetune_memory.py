@@ -40,11 +40,6 @@ LR = 1e-5
 LOWMEM = dict(activation="approx", norm="ms", attention="recompute", loss="fused")
 
 
-def adamw_8bit(learning_rate: float) -> optax.GradientTransformation:
-  return optax.chain(lm.scale_by_adam_8bit(), optax.add_decayed_weights(1e-4),
-                     optax.scale_by_learning_rate(learning_rate))
-
-
 def rows(k: int) -> dict:
   """``{row: (workload switches, optimizer, micro-batches, fold in backward)}``."""
   lowmem = dict(dtype=jnp.bfloat16, **LOWMEM)
@@ -58,11 +53,11 @@ def rows(k: int) -> dict:
       "+ bfloat16 parameters (stochastic rounding)": (
           bf16_params,
           optax.chain(lm.adamaw(LR, k, state_bits=8), lm.lowbit.stochastic_rounding()), k, False),
-      "8-bit Adam instead of AdamA": (lowmem, adamw_8bit(LR), 1, False),
+      "8-bit Adam instead of AdamA": (lowmem, lm.lowbit.adamw_8bit(LR), 1, False),
       "8-bit Adam, + bfloat16 parameters": (
-          bf16_params, optax.chain(adamw_8bit(LR), lm.lowbit.stochastic_rounding()), 1, False),
+          bf16_params, optax.chain(lm.lowbit.adamw_8bit(LR), lm.lowbit.stochastic_rounding()), 1, False),
       "8-bit Adam, bf16 parameters, + moments in host memory": (
-          bf16_params, optax.chain(lm.offload.offload(adamw_8bit(LR)),
+          bf16_params, optax.chain(lm.offload.offload(lm.lowbit.adamw_8bit(LR)),
                                    lm.lowbit.stochastic_rounding()), 1, False),
       "AdamW offloaded instead of AdamA": (lowmem, lm.offload.offload(optax.adamw(LR)), 1, False),
   }

@@ -49,17 +49,10 @@ def train_step(loss_fn: Callable, tx: optax.GradientTransformation, k: int) -> C
   """The jitted ``step(state, batch) -> (state, metrics)`` of `loop.train`, state donated.
 
   ``state`` is ``(params, opt_state)``; ``loss_fn(params, batch)`` the mean
-  loss, float32 []. k = 1: one gradient of the whole batch and ``tx.update``;
-  k > 1: `lowmem_jax.microbatch_step` over k micro-batches (AdamA folds each
-  micro-batch gradient into its moments).
+  loss, float32 []; the step is `lowmem_jax.optim.train_step`'s (k > 1: AdamA
+  folds each micro-batch gradient into its moments).
   """
-  if k > 1:
-    inner = lm.microbatch_step(loss_fn, tx, k)
-  else:
-    def inner(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  inner = lm.optim.train_step(loss_fn, tx, k)
 
   def step(state, batch):
     params, opt_state, metrics = inner(*state, batch)

@@ -613,6 +613,35 @@ def microbatch_step(
   return step
 
 
+def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
+               k: int = 1, *, fold_in_backward: bool = False) -> Callable[..., tuple[Any, ...]]:
+  """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params, opt_state,
+  metrics)``, ``metrics["loss"]`` the loss.
+
+  k = 1: the gradient of ``loss_fn`` on the whole batch and one ``tx.update``.
+  k > 1: `microbatch_step` over k micro-batches (an AdamA ``tx`` for the same k
+  folds each micro-batch gradient into its moments; with ``fold_in_backward``,
+  in the backward pass).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss, float32 [].
+    tx: the optimizer.
+    k: micro-batches per step, a positive Python int.
+    fold_in_backward: as `microbatch_step`'s; it needs k > 1.
+  """
+  _check_k(k)
+  if fold_in_backward and k == 1:
+    raise ValueError("`fold_in_backward` folds AdamA's micro-batches: it needs k > 1.")
+  if k > 1:
+    return microbatch_step(loss_fn, tx, k, fold_in_backward=fold_in_backward or None)
+
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+  return step
+
+
 def _split(batch: Any, k: int) -> Any:
   """Each leaf ``[n, ...]`` as ``[k, n // k, ...]``, micro-batch i the rows i, i + k, ..."""
   def split(x):

@@ -206,6 +206,28 @@ def test_microbatch_step_applies_one_update_bit_for_bit(k):
   exact(runs[0], runs[1])
 
 
+def test_train_step_is_one_update_or_microbatch_step():
+  tx = optax.adamw(1e-2)
+  params, batch = mlp_init(), mlp_batch()
+
+  @jax.jit
+  def by_hand(params, state, batch):
+    loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, {"loss": loss}
+  exact(jax.jit(optim.train_step(mlp_loss, tx))(params, tx.init(params), batch),
+        by_hand(params, tx.init(params), batch))
+  adama = lm.adamaw(1e-2, 4)
+  exact(jax.jit(optim.train_step(mlp_loss, adama, 4, fold_in_backward=True))(
+            params, adama.init(params), batch),
+        jax.jit(lm.microbatch_step(mlp_loss, adama, 4, fold_in_backward=True))(
+            params, adama.init(params), batch))
+  with pytest.raises(ValueError, match="`fold_in_backward` folds AdamA's micro-batches"):
+    optim.train_step(mlp_loss, tx, fold_in_backward=True)
+  with pytest.raises(ValueError, match="k"):
+    optim.train_step(mlp_loss, tx, 0)
+
+
 def test_on_kth_micro_step_is_conditionally_transform():
   """Its twin: the same updates and inner state to float tolerance (XLA fuses a select and a
   cond differently: about 1 ulp)."""

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, memory, names
+from lowmem_jax import cli, memory, names, techniques
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
 
@@ -179,7 +179,7 @@ def test_cli_usage_errors(capsys, argv, message):
 
 def test_cli_plan(capsys):
   # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
-  base = cli.measure(cli._parser().parse_args(["report", *SMALL]), cli.parse_setting("baseline"))
+  base = techniques.measure(techniques.Job("vit-tiny", batch=4), techniques.parse("baseline"))
   budget = base.stats.peak_bytes - 2**20
   assert cli.main(["plan", *SMALL, "--budget", f"{budget}B"]) == 0
   out = capsys.readouterr().out
@@ -196,11 +196,11 @@ def test_cli_plan_nothing_fits(capsys):
 
 
 def test_fused_ce_for_language_models(capsys):
-  assert cli.parse_setting("all+fused-ce") == cli.Setting(
+  assert techniques.parse("all+fused-ce") == techniques.TechniqueSet(
       "all+fused-ce", approx=True, ms_norm=True, attention=True, bf16=True, fused_ce=True)
-  assert cli.ladder(4) == ["baseline", "bf16", "bf16+ms-norm+attention", "all", "all+remat:plan",
+  assert techniques.ladder(4) == ["baseline", "bf16", "bf16+ms-norm+attention", "all", "all+remat:plan",
                            "all+remat:full+adama:2", "all+remat:full+adama:4"]
-  assert cli.ladder(2, language_model=True) == [
+  assert techniques.ladder(2, language_model=True) == [
       "baseline", "fused-ce", "bf16+fused-ce", "bf16+ms-norm+attention+fused-ce", "all+fused-ce",
       "all+fused-ce+remat:plan", "all+fused-ce+remat:full+adama:2"]
   llama = ["--model", "llama-100m", "--batch", "1", "--seq", "64", "--target", "cpu"]
@@ -215,9 +215,9 @@ def test_fused_ce_for_language_models(capsys):
 def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
   printed Python runs and builds the same optimizer state."""
-  s = cli.parse_setting("adama:2+8bit+bf16-params")
-  assert s == cli.Setting("adama:2+8bit+bf16-params", adama=2, state_bits=8, bf16_params=True)
-  assert not s.fold_in_backward and cli.parse_setting("adama:2").fold_in_backward
+  s = techniques.parse("adama:2+8bit+bf16-params")
+  assert s == techniques.TechniqueSet("adama:2+8bit+bf16-params", adama=2, state_bits=8, bf16_params=True)
+  assert not s.fold_in_backward and techniques.parse("adama:2").fold_in_backward
   small = ["--model", "vit-tiny", "--batch", "4", "--image", "32", "--target", "h100"]
   assert cli.main(["report", *small, "--techniques", "baseline,8bit,8bit+bf16-params,offload-opt,"
                    "adama:2", "--json"]) == 0
@@ -227,10 +227,9 @@ def test_optimizer_memory_techniques(capsys):
   assert off["optimizer_state"] == 0  # not on the device at the peak
   assert off["breakdown"]["compiled"]["host_argument_bytes"] >= base["optimizer_state"]
   assert adama["techniques"] == "adama:2" and adama["extra_flops"] is None  # folds in backward
-  args = cli._parser().parse_args(["report", *small])
-  setting = cli.parse_setting("8bit+bf16-params+offload-opt")
-  code = setting.python(args)
-  assert "lm.offload.offload(optax.chain(lm.scale_by_adam_8bit()" in code
+  setting = techniques.parse("8bit+bf16-params+offload-opt")
+  code = setting.python(techniques.Job("vit-tiny", batch=4, image=32, target="h100"))
+  assert "lm.offload.offload(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code
   assert "lm.lowbit.stochastic_rounding()" in code and "param_dtype=jnp.bfloat16" in code
   namespace = {}
   exec(code, namespace)

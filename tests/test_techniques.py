@@ -1,0 +1,74 @@
+"""lowmem_jax.techniques: technique sets parsed, checked and measured without the CLI."""
+
+import dataclasses
+
+import pytest
+
+from lowmem_jax import techniques
+
+SMALL = techniques.Job("vit-tiny", batch=4, image=32, target="cpu")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("turbo", "unknown technique 'turbo'"),
+    ("sparse:1.5", "sparse:1.5: the density must be a number between 0 and 1"),
+    ("sparse:nan", "sparse:nan"),
+    ("sparse", "sparse:"),
+    ("adama:-2", "adama:-2: k must be a positive integer"),
+    ("remat:most", "remat:most: the policy must be one of"),
+    ("lowmem", "applies only to --step"),
+])
+def test_parse_errors_name_the_term(text, message):
+  with pytest.raises(techniques.TechniqueError, match=message):
+    techniques.parse(text)
+
+
+def test_parse_step_techniques():
+  assert techniques.parse("lowmem", step=True).lowmem
+  with pytest.raises(techniques.TechniqueError, match="'sparse:0.1' in 'sparse:0.1' applies only "
+                     "to the reference models"):
+    techniques.parse("sparse:0.1", step=True)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model="gpt-9"), "model must be one of"),
+    (dict(batch=0), "batch must be an int >= 1, got 0"),
+    (dict(seq=2.5), "seq must be an int >= 1, got 2.5"),
+    (dict(image=True), "image must be an int >= 1, got True"),
+    (dict(dtype="int8"), "dtype must be float32, bfloat16 or float16, got 'int8'"),
+])
+def test_bad_job_names_the_field(fields, message):
+  with pytest.raises(techniques.TechniqueError, match=message):
+    techniques.Job(**fields)
+
+
+def test_job_defaults():
+  assert techniques.Job("wrn-28-2").image_side == 32 and techniques.Job().image_side == 224
+  assert techniques.Job("wrn-28-2").default_sets() == techniques.CONV_NET_DEFAULT.split(",")
+  assert techniques.Job("llama-100m").default_sets()[-2:] == ["fused-ce", "all+fused-ce"]
+  assert techniques.Job("vit-b16").default_sets() == techniques.DEFAULT.split(",")
+
+
+def test_sparse_rows_are_measured_dense_with_a_mask():
+  base = techniques.measure(SMALL, techniques.parse("baseline"), top=0)
+  sparse = techniques.parse("sparse:0.25")
+  measured = techniques.measure(SMALL, sparse, top=0)
+  row = techniques.row(measured, base, sparse)
+  assert sparse.density == 0.25
+  assert "lm.sparsity.dynamic_sparsity(0.25)" in sparse.python(SMALL)
+  # the masks: a byte a kernel weight more optimizer state, nothing less
+  assert row["optimizer_state"] > techniques.row(base, base, techniques.parse("baseline"))[
+      "optimizer_state"]
+
+
+def test_cheapest_fit_stops_at_the_first_set_that_fits():
+  # on the CPU proxy bfloat16 costs more; cuDNN attention needs more than 5 tokens
+  job = dataclasses.replace(SMALL, image=None, target="h100")
+  base = techniques.measure(job, techniques.parse("baseline"), top=0)
+  tried = []
+  fit = techniques.cheapest_fit(job, base.stats.peak_bytes - 1, tried.append)
+  assert fit.fits is not None and fit.fits.label == tried[-1] != "baseline"
+  assert [b.label for b, _ in fit.tried] == tried
+  assert fit.tried[-1][0].stats.peak_bytes < base.stats.peak_bytes
+  nothing = techniques.cheapest_fit(job, 1024)
+  assert nothing.fits is None and not nothing.tried and nothing.fixed_bytes > 1024

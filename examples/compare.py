@@ -85,7 +85,7 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   """Trains one row with `loop.train`: ``--steps`` of `train_step` from a copy of ``params``.
 
   The step that trains is the program measured at the training batch
-  (`lowmem_jax.memory.compile`). Resumes from ``args.checkpoint_dir/row``
+  (`lowmem_jax.memory.aot_compile`). Resumes from ``args.checkpoint_dir/row``
   when given. Returns the history, the final params and state, the last
   evaluation's figures, the final training loss (mean of the last `TAIL`
   steps) and `memory` at the training batch (``memory``) and at
@@ -96,7 +96,7 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   state = (params, tx.init(params))
   batch = batch_at(0)
   # Compiled once for the devices it runs on (remat kept on CPU): measured and run.
-  step = lm.memory.compile(train_step(loss_fn, tx, k), state, batch, target="attached")
+  step = lm.memory.aot_compile(train_step(loss_fn, tx, k), state, batch, target="attached")
   figures = {"memory": {"peak": lm.memory.stats_of(step).peak_bytes,
                         "saved": saved_bytes(loss_fn, params, batch, k)}}
   n = jax.tree.leaves(batch)[0].shape[0]

@@ -352,7 +352,7 @@ def main(argv=None) -> dict:
 
   sharded = jax.jit(step, in_shardings=(*state_sharding, batch_sharding),
                     out_shardings=(*state_sharding, {"loss": replicated}), donate_argnums=(0, 1))
-  compiled = lm.memory.compile(sharded, *abstract, tokens, target="attached")
+  compiled = lm.memory.aot_compile(sharded, *abstract, tokens, target="attached")
   state = jax.jit(init, out_shardings=state_sharding)(key)
 
   text = text_bytes()
@@ -395,7 +395,7 @@ def main(argv=None) -> dict:
     device = jax.local_devices()[0]
     single = jax.jit(step, donate_argnums=(0, 1))
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (*abstract, tokens))
-    single_compiled = lm.memory.compile(single, *plain, target="attached")
+    single_compiled = lm.memory.aot_compile(single, *plain, target="attached")
     memory["single"] = lm.memory.stats_of(single_compiled).__dict__
     ref = jax.device_put(jax.jit(init)(key), device)
     result["init_param_diff"] = max_abs_diff(to_host(ref[0]), init_host)

@@ -1,6 +1,8 @@
-"""PNG plots of `lowmem_jax.memory.Breakdown`s (matplotlib, an optional extra)."""
+"""PNG plots of `lowmem_jax.memory.Breakdown`s (matplotlib, an optional extra).
 
-from lowmem_jax import memory
+Imports nothing of the library: the breakdowns and the names of their
+components come in as arguments.
+"""
 
 
 def _pyplot():
@@ -13,16 +15,23 @@ def _pyplot():
   return plt
 
 
-def components(path: str, breakdowns) -> None:
-  """Stacked bars of `memory.COMPONENTS` live at each breakdown's peak, in GiB."""
+def components(path: str, breakdowns, order, estimated) -> None:
+  """Stacked bars of the components live at each breakdown's peak, in GiB.
+
+  Args:
+    path: the PNG to write.
+    breakdowns: `lowmem_jax.memory.Breakdown`s, one bar each.
+    order: the components' names, bottom first (`lowmem_jax.memory.COMPONENTS`).
+    estimated: the names labelled estimated (`lowmem_jax.memory.ESTIMATED`).
+  """
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(1.6 * len(breakdowns) + 3, 4.5))
   labels = [b.label for b in breakdowns]
   bottom = [0.0] * len(breakdowns)
-  for component in memory.COMPONENTS:
+  for component in order:
     heights = [b.at_peak[component] / 2**30 for b in breakdowns]
     if any(heights):
-      name = component + (" (est.)" if component in memory.ESTIMATED else "")
+      name = component + (" (est.)" if component in estimated else "")
       ax.bar(labels, heights, bottom=bottom, label=name)
       bottom = [lo + h for lo, h in zip(bottom, heights)]
   ax.set_ylabel("GiB live at the compiled peak")

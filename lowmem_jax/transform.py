@@ -60,7 +60,7 @@ from jax._src import core as jax_core  # eval_context: test points evaluate whil
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from lowmem_jax import activations, attention_ops, losses, memory, names, norms
+from lowmem_jax import _text, activations, attention_ops, losses, memory, names, norms
 
 _FLAX_DIR = os.path.dirname(flax.__file__) + os.sep
 
@@ -121,7 +121,7 @@ class Rewrites(list):
     for r in self:
       table.add_row(r.kind, r.op if r.left is None else "-", r.source,
                     f"{r.saved_bytes / 2**20:.2f}", r.left or "")
-    return memory._render(table)  # pylint: disable=protected-access
+    return _text.render(table)
 
 
 def _check_options(options: dict) -> dict:

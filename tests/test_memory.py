@@ -7,6 +7,7 @@ from flax import nnx
 
 import lowmem_jax as lm
 from lowmem_jax import memory, targets
+from lowmem_jax.memory import breakdown
 
 
 def _mlp_grad():
@@ -155,7 +156,7 @@ def test_report_finds_an_optax_state_by_type():
 
 
 def _components(tree):
-  return {c for _, c in memory._typed_leaves(tree)}
+  return {c for _, c in breakdown._typed_leaves(tree)}
 
 
 def test_components_of_typed_leaves():
@@ -168,8 +169,17 @@ def test_components_of_typed_leaves():
       == {"optimizer state"}
   assert _components((params, jnp.ones(2))) == {None}
   # An optax state over a Flax linen tree stays optimizer state under its "params" key.
-  assert memory._argument_component("opt_state[0].mu['params']['w']") == "optimizer state"
-  assert memory._argument_component("s[0].mu['params']['w']", "optimizer state") == "optimizer state"
+  assert breakdown._argument_component("opt_state[0].mu['params']['w']") == "optimizer state"
+  assert breakdown._argument_component("s[0].mu['params']['w']", "optimizer state") == "optimizer state"
+
+
+def test_compile_is_renamed_aot_compile():
+  assert "compile" not in vars(memory)  # the builtin is not shadowed
+  with pytest.warns(DeprecationWarning, match="lowmem_jax.memory.aot_compile"):
+    old = memory.compile
+  assert old is memory.aot_compile
+  with pytest.raises(AttributeError, match="no attribute 'compiled'"):
+    _ = memory.compiled
 
 
 def test_bad_fn():

@@ -60,7 +60,7 @@ def test_vit_step_on_h100_uses_cublas_and_bf16_is_smaller():
   for dtype in (jnp.float32, jnp.bfloat16):
     step, args = _vit_step(dtype)
     for target in ("h100", "cpu"):
-      compiled = memory.compile(step, *args, target=target)
+      compiled = memory.aot_compile(step, *args, target=target)
       peak[target, dtype] = memory.stats_of(compiled).temp_bytes
       if target == "h100":
         assert any(c.startswith("__cublas$") for c in _custom_calls(compiled))

@@ -1,0 +1,14 @@
+"""Plain text of rich renderables: how the library's tables print."""
+
+import io
+
+from rich.console import Console
+
+
+def render(*renderables) -> str:
+  """``renderables`` (rich tables, strings) as text 160 columns wide, without colour,
+  one after the other, trailing whitespace stripped."""
+  console = Console(file=io.StringIO(), width=160, color_system=None)
+  for r in renderables:
+    console.print(r)
+  return console.file.getvalue().rstrip()

@@ -1,0 +1,41 @@
+"""Memory accounting for any JAX function, on abstract shapes.
+
+Two figures, and this package is the only place the project takes them from
+(`lowmem_jax.memory.analysis`):
+
+* `analyze`: XLA's buffer assignment of the function compiled for a target,
+  by default the GPU the user trains on, compiled here without one
+  (`lowmem_jax.targets`), on `jax.ShapeDtypeStruct` pytrees if need be.
+* `saved_residuals`: what autodiff keeps from the forward pass for the
+  backward pass (``jax.vjp``'s residuals), backend-free: what papers count.
+
+`report` (`lowmem_jax.memory.breakdown`) puts both together for a training
+step: the buffers live at the peak split into `COMPONENTS`, each with the op
+and source line that made it, the live bytes over program order, and
+autodiff's residuals by checkpoint name. `explain_oom` says the same of a
+step that does not fit. XLA's dumps, which the report reads, are parsed in
+the private `lowmem_jax.memory._xla_dump`.
+"""
+
+import warnings
+
+from lowmem_jax.memory.analysis import (MemoryStats, Residual, Residuals, analyze, aot_compile, flops_of,
+                                        saved_residuals, stats_of, step_flops, tree_bytes)
+from lowmem_jax.memory.breakdown import COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom, report
+
+__all__ = [
+    "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual", "Residuals", "analyze",
+    "aot_compile", "explain_oom", "flops_of", "report", "saved_residuals", "stats_of", "step_flops",
+    "tree_bytes",
+]
+
+_RENAMED = {"compile": "aot_compile"}  # old name -> new name, reachable with a warning for one release
+
+
+def __getattr__(name: str):
+  if name in _RENAMED:
+    new = _RENAMED[name]
+    warnings.warn(f"lowmem_jax.memory.{name} is renamed lowmem_jax.memory.{new}; the old name "
+                  "goes in the next release.", DeprecationWarning, stacklevel=2)
+    return globals()[new]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

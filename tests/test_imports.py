@@ -1,0 +1,153 @@
+"""The library's modules import one another without a cycle.
+
+A module's imports that run when it is imported (module level, class bodies,
+``if``/``try`` blocks; not function bodies, not ``if TYPE_CHECKING``) make the
+edges; a second check adds the imports inside functions, which defer a cycle
+rather than break it. ``from lowmem_jax.pkg import x`` is an edge to the module
+``lowmem_jax.pkg.x`` where there is one, else to ``lowmem_jax.pkg`` (its
+``__init__``). A submodule's implicit import of its parent packages is no edge:
+the parent is already being imported, and only a name the submodule takes
+from the parent's ``__init__`` (an edge of its own) can find it half done.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lowmem_jax"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+  return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+      isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_time_imports(nodes):
+  """The import statements among ``nodes`` and their children that run when the
+  module is imported."""
+  for node in nodes:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      yield node
+    elif isinstance(node, ast.If) and _is_type_checking(node.test):
+      yield from _import_time_imports(node.orelse)
+    elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      yield from _import_time_imports(ast.iter_child_nodes(node))
+
+
+def _edges(name: str, path: pathlib.Path, modules: dict, deferred: bool) -> set[str]:
+  """The library modules that importing module ``name`` (at ``path``) imports, and
+  with ``deferred`` those its functions import too."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  tree = ast.parse(path.read_text(), str(path))
+  nodes = ([n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if deferred
+           else _import_time_imports(tree.body))
+  out = set()
+  for node in nodes:
+    if isinstance(node, ast.Import):
+      targets = [alias.name for alias in node.names]
+    else:
+      base = node.module or ""
+      if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+      targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                 for alias in node.names]
+    for target in targets:
+      while target and target not in modules:  # import a.b.c: the deepest library module named
+        target = target.rpartition(".")[0]
+      if target:
+        out.add(target)
+  return out
+
+
+def _graph(deferred: bool = False) -> dict[str, set[str]]:
+  modules = _modules()
+  return {name: _edges(name, path, modules, deferred) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """One cycle (its modules, the first repeated at the end) in each strongly connected
+  component of ``graph`` that has one (Tarjan's algorithm)."""
+  index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while not component or component[-1] != v:
+        component.append(stack.pop())
+        on_stack.discard(component[-1])
+      if len(component) > 1 or v in graph[v]:
+        components.append(set(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return [_cycle_in(graph, component) for component in components]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+  """A path from the first module of ``component`` back to itself, inside it."""
+  start = min(component)
+  paths, seen = [[start]], set()
+  while paths:
+    path = paths.pop(0)
+    for w in sorted(graph[path[-1]] & component):
+      if w == start:
+        return path + [start]
+      if w not in seen:
+        seen.add(w)
+        paths.append(path + [w])
+  raise AssertionError(f"no cycle through {start} in {sorted(component)}")
+
+
+def test_the_graph_sees_the_imports():
+  graph = _graph()
+  assert "lowmem_jax.memory" in graph["lowmem_jax"]
+  assert graph["lowmem_jax.memory"] >= {"lowmem_jax.memory.analysis", "lowmem_jax.memory.breakdown"}
+  assert graph["lowmem_jax.memory.breakdown"] >= {
+      "lowmem_jax.memory._xla_dump", "lowmem_jax.memory.analysis", "lowmem_jax._plots", "lowmem_jax.names"}
+  assert graph["lowmem_jax._plots"] == set()
+
+
+def test_cycles_are_found_and_named():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+  assert sorted(_cycles(graph)) == [["a", "b", "c", "a"], ["e", "e"]]
+
+
+def test_no_import_cycles():
+  cycles = _cycles(_graph())
+  assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_cycles_hidden_in_functions():
+  """An import inside a function breaks no cycle, it defers it: memory's plots once
+  imported _plots inside methods, and _plots imported memory."""
+  cycles = _cycles(_graph(deferred=True))
+  assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_import_in_a_fresh_interpreter():
+  result = subprocess.run(
+      [sys.executable, "-c", "import lowmem_jax; print(lowmem_jax.__file__)"],
+      cwd=ROOT, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == str(PACKAGE / "__init__.py")

@@ -7,13 +7,8 @@ WRN-d-k: three groups of ``(d - 4) / 6`` pre-activation basic blocks
 after a 3x3 stem conv of width 16; then BN-ReLU, global average pool and a
 dense head. WRN-28-2 has 1.47M parameters.
 
-Switches: ``activation`` ("exact" `jax.nn.relu`, which saves a float array,
-or "approx" `lowmem_jax.relu`, which saves a 1-bit mask and is exact: ReLU's
-derivative is a step), ``conv`` ("plain", "pooled": `lowmem_jax.compress.pooled_conv`
-with pool 2, or "int8": the conv input saved as int8 rows, see
-`lowmem_jax.compress`; where a block's shortcut is a 1x1 conv, it and the
-first 3x3 conv each save their own compressed copy of the same input),
-``remat`` / ``remat_policy`` for the blocks.
+Switches: ``activation`` and ``conv`` (see `WideResNet`), and `Switches`'
+``remat`` / ``remat_policy`` for the blocks, ``dtype``, ``param_dtype``.
 
 Batch norm in training mode (``train=True``) normalises with the statistics
 of the batch it is given. Under micro-batching (`lowmem_jax.microbatch_step`)
@@ -27,7 +22,7 @@ them after training over the training set.
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,6 +30,7 @@ import jax.numpy as jnp
 
 from lowmem_jax import compress
 from lowmem_jax.activations import relu
+from lowmem_jax.models._common import Switches
 
 ACTIVATIONS = ("exact", "approx")
 CONVS = ("plain", "pooled", "int8")
@@ -77,7 +73,7 @@ class Block(nn.Module):
     return shortcut + h
 
 
-class WideResNet(nn.Module):
+class WideResNet(Switches):
   """WRN-depth-widen classifier; defaults are WRN-28-2 on CIFAR-10.
 
   Input ``float[batch, image, image, channels]`` (image a multiple of 8 for
@@ -88,20 +84,20 @@ class WideResNet(nn.Module):
   Attributes:
     depth: 6n + 4 layers; widen: the width multiplier k.
     num_classes: classes of the head.
-    activation: "exact" or "approx" (see the module docstring).
-    conv: "plain", "pooled" or "int8".
-    remat: wrap each block in `nn.remat` with ``remat_policy`` (None saves nothing).
-    dtype: compute dtype; param_dtype: parameter dtype.
+    activation: "exact", `jax.nn.relu`, which saves a float array, or "approx",
+      `lowmem_jax.relu`, which saves a 1-bit mask and is exact: ReLU's
+      derivative is a step.
+    conv: "plain", "pooled" (`lowmem_jax.compress.pooled_conv` with pool 2) or
+      "int8" (the conv input saved as int8 rows, see `lowmem_jax.compress`);
+      where a block's shortcut is a 1x1 conv, it and the first 3x3 conv each
+      save their own compressed copy of the same input.
+    remat, remat_policy, dtype, param_dtype: `Switches`' (keywords).
   """
   depth: int = 28
   widen: int = 2
   num_classes: int = 10
   activation: str = "exact"
   conv: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, images, train: bool = True):
@@ -110,7 +106,7 @@ class WideResNet(nn.Module):
       raise ValueError(f"depth must be 6n + 4 with n >= 1, got {self.depth}.")
     if self.widen < 1:
       raise ValueError(f"widen must be >= 1, got {self.widen}.")
-    block = nn.remat(Block, policy=self.remat_policy, static_argnums=(2,)) if self.remat else Block
+    block = self.remat_block(Block, static_argnums=(2,))
     x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                 name="stem")(images.astype(self.dtype))
     for group, (width, stride) in enumerate(zip((16, 32, 64), (1, 2, 2))):

@@ -131,7 +131,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     dtype: compute dtype; param_dtype: parameter dtype.
     activation, norm, attention, remat, remat_policy: the models' switches
       (`TransformerSwitches`). The WideResNet has batch norm and no attention:
-      norm and attention "plain"; its activation is "exact" or "approx" (see
+      norm and attention "plain"; its activation is "exact" or "1bit" (see
       `WideResNet`).
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
     loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
@@ -144,7 +144,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   if image is not None and image < 1:
     raise ValueError(f"image must be >= 1, got {image}.")
   if name in WRN_CONFIGS:
-    wrn.check_switches(activation, conv)
+    activation = wrn.check_switches(activation, conv)
   else:
     check_switches(activation, norm, attention)
   llama.check_loss(loss)

@@ -152,3 +152,18 @@ def test_workload_builds_a_classifier_step():
   assert out.shape == () and out.dtype == jnp.float32
   with pytest.raises(ValueError, match="seq must be <= 512"):
     models.workload("minilm-l6", batch=1, seq=513)
+
+
+def test_classifier_hands_its_switches_to_its_encoder():
+  def saved_names(**switches):
+    model = bert.BertClassifier(TINY, **switches)
+    params = jax.eval_shape(model.init, jax.random.key(0), TOKENS)["params"]
+    saved = lm.memory.saved_residuals(lambda p: model.apply({"params": p}, TOKENS, MASK).sum(),
+                                      params)
+    return set(saved.by_name()) - {None}
+  plain = saved_names()
+  lowmem = saved_names(activation="approx", norm="ms", attention="recompute")
+  assert lm.names.ATTN_PROBS in plain and lm.names.ATTN_PROBS not in lowmem
+  assert {lm.names.ACT_CODE, lm.names.NORM_RSTD, lm.names.ATTN_LSE} <= lowmem
+  policy = lm.policies.save_only(lm.names.BLOCK_IN)
+  assert saved_names(remat=True, remat_policy=policy) == {lm.names.BLOCK_IN}

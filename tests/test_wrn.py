@@ -51,15 +51,28 @@ def test_wrn_28_2_size_and_outputs():
   assert logits.shape == (4, 10) and logits.dtype == jnp.float32
 
 
-def test_approx_relu_gives_the_same_gradient_and_saves_bits(variables):
+def test_1bit_relu_gives_the_same_gradient_and_saves_bits(variables):
   x, y = data()
   params = variables["params"]
   g = grad(small(), params, x, y)
-  g_approx = grad(small(activation="approx"), params, x, y)
-  chex.assert_trees_all_close(g_approx, g, rtol=1e-5, atol=1e-6)  # ReLU's derivative is a step
-  saved = memory.saved_residuals(lambda p: train_loss(small(activation="approx"), p, x, y),
+  g_1bit = grad(small(activation="1bit"), params, x, y)
+  chex.assert_trees_all_close(g_1bit, g, rtol=1e-5, atol=1e-6)  # ReLU's derivative is a step
+  saved = memory.saved_residuals(lambda p: train_loss(small(activation="1bit"), p, x, y),
                                  params)
   assert saved.by_name()[names.ACT_CODE] > 0
+
+
+def test_approx_is_the_old_name_of_1bit(variables):
+  x, y = data()
+  with pytest.warns(DeprecationWarning, match="activation='1bit'"):
+    old = jax.make_jaxpr(lambda p: train_loss(small(activation="approx"), p, x, y))(
+        variables["params"])
+  new = jax.make_jaxpr(lambda p: train_loss(small(activation="1bit"), p, x, y))(
+      variables["params"])
+  assert str(old) == str(new)
+  with pytest.warns(DeprecationWarning, match="activation='1bit'"):
+    wl = models.workload("wrn-28-2", batch=1, activation="approx")
+  assert wl.model.activation == "1bit"
 
 
 @pytest.mark.parametrize("conv", ["pooled", "int8"])
@@ -127,6 +140,10 @@ def test_workload_switches_are_checked():
     models.workload("wrn-28-2", batch=1, norm="ms")
   with pytest.raises(ValueError, match="conv"):
     models.workload("wrn-28-2", batch=1, conv="fft")
+  with pytest.raises(ValueError, match="activation must be one of \\('exact', '1bit'\\)"):
+    models.workload("wrn-28-2", batch=1, activation="fast")
+  with pytest.raises(ValueError, match="activation must be one of \\('exact', 'approx'\\)"):
+    models.workload("vit-tiny", batch=1, activation="1bit")
   with pytest.raises(ValueError, match="conv applies to the WideResNet only"):
     models.workload("vit-tiny", batch=1, conv="pooled")
   with pytest.raises(ValueError, match="image must be a multiple of 8"):

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import optim
-from lowmem_jax.models import bert, llama, vit, wrn
+from lowmem_jax.models import bert, llama, wrn
+from lowmem_jax.models._common import Switches, TransformerSwitches, check_switches
 from lowmem_jax.models.bert import Bert, BertClassifier, BertConfig
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
@@ -129,7 +130,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     image: image side in pixels (ViT: default 224; WideResNet: default 32).
     dtype: compute dtype; param_dtype: parameter dtype.
     activation, norm, attention, remat, remat_policy: the models' switches
-      (the WideResNet has batch norm and no attention: norm and attention "plain").
+      (`TransformerSwitches`). The WideResNet has batch norm and no attention:
+      norm and attention "plain"; its activation is "exact" or "1bit" (see
+      `WideResNet`).
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
     loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
       (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
@@ -140,8 +143,10 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     raise ValueError(f"batch must be >= 1, got {batch}.")
   if image is not None and image < 1:
     raise ValueError(f"image must be >= 1, got {image}.")
-  vit.check_switches(activation, norm, attention)
-  wrn.check_switches(activation, conv)
+  if name in WRN_CONFIGS:
+    activation = wrn.check_switches(activation, conv)
+  else:
+    check_switches(activation, norm, attention)
   llama.check_loss(loss)
   if loss != "plain" and name not in llama.CONFIGS:
     raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
@@ -181,5 +186,5 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   return Workload(name, model, inputs, labels)
 
 
-__all__ = ["Bert", "BertClassifier", "BertConfig", "Llama", "LlamaConfig", "NAMES", "ViT", "WideResNet", "Workload",
-           "workload"]
+__all__ = ["Bert", "BertClassifier", "BertConfig", "Llama", "LlamaConfig", "NAMES", "Switches",
+           "TransformerSwitches", "ViT", "WideResNet", "Workload", "workload"]

@@ -17,14 +17,13 @@ kernels (``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``). ``y``
 is the one array the norm, the affine and the next matmuls save. The last
 norm, ``final_norm``, feeds no linear layer inside the model and stays plain.
 
-Switches: ``activation`` ("exact" erf GELU or "approx" ReGELU2), ``norm``
-("plain" or "ms"), ``attention`` ("plain", which keeps the float32
-probabilities, or "recompute", `lowmem_jax.attention`), ``remat`` /
-``remat_policy``. No dropout: the model is deterministic.
+Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
+LayerNorms, ``norm="ms"`` the `MSPostLayerNorm` above), ``remat`` /
+``remat_policy`` for the layers. No dropout: the model is deterministic.
 """
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -33,10 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import fold, names
-from lowmem_jax.activations import regelu2
 from lowmem_jax.attention_ops import attention, dot_product_attention
-from lowmem_jax.models.llama import HeadsDense
-from lowmem_jax.models.vit import check_switches
+from lowmem_jax.models._common import HeadsDense, TransformerSwitches, check_switches, gelu, normed
 from lowmem_jax.norms import ms_layer_norm
 
 
@@ -68,8 +65,6 @@ class BertConfig:
                n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
                ffn_dim=config["intermediate_size"], max_len=config["max_position_embeddings"],
                type_vocab_size=config["type_vocab_size"], norm_eps=config["layer_norm_eps"])
-
-
 
 
 class MSPostLayerNorm(nn.Module):
@@ -137,16 +132,14 @@ class Mlp(nn.Module):
   def __call__(self, x):
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     h = checkpoint_name(dense(self.config.ffn_dim, "fc1")(x), names.MLP_HIDDEN)
-    h = regelu2(h) if self.activation == "approx" else nn.gelu(h, approximate=False)
-    return dense(self.config.dim, "fc2")(checkpoint_name(h, names.MLP_ACT))
+    return dense(self.config.dim, "fc2")(checkpoint_name(gelu(h, self.activation), names.MLP_ACT))
 
 
 def post_norm(norm: str, config: BertConfig, dtype, param_dtype, name: str, x):
   """``(y, z)`` of a post-LN norm: what the linear layers take, and the residual stream."""
   if norm == "ms":
     return MSPostLayerNorm(config.norm_eps, dtype, param_dtype, name=name)(x)
-  z = nn.LayerNorm(epsilon=config.norm_eps, dtype=dtype, param_dtype=param_dtype, name=name)(x)
-  z = checkpoint_name(z, names.NORM_OUT)
+  z = normed(x, "plain", config.norm_eps, dtype, param_dtype, name)
   return z, z
 
 
@@ -169,7 +162,7 @@ class Layer(nn.Module):
     return x + Mlp(self.config, self.activation, self.dtype, self.param_dtype, name="mlp")(y)
 
 
-class Bert(nn.Module):
+class Bert(TransformerSwitches):
   """BERT encoder (post-LN), without pooler.
 
   Input ``tokens: int32[batch, length]`` and ``mask: bool[batch, length]``
@@ -178,23 +171,11 @@ class Bert(nn.Module):
 
   Attributes:
     config: the sizes (the defaults are MiniLM-L6-H384's).
-    activation: "exact" (erf GELU) or "approx" (`lowmem_jax.regelu2`).
-    norm: "plain" (LayerNorm) or "ms" (`MSPostLayerNorm`, MS-BP: Yang et al., ICML
-      2024, arXiv:2406.16282; fold the params
-      with ``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``).
-    attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
-    remat: wrap each layer in `nn.remat` with ``remat_policy``.
-    remat_policy: a `jax.checkpoint` policy; None saves nothing.
-    dtype: compute dtype; param_dtype: parameter dtype.
+    activation, norm, attention, remat, remat_policy, dtype, param_dtype:
+      `TransformerSwitches`' (keywords); with ``norm="ms"`` (`MSPostLayerNorm`)
+      fold the params with ``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``.
   """
   config: BertConfig = BertConfig()
-  activation: str = "exact"
-  norm: str = "plain"
-  attention: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, mask):
@@ -211,7 +192,7 @@ class Bert(nn.Module):
          + embed(cfg.max_len, "position_embeddings")(jnp.arange(tokens.shape[1]))[None]
          + embed(cfg.type_vocab_size, "token_type_embeddings")(jnp.zeros_like(tokens)))
     keys = mask.astype(bool)[:, None, None, :]  # [batch, 1 (heads), 1 (queries), length]
-    layer = nn.remat(Layer, policy=self.remat_policy) if self.remat else Layer
+    layer = self.remat_block(Layer)
     for i in range(cfg.n_layers):
       x = layer(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
                 name=f"layers_{i}")(x, keys)
@@ -225,7 +206,7 @@ class BertClassifier(Bert):
   bool[batch, length]`` (None: every token is real) to ``float32[batch, num_classes]``.
 
   Attributes:
-    num_classes: outputs of the head (a keyword: it follows `Bert`'s attributes).
+    num_classes: outputs of the head.
     config, activation, norm, attention, remat, remat_policy, dtype,
       param_dtype: as `Bert`'s.
   """
@@ -234,8 +215,7 @@ class BertClassifier(Bert):
   @nn.compact
   def __call__(self, tokens, mask=None):
     mask = jnp.ones(tokens.shape, bool) if mask is None else mask
-    hidden = Bert(self.config, self.activation, self.norm, self.attention, self.remat,
-                  self.remat_policy, self.dtype, self.param_dtype, name="encoder")(tokens, mask)
+    hidden = Bert(self.config, **self.switches(), name="encoder")(tokens, mask)
     head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
     return head(mean_pool(hidden, mask).astype(self.dtype)).astype(jnp.float32)
 

@@ -5,17 +5,14 @@ attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
 ``output``) follows Meta's reference code, so `lowmem_jax.fold.LLAMA_RULES`
 folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
 
-Switches: ``activation`` ("exact" SiLU or "approx" ReSiLU2 on the gate),
-``norm`` ("plain" RMSNorm with scale, or "ms" MS-RMSNorm with the scale folded
-into the next Dense), ``attention`` ("plain", which keeps the float32
-probabilities, or "recompute", `lowmem_jax.attention`, which keeps none),
-``loss`` ("plain" float32 logits and `optax` cross-entropy, or "fused",
-`lowmem_jax.losses.linear_cross_entropy`, which never holds the logits) and
-``remat`` / ``remat_policy`` for the layers.
+Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
+the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
+cross-entropy, or "fused", `lowmem_jax.losses.linear_cross_entropy`, which
+never holds the logits) and ``remat`` / ``remat_policy`` for the layers.
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -23,12 +20,11 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import linen as lm_linen, names
-from lowmem_jax.activations import resilu2
+from lowmem_jax import names
 from lowmem_jax.attention_ops import attention, dot_product_attention
 from lowmem_jax.losses import linear_cross_entropy
-from lowmem_jax.models.vit import check_switches
-
+from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
+                                       norm_layer, normed, silu)
 
 LOSSES = ("plain", "fused")
 
@@ -71,12 +67,6 @@ def rope(x: jax.Array, theta: float) -> jax.Array:
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _rms_norm(norm, eps, dtype, param_dtype, name):
-  if norm == "ms":
-    return lm_linen.MSRMSNorm(epsilon=eps, dtype=dtype, name=name)
-  return nn.RMSNorm(epsilon=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-
-
 class Attention(nn.Module):
   config: LlamaConfig
   attention: str
@@ -103,37 +93,6 @@ class Attention(nn.Module):
     return HeadsDense(cfg.dim, self.dtype, self.param_dtype, name="wo")(out)
 
 
-class HeadsDense(nn.Module):
-  """``[..., heads, head_dim] -> [..., features]`` with `nn.Dense`'s kernel.
-
-  The kernel is ``[heads * head_dim, features]``, as `nn.Dense` would make it
-  on the flattened heads. It contracts the heads without reshaping its input,
-  so the matmul saves the attention output itself, the array attention
-  already keeps, not a copy.
-
-  Attributes:
-    features: output size.
-    dtype: compute dtype; param_dtype: parameter dtype.
-    use_bias: add a bias ``[features]``, as `nn.Dense` would.
-  """
-  features: int
-  dtype: Any
-  param_dtype: Any
-  use_bias: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    heads, head_dim = x.shape[-2:]
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (heads * head_dim, self.features),
-                        self.param_dtype)
-    kernel = kernel.reshape(heads, head_dim, self.features).astype(self.dtype)
-    y = jnp.einsum("...hd,hdf->...f", x.astype(self.dtype), kernel)
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,),
-                         self.param_dtype).astype(self.dtype)
-    return y
-
-
 class FeedForward(nn.Module):
   config: LlamaConfig
   activation: str
@@ -145,7 +104,7 @@ class FeedForward(nn.Module):
     dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
                                      param_dtype=self.param_dtype, name=name)
     gate = checkpoint_name(dense(self.config.ffn_dim, "w1")(x), names.MLP_HIDDEN)
-    gate = resilu2(gate) if self.activation == "approx" else nn.silu(gate)
+    gate = silu(gate, self.activation)
     up = checkpoint_name(dense(self.config.ffn_dim, "w3")(x), names.MLP_HIDDEN)
     return dense(self.config.dim, "w2")(checkpoint_name(gate * up, names.MLP_ACT))
 
@@ -159,8 +118,8 @@ class TransformerBlock(nn.Module):
   param_dtype: Any
 
   def _normed(self, x, name):
-    y = _rms_norm(self.norm, self.config.norm_eps, self.dtype, self.param_dtype, name)(x)
-    return y if self.norm == "ms" else checkpoint_name(y, names.NORM_OUT)
+    return normed(x, self.norm, self.config.norm_eps, self.dtype, self.param_dtype, name,
+                  rms=True)
 
   @nn.compact
   def __call__(self, x):
@@ -199,7 +158,7 @@ class Output(nn.Module):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-class Llama(nn.Module):
+class Llama(TransformerSwitches):
   """LLaMA-style causal language model.
 
   Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``
@@ -208,24 +167,13 @@ class Llama(nn.Module):
 
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
-    activation: "exact" (SiLU) or "approx" (`lowmem_jax.resilu2`).
-    norm: "plain" (RMSNorm with scale) or "ms" (`MSRMSNorm`, scale folded).
-    attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
       "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
-    remat: wrap each layer in `nn.remat` with ``remat_policy``.
-    remat_policy: a `jax.checkpoint` policy; None saves nothing.
-    dtype: compute dtype; param_dtype: parameter dtype.
+    activation, norm, attention, remat, remat_policy, dtype, param_dtype:
+      `TransformerSwitches`' (keywords).
   """
   config: LlamaConfig = LlamaConfig()
-  activation: str = "exact"
-  norm: str = "plain"
-  attention: str = "plain"
   loss: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, labels=None):
@@ -234,9 +182,9 @@ class Llama(nn.Module):
     cfg = self.config
     x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
                  name="tok_embeddings")(tokens)
-    block = nn.remat(TransformerBlock, policy=self.remat_policy) if self.remat else TransformerBlock
+    block = self.remat_block(TransformerBlock)
     for i in range(cfg.n_layers):
       x = block(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
                 name=f"layers_{i}")(x)
-    x = _rms_norm(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm")(x)
+    x = norm_layer(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm", rms=True)(x)
     return Output(cfg.vocab_size, self.loss, self.dtype, self.param_dtype, name="output")(x, labels)

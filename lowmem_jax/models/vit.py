@@ -6,33 +6,22 @@ LayerNorm_1, MlpBlock_0}``, ``Transformer/encoder_norm``, ``embedding``,
 ``pos_embedding``, ``cls``, ``head``; class token pooling), so its
 checkpoints load, and `lowmem_jax.fold.VIT_RULES` folds it.
 
-Switches: ``activation`` ("exact" GELU or "approx" ReGELU2), ``norm``
-("plain" LayerNorm with affine, or "ms" MS-LayerNorm with the affine folded
-into the next Dense), ``attention`` ("plain", which keeps the float32
-probabilities, or "recompute", `lowmem_jax.attention`, which keeps none), and
-``remat`` / ``remat_policy`` for the blocks.
+Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
+LayerNorms), ``remat`` / ``remat_policy`` for the blocks.
 """
 
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
-from lowmem_jax.activations import regelu2
 from lowmem_jax.attention_ops import dot_product_attention
+from lowmem_jax.models._common import (TransformerSwitches, check_switches, gelu, norm_layer,
+                                       normed)
 
-ACTIVATIONS = ("exact", "approx")
-NORMS = ("plain", "ms")
-ATTENTIONS = ("plain", "recompute")
-
-
-def check_switches(activation: str, norm: str, attention: str) -> None:
-  for name, value, allowed in (("activation", activation, ACTIVATIONS), ("norm", norm, NORMS),
-                               ("attention", attention, ATTENTIONS)):
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+EPSILON = 1e-6  # of every LayerNorm
 
 
 def plain_attention_fn(query, key, value, mask=None):
@@ -52,16 +41,8 @@ class MlpBlock(nn.Module):
   def __call__(self, x):
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype)(x)
     h = checkpoint_name(h, names.MLP_HIDDEN)
-    h = regelu2(h) if self.activation == "approx" else nn.gelu(h, approximate=False)
-    h = checkpoint_name(h, names.MLP_ACT)
+    h = checkpoint_name(gelu(h, self.activation), names.MLP_ACT)
     return nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.param_dtype)(h)
-
-
-def layer_norm(norm: str, dtype, param_dtype, name: str) -> nn.Module:
-  """The block's norm: plain LayerNorm (eps 1e-6) or MS-LayerNorm emitting ``dtype``."""
-  if norm == "ms":
-    return lm_linen.MSLayerNorm(epsilon=1e-6, dtype=dtype, name=name)
-  return nn.LayerNorm(epsilon=1e-6, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class Encoder1DBlock(nn.Module):
@@ -74,9 +55,7 @@ class Encoder1DBlock(nn.Module):
   param_dtype: Any = jnp.float32
 
   def _normed(self, x, name):
-    y = layer_norm(self.norm, self.dtype, self.param_dtype, name)(x)
-    # The MS norm names its own output, which it shares with the next matmul.
-    return y if self.norm == "ms" else checkpoint_name(y, names.NORM_OUT)
+    return normed(x, self.norm, EPSILON, self.dtype, self.param_dtype, name)
 
   @nn.compact
   def __call__(self, x):
@@ -93,19 +72,15 @@ class Encoder1DBlock(nn.Module):
     return x + y
 
 
-class ViT(nn.Module):
+class ViT(TransformerSwitches):
   """ViT classifier; defaults are ViT-B/16.
 
   Input ``float[batch, image, image, 3]``; output ``float32[batch, num_classes]``.
 
   Attributes:
     patch_size, width, depth, mlp_dim, num_heads, num_classes: the size.
-    activation: "exact" (erf GELU) or "approx" (`lowmem_jax.regelu2`).
-    norm: "plain" (LayerNorm with affine) or "ms" (`MSLayerNorm`, affine folded).
-    attention: "plain" (keeps float32 probabilities) or "recompute" (`lowmem_jax.attention`).
-    remat: wrap each block in `nn.remat` with ``remat_policy``.
-    remat_policy: a `jax.checkpoint` policy; None saves nothing.
-    dtype: compute dtype; param_dtype: parameter dtype.
+    activation, norm, attention, remat, remat_policy, dtype, param_dtype:
+      `TransformerSwitches`' (keywords).
   """
   patch_size: int = 16
   width: int = 768
@@ -113,13 +88,6 @@ class ViT(nn.Module):
   mlp_dim: int = 3072
   num_heads: int = 12
   num_classes: int = 1000
-  activation: str = "exact"
-  norm: str = "plain"
-  attention: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, images):
@@ -134,29 +102,21 @@ class ViT(nn.Module):
     x = x + pos.astype(self.dtype)
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
     x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
-    x = Encoder(self.depth, self.mlp_dim, self.num_heads, self.activation, self.norm,
-                self.attention, self.remat, self.remat_policy, self.dtype, self.param_dtype,
+    x = Encoder(self.depth, self.mlp_dim, self.num_heads, **self.switches(),
                 name="Transformer")(x)
     head = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head")
     return head(x[:, 0]).astype(jnp.float32)
 
 
-class Encoder(nn.Module):
+class Encoder(TransformerSwitches):
   depth: int
   mlp_dim: int
   num_heads: int
-  activation: str
-  norm: str
-  attention: str
-  remat: bool
-  remat_policy: Callable | None
-  dtype: Any
-  param_dtype: Any
 
   @nn.compact
   def __call__(self, x):
-    block = nn.remat(Encoder1DBlock, policy=self.remat_policy) if self.remat else Encoder1DBlock
+    block = self.remat_block(Encoder1DBlock)
     for i in range(self.depth):
       x = block(self.mlp_dim, self.num_heads, self.activation, self.norm, self.attention,
                 self.dtype, self.param_dtype, name=f"encoderblock_{i}")(x)
-    return layer_norm(self.norm, self.dtype, self.param_dtype, "encoder_norm")(x)
+    return norm_layer(self.norm, EPSILON, self.dtype, self.param_dtype, "encoder_norm")(x)

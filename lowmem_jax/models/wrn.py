@@ -7,13 +7,8 @@ WRN-d-k: three groups of ``(d - 4) / 6`` pre-activation basic blocks
 after a 3x3 stem conv of width 16; then BN-ReLU, global average pool and a
 dense head. WRN-28-2 has 1.47M parameters.
 
-Switches: ``activation`` ("exact" `jax.nn.relu`, which saves a float array,
-or "approx" `lowmem_jax.relu`, which saves a 1-bit mask and is exact: ReLU's
-derivative is a step), ``conv`` ("plain", "pooled": `lowmem_jax.compress.pooled_conv`
-with pool 2, or "int8": the conv input saved as int8 rows, see
-`lowmem_jax.compress`; where a block's shortcut is a 1x1 conv, it and the
-first 3x3 conv each save their own compressed copy of the same input),
-``remat`` / ``remat_policy`` for the blocks.
+Switches: ``activation`` and ``conv`` (see `WideResNet`), and `Switches`'
+``remat`` / ``remat_policy`` for the blocks, ``dtype``, ``param_dtype``.
 
 Batch norm in training mode (``train=True``) normalises with the statistics
 of the batch it is given. Under micro-batching (`lowmem_jax.microbatch_step`)
@@ -27,7 +22,8 @@ them after training over the training set.
 """
 
 import functools
-from typing import Any, Callable
+import warnings
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,16 +31,30 @@ import jax.numpy as jnp
 
 from lowmem_jax import compress
 from lowmem_jax.activations import relu
+from lowmem_jax.models._common import Switches
 
-ACTIVATIONS = ("exact", "approx")
+ACTIVATIONS = ("exact", "1bit")
+RENAMED_ACTIVATIONS = {"approx": "1bit"}  # the old names, accepted with a DeprecationWarning
 CONVS = ("plain", "pooled", "int8")
 BN_MOMENTUM = 0.9  # of every batch norm's running averages
 
 
-def check_switches(activation: str, conv: str) -> None:
+def check_switches(activation: str, conv: str) -> str:
+  """``activation`` under its current name, after checking both switches.
+
+  Raises:
+    ValueError: a switch's value is not one of its choices.
+  """
+  if activation in RENAMED_ACTIVATIONS:
+    new = RENAMED_ACTIVATIONS[activation]
+    warnings.warn(f"WideResNet's activation={activation!r} is now activation={new!r} (an exact "
+                  f"ReLU keeping a 1-bit mask); {activation!r} goes in the next release.",
+                  DeprecationWarning, stacklevel=2)
+    activation = new
   for name, value, allowed in (("activation", activation, ACTIVATIONS), ("conv", conv, CONVS)):
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+  return activation
 
 
 CONV_FNS = {"plain": None, "pooled": functools.partial(compress.pooled_conv, pool=2),
@@ -62,7 +72,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    act = relu if self.activation == "approx" else jax.nn.relu
+    act = relu if self.activation == "1bit" else jax.nn.relu
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
                              param_dtype=self.param_dtype,
                              conv_general_dilated=CONV_FNS[self.conv])
@@ -77,7 +87,7 @@ class Block(nn.Module):
     return shortcut + h
 
 
-class WideResNet(nn.Module):
+class WideResNet(Switches):
   """WRN-depth-widen classifier; defaults are WRN-28-2 on CIFAR-10.
 
   Input ``float[batch, image, image, channels]`` (image a multiple of 8 for
@@ -88,34 +98,35 @@ class WideResNet(nn.Module):
   Attributes:
     depth: 6n + 4 layers; widen: the width multiplier k.
     num_classes: classes of the head.
-    activation: "exact" or "approx" (see the module docstring).
-    conv: "plain", "pooled" or "int8".
-    remat: wrap each block in `nn.remat` with ``remat_policy`` (None saves nothing).
-    dtype: compute dtype; param_dtype: parameter dtype.
+    activation: "exact", `jax.nn.relu`, which saves a float array, or "1bit",
+      `lowmem_jax.relu`, which saves a 1-bit mask and is exact too: ReLU's
+      derivative is a step. ("approx", its old name, still selects it, with a
+      DeprecationWarning.)
+    conv: "plain", "pooled" (`lowmem_jax.compress.pooled_conv` with pool 2) or
+      "int8" (the conv input saved as int8 rows, see `lowmem_jax.compress`);
+      where a block's shortcut is a 1x1 conv, it and the first 3x3 conv each
+      save their own compressed copy of the same input.
+    remat, remat_policy, dtype, param_dtype: `Switches`' (keywords).
   """
   depth: int = 28
   widen: int = 2
   num_classes: int = 10
   activation: str = "exact"
   conv: str = "plain"
-  remat: bool = False
-  remat_policy: Callable | None = None
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, images, train: bool = True):
-    check_switches(self.activation, self.conv)
+    activation = check_switches(self.activation, self.conv)
     if self.depth < 10 or (self.depth - 4) % 6:
       raise ValueError(f"depth must be 6n + 4 with n >= 1, got {self.depth}.")
     if self.widen < 1:
       raise ValueError(f"widen must be >= 1, got {self.widen}.")
-    block = nn.remat(Block, policy=self.remat_policy, static_argnums=(2,)) if self.remat else Block
+    block = self.remat_block(Block, static_argnums=(2,))
     x = nn.Conv(16, (3, 3), use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                 name="stem")(images.astype(self.dtype))
     for group, (width, stride) in enumerate(zip((16, 32, 64), (1, 2, 2))):
       for i in range((self.depth - 4) // 6):
-        x = block(width * self.widen, stride if i == 0 else 1, self.activation, self.conv,
+        x = block(width * self.widen, stride if i == 0 else 1, activation, self.conv,
                   self.dtype, self.param_dtype, name=f"group{group}_block{i}")(x, train)
     x = jax.nn.relu(nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
                                  dtype=self.dtype, param_dtype=self.param_dtype,

@@ -12,7 +12,7 @@ training mode (batch statistics; the running averages are not carried). The
 rows, one switch each unless stated:
 
   baseline         float32, exact ReLU, plain convs, optax.adam
-  approx-relu      activation="approx": lowmem_jax.relu saves a 1-bit mask; exact gradient
+  1bit-relu        activation="1bit": lowmem_jax.relu saves a 1-bit mask; exact gradient
   pooled-conv      conv="pooled": weight gradients from 2x2-average-pooled inputs
   int8-conv        conv="int8": conv inputs saved as int8 rows
   bf16             lowmem_jax.precision.flax_dtypes("bfloat16"): float32 params, bfloat16 compute
@@ -66,7 +66,7 @@ from lowmem_jax.models.wrn import BN_MOMENTUM
 
 VARIANTS = {
     "baseline": {},
-    "approx-relu": dict(activation="approx"),
+    "1bit-relu": dict(activation="1bit"),
     "pooled-conv": dict(conv="pooled"),
     "int8-conv": dict(conv="int8"),
     "bf16": dict(policy="bfloat16"),
@@ -74,10 +74,10 @@ VARIANTS = {
     "sparse-0.2": dict(density=0.2),
     "adama-k4": dict(k=4),
     "remat": dict(remat=True),
-    "all": dict(activation="approx", conv="pooled", policy="bfloat16", density=0.2, k=4,
+    "all": dict(activation="1bit", conv="pooled", policy="bfloat16", density=0.2, k=4,
                 remat=True),
 }
-EXACT = ("approx-relu", "remat")  # exact gradients: expected to match the baseline
+EXACT = ("1bit-relu", "remat")  # exact gradients: expected to match the baseline
 MODEL_SWITCHES = ("activation", "conv", "remat", "policy")
 UPDATE_EVERY = 50  # steps between dynamic_sparsity's mask moves
 TAIL = 50  # the final train loss is the mean over these last steps

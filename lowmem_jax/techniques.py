@@ -178,7 +178,8 @@ class TechniqueSet:
         job.model, batch=job.batch, seq=job.seq, image=job.image,
         dtype=jnp.bfloat16 if self.bf16 else jnp.dtype(job.dtype),
         param_dtype=jnp.bfloat16 if self.bf16_params else jnp.float32, conv=self.conv,
-        activation="approx" if self.approx else "exact", norm="ms" if self.ms_norm else "plain",
+        activation=("1bit" if job.conv_net else "approx") if self.approx else "exact",
+        norm="ms" if self.ms_norm else "plain",
         attention="recompute" if self.attention else "plain",
         loss="fused" if self.fused_ce else "plain",
         remat=self.remat is not None, remat_policy=self.remat)
@@ -218,7 +219,7 @@ class TechniqueSet:
     if self.conv != "plain":
       switches.append(f'conv="{self.conv}"')
     if self.approx:
-      switches.append('activation="approx"')
+      switches.append(f'activation="{"1bit" if job.conv_net else "approx"}"')
     if self.ms_norm:
       switches.append('norm="ms"')
     if self.attention:

@@ -95,23 +95,12 @@ class Workload:
     """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params,
     opt_state, metrics)`` with ``batch = (inputs, labels)`` and ``metrics["loss"]``.
 
-    With ``k > 1``, `lowmem_jax.microbatch_step` over k micro-batches (give an
-    AdamA ``tx`` for the same k to fold each micro-batch gradient into its moments,
-    in the backward pass with ``fold_in_backward``).
+    `lowmem_jax.optim.train_step` of `loss`: with ``k > 1``, over k micro-batches
+    (give an AdamA ``tx`` for the same k to fold each micro-batch gradient into its
+    moments, in the backward pass with ``fold_in_backward``).
     """
-    if fold_in_backward and k == 1:
-      raise ValueError("fold_in_backward folds AdamA's micro-batches: it needs k > 1.")
-
-    def loss(params, batch):
-      return self.loss(params, *batch)
-    if k != 1:
-      return optim.microbatch_step(loss, tx, k, fold_in_backward=fold_in_backward or None)
-
-    def step(params, opt_state, batch):
-      value, grads = jax.value_and_grad(loss)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, {"loss": value}
-    return step
+    return optim.train_step(lambda params, batch: self.loss(params, *batch), tx, k,
+                            fold_in_backward=fold_in_backward)
 
 
 def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,

@@ -1,115 +1,176 @@
 """Scaled dot-product attention, with and without an L×L residual.
 
-Both functions take `jax.nn.dot_product_attention`'s layout, ``[batch,
-length, heads, head_dim]``, with grouped-query heads, and compute
+Both functions take `jax.nn.dot_product_attention`'s arguments, in its
+order and under its names, and its layout, ``[batch, length, heads,
+head_dim]``, with grouped-query heads; they compute
 
-    s = q k^T / sqrt(head_dim) + bias, replaced by -0.7 * float32 max where masked
-    p = softmax(s)    (float32),    out = p v
+    s = scale * query key^T + bias, replaced by -0.7 * float32 max where masked
+    p = softmax(s)    (float32),    out = p value
 
 `attention` (the library's attention, exported as ``lowmem_jax.attention``)
 keeps no L×L residual: its backward recomputes ``p`` chunk by chunk from
-q, k, v and the float32 log-sum-exp of each row (Rabe & Staats 2021,
-arXiv:2112.05682; the backward of FlashAttention-2, Dao 2023,
-arXiv:2307.08691). Its saved residuals are q, k, v, the mask and bias as
-given, the output (`names.ATTN_OUT`) and the log-sum-exp (`names.ATTN_LSE`).
+query, key, value and the float32 log-sum-exp of each row (Rabe & Staats
+2021, arXiv:2112.05682; the backward of FlashAttention-2, Dao 2023,
+arXiv:2307.08691). Its saved residuals are query, key, value, the mask and
+bias as given, the output (`names.ATTN_OUT`) and the log-sum-exp
+(`names.ATTN_LSE`).
 
-`dot_product_attention` is its exact twin, plain attention: autodiff keeps
-the float32 probabilities, tagged `names.ATTN_PROBS`.
+`attention_reference` is its exact twin, plain attention: autodiff keeps the
+float32 probabilities, tagged `names.ATTN_PROBS`. Both name their output
+`names.ATTN_OUT` themselves; a caller need not.
+
+Both run under `jax.named_scope` (``lowmem/attention``,
+``lowmem/attention_reference``), so the op names of memory reports and
+profiles show them. Their 0.1 keywords (``q``, ``k``, ``v``, ``causal``,
+``impl``), ``implementation="chunked"`` and the name
+``dot_product_attention`` for `attention_reference` still work for one
+release, each with a `DeprecationWarning` naming what replaces it.
 
 As in `jax.nn.dot_product_attention`, a row with every key masked attends
-uniformly to all its keys: its output is the mean of v, and q, k and the
-bias get no gradient through it.
+uniformly to all its keys: its output is the mean of value, and query, key
+and the bias get no gradient through it. So does a row with every key
+biased to -inf (NaN in `jax.nn`).
 """
 
 import functools
 import math
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, names, targets
+from lowmem_jax import _layout, dispatch, names, targets
 from lowmem_jax._checks import check_float_array
 
-IMPLS = ("auto", "chunked", "cudnn")
+IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`lowmem_jax.dispatch`)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit (as jax.nn's)
+_OLD_KEYWORDS = {"q": "query", "k": "key", "v": "value", "causal": "is_causal"}  # 0.1's names
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
-              bias: jax.Array | None = None, causal: bool = False, impl: str = "auto",
-              chunk_size: int = 512) -> jax.Array:
+def _accepts_old_keywords(**renamed):
+  """Lets the decorated op take its 0.1 keywords (``old=new``) and
+  ``implementation="chunked"`` for one release, each with a `DeprecationWarning`."""
+  def decorate(fn):
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+      for old, new in renamed.items():
+        if old in kwargs:
+          if new in kwargs:
+            raise TypeError(f"{fn.__name__}() got both {old}= and {new}=; pass {new}= only.")
+          warnings.warn(f"{fn.__name__}(): {old}= is deprecated, use {new}=; {old}= goes in "
+                        f"the next release.", DeprecationWarning, stacklevel=2)
+          kwargs[new] = kwargs.pop(old)
+      if kwargs.get("implementation") == "chunked":
+        warnings.warn(f'{fn.__name__}(): implementation="chunked" is deprecated, use '
+                      f'implementation="xla" (the same chunked attention); "chunked" goes in '
+                      f'the next release.', DeprecationWarning, stacklevel=2)
+        kwargs["implementation"] = "xla"
+      return fn(*args, **kwargs)
+    return op
+  return decorate
+
+
+@_accepts_old_keywords(**_OLD_KEYWORDS, impl="implementation")
+@jax.named_scope("lowmem/attention")
+def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+              mask: jax.Array | None = None, *, scale: float | None = None,
+              is_causal: bool = False, query_seq_lengths: jax.Array | None = None,
+              key_value_seq_lengths: jax.Array | None = None,
+              local_window_size: int | tuple[int, int] | None = None,
+              implementation: str | None = None, chunk_size: int = 512) -> jax.Array:
   """Exact attention whose backward recomputes the probabilities.
 
+  `jax.nn.dot_product_attention`'s arguments, less ``query_seq_lengths``,
+  ``key_value_seq_lengths``, ``local_window_size`` and ``return_residual``
+  (the first three raise where given), plus ``chunk_size``.
+
   The output is named `names.ATTN_OUT` for `jax.checkpoint` policies. Under
-  "chunked" the saved residuals are q, k, v, the output, the float32
+  "xla" the saved residuals are query, key, value, the output, the float32
   log-sum-exp of each row (`names.ATTN_LSE`) and ``mask`` and ``bias`` as
-  given: for causal attention pass ``causal=True`` rather than a mask, which
-  would be an L×L residual. cuDNN's own residuals carry no names.
+  given: for causal attention pass ``is_causal=True`` rather than a mask,
+  which would be an L×L residual. cuDNN's own residuals carry no names.
 
   Args:
-    q: ``[batch, q_length, heads, head_dim]``, float16/bfloat16/float32.
-    k, v: ``[batch, kv_length, kv_heads, head_dim]`` in q's dtype; ``heads``
-      must be a multiple of ``kv_heads`` (grouped-query attention).
-    mask: optional boolean, broadcastable to ``[batch, heads, q_length,
-      kv_length]``; False masks a key out.
-    bias: optional float array broadcastable like ``mask``, added to the
-      logits in float32; it gets a gradient, reduced to its own shape. A
-      bias of -inf masks a key, as ``mask`` does.
-    causal: mask keys after the query's position, aligned at the top left as
-      in `jax.nn.dot_product_attention` (query i sees keys 0..i).
-    impl: "chunked" (the `custom_vjp` here, any backend), "cudnn"
-      (`jax.nn.dot_product_attention(implementation="cudnn")`: NVIDIA GPU,
-      float16 or bfloat16; raises where cuDNN does not support the call,
-      e.g. a mask or bias that broadcasts along a length axis; cuDNN adds a
-      mask as a bias in q's dtype and does not treat -inf biases as masks)
-      or "auto": cuDNN on a GPU where it accepts the call and, with a mask
-      or bias, both lengths are even (its training constraint), else
-      "chunked".
-    chunk_size: keys per chunk of the "chunked" implementation. Beyond
-      float32 accumulators of q's, k's and v's size, its transient memory,
-      forward and backward, is a few float32 arrays of ``[batch, heads,
-      q_length, min(chunk_size, kv_length)]``; a kv_length that is not a
-      multiple is fine.
+    query: ``[batch, q_length, heads, head_dim]``, float16/bfloat16/float32.
+    key, value: ``[batch, kv_length, kv_heads, head_dim]`` in query's dtype;
+      ``heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
+    bias: optional float array broadcastable to ``[batch, heads, q_length,
+      kv_length]``, added to the scaled logits in float32; it gets a
+      gradient, reduced to its own shape. A bias of -inf masks a key, as
+      ``mask`` does.
+    mask: optional boolean, broadcastable like ``bias``; False masks a key out.
+    scale: the logits' factor, a Python number; ``None`` is
+      ``1 / sqrt(head_dim)``.
+    is_causal: mask keys after the query's position, aligned at the top left
+      as in `jax.nn.dot_product_attention` (query i sees keys 0..i).
+    query_seq_lengths, key_value_seq_lengths, local_window_size: not
+      supported; anything but ``None`` raises `NotImplementedError`.
+    implementation: a name of `lowmem_jax.dispatch`'s vocabulary that
+      attention offers (`IMPLS`): "xla" (the chunked `custom_vjp` here, any
+      backend; not `jax.nn`'s "xla", which is `attention_reference`),
+      "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`:
+      NVIDIA GPU, float16 or bfloat16; raises where cuDNN does not support
+      the call, e.g. a mask or bias that broadcasts along a length axis;
+      cuDNN adds a mask as a bias in query's dtype and does not treat -inf
+      biases as masks) or "auto": cuDNN on a GPU where it accepts the call
+      and, with a mask or bias, both lengths are even (its training
+      constraint), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
+      names one of these, else is "auto".
+    chunk_size: keys per chunk of the "xla" implementation. Beyond float32
+      accumulators of query's, key's and value's size, its transient
+      memory, forward and backward, is a few float32 arrays of ``[batch,
+      heads, q_length, min(chunk_size, kv_length)]``; a kv_length that is
+      not a multiple is fine.
 
   Returns:
-    ``[batch, q_length, heads, head_dim]`` in q's dtype. The logits, softmax
-    and accumulation are float32; the probabilities are cast to v's dtype
-    for the second matmul.
+    ``[batch, q_length, heads, head_dim]`` in query's dtype. The logits,
+    softmax and accumulation are float32; the probabilities are cast to
+    value's dtype for the second matmul.
+
+  Raises:
+    NotImplementedError: ``query_seq_lengths``, ``key_value_seq_lengths``
+      or ``local_window_size`` given.
   """
-  _check_qkv(q, k, v)
-  shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+  _check_qkv(query, key, value)
+  _refuse_unsupported(query_seq_lengths=query_seq_lengths,
+                      key_value_seq_lengths=key_value_seq_lengths,
+                      local_window_size=local_window_size)
+  shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
   mask = _check_mask(mask, shape)
   bias = _check_bias(bias, shape)
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
+  scale = _check_scale(scale, query.shape[-1])
+  impl, _ = dispatch.choose(implementation, "attention", IMPLS, argument="implementation")
   if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+  causal = bool(is_causal)
   if impl == "cudnn":
-    return _cudnn(q, k, v, mask, bias, causal)
+    return _cudnn(query, key, value, mask, bias, scale, causal)
   # cuDNN refuses odd lengths with a bias only in the backward, too late to fall back.
-  odd = (mask is not None or bias is not None) and (q.shape[1] % 2 or k.shape[1] % 2)
+  odd = (mask is not None or bias is not None) and (query.shape[1] % 2 or key.shape[1] % 2)
   if impl == "auto" and targets.compiling_for() == "gpu" and not odd:
     try:
-      return _cudnn(q, k, v, mask, bias, causal)
+      return _cudnn(query, key, value, mask, bias, scale, causal)
     except (NotImplementedError, ValueError, RuntimeError):
       pass  # cuDNN's refusals: dtype, head size, mask shape; RuntimeError: no cuDNN (ROCm)
-  return _chunked(q, k, v, mask, bias, bool(causal), min(int(chunk_size), k.shape[1]))
+  return _chunked(query, key, value, mask, bias, scale, causal,
+                  min(int(chunk_size), key.shape[1]))
 
 
-def _cudnn(q, k, v, mask, bias, causal):
-  out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
-                                     implementation="cudnn")
+def _cudnn(q, k, v, mask, bias, scale, causal):
+  out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                                     is_causal=causal, implementation="cudnn")
   return checkpoint_name(out, names.ATTN_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _chunked(q, k, v, mask, bias, causal, chunk):
-  return _chunked_fwd(q, k, v, mask, bias, causal, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _chunked(q, k, v, mask, bias, scale, causal, chunk):
+  return _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk)[0]
 
 
-def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
+def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
   """Online softmax over key chunks: a running max m, sum l and output acc per row."""
   batch, q_len, heads, head_dim = q.shape
   kv_heads = k.shape[2]
@@ -119,7 +180,7 @@ def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
   def step(i, carry):
     m, l, acc = carry
     start, kc, vc = _key_chunk(k, v, i, chunk)
-    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, k.shape[1])
+    s = _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, k.shape[1])
     m_new = jnp.maximum(m, s.max(-1))  # finite: each chunk has a key of its own
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
@@ -139,7 +200,7 @@ def _chunked_fwd(q, k, v, mask, bias, causal, chunk):
   return out, (q, k, v, mask, bias, out, lse)
 
 
-def _chunked_bwd(causal, chunk, res, dout):
+def _chunked_bwd(scale, causal, chunk, res, dout):
   """FlashAttention-2's backward: p = exp(s - lse) again, one key chunk at a time."""
   # Tying the residuals to the cotangent keeps XLA from computing the
   # probabilities again before this backward runs (they depend on residuals
@@ -153,14 +214,14 @@ def _chunked_bwd(causal, chunk, res, dout):
   # layout, a copy that lives as long as out.
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = delta.reshape(qg.shape[:-1]).transpose(0, 2, 3, 1)
-  scale = jnp.float32(1 / math.sqrt(q.shape[-1]))
+  scale = jnp.float32(scale)
   # Only a mask or bias can mask a whole row (top-left causal never does).
   maskable = mask is not None or bias is not None
 
   def step(i, carry):
     dq, dk, dv, dbias = carry
     start, kc, vc = _key_chunk(k, v, i, chunk)
-    s = _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, k.shape[1])
+    s = _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, k.shape[1])
     p = jnp.exp(s - lse[..., None])
     if maskable:
       # A row with every key masked attends uniformly; its log-sum-exp,
@@ -208,14 +269,14 @@ def _key_chunk(k, v, i, chunk):
           lax.dynamic_slice_in_dim(v, start, chunk, axis=1))
 
 
-def _chunk_logits(qg, kc, mask, bias, causal, i, start, chunk, kv_len):
+def _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, kv_len):
   """Float32 ``[batch, kv_heads, groups, q_length, chunk]`` logits of chunk i.
 
   _MASKED where masked (or biased below it), -inf on keys of an earlier chunk.
   """
-  batch, q_len, kv_heads, groups, head_dim = qg.shape
+  q_len, kv_heads = qg.shape[1], qg.shape[2]
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kc, preferred_element_type=jnp.float32)
-  s = s / jnp.float32(math.sqrt(head_dim))
+  s = s * jnp.float32(scale)
   key_pos = start + jnp.arange(chunk)
   if bias is not None:
     s = s + _grouped_heads(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
@@ -268,61 +329,90 @@ def _add_at(x, update, start, axis=1):
       x, lax.dynamic_slice_in_dim(x, start, update.shape[axis], axis) + update, start, axis)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                          mask: jax.Array | None = None, causal: bool = False) -> jax.Array:
+@_accepts_old_keywords(**_OLD_KEYWORDS)
+@jax.named_scope("lowmem/attention_reference")
+def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
+                        bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+                        scale: float | None = None, is_causal: bool = False) -> jax.Array:
   """Plain attention, the exact twin of `attention`: keeps the float32 probabilities.
 
   Args:
-    q, k, v, mask, causal: as in `attention`.
+    query, key, value, bias, mask, scale, is_causal: as in `attention`.
 
   Returns:
-    ``[batch, q_length, heads, head_dim]`` in q's dtype. The probabilities
-    are saved as `names.ATTN_PROBS` (``[batch, heads, q_length,
-    kv_length]``, float32); for a bfloat16 or float16 v autodiff also keeps
-    their cast for the second matmul, untagged.
+    ``[batch, q_length, heads, head_dim]`` in query's dtype, named
+    `names.ATTN_OUT`. The probabilities are saved as `names.ATTN_PROBS`
+    (``[batch, heads, q_length, kv_length]``, float32); for a bfloat16 or
+    float16 value autodiff also keeps their cast for the second matmul,
+    untagged.
   """
-  _check_qkv(q, k, v)
-  batch, q_len, heads, head_dim = q.shape
-  kv_len, kv_heads = k.shape[1], k.shape[2]
+  _check_qkv(query, key, value)
+  batch, q_len, heads, head_dim = query.shape
+  kv_len, kv_heads = key.shape[1], key.shape[2]
   mask = _check_mask(mask, (batch, heads, q_len, kv_len))
+  bias = _check_bias(bias, (batch, heads, q_len, kv_len))
+  scale = _check_scale(scale, head_dim)
   groups = heads // kv_heads
-  # Grouped heads split q's head axis; without groups q stays as it is, so
-  # autodiff keeps q itself rather than a reshaped copy.
+  # Grouped heads split query's head axis; without groups it stays as it is,
+  # so autodiff keeps query itself rather than a reshaped copy.
   if groups == 1:
-    q_spec, p_spec = "bqhd", "bhqk"
+    q, q_spec, p_spec, per_head = query, "bqhd", "bhqk", lambda x: x
   else:
-    q_spec, p_spec = "bqhgd", "bhgqk"
-    q = _grouped(q, kv_heads)
-  logits = jnp.einsum(f"{q_spec},bkhd->{p_spec}", q, k, preferred_element_type=jnp.float32)
-  logits = logits / jnp.float32(math.sqrt(head_dim))
+    q, q_spec, p_spec = _grouped(query, kv_heads), "bqhgd", "bhgqk"
+    per_head = functools.partial(_grouped_heads, kv_heads=kv_heads)
+  logits = jnp.einsum(f"{q_spec},bkhd->{p_spec}", q, key, preferred_element_type=jnp.float32)
+  logits = logits * jnp.float32(scale)
+  if bias is not None:
+    logits = logits + per_head(bias).astype(jnp.float32)
   keep = mask
-  if causal:
+  if is_causal:
     below = jnp.tril(jnp.ones((1, 1, q_len, kv_len), bool))
     keep = below if keep is None else keep & below
   if keep is not None:
     # An additive bias, not a select: its derivative needs no saved mask.
-    keep = keep if groups == 1 else _grouped_heads(keep, kv_heads)
-    logits = logits + jnp.where(keep, 0.0, _MASKED).astype(jnp.float32)
-  probs = _softmax(logits, keep is not None).astype(v.dtype)
-  out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs, v, preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
+    logits = logits + jnp.where(per_head(keep), 0.0, _MASKED).astype(jnp.float32)
+  probs = _softmax(logits, keep is not None or bias is not None, bias is not None)
+  out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs.astype(value.dtype), value,
+                   preferred_element_type=jnp.float32)
+  return checkpoint_name(out.reshape(query.shape).astype(query.dtype), names.ATTN_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _softmax(logits: jax.Array, maskable: bool) -> jax.Array:
+@_accepts_old_keywords(**_OLD_KEYWORDS)
+def dot_product_attention(*args, **kwargs) -> jax.Array:
+  """Deprecated: `attention_reference`'s 0.1 name, kept for one release."""
+  warnings.warn("lowmem_jax.attention_ops.dot_product_attention is deprecated, use "
+                "attention_reference (the same function, with jax.nn's keywords); the old "
+                "name goes in the next release.", DeprecationWarning, stacklevel=3)
+  return attention_reference(*args, **kwargs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _softmax(logits: jax.Array, maskable: bool, floored: bool) -> jax.Array:
+  """Softmax over the last axis; ``floored``: of the logits raised to at least _MASKED.
+
+  A row whose every logit is masked (at or below 0.5 * _MASKED) attends
+  uniformly and, where ``maskable``, passes no gradient back. Raising the
+  logits needs no derivative of its own: it changes only probabilities that
+  are zero, or rows that pass nothing back.
+  """
   del maskable
-  return jax.nn.softmax(logits, axis=-1)
+  return jax.nn.softmax(_floored(logits, floored), axis=-1)
 
 
-def _softmax_fwd(logits, maskable):
+def _floored(logits, floored):
+  return jnp.maximum(logits, _MASKED) if floored else logits
+
+
+def _softmax_fwd(logits, maskable, floored):
+  logits = _floored(logits, floored)
+  # Made on the line that names them: memory reports match buffers to names by line.
   probs = checkpoint_name(jax.nn.softmax(logits, axis=-1), names.ATTN_PROBS)
-  # A row whose every logit is masked (each rounds to _MASKED) attends
-  # uniformly whatever its logits were: it passes no gradient back.
   dead = jnp.max(logits, axis=-1, keepdims=True) <= 0.5 * _MASKED if maskable else None
   return probs, (probs, dead)
 
 
-def _softmax_bwd(maskable, res, dprobs):
+def _softmax_bwd(maskable, floored, res, dprobs):
+  del floored
   probs, dead = res
   dlogits = probs * (dprobs - jnp.sum(probs * dprobs, axis=-1, keepdims=True))
   return (jnp.where(dead, 0.0, dlogits) if maskable else dlogits,)
@@ -331,22 +421,49 @@ def _softmax_bwd(maskable, res, dprobs):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def _check_qkv(q, k, v):
-  for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
     check_float_array(x, name)
     if x.ndim != 4:
-      raise ValueError(f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}.")
-  batch, _, heads, head_dim = q.shape
-  if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+      hint = f"; add the batch axis, {name}[None]" if x.ndim == 3 else ""
+      raise ValueError(
+          f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}{hint}.")
+  batch, _, heads, head_dim = query.shape
+  if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
     raise ValueError(
-        f"k and v must be [batch={batch}, kv_length, kv_heads, head_dim={head_dim}] "
-        f"and alike, got k {k.shape} and v {v.shape}.")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-  if k.shape[1] < 1:
-    raise ValueError(f"k and v need at least one key, got kv_length {k.shape[1]}.")
-  if heads % k.shape[2]:
-    raise ValueError(f"q's heads ({heads}) must be a multiple of k's and v's heads ({k.shape[2]}).")
+        f"key and value must be [batch={batch}, kv_length, kv_heads, head_dim={head_dim}] "
+        f"and alike, got key {key.shape} and value {value.shape}.")
+  if key.dtype != query.dtype or value.dtype != query.dtype:
+    raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                    f"{value.dtype}.")
+  if key.shape[1] < 1:
+    raise ValueError(f"key and value need at least one key, got kv_length {key.shape[1]}.")
+  if heads % key.shape[2]:
+    raise ValueError(f"query's heads ({heads}) must be a multiple of key's and value's heads "
+                     f"({key.shape[2]}).")
+
+
+def _refuse_unsupported(**options):
+  """Raises for the options of `jax.nn.dot_product_attention` that `attention` lacks."""
+  fixes = {
+      "query_seq_lengths": "pass mask=(jnp.arange(q_length) < query_seq_lengths[:, None])"
+                           "[:, None, :, None] and zero the padded queries' outputs",
+      "key_value_seq_lengths": "pass mask=(jnp.arange(kv_length) < key_value_seq_lengths[:, "
+                               "None])[:, None, None, :], a [batch, 1, 1, kv_length] mask",
+      "local_window_size": "a window's mask would be [q_length, kv_length], an L×L residual",
+  }
+  for name, value in options.items():
+    if value is not None:
+      raise NotImplementedError(f"lowmem_jax.attention does not support {name}; {fixes[name]}.")
+
+
+def _check_scale(scale, head_dim):
+  """``scale`` as a Python float; ``1 / sqrt(head_dim)`` where it is None."""
+  if scale is None:
+    return 1 / math.sqrt(head_dim)
+  if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    raise TypeError(f"scale must be a finite Python number or None, got {scale!r}.")
+  return float(scale)
 
 
 def _check_mask(mask, shape):

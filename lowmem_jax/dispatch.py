@@ -1,18 +1,29 @@
-"""Which implementation runs an op that has a Pallas kernel: ``impl=``.
+"""Which implementation runs an op: the one vocabulary of ``impl=`` and ``implementation=``.
 
-Every public function with a kernel in `pallas_kernels` takes ``impl``:
+Every op with more than one implementation takes one of these names (the
+ops with a Pallas kernel as ``impl``, `lowmem_jax.attention` as
+``implementation``, after `jax.nn.dot_product_attention`):
 
-- ``"xla"``: the pure-JAX reference, fused by XLA; any backend.
+- ``"xla"``: the op in plain JAX, compiled by XLA; any backend. For the
+  kernels, their pure-JAX reference; for attention, its chunked `custom_vjp`
+  with no L×L residual (not `jax.nn`'s ``"xla"``, which keeps the
+  probabilities: that is `lowmem_jax.attention_ops.attention_reference`).
+- ``"cudnn"``: cuDNN's fused kernel (attention only, through
+  `jax.nn.dot_product_attention`); NVIDIA GPU.
 - ``"pallas"``: the Pallas kernel, compiled for the GPU (Triton backend); an
   error that says why where it cannot run (no GPU, an input it cannot take).
 - ``"pallas_interpret"``: the same kernel in Pallas interpret mode; any
   backend, slow; what the tests run on CPU.
-- ``"auto"``: the kernel for a GPU where `docs/benchmarks.md` measured it no
-  slower than XLA's fusion (the families in `MEASURED_NO_SLOWER`), else XLA.
+- ``"auto"``: per op, by the compile target: a kernel for a GPU where
+  `docs/benchmarks.md` measured it no slower than XLA's fusion (the families
+  in `MEASURED_NO_SLOWER`); cuDNN attention on a GPU where cuDNN takes the
+  call; else ``"xla"``.
 
-``impl=None`` (the default) reads the environment variable ``LOWMEM_JAX_IMPL``
-when the function is traced, and is ``"auto"`` where it is unset or empty, so
-one variable switches a whole program.
+An op offers some of them (`KERNEL_IMPLS`, `lowmem_jax.attention_ops.IMPLS`);
+asking it for another raises. ``None`` (the default) reads the environment
+variable ``LOWMEM_JAX_IMPL`` when the op is traced, so one variable switches
+a whole program; an op that does not offer the variable's value runs
+``"auto"``, and an unset or empty variable means ``"auto"``.
 
 ``"On a GPU"`` means the compile target (`lowmem_jax.targets.compiling_for`): a
 step compiled for the H100 target on a machine without a GPU takes the
@@ -24,7 +35,8 @@ import os
 from lowmem_jax import targets
 from pallas_kernels import _blocks
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret")
+KERNEL_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")  # what the ops with a kernel offer
 ENV_VAR = "LOWMEM_JAX_IMPL"
 
 # Kernel families a GPU benchmark (benchmarks/kernels.py, figures in
@@ -33,23 +45,52 @@ ENV_VAR = "LOWMEM_JAX_IMPL"
 MEASURED_NO_SLOWER: frozenset[str] = frozenset()
 
 
+def choose(impl: str | None, op: str, offered: tuple[str, ...],
+           argument: str = "impl") -> tuple[str, str]:
+  """The implementation of `IMPLS` to run ``op`` with, and where it was named.
+
+  Args:
+    impl: a name in `IMPLS`, or ``None``: ``$LOWMEM_JAX_IMPL`` where ``op``
+      offers it, else ``"auto"``.
+    op: what runs, for errors, e.g. ``"attention"``.
+    offered: the names ``op`` offers.
+    argument: the keyword that takes ``impl``, for errors.
+
+  Returns:
+    ``(impl, source)``: a name in ``offered``, and ``argument`` or
+    ``"$LOWMEM_JAX_IMPL"``, whichever named it.
+
+  Raises:
+    ValueError: a name not in `IMPLS`, or an explicit one ``op`` does not offer.
+  """
+  if impl is None:
+    value = os.environ.get(ENV_VAR)
+    if not value:
+      return "auto", argument
+    if value not in IMPLS:
+      raise ValueError(f"${ENV_VAR} must be one of {IMPLS}, got {value!r}.")
+    return (value, f"${ENV_VAR}") if value in offered else ("auto", argument)
+  if impl not in IMPLS:
+    raise ValueError(f"{argument} must be one of {IMPLS}, got {impl!r}.")
+  if impl not in offered:
+    raise ValueError(f"{op} has no {impl!r} implementation: {argument} must be one of "
+                     f"{offered}, got {impl!r}.")
+  return impl, argument
+
+
 def kernel_options(impl: str | None, kernel: str, unsupported: str | None = None):
   """The `pallas_kernels._blocks.Options` to run ``kernel`` with, or ``None`` for XLA.
 
   Args:
-    impl: ``"auto"``, ``"xla"``, ``"pallas"``, ``"pallas_interpret"`` or
-      ``None`` (``$LOWMEM_JAX_IMPL``, else ``"auto"``).
+    impl: a name in `KERNEL_IMPLS`, or ``None`` (see `choose`).
     kernel: the kernel family, e.g. ``"approx_activation"``.
     unsupported: why the kernel cannot take this input, or ``None``.
 
   Raises:
-    ValueError: an unknown ``impl``, or a kernel asked for where it cannot run.
+    ValueError: an unknown ``impl``, one the op does not offer, or a kernel
+      asked for where it cannot run.
   """
-  source = "impl"
-  if impl is None:
-    impl, source = os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}"
-  if impl not in IMPLS:
-    raise ValueError(f"{source} must be one of {IMPLS}, got {impl!r}.")
+  impl, source = choose(impl, f"the {kernel} op", KERNEL_IMPLS)
   platform = targets.compiling_for()
   on_gpu = platform == "gpu"
   if impl == "xla" or (impl == "auto" and not (on_gpu and kernel in MEASURED_NO_SLOWER

@@ -21,7 +21,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.A
                  *, dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
                  broadcast_dropout: bool = True, deterministic: bool = True, dtype: Any = None,
                  precision: Any = None, module: nn.Module | None = None, is_causal: bool = False,
-                 impl: str = "auto", chunk_size: int = 512) -> jax.Array:
+                 impl: str | None = None, chunk_size: int = 512) -> jax.Array:
   """`lowmem_jax.attention` with the signature of Flax's ``attention_fn``.
 
   Serves as ``attention_fn`` of Flax's linen and NNX attention modules. It
@@ -42,7 +42,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.A
     module: set by Flax for ``sow_weights=True``, which is not supported: the
       probabilities are never materialised whole.
     is_causal: causal masking (NNX passes it).
-    impl, chunk_size: as in `lowmem_jax.attention`.
+    impl: `lowmem_jax.attention`'s ``implementation``.
+    chunk_size: as in `lowmem_jax.attention`.
 
   One batch axis only.
   """
@@ -61,7 +62,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.A
   if mask is not None:
     mask = mask.astype(bool)  # Flax's masks are nonzero where kept, float32 by default
   query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
-  return attention(query, key, value, mask=mask, causal=is_causal, impl=impl, chunk_size=chunk_size)
+  return attention(query, key, value, mask=mask, is_causal=is_causal, implementation=impl,
+                   chunk_size=chunk_size)
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):

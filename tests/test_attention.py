@@ -1,3 +1,8 @@
+import functools
+import inspect
+import re
+import warnings
+
 import chex
 import flax.linen as nn
 import jax
@@ -5,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import lowmem_jax as lm
-from lowmem_jax.attention_ops import dot_product_attention
 
 
 def _qkv(dtype=jnp.float32, b=2, lq=5, lk=5, h=4, hk=4, d=8):
@@ -30,13 +35,16 @@ def _value_and_grads(f, *args):
 @pytest.mark.parametrize("hk", [4, 2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_plain_twin_matches_jax_attention_and_its_gradient(hk, causal, with_mask):
+@pytest.mark.parametrize("bias_shape", [None, (1, 4, 5, 5), (2, 1, 1, 5)])
+def test_plain_twin_matches_jax_attention_and_its_gradient(hk, causal, with_mask, bias_shape):
   q, k, v = _qkv(hk=hk)
   mask = _mask(5, 5) if with_mask else None
-  ours = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=causal)
-  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
-  chex.assert_trees_all_close(_value_and_grads(ours, q, k, v), _value_and_grads(theirs, q, k, v),
-                              atol=1e-5)
+  bias = None if bias_shape is None else jax.random.normal(jax.random.key(4), bias_shape)
+  ours = lambda q, k, v, bias: lm.attention_reference(q, k, v, bias, mask, is_causal=causal)
+  theirs = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias, mask,
+                                                              is_causal=causal)
+  chex.assert_trees_all_close(_value_and_grads(ours, q, k, v, bias),
+                              _value_and_grads(theirs, q, k, v, bias), atol=1e-5)
 
 
 @pytest.mark.parametrize("hk,causal,lq,lk,chunk_size", [
@@ -47,21 +55,36 @@ def test_attention_matches_plain_attention_and_its_gradient(hk, causal, lq, lk, 
   q, k, v = _qkv(lq=lq, lk=lk, hk=hk)
   mask = _mask(lq, lk)
   bias = jax.random.normal(jax.random.key(4), (1, 4, lq, lk))
-  ours = lambda q, k, v, bias: lm.attention(q, k, v, mask=mask, bias=bias, causal=causal,
+  ours = lambda q, k, v, bias: lm.attention(q, k, v, bias, mask, is_causal=causal,
                                             chunk_size=chunk_size)
-  theirs = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask,
+  theirs = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias, mask,
                                                               is_causal=causal)
-  chex.assert_trees_all_close(_value_and_grads(ours, q, k, v, bias),
-                              _value_and_grads(theirs, q, k, v, bias), atol=2e-5)
+  twin = lambda q, k, v, bias: lm.attention_reference(q, k, v, bias, mask, is_causal=causal)
+  got = _value_and_grads(ours, q, k, v, bias)
+  chex.assert_trees_all_close(got, _value_and_grads(theirs, q, k, v, bias), atol=2e-5)
+  chex.assert_trees_all_close(got, _value_and_grads(twin, q, k, v, bias), atol=2e-5)
+
+
+@pytest.mark.parametrize("hk", [4, 1])
+def test_a_scale_is_jax_attentions(hk):
+  q, k, v = _qkv(lq=7, lk=9, hk=hk)
+  bias = jax.random.normal(jax.random.key(4), (1, 4, 7, 9))
+  theirs = _value_and_grads(lambda *a: jax.nn.dot_product_attention(*a, bias, scale=0.3), q, k, v)
+  for ours in (lambda *a: lm.attention(*a, bias, scale=0.3, chunk_size=4),
+               lambda *a: lm.attention_reference(*a, bias, scale=np.float32(0.3))):
+    chex.assert_trees_all_close(_value_and_grads(ours, q, k, v), theirs, atol=2e-5)
 
 
 @pytest.mark.parametrize("bias_shape", [(4, 1, 1), (2, 1, 1, 9), (1, 1, 7, 1)])
 def test_a_broadcast_bias_gets_its_own_shape_of_gradient(bias_shape):
   q, k, v = _qkv(lq=7, lk=9)
   bias = jax.random.normal(jax.random.key(4), bias_shape)
-  ours = lambda bias: lm.attention(q, k, v, bias=bias, chunk_size=4)
-  theirs = lambda bias: jax.nn.dot_product_attention(q, k, v, bias=bias)
-  chex.assert_trees_all_close(_value_and_grads(ours, bias), _value_and_grads(theirs, bias), atol=2e-5)
+  ours = lambda bias: lm.attention(q, k, v, bias, chunk_size=4)
+  theirs = lambda bias: jax.nn.dot_product_attention(q, k, v, bias)
+  twin = lambda bias: lm.attention_reference(q, k, v, bias)
+  got = _value_and_grads(ours, bias)
+  chex.assert_trees_all_close(got, _value_and_grads(theirs, bias), atol=2e-5)
+  chex.assert_trees_all_close(got, _value_and_grads(twin, bias), atol=2e-5)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -72,27 +95,38 @@ def test_fully_masked_rows_attend_uniformly_and_pass_no_logit_gradient(with_bias
   bias = jax.random.normal(jax.random.key(4), (1, 4, 11, 11))
   if not with_bias:
     bias = None
-  ours = lambda q, k, v: lm.attention(q, k, v, mask=mask, bias=bias, causal=True, chunk_size=4)
-  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=True)
+  ours = lambda q, k, v: lm.attention(q, k, v, bias, mask, is_causal=True, chunk_size=4)
+  theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=True)
+  twin = lambda q, k, v: lm.attention_reference(q, k, v, bias, mask, is_causal=True)
   out, grads = _value_and_grads(ours, q, k, v)
   chex.assert_trees_all_close((out, grads), _value_and_grads(theirs, q, k, v), atol=2e-5)
-  if not with_bias:
-    twin = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, causal=True)
-    chex.assert_trees_all_close((out, grads), _value_and_grads(twin, q, k, v), atol=2e-5)
+  chex.assert_trees_all_close((out, grads), _value_and_grads(twin, q, k, v), atol=2e-5)
   chex.assert_trees_all_close(out[:, 2], jnp.broadcast_to(v.mean(1), out[:, 2].shape), atol=1e-6)
   assert not jnp.any(grads[0][:, 2])
   if with_bias:
-    dbias = jax.grad(lambda b: jnp.sum(jnp.sin(lm.attention(q, k, v, mask=mask, bias=b, chunk_size=4))))(bias)
-    assert not jnp.any(dbias[:, :, 2])
+    for f in (functools.partial(lm.attention, chunk_size=4), lm.attention_reference):
+      dbias = jax.grad(lambda b: jnp.sum(jnp.sin(f(q, k, v, b, mask))))(bias)
+      assert not jnp.any(dbias[:, :, 2])
+
+
+def test_keys_biased_to_minus_infinity_are_masked():
+  """A key biased to -inf is masked; a row of them attends uniformly (in jax.nn: NaN)."""
+  q, k, v = _qkv(lq=7, lk=9)
+  keep = _mask(7, 9, shape=(1, 1, 7, 9)).at[:, :, 3].set(False)
+  bias = jnp.where(keep, 0.0, -jnp.inf)
+  masked = _value_and_grads(lambda *a: lm.attention(*a, mask=keep, chunk_size=4), q, k, v)
+  for f in (functools.partial(lm.attention, chunk_size=4), lm.attention_reference):
+    chex.assert_trees_all_close(_value_and_grads(lambda *a: f(*a, bias), q, k, v), masked,
+                                atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_keeps_dtype_and_stays_close_to_the_twin(dtype):
   q, k, v = _qkv(dtype, lq=13, lk=13, hk=2)
-  out, grads = _value_and_grads(lambda *a: lm.attention(*a, causal=True, chunk_size=4), q, k, v)
+  out, grads = _value_and_grads(lambda *a: lm.attention(*a, is_causal=True, chunk_size=4), q, k, v)
   assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
   f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-  ref_out, ref_grads = _value_and_grads(lambda *a: dot_product_attention(*a, causal=True), *f32)
+  ref_out, ref_grads = _value_and_grads(lambda *a: lm.attention_reference(*a, is_causal=True), *f32)
   np.testing.assert_allclose(out.astype(jnp.float32), ref_out, atol=3e-2)
   for g, ref in zip(grads, ref_grads):
     np.testing.assert_allclose(g.astype(jnp.float32), ref, atol=6e-2)
@@ -102,12 +136,13 @@ def test_the_residuals_hold_nothing_of_size_l_by_l():
   q, k, v = _qkv(lq=64, lk=64, hk=2)
   mask = _mask(64, 64, shape=(2, 1, 1, 64))
   saved = lm.memory.saved_residuals(
-      lambda q, k, v: lm.attention(q, k, v, mask=mask, causal=True, chunk_size=16), q, k, v)
+      lambda q, k, v: lm.attention(q, k, v, mask=mask, is_causal=True, chunk_size=16), q, k, v)
   assert not [r for r in saved.rows if r.shape[-2:] == (64, 64) or np.prod(r.shape) >= 64 * 64 * 8]
   by_name = saved.by_name()
   assert by_name[lm.names.ATTN_OUT] == q.nbytes
   assert by_name[lm.names.ATTN_LSE] == 2 * 4 * 64 * 4  # float32 per row
-  twin = lm.memory.saved_residuals(lambda q, k, v: dot_product_attention(q, k, v, causal=True), q, k, v)
+  twin = lm.memory.saved_residuals(
+      lambda q, k, v: lm.attention_reference(q, k, v, is_causal=True), q, k, v)
   square = [r for r in twin.rows if r.shape[-2:] == (64, 64)]
   assert [r.name for r in square] == [lm.names.ATTN_PROBS] and square[0].dtype == jnp.float32
 
@@ -122,8 +157,8 @@ def test_transient_memory_grows_linearly_in_length():
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), (0, 1, 2))
     return lm.memory.analyze(grad, spec, spec, spec, target="cpu").temp_bytes
 
-  chunked = lambda *a: lm.attention(*a, causal=True, chunk_size=64)
-  plain = lambda *a: dot_product_attention(*a, causal=True)
+  chunked = lambda *a: lm.attention(*a, is_causal=True, chunk_size=64)
+  plain = lambda *a: lm.attention_reference(*a, is_causal=True)
   square = 2 * 4 * 1024 * 1024 * 4  # one float32 [batch, heads, 1024, 1024]
   assert temp(chunked, 1024) < 0.6 * square < 3 * square < temp(plain, 1024)
   assert temp(chunked, 2048) < 2.2 * temp(chunked, 1024)
@@ -140,14 +175,38 @@ def test_policies_see_the_names():
                               _value_and_grads(lambda *a: lm.attention(*a, chunk_size=4), q, k, v))
 
 
+def test_the_twin_names_its_output_and_a_second_name_changes_nothing():
+  """The models name the plain twin's output again, as they did before it named it itself."""
+  q, k, v = _qkv(lq=16, lk=16)
+  w = jax.random.normal(jax.random.key(5), (4, 8, 8))
+
+  def block(name_again, q, k, v, w):
+    out = lm.attention_reference(q, k, v, is_causal=True)
+    out = checkpoint_name(out, lm.names.ATTN_OUT) if name_again else out
+    return jnp.sum(jnp.sin(jnp.einsum("bqhd,hde->bqe", out, w)))
+
+  for policy, saves_out in ((None, True), (lm.policies.save_only(lm.names.ATTN_OUT), True),
+                           (lm.policies.save_all_but(lm.names.ATTN_OUT), False)):
+    once, twice = (functools.partial(block, again) for again in (False, True))
+    if policy is not None:
+      once, twice = (jax.checkpoint(f, policy=policy) for f in (once, twice))
+    saved = [[(r.name, r.shape, r.dtype) for r in lm.memory.saved_residuals(f, q, k, v, w).rows]
+             for f in (once, twice)]
+    assert saved[0] == saved[1]
+    assert ((lm.names.ATTN_OUT, q.shape, q.dtype) in saved[0]) == saves_out
+    compiled = [lm.memory.analyze(jax.grad(f, (0, 1, 2, 3)), q, k, v, w, target="cpu")
+                for f in (once, twice)]
+    assert compiled[0] == compiled[1]
+
+
 def test_bad_inputs_are_named():
   q, k, v = _qkv()
-  for f in (lm.attention, dot_product_attention):
-    with pytest.raises(ValueError, match="q must be"):
+  for f in (lm.attention, lm.attention_reference):
+    with pytest.raises(ValueError, match=r"query must be .*query\[None\]"):
       f(q[0], k, v)
     with pytest.raises(ValueError, match="multiple"):
       f(q, *_qkv(hk=3)[1:])
-    with pytest.raises(ValueError, match="k and v"):
+    with pytest.raises(ValueError, match="key and value"):
       f(q, k, v[:, :3])
     with pytest.raises(TypeError, match="share a dtype"):
       f(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
@@ -157,12 +216,16 @@ def test_bad_inputs_are_named():
       f(q, k, v, mask=jnp.ones((3, 5), bool))
     with pytest.raises(ValueError, match="mask must broadcast"):
       f(q, k, v, mask=jnp.ones((1, 2, 4, 5, 5), bool))
-  with pytest.raises(TypeError, match="bias must be"):
-    lm.attention(q, k, v, bias=jnp.ones((5, 5), jnp.int32))
-  with pytest.raises(ValueError, match="bias must broadcast"):
-    lm.attention(q, k, v, bias=jnp.ones((3, 5)))
-  with pytest.raises(ValueError, match="impl"):
-    lm.attention(q, k, v, impl="flash")
+    with pytest.raises(TypeError, match="bias must be"):
+      f(q, k, v, bias=jnp.ones((5, 5), jnp.int32))
+    with pytest.raises(ValueError, match="bias must broadcast"):
+      f(q, k, v, bias=jnp.ones((3, 5)))
+    with pytest.raises(TypeError, match="scale must be"):
+      f(q, k, v, scale=jnp.float32(0.5))
+  with pytest.raises(ValueError, match=r"implementation must be one of \('auto', 'xla', 'cudnn'"):
+    lm.attention(q, k, v, implementation="flash")
+  with pytest.raises(ValueError, match="attention has no 'pallas' implementation"):
+    lm.attention(q, k, v, implementation="pallas")
   with pytest.raises(ValueError, match="chunk_size"):
     lm.attention(q, k, v, chunk_size=0)
   with pytest.raises(ValueError, match="at least one key"):
@@ -171,20 +234,92 @@ def test_bad_inputs_are_named():
                               atol=1e-6)
 
 
+def test_the_signatures_are_jax_attentions():
+  """Same names in the same order as jax.nn.dot_product_attention, for what each takes."""
+  theirs = list(inspect.signature(jax.nn.dot_product_attention).parameters)
+  ours = list(inspect.signature(lm.attention).parameters)
+  assert ours == [n for n in theirs if n != "return_residual"] + ["chunk_size"]
+  assert list(inspect.signature(lm.attention_reference).parameters) == theirs[:7]
+  assert lm.attention_ops.IMPLS == tuple(i for i in lm.dispatch.IMPLS if "pallas" not in i)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("query_seq_lengths", jnp.array([5, 3])), ("key_value_seq_lengths", jnp.array([5, 3])),
+    ("local_window_size", 2)])
+def test_jax_options_it_lacks_are_refused_by_name(option, value):
+  q, k, v = _qkv()
+  with pytest.raises(NotImplementedError, match=f"does not support {option};"):
+    lm.attention(q, k, v, **{option: value})
+
+
+def test_key_value_seq_lengths_as_the_mask_its_error_gives():
+  q, k, v = _qkv(lk=9)
+  lengths = jnp.array([9, 4])
+  mask = (jnp.arange(9) < lengths[:, None])[:, None, None, :]
+  theirs = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+  chex.assert_trees_all_close(lm.attention(q, k, v, mask=mask, chunk_size=4), theirs, atol=1e-5)
+
+
+def test_the_old_keywords_work_with_a_warning_naming_the_new():
+  q, k, v = _qkv(lq=7, lk=9)
+  mask = _mask(7, 9)
+  new = lm.attention(q, k, v, mask=mask, is_causal=True, implementation="xla", chunk_size=4)
+  with pytest.warns(DeprecationWarning) as record:
+    old = lm.attention(q=q, k=k, v=v, mask=mask, causal=True, impl="chunked", chunk_size=4)
+  said = " ".join(str(w.message) for w in record)
+  for old_name, new_name in (("q=", "query="), ("k=", "key="), ("v=", "value="),
+                             ("causal=", "is_causal="), ("impl=", "implementation=")):
+    assert f"{old_name} is deprecated, use {new_name}" in said
+  assert 'implementation="chunked" is deprecated, use implementation="xla"' in said
+  assert all(w.filename == __file__ for w in record)  # the warnings point at the caller
+  chex.assert_trees_all_equal(old, new)
+
+  twin = lm.attention_reference(q, k, v, mask=mask, is_causal=True)
+  with pytest.warns(DeprecationWarning) as record:
+    old = lm.attention_ops.dot_product_attention(q, k, v, mask=mask, causal=True)
+  assert [str(w.message).split(";")[0].split(" (")[0] for w in record] == [
+      "dot_product_attention(): causal= is deprecated, use is_causal=",
+      "lowmem_jax.attention_ops.dot_product_attention is deprecated, use attention_reference"]
+  assert all(w.filename == __file__ for w in record)
+  chex.assert_trees_all_equal(old, twin)
+  with pytest.raises(TypeError, match="got both causal= and is_causal="):
+    lm.attention(q, k, v, causal=True, is_causal=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    lm.attention(q, k, v, mask=mask, is_causal=True)  # the new names warn of nothing
+    lm.linen.attention_fn(q, k, v, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("op,scope", [(lm.attention, "lowmem/attention"),
+                                      (lm.attention_reference, "lowmem/attention_reference")])
+def test_the_ops_name_their_hlo(op, scope):
+  """The lowered HLO's op_name metadata, which memory reports read, names the op."""
+  q, k, v = _qkv()
+
+  def op_names(f):
+    return re.findall(r'op_name="([^"]*)"',
+                      jax.jit(f).lower(q).as_text(dialect="hlo", debug_info=True))
+
+  assert any(f"/{scope}/" in n for n in op_names(lambda q: op(q, k, v, is_causal=True)))
+  grads = op_names(jax.value_and_grad(lambda q: jnp.sum(op(q, k, v, is_causal=True))))
+  assert any(f"/jvp({scope})/" in n for n in grads)  # the forward
+  assert any(f"/transpose(jvp({scope}))/" in n for n in grads)  # the backward
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU's refusal")
 def test_cudnn_is_refused_off_gpu():
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
   # No cuDNN wheel: refused in Python; with one (the target extra): no lowering for the CPU.
   with pytest.raises((RuntimeError, NotImplementedError), match="cuDNN|platform cpu"):
-    lm.attention(q, q, q, impl="cudnn")
+    lm.attention(q, q, q, implementation="cudnn")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["auto", "cudnn"])
 def test_gpu_impls_match_the_chunked_reference(impl):
   q, k, v = _qkv(jnp.bfloat16, b=2, lq=256, lk=256, h=8, hk=2, d=64)
-  ours = lambda *a: lm.attention(*a, causal=True, impl=impl)
-  ref = lambda *a: lm.attention(*a, causal=True, impl="chunked")
+  ours = lambda *a: lm.attention(*a, is_causal=True, implementation=impl)
+  ref = lambda *a: lm.attention(*a, is_causal=True, implementation="xla")
   for got, want in zip(jax.tree.leaves(_value_and_grads(ours, q, k, v)),
                        jax.tree.leaves(_value_and_grads(ref, q, k, v))):
     # Two bfloat16 roundings apart at most: 2**-7 relative (0.125 at 21.4, seen on an H100).

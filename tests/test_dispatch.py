@@ -1,4 +1,5 @@
-"""impl= and $LOWMEM_JAX_IMPL: which implementation runs, and the errors where none can."""
+"""impl=, implementation= and $LOWMEM_JAX_IMPL: which implementation runs, and the errors where
+none can."""
 
 import chex
 import jax
@@ -53,6 +54,42 @@ def test_auto_takes_a_kernel_only_where_measured_on_gpu(monkeypatch):
     with pytest.raises(ValueError, match="cannot run the ms_norm kernel: rows too long"):
       dispatch.kernel_options("pallas", "ms_norm", unsupported="rows too long")
   assert dispatch.kernel_options("auto", "ms_norm") is None  # outside: the CPU
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_name_the_op_lacks_is_refused_unless_the_environment_gave_it(op, monkeypatch):
+  fn = OPS[op]
+  with pytest.raises(ValueError, match=r"op has no 'cudnn' implementation: impl must be one of "
+                                       r"\('auto', 'xla', 'pallas', 'pallas_interpret'\)"):
+    fn(X, impl="cudnn")
+  monkeypatch.setenv(dispatch.ENV_VAR, "cudnn")  # a whole program's choice: "auto" where lacking
+  assert not _runs_kernel(fn, X)
+
+
+def _attention_runs(**kwargs) -> str:
+  """Which implementation `lm.attention` takes for a bfloat16 call compiled for an H100."""
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  with lm.targets.compiling(lm.targets.get("h100")):
+    jaxpr = str(jax.make_jaxpr(jax.grad(
+        lambda q: jnp.sum(lm.attention(q, q, q, **kwargs).astype(jnp.float32))))(q))
+  return "cudnn" if "dot_product_attention_bwd" in jaxpr else "xla"
+
+
+def test_attention_takes_the_same_names_and_the_environment_variable(monkeypatch):
+  monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+  assert _attention_runs() == _attention_runs(implementation="auto") == "cudnn"
+  assert _attention_runs(implementation="xla") == "xla"
+  monkeypatch.setenv(dispatch.ENV_VAR, "xla")
+  assert _attention_runs() == "xla"
+  assert _attention_runs(implementation="cudnn") == "cudnn"  # an explicit implementation wins
+  monkeypatch.setenv(dispatch.ENV_VAR, "pallas")  # attention has no Pallas kernel: "auto"
+  assert _attention_runs() == "cudnn"
+  with pytest.raises(ValueError, match="attention has no 'pallas' implementation: implementation "
+                                       "must be one of"):
+    _attention_runs(implementation="pallas")
+  monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+  with pytest.raises(ValueError, match=r"\$LOWMEM_JAX_IMPL must be one of .* got 'fast'"):
+    _attention_runs()
 
 
 def test_vit_training_step_with_kernels_matches_xla(monkeypatch):

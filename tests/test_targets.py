@@ -72,8 +72,9 @@ def test_cudnn_attention_compiles_for_the_target():
   q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
 
   def grad(impl):
-    return jax.grad(lambda q, k, v: jnp.sum(lm.attention(q, k, v, causal=True, impl=impl)
-                                            .astype(jnp.float32)), argnums=(0, 1, 2))
+    return jax.grad(lambda q, k, v: jnp.sum(
+        lm.attention(q, k, v, is_causal=True, implementation=impl).astype(jnp.float32)),
+                    argnums=(0, 1, 2))
   calls = _custom_calls(targets.get("h100").compile(grad("cudnn"), q, q, q))
   assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls
   # "auto" decides by the compile target: cuDNN for the H100, the chunked kernel on CPU.

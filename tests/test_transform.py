@@ -216,8 +216,7 @@ ATTENTIONS = {
     "flax.linen, bias": lambda q, k, v: nn.dot_product_attention(q, k, v, bias=BIAS),
     "nnx, mask": lambda q, k, v: nnx.dot_product_attention(q, k, v, mask=MASK),
     "einsum by hand, where": _einsum_attention,
-    "lm.attention_ops.dot_product_attention": (
-        lambda q, k, v: lm.attention_ops.dot_product_attention(q, k, v, causal=True)),
+    "lm.attention_reference": lambda q, k, v: lm.attention_reference(q, k, v, is_causal=True),
 }
 
 

@@ -116,8 +116,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       the call, e.g. a mask or bias that broadcasts along a length axis;
       cuDNN adds a mask as a bias in query's dtype and does not treat -inf
       biases as masks) or "auto": cuDNN on a GPU where it accepts the call
-      and, with a mask or bias, both lengths are even (its training
-      constraint), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
+      and both lengths are even (its training constraint with a bias,
+      which JAX's cuDNN rule sees under `jax.checkpoint` even without
+      one), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
       names one of these, else is "auto".
     chunk_size: keys per chunk of the "xla" implementation. Beyond float32
       accumulators of query's, key's and value's size, its transient
@@ -148,8 +149,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
   causal = bool(is_causal)
   if impl == "cudnn":
     return _cudnn(query, key, value, mask, bias, scale, causal)
-  # cuDNN refuses odd lengths with a bias only in the backward, too late to fall back.
-  odd = (mask is not None or bias is not None) and (query.shape[1] % 2 or key.shape[1] % 2)
+  # cuDNN refuses odd lengths with a bias in training, and only in the backward, too late
+  # to fall back; under jax.checkpoint JAX's cuDNN rule sees a bias where none was given.
+  odd = query.shape[1] % 2 or key.shape[1] % 2
   if impl == "auto" and targets.compiling_for() == "gpu" and not odd:
     try:
       return _cudnn(query, key, value, mask, bias, scale, causal)

@@ -369,3 +369,12 @@ def test_attention_fn_refuses_what_it_cannot_do():
   with pytest.raises(NotImplementedError, match="sow"):
     lm.linen.MultiHeadDotProductAttention(num_heads=4).init(
         jax.random.key(0), jnp.ones((1, 3, 8)), sow_weights=True)
+
+
+def test_auto_attention_under_remat_compiles_for_a_gpu_target_with_odd_lengths():
+  """A ViT's 197 tokens: JAX's cuDNN rule, under jax.checkpoint, refuses odd lengths in the
+  backward (it sees a bias where none was given), so "auto" takes the chunked kernel there."""
+  qkv = [jax.ShapeDtypeStruct((2, 197, 4, 64), jnp.bfloat16)] * 3
+  loss = jax.checkpoint(lambda q, k, v: lm.attention(q, k, v).astype(jnp.float32).sum())
+  compiled = lm.memory.aot_compile(jax.grad(loss, argnums=(0, 1, 2)), *qkv, target="h100")
+  assert "cudnn" not in compiled.as_text()

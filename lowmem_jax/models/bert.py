@@ -32,7 +32,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import fold, names
-from lowmem_jax.attention_ops import attention, dot_product_attention
+from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.models._common import HeadsDense, TransformerSwitches, check_switches, gelu, normed
 from lowmem_jax.norms import ms_layer_norm
 
@@ -115,9 +115,9 @@ class SelfAttention(nn.Module):
                .reshape(b, length, cfg.n_heads, head_dim) for name in ("query", "key", "value"))
     q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
     if self.attention == "recompute":
-      out = attention(q, k, v, mask=mask)  # names its output
+      out = attention(q, k, v, mask=mask)
     else:
-      out = checkpoint_name(dot_product_attention(q, k, v, mask=mask), names.ATTN_OUT)
+      out = attention_reference(q, k, v, mask=mask)
     return HeadsDense(cfg.dim, self.dtype, self.param_dtype, use_bias=True, name="out")(out)
 
 

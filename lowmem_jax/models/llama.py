@@ -21,7 +21,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
-from lowmem_jax.attention_ops import attention, dot_product_attention
+from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
                                        norm_layer, normed, silu)
@@ -87,9 +87,9 @@ class Attention(nn.Module):
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
     if self.attention == "recompute":
-      out = attention(q, k, v, causal=True)  # names its output
+      out = attention(q, k, v, is_causal=True)
     else:
-      out = checkpoint_name(dot_product_attention(q, k, v, causal=True), names.ATTN_OUT)
+      out = attention_reference(q, k, v, is_causal=True)
     return HeadsDense(cfg.dim, self.dtype, self.param_dtype, name="wo")(out)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
-from lowmem_jax.attention_ops import dot_product_attention
+from lowmem_jax.attention_ops import attention_reference
 from lowmem_jax.models._common import (TransformerSwitches, check_switches, gelu, norm_layer,
                                        normed)
 
@@ -25,10 +25,11 @@ EPSILON = 1e-6  # of every LayerNorm
 
 
 def plain_attention_fn(query, key, value, mask=None):
-  """Flax ``attention_fn``: `dot_product_attention` with q, k, v, probabilities and output named."""
+  """Flax ``attention_fn``: `attention_reference` (which names its probabilities and output)
+  with q, k and v named."""
   query, key, value = (checkpoint_name(t, names.QKV) for t in (query, key, value))
   mask = None if mask is None else mask.astype(bool)  # Flax's masks: nonzero where kept
-  return checkpoint_name(dot_product_attention(query, key, value, mask=mask), names.ATTN_OUT)
+  return attention_reference(query, key, value, mask=mask)
 
 
 class MlpBlock(nn.Module):

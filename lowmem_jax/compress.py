@@ -102,6 +102,8 @@ def _quantized_fwd(fn, saved_as, x, *params):
 
 
 def _quantized_bwd(fn, saved_as, residuals, dy):
+  # Tied to dy, the dequantised copy is made when the backward reaches it, not hoisted.
+  residuals, dy = jax.lax.optimization_barrier((residuals, dy))
   (packed, scale), params = residuals
   x_tilde = dequantize_rows(packed, scale, *saved_as)
   _, vjp = jax.vjp(fn, x_tilde, *params)
@@ -216,6 +218,8 @@ def _pooled_fwd(conv, pool, x, w):
 
 
 def _pooled_bwd(conv, pool, residuals, dy):
+  # Tied to dy, the repeated copy is made when the backward reaches it, not hoisted.
+  residuals, dy = jax.lax.optimization_barrier((residuals, dy))
   pooled, w = residuals
   _, vjp = jax.vjp(conv, upsample(pooled, pool), w)
   return vjp(dy)

@@ -182,14 +182,13 @@ def report(args, job: techniques.Job, console: Console) -> int:
     console.print_json(json.dumps(out))
     return 0
   console.print(_summary(rows, _workload_title(args, job)))
-  console.print(target.note, highlight=False)
   if target.platform == "cpu" and job.make_step is None and (
       job.dtype != "float32" or any(s.bf16 for s in sets)):
     console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
                   "16-bit arrays as temporaries, which an accelerator does not: compare the "
                   "techniques in float32 here.", highlight=False)
   for b in breakdowns if args.details else breakdowns[-1:]:
-    console.print(str(b), highlight=False)
+    console.print(str(b), highlight=False)  # it begins with the target's note
   if args.plot:
     console.print(f"plots: {args.plot}/components.png, {args.plot}/live_bytes.png")
   return 0

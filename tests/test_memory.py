@@ -187,3 +187,14 @@ def test_bad_fn():
     memory.analyze(3, jnp.ones(3))
   with pytest.raises(TypeError, match="fn"):
     memory.saved_residuals("f", jnp.ones(3))
+
+
+@pytest.mark.parametrize("op_name, layer", [
+    ("jit(step)/transpose(jvp(ViT))/Transformer/encoderblock_1/MlpBlock_0/Dense_1/dot_general",
+     "Transformer/encoderblock_1"),
+    ("jit(step)/jvp(lowmem/attention)/dot_general", "(top level)"),
+    ("jit(step)/Llama/layers_0/jvp(lowmem/attention)/exp", "Llama/layers_0"),
+])
+def test_buffer_layer_keeps_scopes_inside_transforms_whole(op_name, layer):
+  buffer = memory.Buffer("fusion.3{}", 4, "f32[1]", op_name, "", 0, 1, "activations")
+  assert buffer.layer == layer

@@ -87,11 +87,23 @@ class Buffer:
   def layer(self) -> str:
     """The module path of the op up to its first numbered module, e.g.
     ``Transformer/encoderblock_1``; ``(top level)`` where the op is in none."""
-    parts = [p for p in self.op_name.split("/")[:-1] if "(" not in p and p not in _NOT_MODULES]
+    parts = [p for p in _scopes(self.op_name)[:-1] if "(" not in p and p not in _NOT_MODULES]
     for i, part in enumerate(parts):
       if _NUMBERED.search(part):
         return "/".join(parts[:i + 1])
     return "/".join(parts) or "(top level)"
+
+
+def _scopes(op_name: str) -> list[str]:
+  """``op_name`` split at the slashes outside parentheses: ``"jit(f)/jvp(lowmem/attention)/dot"``
+  -> ``["jit(f)", "jvp(lowmem/attention)", "dot"]``."""
+  parts, depth, start = [], 0, 0
+  for i, c in enumerate(op_name):
+    depth += (c == "(") - (c == ")")
+    if c == "/" and depth == 0:
+      parts.append(op_name[start:i])
+      start = i + 1
+  return parts + [op_name[start:]]
 
 
 _NOT_MODULES = frozenset({"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation"})

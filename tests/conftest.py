@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# With a GPU, each test process (pytest-xdist's -n) takes only the memory it uses.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (XLA_FLAGS must be set before jax starts its backend)
 import pytest  # noqa: E402

@@ -118,7 +118,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       biases as masks) or "auto": cuDNN on a GPU where it accepts the call
       and both lengths are even (its training constraint with a bias,
       which JAX's cuDNN rule sees under `jax.checkpoint` even without
-      one), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
+      one; so a one-token decoding step takes "xla" too), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
       names one of these, else is "auto".
     chunk_size: keys per chunk of the "xla" implementation. Beyond float32
       accumulators of query's, key's and value's size, its transient

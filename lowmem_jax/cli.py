@@ -157,6 +157,8 @@ def _summary(rows: list[dict], title: str) -> Table:
 def report(args, job: techniques.Job, console: Console) -> int:
   texts = args.techniques.split(",") if args.techniques is not None else job.default_sets()
   sets = [techniques.parse(t, step=job.make_step is not None) for t in texts]
+  for s in sets:
+    techniques.check(job, s)
   if args.plot:
     try:
       os.makedirs(args.plot, exist_ok=True)
@@ -347,8 +349,12 @@ def main(argv=None) -> int:
                          _target(args.target),
                          load_step(args.step) if args.step is not None else None)
     return (report if args.command == "report" else plan)(args, job, console)
-  except (UsageError, techniques.TechniqueError) as e:
+  except UsageError as e:
     print(f"lowmem-jax: error: {e}", file=sys.stderr)
+    return 2
+  except techniques.TechniqueError as e:
+    step = f"--step {args.step}: " if args.step is not None else ""
+    print(f"lowmem-jax: error: {step}{e}", file=sys.stderr)
     return 2
 
 

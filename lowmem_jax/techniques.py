@@ -174,6 +174,12 @@ class TechniqueSet:
     if self.conv != "plain" and not job.conv_net:
       raise TechniqueError(f"conv:{self.conv} in {self.label!r} applies to wrn-28-2, not "
                            f"{job.model}.")
+    try:
+      return self._workload(job)
+    except ValueError as e:  # a shape the model refuses, e.g. BERT's seq > 512
+      raise TechniqueError(f"{self.label!r}: {e}") from e
+
+  def _workload(self, job: Job) -> models.Workload:
     return models.workload(
         job.model, batch=job.batch, seq=job.seq, image=job.image,
         dtype=jnp.bfloat16 if self.bf16 else jnp.dtype(job.dtype),
@@ -313,14 +319,30 @@ def _what(x: Any) -> str:
   return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {type(x).__name__}"
 
 
-def user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
-  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``
-  (``loss_fn`` None where make_step gives none)."""
-  name = getattr(job.make_step, "__name__", "make_step")
+def check(job: Job, techniques: TechniqueSet) -> None:
+  """Raises `TechniqueError` where ``techniques`` does not apply to ``job``: a step of
+  the user's own takes baseline and lowmem only (lowmem where ``make_step`` takes
+  it), a reference model every technique but lowmem."""
+  if job.make_step is None:
+    if techniques.lowmem:
+      raise TechniqueError(f"technique 'lowmem' in {techniques.label!r} applies only to a step "
+                           "of your own (make_step, --step).")
+    return
+  if techniques != TechniqueSet(techniques.label, lowmem=techniques.lowmem):
+    raise TechniqueError(f"{techniques.label!r} changes a reference model; a step of your own "
+                         f"takes {' or '.join(STEP_TECHNIQUES)}.")
   if techniques.lowmem and job.step_techniques() != STEP_TECHNIQUES:
+    name = getattr(job.make_step, "__name__", "make_step")
     raise TechniqueError(f"lowmem calls {name}(lowmem=lm.lowmem), and {name} takes no lowmem "
                          f"argument: define {name}(lowmem=lambda f: f) and differentiate "
                          "lowmem(loss_fn) in the step.")
+
+
+def user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
+  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``
+  (``loss_fn`` None where make_step gives none)."""
+  check(job, techniques)
+  name = getattr(job.make_step, "__name__", "make_step")
   made = job.make_step(lowmem=transform.lowmem) if techniques.lowmem else job.make_step()
   said = f"{name}() returned"
   if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
@@ -345,6 +367,7 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   """The `memory.Breakdown` of ``techniques``' training step of ``job`` compiled for
   ``job.target``, with autodiff's residuals of its loss; a reference model's
   step is AdamW's (`TechniqueSet.optimizer`), parameters and state donated."""
+  check(job, techniques)
   if job.make_step is not None:
     step, step_args, loss_fn, loss_args = user_step(job, techniques)
     return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args,
@@ -366,11 +389,11 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
 
 
 def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -> dict:
-  """The summary figures, in bytes, of one technique set's breakdown against ``base``'s:
+  """The summary figures of one technique set's breakdown against ``base``'s: in bytes,
   parameters and optimizer state (None where no argument is one), gradients,
-  activations, other, the live and compiled peaks, the reduction, the extra
-  FLOPs (None for loops, whose body XLA counts once) and autodiff's saved
-  activations (None without a loss)."""
+  activations, other, the live and compiled peaks and autodiff's saved
+  activations (None without a loss); as ratios, the reduction and the extra
+  FLOPs (None for loops, whose body XLA counts once)."""
   at = b.at_peak
   found = b.argument_components
   return {
@@ -448,7 +471,12 @@ def cheapest_fit(job: Job, budget: int,
                  on_try: Callable[[str], None] = lambda text: None) -> Fit:
   """Measures the sets of `ladder` for ``job`` (a reference model) in order, up to
   the first whose compiled peak is at most ``budget`` bytes; ``on_try(text)``
-  is called before each."""
+  is called before each. The ladder is the transformers' (ms-norm, attention): not
+  for a step of the user's own nor the WideResNet."""
+  if job.make_step is not None or job.conv_net:
+    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); "
+                         f"{'a step of your own' if job.make_step else job.model} takes "
+                         "measure() of chosen sets instead.")
   params = parse("baseline").workload(job).abstract_params()
   fixed = memory.tree_bytes((params, jax.eval_shape(optax.adamw(LEARNING_RATE).init, params)))
   tried = []

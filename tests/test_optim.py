@@ -224,7 +224,7 @@ def test_train_step_is_one_update_or_microbatch_step():
             params, adama.init(params), batch))
   with pytest.raises(ValueError, match="`fold_in_backward` folds AdamA's micro-batches"):
     optim.train_step(mlp_loss, tx, fold_in_backward=True)
-  with pytest.raises(ValueError, match="k"):
+  with pytest.raises(ValueError, match="positive Python int"):
     optim.train_step(mlp_loss, tx, 0)
 
 

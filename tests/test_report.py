@@ -166,6 +166,8 @@ def test_cli_report_table(capsys):
     (["report", "--model", "wrn-28-2", "--techniques", "all"], "wrn-28-2 has batch norm"),
     (["report", *SMALL, "--techniques", "adama:2+offload-opt"], "offload-opt does not take adama"),
     (["report", *SMALL, "--techniques", "bf16-params"], "bf16-params needs 8bit"),
+    (["report", "--model", "bert-base", "--seq", "1024", "--techniques", "baseline"],
+     "'baseline': seq must be <= 512 for bert-base, got 1024"),
     (["plan", "--model", "wrn-28-2", "--budget", "1GiB"], "invalid choice: 'wrn-28-2'"),
     (["plan", "--budget", "12 parsecs"], "budget '12 parsecs'"),
     (["plan"], "--budget"),

@@ -62,7 +62,7 @@ def test_sparse_rows_are_measured_dense_with_a_mask():
 
 
 def test_cheapest_fit_stops_at_the_first_set_that_fits():
-  # on the CPU proxy bfloat16 costs more; cuDNN attention needs more than 5 tokens
+  # on the CPU proxy bfloat16 costs more
   job = dataclasses.replace(SMALL, image=None, target="h100")
   base = techniques.measure(job, techniques.parse("baseline"), top=0)
   tried = []
@@ -72,3 +72,18 @@ def test_cheapest_fit_stops_at_the_first_set_that_fits():
   assert fit.tried[-1][0].stats.peak_bytes < base.stats.peak_bytes
   nothing = techniques.cheapest_fit(job, 1024)
   assert nothing.fits is None and not nothing.tried and nothing.fixed_bytes > 1024
+
+
+def test_a_set_that_does_not_suit_the_job_raises():
+  def make_step():
+    raise AssertionError("not called: the set is refused first")
+  with pytest.raises(techniques.TechniqueError, match="'all' changes a reference model"):
+    techniques.measure(techniques.Job(make_step=make_step), techniques.parse("all"))
+  with pytest.raises(techniques.TechniqueError, match="takes no lowmem argument"):
+    techniques.measure(techniques.Job(make_step=make_step),
+                       techniques.parse("lowmem", step=True))
+  lowmem = techniques.TechniqueSet("lowmem", lowmem=True)
+  with pytest.raises(techniques.TechniqueError, match="applies only to a step of your own"):
+    techniques.measure(SMALL, lowmem)
+  with pytest.raises(techniques.TechniqueError, match="the ladder is the transformers'"):
+    techniques.cheapest_fit(techniques.Job("wrn-28-2"), 2**30)

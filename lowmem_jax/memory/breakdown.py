@@ -99,7 +99,7 @@ def _scopes(op_name: str) -> list[str]:
   -> ``["jit(f)", "jvp(lowmem/attention)", "dot"]``."""
   parts, depth, start = [], 0, 0
   for i, c in enumerate(op_name):
-    depth += (c == "(") - (c == ")")
+    depth = max(depth + (c == "(") - (c == ")"), 0)
     if c == "/" and depth == 0:
       parts.append(op_name[start:i])
       start = i + 1

@@ -70,7 +70,9 @@ def rows(name: str) -> list[tuple[str, str, str]]:
       ("compressed residuals + float16", compress, f16),
       ("+ remat", f"{compress}+remat:full", f16),
       ("+ AdamA 32", f"{compress}+remat:full+adama:32", f16),
-      (f"everything: + sparse {DENSITY:.0%}", f"{compress}+remat:full+adama:32+{sparse}", f16),
+      ("+ 8-bit moments", f"{compress}+remat:full+adama:32+8bit", f16),
+      ("+ bfloat16 parameters", f"{compress}+remat:full+adama:32+8bit+bf16-params", f16),
+      (f"AdamA 32 row + sparse {DENSITY:.0%}", f"{compress}+remat:full+adama:32+{sparse}", f16),
   ]
 
 

@@ -225,19 +225,21 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 
 def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-8, weight_decay: float = 1e-4, *, block: int = BLOCK,
-               min_size: int = MIN_SIZE, seed: int = 0) -> optax.GradientTransformation:
+               eps: float = 1e-8, weight_decay: float = 1e-4, mask: Any = None, *,
+               block: int = BLOCK, min_size: int = MIN_SIZE,
+               seed: int = 0) -> optax.GradientTransformation:
   """`optax.adamw` with `scale_by_adam_8bit`'s moments: the same chain, Adam's direction,
   decoupled weight decay (``weight_decay`` times the parameters) and the learning rate.
 
   Args:
     learning_rate: a float or an optax schedule.
-    b1, b2, eps, weight_decay: as in `optax.adamw` (whose default decay this keeps).
+    b1, b2, eps, weight_decay, mask: as in `optax.adamw` (whose default decay this
+      keeps; ``mask`` selects the leaves that decay, e.g. not biases and norms).
     block, min_size, seed: as in `scale_by_adam_8bit`.
   """
   return optax.chain(
       scale_by_adam_8bit(b1, b2, eps, block=block, min_size=min_size, seed=seed),
-      optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
+      optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(learning_rate))
 
 
 def stochastic_round(x: jax.Array, *, key: jax.Array) -> jax.Array:

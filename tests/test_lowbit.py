@@ -88,6 +88,24 @@ def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
     assert float(rel) < 0.1, float(rel)  # to first order 2^-4 from m, 2^-5 from sqrt(v)
 
 
+def test_adamw_8bit_is_the_adamw_chain_with_8bit_moments():
+  params = {"w": jnp.linspace(-1, 1, 8192).reshape(32, 256), "b": jnp.ones(4)}
+  grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
+  chain = optax.chain(lowbit.scale_by_adam_8bit(), optax.add_decayed_weights(0.1),
+                      optax.scale_by_learning_rate(1e-2))
+  tx = lowbit.adamw_8bit(1e-2, weight_decay=0.1)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  expected, _ = chain.update(grads, chain.init(params), params)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # the mask keeps the bias out of the decay: with zero gradients only the kernel moves
+  masked = lowbit.adamw_8bit(1e-2, weight_decay=0.1, mask={"w": True, "b": False})
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = masked.update(zeros, masked.init(params), params)
+  np.testing.assert_array_equal(updates["b"], 0)
+  np.testing.assert_allclose(updates["w"], -1e-3 * params["w"], rtol=1e-6)
+
+
 def test_updates_keep_the_gradients_dtype():
   params = {"w": jnp.ones((64, 128), jnp.bfloat16)}
   grads = {"w": jnp.full((64, 128), 0.5, jnp.bfloat16)}

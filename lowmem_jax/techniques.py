@@ -338,10 +338,9 @@ def check(job: Job, techniques: TechniqueSet) -> None:
                          "lowmem(loss_fn) in the step.")
 
 
-def user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
-  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``
-  (``loss_fn`` None where make_step gives none)."""
-  check(job, techniques)
+def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
+  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``, which
+  `check` has passed (``loss_fn`` None where make_step gives none)."""
   name = getattr(job.make_step, "__name__", "make_step")
   made = job.make_step(lowmem=transform.lowmem) if techniques.lowmem else job.make_step()
   said = f"{name}() returned"
@@ -369,7 +368,7 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   step is AdamW's (`TechniqueSet.optimizer`), parameters and state donated."""
   check(job, techniques)
   if job.make_step is not None:
-    step, step_args, loss_fn, loss_args = user_step(job, techniques)
+    step, step_args, loss_fn, loss_args = _user_step(job, techniques)
     return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args,
                          label=techniques.label, top=top, target=job.target)
   wl = techniques.workload(job)

@@ -97,7 +97,7 @@ class MSRMSNorm(_MSNorm):
 
 
 def microbatch_step(
-    loss_fn: Callable[..., Any], k: int, *, has_aux: bool = False,
+    loss_fn: Callable[..., Any], k: "int | optim.MomentFold", *, has_aux: bool = False,
     fold_in_backward: bool | optim.FoldInBackward | None = None,
 ) -> Callable[[nnx.Module, nnx.Optimizer, Any], dict[str, Any]]:
   """A train step over k micro-batches for an NNX model and ``nnx.Optimizer``, in place.
@@ -125,7 +125,7 @@ def microbatch_step(
       it gets is a copy inside the trace: its mutations (RNG counts, batch
       statistics) reach ``model`` through the step, not by reference.
     k: micro-batches per step, a positive Python int; for AdamA the ``k`` given
-      to `lowmem_jax.adama`.
+      to `lowmem_jax.adama`, best the `lowmem_jax.MomentFold` itself.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     fold_in_backward: True (or a `lowmem_jax.optim.FoldInBackward` with
       ``key=None``) folds each parameter's micro-batch gradient into AdamA's
@@ -135,7 +135,7 @@ def microbatch_step(
     ``step(model, optimizer, batch) -> metrics``: updates ``model`` and
     ``optimizer`` in place; ``metrics`` as from `lowmem_jax.optim.microbatch_step`.
   """
-  optim._check_k(k)
+  optim._check_k(k.k if isinstance(k, optim.MomentFold) else k)
 
   def step(model, optimizer, batch):
     if not isinstance(model, nnx.Module):

@@ -31,6 +31,7 @@ References:
 import contextvars
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -78,6 +79,17 @@ def _check_k(k: Any, name: str = "k") -> None:
 class MomentFold:
   """How one micro-batch gradient enters AdamA's moments (see the module docstring).
 
+  Build one and give it to both halves of AdamA, so they cannot disagree:
+  ``tx = adama(fold)`` (or ``adamaw(lr, fold)``) and
+  ``microbatch_step(loss_fn, tx, fold, fold_in_backward=True)``, which folds in
+  the backward pass with this rule and ``tx`` applies the direction of its
+  moments with the same b1 and b2.
+
+  Example:
+    >>> import lowmem_jax as lm
+    >>> fold = lm.MomentFold(4, b1=0.95)
+    >>> tx = lm.adamaw(1e-3, fold)
+
   Attributes:
     k: micro-batches per optimizer step.
     b1, b2: Adam's decay rates.
@@ -110,15 +122,30 @@ class MomentFold:
     return mu_weight * g + new_mu, nu_weight * (g * g) + new_nu
 
 
+def _moment_fold(k: "int | MomentFold", b1: Any, b2: Any, nu_scale: str | None) -> MomentFold:
+  """``k`` if it is a `MomentFold` (then b1, b2 and nu_scale must be None), else one
+  built from the four, None taking the defaults 0.9, 0.999 and "mean_sq"."""
+  if isinstance(k, MomentFold):
+    given = [name for name, value in (("b1", b1), ("b2", b2), ("nu_scale", nu_scale))
+             if value is not None]
+    if given:
+      raise ValueError(f"`k` is a MomentFold, which holds b1, b2 and nu_scale; do not give "
+                       f"{', '.join(f'`{name}`' for name in given)} as well ({k}).")
+    return k
+  _check_k(k)
+  return MomentFold(k, 0.9 if b1 is None else b1, 0.999 if b2 is None else b2,
+                    "mean_sq" if nu_scale is None else nu_scale)
+
+
 def adama(
-    k: int,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    k: "int | MomentFold",
+    b1: float | None = None,
+    b2: float | None = None,
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
     mu_dtype: Any | None = None,
-    nu_scale: str = "mean_sq",
+    nu_scale: str | None = None,
     state_bits: int | None = None,
     seed: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -145,15 +172,18 @@ def adama(
   direction is computed from the rounded mu (the plain path uses the
   unrounded one, as `optax.scale_by_adam` does). ``folded_with``: the
   `MomentFold` that folded them (`microbatch_step` passes its own); one that
-  differs from this AdamA's in k, b1, b2 or nu_scale is an error.
+  differs from this AdamA's in k, b1, b2 or nu_scale is an error. Give both
+  the same `MomentFold` as ``k`` and they agree by construction.
 
   Args:
-    k: micro-batches per optimizer step, a positive Python int.
-    b1, b2: decay rates of the first and second moments.
+    k: micro-batches per optimizer step, a positive Python int; or a
+      `MomentFold`, which holds k, b1, b2 and nu_scale (the one to give
+      `microbatch_step` too).
+    b1, b2: decay rates of the first and second moments; None: 0.9 and 0.999.
     eps, eps_root: as in `optax.adam`.
     mu_dtype: dtype of the first moment; None keeps the params' dtypes.
-    nu_scale: "mean_sq" (default, w = 1/k^2) or "mean" (w = 1/k): the weight of
-      each squared micro-batch gradient in v (module docstring).
+    nu_scale: "mean_sq" (w = 1/k^2; None means it) or "mean" (w = 1/k): the
+      weight of each squared micro-batch gradient in v (module docstring).
     state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
       for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
@@ -179,7 +209,8 @@ def adama(
     >>> updates["w"]
     Array([-0.09999934, -0.09999934, -0.09999934], dtype=float32)
   """
-  fold = MomentFold(k, b1, b2, nu_scale)
+  fold = _moment_fold(k, b1, b2, nu_scale)
+  k, b1, b2 = fold.k, fold.b1, fold.b2
   mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
   if not (state_bits is None or isinstance(state_bits, int) and state_bits == 8):
     raise ValueError(f"`state_bits` must be None or 8 (a Python int: under "
@@ -206,8 +237,8 @@ def adama(
     if folded_with is not None and _disagree(folded_with, fold):
       raise ValueError(
           f"The moments were folded in the backward with {folded_with}, and this AdamA folds "
-          f"with {fold}: give microbatch_step's FoldInBackward the b1, b2 and nu_scale of "
-          "`adama`.")
+          f"with {fold}: build one `MomentFold` and give it to both, as `adama`'s and "
+          "`microbatch_step`'s `k`.")
     if jax.tree.structure(updates) != _moment_structure(state.mu):
       raise ValueError(
           "`updates` (the gradient) and the AdamA state have different tree structures: "
@@ -251,14 +282,14 @@ def adama(
 
 def adamaw(
     learning_rate: optax.ScalarOrSchedule,
-    k: int,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    k: "int | MomentFold",
+    b1: float | None = None,
+    b2: float | None = None,
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
     mu_dtype: Any | None = None,
-    nu_scale: str = "mean_sq",
+    nu_scale: str | None = None,
     weight_decay: float = 1e-4,
     mask: Any = None,
     state_bits: int | None = None,
@@ -286,12 +317,12 @@ def adamaw(
   Returns:
     An `optax.GradientTransformationExtraArgs`.
   """
-  _check_k(k)
+  fold = _moment_fold(k, b1, b2, nu_scale)
   return optax.chain(
-      adama(k, b1, b2, eps, eps_root, mu_dtype=mu_dtype, nu_scale=nu_scale,
-            state_bits=state_bits, seed=seed),
+      adama(fold, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, state_bits=state_bits,
+            seed=seed),
       on_kth_micro_step(optax.chain(optax.add_decayed_weights(weight_decay, mask),
-                                    optax.scale_by_learning_rate(learning_rate)), k))
+                                    optax.scale_by_learning_rate(learning_rate)), fold.k))
 
 
 class KthMicroStepState(NamedTuple):
@@ -448,29 +479,34 @@ class FoldInBackward:
   `LayerMoments`) to `scan_layers` over ``params[key]``, which folds layer by
   layer inside the scan's backward.
 
-  ``b1``, ``b2`` and ``nu_scale`` must be the ones given to `adama`:
-  `microbatch_step` builds one `MomentFold` from them, folds with it in the
-  backward and hands it to ``tx.update``, where `adama` raises if its own
-  differs (an optax chain does not expose its members' hyperparameters). The folded leaves' gradients never reach ``tx.update`` (it
-  sees zeros there), so transformations that read the gradient before
-  `adama` (global-norm clipping, `optax.apply_if_finite`'s finiteness check)
-  do not see them.
+  The backward folds by the `MomentFold` given to `microbatch_step` as its
+  ``k``, the one given to `adama` (an int ``k`` means ``MomentFold(k)``, whose
+  rates `adama` checks against its own: an optax chain does not expose its
+  members' hyperparameters). The folded leaves' gradients never reach
+  ``tx.update`` (it sees zeros there), so transformations that read the
+  gradient before `adama` (global-norm clipping, `optax.apply_if_finite`'s
+  finiteness check) do not see them.
 
   Attributes:
     key: None (fold the leaves ``where`` selects), or the entry of the params
       dict with the stacked layers.
-    b1, b2, nu_scale: as in `adama`.
+    b1, b2, nu_scale: deprecated, for one release: give `microbatch_step` the
+      `MomentFold` given to `adama` instead. None: not given.
     where: with ``key=None``, ``where(path, leaf) -> bool`` selects the leaves
       to fold in backward (``path`` as `jax.tree_util.tree_map_with_path`
       gives it); None selects every leaf.
   """
   key: str | None = "layers"
-  b1: float = 0.9
-  b2: float = 0.999
-  nu_scale: str = "mean_sq"
+  b1: float | None = None
+  b2: float | None = None
+  nu_scale: str | None = None
   where: Callable[[Any, Any], bool] | None = None
 
   def __post_init__(self):
+    if (self.b1, self.b2, self.nu_scale) != (None, None, None):
+      warnings.warn("FoldInBackward's b1, b2 and nu_scale are deprecated: build one "
+                    "`MomentFold` and give it to `adama` and to `microbatch_step` as `k`.",
+                    DeprecationWarning, stacklevel=3)
     if self.key is not None and not isinstance(self.key, str):
       raise ValueError(f"`FoldInBackward.key` must be a str or None, got {self.key!r}.")
     if self.where is not None and (self.key is not None or not callable(self.where)):
@@ -502,7 +538,7 @@ _folding_leaf.defvjp(_folding_leaf_fwd, _folding_leaf_bwd)
 def microbatch_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
-    k: int,
+    k: "int | MomentFold",
     *,
     has_aux: bool = False,
     has_state: bool = False,
@@ -538,7 +574,9 @@ def microbatch_step(
       With ``fold_in_backward``: ``moments`` comes last, e.g.
       ``loss_fn(params, micro_batch, moments)``.
     tx: the optimizer.
-    k: micro-batches per step, a positive Python int; for AdamA the same k.
+    k: micro-batches per step, a positive Python int; for AdamA the same k,
+      or better the `MomentFold` given to `adama` as its ``k``, so the
+      backward folds with exactly its rule (with ``fold_in_backward``).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     has_state: whether ``loss_fn`` takes and returns a state.
     fold_in_backward: fold each micro-batch gradient into the moments in the
@@ -566,7 +604,6 @@ def microbatch_step(
   skipped micro-batch leaves the optimizer step unfinished at the end of the
   call and the next call finishes it.
   """
-  _check_k(k)
   if fold_in_backward is True:
     fold_in_backward = FoldInBackward(key=None)
   if fold_in_backward is False:
@@ -574,8 +611,9 @@ def microbatch_step(
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
     raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
                      f"{fold_in_backward!r}.")
-  fold = None if fold_in_backward is None else MomentFold(
-      k, fold_in_backward.b1, fold_in_backward.b2, fold_in_backward.nu_scale)
+  options = fold_in_backward or FoldInBackward()
+  fold = _moment_fold(k, options.b1, options.b2, options.nu_scale)
+  k = fold.k
 
   def loss_of(params, state, batch, *moments):
     """``loss_fn`` as ``(loss, (aux, state))``, for ``value_and_grad(has_aux=True)``."""
@@ -614,7 +652,8 @@ def microbatch_step(
 
 
 def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,
-               k: int = 1, *, fold_in_backward: bool = False) -> Callable[..., tuple[Any, ...]]:
+               k: "int | MomentFold" = 1, *,
+               fold_in_backward: bool = False) -> Callable[..., tuple[Any, ...]]:
   """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params, opt_state,
   metrics)``, ``metrics["loss"]`` the loss.
 
@@ -626,13 +665,15 @@ def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss, float32 [].
     tx: the optimizer.
-    k: micro-batches per step, a positive Python int.
+    k: micro-batches per step, a positive Python int, or AdamA's `MomentFold`
+      (as `microbatch_step`'s).
     fold_in_backward: as `microbatch_step`'s; it needs k > 1.
   """
-  _check_k(k)
-  if fold_in_backward and k == 1:
+  micro_batches = k.k if isinstance(k, MomentFold) else k
+  _check_k(micro_batches)
+  if fold_in_backward and micro_batches == 1:
     raise ValueError("`fold_in_backward` folds AdamA's micro-batches: it needs k > 1.")
-  if k > 1:
+  if micro_batches > 1:
     return microbatch_step(loss_fn, tx, k, fold_in_backward=fold_in_backward or None)
 
   def step(params, opt_state, batch):

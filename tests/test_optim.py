@@ -457,12 +457,12 @@ def scanned_loss(params, batch, moments=None):
 
 @pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
 def test_fold_in_backward_equals_folding_after_backward(nu_scale):
-  k = 2
-  tx = optax.chain(lm.adama(k, nu_scale=nu_scale), optax.scale_by_learning_rate(1e-2))
+  fold = lm.MomentFold(2, nu_scale=nu_scale)
+  tx = optax.chain(lm.adama(fold), optax.scale_by_learning_rate(1e-2))
   params, batch = scanned_init(), mlp_batch()
-  plain = jax.jit(lm.microbatch_step(scanned_loss, tx, k))
-  options = lm.optim.FoldInBackward("layers", nu_scale=nu_scale)
-  in_backward = jax.jit(lm.microbatch_step(scanned_loss, tx, k, fold_in_backward=options))
+  plain = jax.jit(lm.microbatch_step(scanned_loss, tx, fold))
+  in_backward = jax.jit(lm.microbatch_step(scanned_loss, tx, fold,
+                                           fold_in_backward=lm.optim.FoldInBackward("layers")))
   p1, s1 = p2, s2 = params, tx.init(params)
   for _ in range(3):
     p1, s1, m1 = plain(p1, s1, batch)
@@ -546,15 +546,36 @@ def test_adama_step_holds_no_accumulator_in_compiled_memory():
   assert peaks["fold-in-backward"] <= peaks["accumulate"] - 0.9 * grad_bytes, peaks
 
 
-def test_fold_in_backward_and_adama_must_agree_on_the_fold():
-  """microbatch_step folds with FoldInBackward's rates; an adama with others refuses them."""
+def test_one_moment_fold_for_both_halves_of_adama():
+  """One MomentFold given to adama and microbatch_step: the backward folds with its
+  rates, bit for bit what folding after the backward with the same adama gives."""
+  k = 4
+  model = _LinenMLP()
+  params = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
+  fold = lm.MomentFold(k, b1=0.8, b2=0.99, nu_scale="mean")
+  tx = lm.adamaw(1e-2, fold)
+  runs = _three_steps([lm.microbatch_step(loss, tx, fold, fold_in_backward=f)
+                       for f in (None, True)], params, tx)
+  exact(runs[0], runs[1])
+  default = _three_steps([lm.microbatch_step(loss, lm.adamaw(1e-2, k), k)], params,
+                         lm.adamaw(1e-2, k))
+  assert not np.allclose(jax.tree.leaves(runs[0])[0], jax.tree.leaves(default[0])[0])
+
+
+def test_adama_refuses_a_fold_that_differs_from_the_backward():
   params = {"w": jnp.ones((8, 4))}
   loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
   x = jnp.ones((4, 8))
   tx = optax.chain(lm.adama(2, b1=0.95), optax.scale_by_learning_rate(0.1))
-  with pytest.raises(ValueError, match="b1, b2 and nu_scale of `adama`"):
+  with pytest.raises(ValueError, match="give it to both"):  # an int k folds with MomentFold(2)
     lm.microbatch_step(loss, tx, 2, fold_in_backward=True)(params, tx.init(params), x)
-  agreeing = lm.optim.FoldInBackward(key=None, b1=0.95)
+  with pytest.warns(DeprecationWarning, match="MomentFold"):
+    agreeing = lm.optim.FoldInBackward(key=None, b1=0.95)
   lm.microbatch_step(loss, tx, 2, fold_in_backward=agreeing)(params, tx.init(params), x)
   hyper = optax.inject_hyperparams(lm.adama, static_args=("k",))(k=2, b1=0.9)
   lm.microbatch_step(loss, hyper, 2, fold_in_backward=True)(params, hyper.init(params), x)
+  with pytest.raises(ValueError, match="`b1`, `nu_scale`"):
+    lm.adama(lm.MomentFold(2), b1=0.9, nu_scale="mean")
+  with pytest.raises(ValueError, match="`k` must be a positive"):
+    lm.adamaw(0.1, 0)

@@ -90,14 +90,15 @@ class Workload:
       logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  def train_step(self, tx: optax.GradientTransformation, k: int = 1,
+  def train_step(self, tx: optax.GradientTransformation, k: "int | optim.MomentFold" = 1,
                  fold_in_backward: bool = False) -> Callable:
     """One optimizer step of ``tx``: ``step(params, opt_state, batch) -> (params,
     opt_state, metrics)`` with ``batch = (inputs, labels)`` and ``metrics["loss"]``.
 
     `lowmem_jax.optim.train_step` of `loss`: with ``k > 1``, over k micro-batches
-    (give an AdamA ``tx`` for the same k to fold each micro-batch gradient into its
-    moments, in the backward pass with ``fold_in_backward``).
+    (give an AdamA ``tx`` for the same k, or the `lowmem_jax.MomentFold` it was built
+    with, to fold each micro-batch gradient into its moments, in the backward pass with
+    ``fold_in_backward``).
     """
     return optim.train_step(lambda params, batch: self.loss(params, *batch), tx, k,
                             fold_in_backward=fold_in_backward)

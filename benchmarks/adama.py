@@ -24,7 +24,10 @@ On the same models with stacked layers and per-layer remat ("scanned"):
   adama+fold-in-backward  the layers' gradients folded in their backward rule
 
 ``--loss fused`` gives the unscanned model the fused loss head
-(``Llama(loss="fused")``). ``--stack`` prints instead issue 21's example: 8
+(``Llama(loss="fused")``). The token embedding is ``Llama(embedding="late")``
+(`lowmem_jax.embedding.take`, exact), whose gradient buffer XLA would
+otherwise make at the start of each micro-batch's backward; ``--embedding
+plain`` measures with `nn.Embed`. ``--stack`` prints instead issue 21's example: 8
 float32 layers of 1024 x 1024, not scanned, k = 4, batch 4 x 256, AdamW, XLA's
 temp and peak bytes for accumulation, AdamA and AdamA folding in the backward.
 
@@ -67,8 +70,9 @@ def cross_entropy(logits, labels):
 class Scanned:
   """The LLaMA-style model with stacked layers: ``params["layers"]`` leaves are ``[layers, ...]``."""
 
-  def __init__(self, config):
+  def __init__(self, config, embedding="late"):
     self.config = config
+    self.lookup = lm.embedding.take if embedding == "late" else lambda table, ids: table[ids]
     self.block = TransformerBlock(config, "exact", "plain", "plain", jnp.float32, jnp.float32)
 
   def init(self, rng, length):
@@ -85,13 +89,13 @@ class Scanned:
     layer = lambda p, h: self.block.apply({"params": p}, h)
     if moments is None:
       layer = jax.checkpoint(layer)  # per-layer remat, as the fold-in-backward rule does
-    h = lm.optim.scan_layers(layer, params["tok_embeddings"][tokens], params["layers"], moments)
+    h = lm.optim.scan_layers(layer, self.lookup(params["tok_embeddings"], tokens), params["layers"], moments)
     h = nn.RMSNorm(epsilon=self.config.norm_eps).apply({"params": {"scale": params["norm"]}}, h)
     return cross_entropy(h @ params["output"], labels)
 
 
-def unscanned(config, head="plain"):
-  model = Llama(config, loss=head)
+def unscanned(config, head="plain", embedding="late"):
+  model = Llama(config, loss=head, embedding=embedding)
   init = lambda rng, length: model.init(rng, jnp.zeros((1, length), jnp.int32))["params"]
   loss = lambda params, batch: model.apply({"params": params}, batch[0], batch[1])
   return init, loss
@@ -101,9 +105,9 @@ def adama_tx(k):
   return optax.chain(lm.adama(k), optax.scale_by_learning_rate(LR))
 
 
-def methods(config, k, head="plain"):
+def methods(config, k, head="plain", embedding="late"):
   """``{name: (step, tx, per_micro_batch)}`` for the unscanned and scanned models."""
-  init, loss = unscanned(config, head)
+  init, loss = unscanned(config, head, embedding)
   adam = optax.adam(LR)
   multi = optax.MultiSteps(optax.adam(LR), k)
 
@@ -125,7 +129,7 @@ def methods(config, k, head="plain"):
   out["adama"] = (init, lm.microbatch_step(loss, adama_tx(k), k), adama_tx(k), False)
   out["adama+fold-in-backward"] = (
       init, lm.microbatch_step(loss, adama_tx(k), k, fold_in_backward=True), adama_tx(k), False)
-  scanned = Scanned(config)
+  scanned = Scanned(config, embedding)
   out["scanned adama"] = (scanned.init, lm.microbatch_step(scanned.loss, adama_tx(k), k),
                           adama_tx(k), False)
   out["scanned adama+fold-in-backward"] = (
@@ -142,10 +146,10 @@ def shapes(init, tx, config, k, micro_batch, length, per_micro_batch):
   return params, jax.eval_shape(tx.init, params), (tokens, tokens)
 
 
-def memory_table(model, k, micro_batch, length, head="plain"):
+def memory_table(model, k, micro_batch, length, head="plain", embedding="late"):
   config = CONFIGS[model]
   rows = []
-  for name, (init, step, tx, per_micro_batch) in methods(config, k, head).items():
+  for name, (init, step, tx, per_micro_batch) in methods(config, k, head, embedding).items():
     params, state, batch = shapes(init, tx, config, k, micro_batch, length, per_micro_batch)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     start = time.perf_counter()
@@ -214,6 +218,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--loss", choices=("plain", "fused"), default="plain",
                       help="the unscanned model's loss head")
+  parser.add_argument("--embedding", choices=("late", "plain"), default="late",
+                      help="the token embedding (Llama's embedding switch)")
   parser.add_argument("--no-timing", action="store_true")
   parser.add_argument("--stack", action="store_true", help="issue 21's 8-layer example only")
   args = parser.parse_args()
@@ -225,7 +231,7 @@ def main():
   mib = lambda b: f"{b / 2**20:,.0f}"
   for model in args.models:
     for k in args.ks:
-      rows = memory_table(model, k, args.micro_batch, args.length, args.loss)
+      rows = memory_table(model, k, args.micro_batch, args.length, args.loss, args.embedding)
       by_name = {name: stats for name, stats, _ in rows}
       grad_bytes = rows[0][2]
       table = Table(title=f"{model}, k={k}, micro-batch {args.micro_batch}x{args.length} tokens, "

@@ -4,16 +4,20 @@ The approximate activations are plain functions and serve as ``activation=``
 arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`).
 `MultiHeadDotProductAttention` and `MultiHeadAttention` are Flax's, with
 `attention_fn` (`lowmem_jax.attention`: no L×L residual) in place of Flax's.
+`Embed` is Flax's with `lowmem_jax.embedding.take`, whose gradient buffer is
+made late.
 """
 
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
 from lowmem_jax.attention_ops import attention
+from lowmem_jax.embedding import take
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 
 
@@ -121,3 +125,18 @@ class MSRMSNorm(_MSNorm):
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_rms_norm)
+
+
+class Embed(nn.Embed):
+  """`flax.linen.Embed` looking rows up with `lowmem_jax.embedding.take`.
+
+  The same attributes, parameter (``embedding``) and values, gradients bit for
+  bit; the table-sized gradient buffer is made when the cotangent arrives,
+  not at the start of the backward pass.
+  """
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+    if self.num_embeddings == 1 and jnp.issubdtype(inputs.dtype, jnp.integer):
+      return jnp.broadcast_to(embedding, inputs.shape + (self.features,))  # as Flax's
+    return take(embedding, inputs)

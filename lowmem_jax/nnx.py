@@ -25,9 +25,11 @@ Example:
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax import optim
+from lowmem_jax.embedding import take
 from lowmem_jax.linen import attention_fn
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 
@@ -42,6 +44,23 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
   def __init__(self, *args, attention_fn: Callable[..., jax.Array] = attention_fn, **kwargs):
     super().__init__(*args, attention_fn=attention_fn, **kwargs)
+
+
+class Embed(nnx.Embed):
+  """`flax.nnx.Embed` looking rows up with `lowmem_jax.embedding.take`.
+
+  The same arguments, parameter (``embedding``) and values, gradients bit for
+  bit; the table-sized gradient buffer is made when the cotangent arrives,
+  not at the start of the backward pass.
+  """
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    if self.num_embeddings == 1 and jnp.issubdtype(inputs.dtype, jnp.integer):
+      return jnp.broadcast_to(embedding, inputs.shape + (self.features,))  # as Flax's
+    if out_sharding is not None:
+      return jax.sharding.auto_axes(take, out_sharding=out_sharding)(embedding, inputs)
+    return take(embedding, inputs)
 
 
 class _MSNorm(nnx.Module):

@@ -37,7 +37,9 @@ TECHNIQUES = {
                       + ", ".join(policies.READY_MADE),
     "adama:<k>": "AdamA over k micro-batches of the batch, each micro-batch gradient folded into "
                  "the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
-                 "fold_in_backward=True)); with 8bit, folded in the scan body",
+                 "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA "
+                 "models the token embedding's gradient buffer is made late (embedding=\"late\", "
+                 "exact)",
     "8bit": "optimizer moments block-wise in 8 bits (lowmem_jax.lowbit.adamw_8bit; with adama, "
             "adamaw(state_bits=8))",
     "bf16-params": "bfloat16 parameters with no float32 copy, each update rounded "
@@ -187,8 +189,13 @@ class TechniqueSet:
         activation=("1bit" if job.conv_net else "approx") if self.approx else "exact",
         norm="ms" if self.ms_norm else "plain",
         attention="recompute" if self.attention else "plain",
-        loss="fused" if self.fused_ce else "plain",
+        loss="fused" if self.fused_ce else "plain", embedding=self.embedding(job),
         remat=self.remat is not None, remat_policy=self.remat)
+
+  def embedding(self, job: Job) -> str:
+    """The LLaMA models' token embedding: "late" under AdamA (its gradient buffer made when
+    needed, not at the start of each micro-batch's backward), else "plain"."""
+    return "late" if self.adama > 1 and job.language_model else "plain"
 
   @property
   def fold_in_backward(self) -> bool:
@@ -232,6 +239,8 @@ class TechniqueSet:
       switches.append('attention="recompute"')
     if self.fused_ce:
       switches.append('loss="fused"')
+    if self.embedding(job) != "plain":
+      switches.append(f'embedding="{self.embedding(job)}"')
     if self.remat is not None:
       switches.append(f"remat=True, remat_policy=lm.policies.{policies.describe(self.remat)}")
     if self.adama > 1:

@@ -107,8 +107,8 @@ class Workload:
 def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
              activation: str = "exact", norm: str = "plain", attention: str = "plain",
-             conv: str = "plain", loss: str = "plain", remat: bool = False,
-             remat_policy: Callable | None = None) -> Workload:
+             conv: str = "plain", loss: str = "plain", embedding: str = "plain",
+             remat: bool = False, remat_policy: Callable | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
   Args:
@@ -126,6 +126,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
     loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
       (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
+    embedding: the LLaMA models' token embedding, "plain" or "late" (its
+      gradient buffer made when needed: for AdamA's micro-batch loop).
   """
   if name not in NAMES:
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
@@ -141,6 +143,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   if loss != "plain" and name not in llama.CONFIGS:
     raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
                      f"vocabulary-sized head); {name} takes loss='plain'.")
+  if embedding != "plain" and name not in llama.CONFIGS:
+    raise ValueError(f"embedding={embedding!r} applies to the LLaMA models only; {name} takes "
+                     "embedding='plain'.")
   if name in WRN_CONFIGS:
     if (norm, attention) != ("plain", "plain"):
       raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
@@ -170,7 +175,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:
-    model = Llama(llama.CONFIGS[name], loss=loss, **switches)
+    model = Llama(llama.CONFIGS[name], loss=loss, embedding=embedding, **switches)
     inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     labels = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return Workload(name, model, inputs, labels)

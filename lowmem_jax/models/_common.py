@@ -20,6 +20,7 @@ from lowmem_jax.activations import regelu2, resilu2
 ACTIVATIONS = ("exact", "approx")
 NORMS = ("plain", "ms")
 ATTENTIONS = ("plain", "recompute")
+EMBEDDINGS = ("plain", "late")
 
 
 def check_switches(activation: str, norm: str, attention: str) -> None:
@@ -115,6 +116,25 @@ def normed(x: jax.Array, norm: str, epsilon: float, dtype: Any, param_dtype: Any
   """
   y = norm_layer(norm, epsilon, dtype, param_dtype, name, rms=rms)(x)
   return y if norm == "ms" else checkpoint_name(y, names.NORM_OUT)
+
+
+def embed_layer(embedding: str, num_embeddings: int, features: int, dtype: Any,
+                param_dtype: Any, name: str) -> nn.Module:
+  """The token embedding the ``embedding`` switch selects (same parameter, values and gradient).
+
+  Args:
+    embedding: "plain" (`nn.Embed`) or "late" (`lowmem_jax.linen.Embed`, whose
+      table-sized gradient buffer is made when its cotangent arrives: in
+      AdamA's micro-batch loop XLA otherwise makes it at the start of the
+      backward pass, beside the logits).
+    num_embeddings, features: the table's shape.
+    dtype: compute dtype; param_dtype: parameter dtype.
+    name: the module's name in the parameter tree.
+  """
+  if embedding not in EMBEDDINGS:
+    raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}.")
+  embed = lm_linen.Embed if embedding == "late" else nn.Embed
+  return embed(num_embeddings, features, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class HeadsDense(nn.Module):

@@ -24,7 +24,7 @@ from lowmem_jax import names
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
-                                       norm_layer, normed, silu)
+                                       embed_layer, norm_layer, normed, silu)
 
 LOSSES = ("plain", "fused")
 
@@ -169,19 +169,21 @@ class Llama(TransformerSwitches):
     config: the sizes (`CONFIGS` has the named ones).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
       "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
+    embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
     activation, norm, attention, remat, remat_policy, dtype, param_dtype:
       `TransformerSwitches`' (keywords).
   """
   config: LlamaConfig = LlamaConfig()
   loss: str = "plain"
+  embedding: str = "plain"
 
   @nn.compact
   def __call__(self, tokens, labels=None):
     check_switches(self.activation, self.norm, self.attention)
     check_loss(self.loss)
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.dim, dtype=self.dtype, param_dtype=self.param_dtype,
-                 name="tok_embeddings")(tokens)
+    x = embed_layer(self.embedding, cfg.vocab_size, cfg.dim, self.dtype, self.param_dtype,
+                    "tok_embeddings")(tokens)
     block = self.remat_block(TransformerBlock)
     for i in range(cfg.n_layers):
       x = block(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,

@@ -22,7 +22,10 @@ that the device's peak counter starts at zero. It records side by side:
 Each finished case is appended to a JSON-lines file beside the report
 (``--rows``); with ``--resume``, cases already there for the same device, jax
 version, size and repeats are not run again, so a run cut off by a time limit
-goes on where it stopped. It then runs the ``gpu``-marked tests,
+goes on where it stopped. It then times the LLM loss head
+(`benchmarks/loss_head.py`: `losses.linear_cross_entropy` against the plain
+head, the gradient of a Llama-3-sized head at 8 x 4,096 tokens in bfloat16,
+issue 22's kernel decision), runs the ``gpu``-marked tests,
 saves the device's target config beside the report, and writes the report
 (default ``docs/gpu.md``) with the device name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
 compiled figures for the ``"h100"`` target, no GPU tests), which the test
@@ -113,12 +116,24 @@ def gpu_tests() -> str:
   return lines[-1] if lines else f"pytest exited {done.returncode} with no output"
 
 
+def loss_head(dry_run: bool) -> str:
+  """`benchmarks/loss_head.py`'s tables: the Llama-3-sized head in bfloat16 (tiny in a dry run)."""
+  size = (["--tokens", "256", "--vocab", "2048", "--width", "64", "--time", "256,2048,64",
+           "--repeats", "1", "--chunks", "128x512"] if dry_run else
+          ["--time", "32768,128256,4096", "--repeats", "5", "--chunks", "1024x8192,2048x16384"])
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_head.py"), *size,
+                         "--time-dtype", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
+  if done.returncode != 0:
+    raise RuntimeError(f"benchmarks/loss_head.py failed:\n{done.stderr[-3000:]}")
+  return done.stdout
+
+
 def _gib(nbytes) -> str:
   return "n/a" if nbytes is None else f"{nbytes / 2**30:,.2f}"
 
 
-def write_report(path: pathlib.Path, rows: list[dict], tests: str, config: str, command: str,
-                 seconds: float, dry_run: bool) -> None:
+def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, config: str,
+                 command: str, seconds: float, dry_run: bool) -> None:
   import jax
   device = rows[0]["device"]
   lines = [f"# lowmem-jax on a real GPU: {device}", "",
@@ -143,7 +158,9 @@ def write_report(path: pathlib.Path, rows: list[dict], tests: str, config: str, 
                  f"{_gib(r['target_own'])} | {_gib(r['target_h100'])} | "
                  f"{ratio} | {r['seconds']:.4f} | "
                  f"{r['seconds'] / base[r['model'], r['dtype']]:.3f} |")
-  lines += ["", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
+  lines += ["", "The LLM loss head (`benchmarks/loss_head.py`, as this script runs it; memory "
+            "for the target, time on this device):", "", "```", head.rstrip(), "```",
+            "", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
             f"This device's target config: `{config}`.", ""]
   path.write_text("\n".join(lines))
 
@@ -198,9 +215,11 @@ def main(argv=None) -> int:
   rows.sort(key=lambda r: order[r["model"], r["dtype"], r["techniques"]])
   config = out.with_name(out.stem + "_target.txtpb")
   (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)
+  head = loss_head(args.dry_run)
   tests = "(dry run: not run)" if args.dry_run else gpu_tests()
   command = "python benchmarks/gpu_validate.py" + (" --dry-run" if args.dry_run else "")
-  write_report(out, rows, tests, config.name, command, time.perf_counter() - start, args.dry_run)
+  write_report(out, rows, head, tests, config.name, command, time.perf_counter() - start,
+               args.dry_run)
   print(out.read_text())
   return 0
 

@@ -3,8 +3,10 @@
 Memory: the gradient of the head (``dh`` and ``dw``) of a Llama-3-sized model
 (vocabulary 128,256, width 4,096) at 8 x 4,096 tokens, bfloat16, compiled for
 the target (default: `lowmem_jax.targets.default`); XLA's peak and temp
-bytes. Time: the same gradient, float32, at a CPU-sized shape, median of
-``--repeats`` after a warm-up, as a ratio to the plain head in the same run.
+bytes. Time: the same gradient, float32 (``--time-dtype``), at a CPU-sized
+shape (``--time``), median of ``--repeats`` after a warm-up, as a ratio to the
+plain head in the same run. `benchmarks/gpu_validate.py` runs it on a GPU at
+the Llama-3 size in bfloat16, which decides whether a Pallas kernel is worth it.
 ``--chunks`` gives the blocks to compare (token_chunk x vocab_chunk).
 
     python benchmarks/loss_head.py [--target h100] [--time 2048,16384,256] [--repeats 5]
@@ -49,6 +51,8 @@ def main(argv=None):
   parser.add_argument("--vocab", type=int, default=128256)
   parser.add_argument("--width", type=int, default=4096)
   parser.add_argument("--time", default="2048,16384,256", help="CPU timing size: tokens,vocab,width")
+  parser.add_argument("--time-dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="dtype of h and w in the timing")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--chunks", default="1024x8192",
                       help="comma list of token_chunk x vocab_chunk blocks (default: the defaults)")
@@ -74,7 +78,9 @@ def main(argv=None):
 
   tokens, vocab, width = (int(v) for v in args.time.split(","))
   k = jax.random.split(jax.random.key(0), 3)
-  real = (jax.random.normal(k[0], (tokens, width)), jax.random.normal(k[1], (width, vocab)) * 0.05,
+  dtype = jnp.dtype(args.time_dtype)
+  real = (jax.random.normal(k[0], (tokens, width), dtype),
+          (jax.random.normal(k[1], (width, vocab)) * 0.05).astype(dtype),
           jax.random.randint(k[2], (tokens,), 0, vocab))
   samples = {name: [] for name in candidates}
   steps = {name: head_grad(fn) for name, fn in candidates.items()}
@@ -85,7 +91,7 @@ def main(argv=None):
       start = time.perf_counter()
       jax.block_until_ready(step(*real))
       samples[name].append(time.perf_counter() - start)
-  table = Table(title=f"time, median of {args.repeats}: the head's gradient, float32, {tokens:,} "
+  table = Table(title=f"time, median of {args.repeats}: the head's gradient, {dtype}, {tokens:,} "
                       f"tokens, vocabulary {vocab:,}, width {width} on {jax.devices()[0].device_kind}")
   for col in ("head", "step s", "ratio to plain"):
     table.add_column(col, justify="left" if col == "head" else "right")

@@ -18,7 +18,9 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
     assert float(cells[7]) > 0  # the h100 target's compiled peak, GiB
     assert float(cells[4]) > 0  # the CPU's real compile
   assert (tmp_path / "gpu_target.txtpb").read_text().count("gpu_device_info") == 1
+  assert "linear_cross_entropy 128x512" in text and "ratio to plain" in text  # the loss head
   # --resume keeps the finished cases of the same device, jax, size and repeats.
+  monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(timed above)")
   monkeypatch.setattr(gpu_validate, "run_case", lambda *a: pytest.fail(f"ran {a} again"))
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume"]) == 0
   assert out.read_text().count("| vit-tiny") == len(rows)

@@ -221,14 +221,14 @@ def test_optimizer_memory_techniques(capsys):
   assert s == techniques.TechniqueSet("adama:2+8bit+bf16-params", adama=2, state_bits=8, bf16_params=True)
   assert not s.fold_in_backward and techniques.parse("adama:2").fold_in_backward
   small = ["--model", "vit-tiny", "--batch", "4", "--image", "32", "--target", "h100"]
-  assert cli.main(["report", *small, "--techniques", "baseline,8bit,8bit+bf16-params,offload-opt,"
-                   "adama:2", "--json"]) == 0
-  base, eight, bf16, off, adama = json.loads(capsys.readouterr().out)["rows"]
-  assert eight["optimizer_state"] < 0.3 * base["optimizer_state"]  # 1 byte + scales, not 4
+  # (each 8-bit row compiles for ~15 s: one row holds both; adama's row is test_cli_report_json's)
+  assert cli.main(["report", *small, "--techniques", "baseline,8bit+bf16-params,offload-opt",
+                   "--json"]) == 0
+  base, bf16, off = json.loads(capsys.readouterr().out)["rows"]
+  assert bf16["optimizer_state"] < 0.3 * base["optimizer_state"]  # 1 byte + scales, not 4
   assert bf16["parameters"] == pytest.approx(base["parameters"] / 2, rel=0.05)
   assert off["optimizer_state"] == 0  # not on the device at the peak
   assert off["breakdown"]["compiled"]["host_argument_bytes"] >= base["optimizer_state"]
-  assert adama["techniques"] == "adama:2" and adama["extra_flops"] is None  # folds in backward
   setting = techniques.parse("8bit+bf16-params+offload-opt")
   code = setting.python(techniques.Job("vit-tiny", batch=4, image=32, target="h100"))
   assert "lm.offload.offload(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code

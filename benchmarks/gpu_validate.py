@@ -52,6 +52,7 @@ TECHNIQUES = {"baseline": {},
               "approx+ms-norm+attention+fused-ce": dict(activation="approx", norm="ms",
                                                         attention="recompute", loss="fused")}
 DTYPES = ("float32", "bfloat16")
+DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -92,9 +93,9 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
           "device": device.device_kind, "jax": jax.__version__, **figures}
 
 
-def case_list(cases: dict) -> list[tuple]:
+def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES) -> list[tuple]:
   """``[(model, size, dtype, techniques)]`` of ``cases``; ``loss`` techniques for LLaMA only."""
-  return [(m, s, d, t) for m, s in cases.items() for d in DTYPES for t in TECHNIQUES
+  return [(m, s, d, t) for m, s in cases.items() for d in dtypes for t in TECHNIQUES
           if m.startswith("llama") or "loss" not in TECHNIQUES[t]]
 
 
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
   device, version = jax.devices()[0].device_kind, jax.__version__
-  all_cases = case_list(cases)
+  all_cases = case_list(cases, DRY_DTYPES if args.dry_run else DTYPES)
   case_key = lambda m, s, d, t: (m, json.dumps(s), d, t, args.repeats, device, version)
   row_key = lambda r: ((r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
                         r.get("repeats"), r["device"], r.get("jax")))

@@ -11,8 +11,9 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   text = out.read_text()
   assert "Dry run on the CPU" in text
   rows = [line for line in text.splitlines() if line.startswith("| vit-tiny")]
-  assert len(rows) == len(gpu_validate.case_list(gpu_validate.DRY_CASES)) == len(
-      gpu_validate.DTYPES) * 2  # vit-tiny: baseline and approx+ms-norm+attention
+  dry = gpu_validate.case_list(gpu_validate.DRY_CASES, gpu_validate.DRY_DTYPES)
+  assert len(rows) == len(dry) == 2  # vit-tiny, bfloat16: baseline and approx+ms-norm+attention
+  assert len(gpu_validate.case_list(gpu_validate.CASES)) == 2 * (2 + 3)  # on a GPU: both dtypes
   for row in rows:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[7]) > 0  # the h100 target's compiled peak, GiB

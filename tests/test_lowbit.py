@@ -50,7 +50,7 @@ def test_stochastic_rounding_is_within_its_bound_and_unbiased(signed):
   back = jax.vmap(lambda k: lowbit.dequantize(lowbit.quantize(x, signed=signed, key=k),
                                               signed=signed))(keys)
   bound = lowbit.error_bound(x, scale, signed=signed, stochastic=True)
-  assert bool(jnp.all(jnp.abs(back - x) <= bound * (1 + 1e-6)))
+  assert bool(jnp.all(jnp.abs(back - x[None]) <= bound[None] * (1 + 1e-6)))
   # the mean of 2,000 roundings: within 4 standard errors of an ulp's Bernoulli spread
   np.testing.assert_array_less(jnp.abs(back.mean(0) - x), 4 * bound / np.sqrt(2000) + 1e-30)
 
@@ -152,7 +152,7 @@ def test_stochastic_round_picks_a_neighbour_unbiased():
       (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16 << 16), jnp.float32)  # toward zero
   hi = jnp.nextafter(lo.astype(jnp.bfloat16), jnp.copysign(jnp.inf, x).astype(
       jnp.bfloat16)).astype(jnp.float32)
-  assert bool(jnp.all((r == lo) | (r == hi)))
+  assert bool(jnp.all((r == lo[None]) | (r == hi[None])))
   spacing = jnp.abs(hi - lo)
   assert bool(jnp.all(jnp.abs(r.mean(0) - x) <= 0.1 * spacing))  # 9 standard errors
   edges = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0, 1.0], jnp.float32)

@@ -13,6 +13,7 @@ from flax import nnx
 
 import lowmem_jax as lm
 import plain_vit  # benchmarks/, on sys.path in conftest.py
+from third_party_promotion import FLAX_NORM, JAX_DOT_PRODUCT_ATTENTION
 
 KEY = jax.random.key(0)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
@@ -95,7 +96,7 @@ def _perturbed(params):
                                    for p, k in zip(leaves, keys)])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=FLAX_NORM)])
 @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
 def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   model = _PreLN(norm, dtype)
@@ -114,24 +115,29 @@ def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   assert jax.tree.structure(jax.grad(fast)(params, x)) == jax.tree.structure(params)
 
 
+def _along(v, x):
+  """The ``[features]`` parameter ``v`` with x's rank, as a user's implicit broadcast makes it."""
+  return jax.lax.broadcast_to_rank(v, x.ndim)
+
+
 def _hand_ln(p, x):
   mu = x.mean(-1, keepdims=True)
   var = ((x - mu) ** 2).mean(-1, keepdims=True)
-  return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"][None, None] + p["b"][None, None]
+  return (x - mu) * jax.lax.rsqrt(var + 1e-5) * _along(p["g"], x) + _along(p["b"], x)
 
 
 def _hand_rms(p, x):
-  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * p["g"][None, None]
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * _along(p["g"], x)
 
 
 def _var_over_sqrt_ln(p, x):
   mu = x.mean(-1, keepdims=True)
-  return ((x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * p["g"][None, None]
-          + p["b"][None, None])
+  return ((x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * _along(p["g"], x)
+          + _along(p["b"], x))
 
 
 def _rms_over_sqrt(p, x):
-  return p["g"][None, None] * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))
+  return _along(p["g"], x) * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))
 
 
 @pytest.mark.parametrize("norm", [_hand_ln, _hand_rms, _var_over_sqrt_ln, _rms_over_sqrt])
@@ -500,6 +506,7 @@ def test_explain_counts_the_bytes_and_prints_a_table():
   assert "lm.attention" in str(rewrites) and "test_transform.py" in rewrites[0].source
 
 
+@JAX_DOT_PRODUCT_ATTENTION
 def test_attention_compiles_for_the_h100_target_where_cudnn_refuses_the_length():
   # cuDNN takes the forward of L = 197 but refuses it once differentiated:
   # lm.attention falls back to its chunked backward under the caller's grad.

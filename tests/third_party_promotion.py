@@ -20,9 +20,9 @@ OPTAX_APPLY_UPDATES = pytest.mark.standard_promotion(
     "optax.apply_updates (optax/_src/update.py:42): p + u adds float32 updates to "
     "bfloat16 parameters, then casts back")
 FLAX_NORM = pytest.mark.standard_promotion(
-    "flax.linen.normalization._compute_stats (flax/linen/normalization.py:112): "
-    "jnp.promote_types(bfloat16, float32) for nn.LayerNorm's and nn.RMSNorm's float32 "
-    "statistics of bfloat16 inputs")
+    "flax.linen.normalization._compute_stats and _normalize (flax/linen/normalization.py:112, "
+    "205, 214): nn.LayerNorm's and nn.RMSNorm's float32 statistics of bfloat16 inputs, "
+    "jnp.promote_types(bfloat16, float32), then x - mean and the scale in mixed dtypes")
 JMP_LOSS_SCALE = pytest.mark.standard_promotion(
     "jmp.DynamicLossScale.adjust (jmp/_src/loss_scale.py:167): an int32 counter times "
     "the bool grads_finite")

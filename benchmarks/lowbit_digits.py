@@ -42,8 +42,11 @@ def init(seed: int) -> dict:
 
 
 def loss(params, batch):
-  h = jnp.tanh(batch[0] @ params["w1"] + params["b1"])
-  return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"] + params["b2"],
+  """Mean cross-entropy; the forward runs in float32, as the images are, whatever the
+  parameters' dtype (bfloat16 parameters are cast up)."""
+  p = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  h = jnp.tanh(batch[0] @ p["w1"] + p["b1"][None, :])
+  return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"][None, :],
                                                           batch[1]).mean()
 
 

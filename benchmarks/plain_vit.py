@@ -51,13 +51,17 @@ def init(key, *, depth=12, dim=768, mlp=3072, patch=16, image=224, classes=1000)
 
 
 def layer_norm(x, p, eps=1e-6):
+  """Statistics in x's dtype; the affine in the parameters' (float32), as is the result."""
   mean = x.mean(-1, keepdims=True)
   var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+  y = ((x - mean) * jax.lax.rsqrt(var + eps)).astype(p["scale"].dtype)
+  return y * jax.lax.broadcast_to_rank(p["scale"], y.ndim) + jax.lax.broadcast_to_rank(
+      p["bias"], y.ndim)
 
 
 def linear(x, p, dtype):
-  return x.astype(dtype) @ p["w"].astype(dtype) + p["b"].astype(dtype)
+  y = x.astype(dtype) @ p["w"].astype(dtype)
+  return y + jax.lax.broadcast_to_rank(p["b"].astype(dtype), y.ndim)
 
 
 def block(x, p, heads, dtype):

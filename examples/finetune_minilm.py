@@ -126,8 +126,8 @@ class Encoder(nnx.Module):
 
     tokens: int32 ``[n, length]``; mask: bool ``[n, length]``, True for real tokens.
     """
-    x = self.word(tokens) + self.position(jnp.arange(tokens.shape[1])) + self.token_type(
-        jnp.zeros_like(tokens))
+    positions = self.position(jnp.arange(tokens.shape[1]))[None]  # the same for every row
+    x = self.word(tokens) + positions + self.token_type(jnp.zeros_like(tokens))
     x = self.embed_norm(x)
     for layer in self.layers:
       x = layer(x, mask)

@@ -285,12 +285,12 @@ def _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, kv_len):
     s = jnp.maximum(s, _MASKED)  # a key biased to -inf counts as masked
   keep = None if mask is None else _grouped_heads(_slice_keys(mask, start, chunk), kv_heads)
   if causal:
-    below = jnp.arange(q_len)[:, None] >= key_pos[None, :]
+    below = (jnp.arange(q_len)[:, None] >= key_pos[None, :])[None, None, None]
     keep = below if keep is None else keep & below
   if keep is not None:
     s = jnp.where(keep, s, _MASKED)
   if kv_len % chunk:  # the last chunk is clamped and overlaps the one before
-    s = jnp.where(key_pos >= i * chunk, s, -jnp.inf)
+    s = jnp.where((key_pos >= i * chunk)[None, None, None, None], s, -jnp.inf)
   return s
 
 
@@ -448,10 +448,11 @@ def _check_qkv(query, key, value):
 def _refuse_unsupported(**options):
   """Raises for the options of `jax.nn.dot_product_attention` that `attention` lacks."""
   fixes = {
-      "query_seq_lengths": "pass mask=(jnp.arange(q_length) < query_seq_lengths[:, None])"
-                           "[:, None, :, None] and zero the padded queries' outputs",
-      "key_value_seq_lengths": "pass mask=(jnp.arange(kv_length) < key_value_seq_lengths[:, "
-                               "None])[:, None, None, :], a [batch, 1, 1, kv_length] mask",
+      "query_seq_lengths": "pass mask=(jnp.arange(q_length)[None, :] < query_seq_lengths[:, "
+                           "None])[:, None, :, None] and zero the padded queries' outputs",
+      "key_value_seq_lengths": "pass mask=(jnp.arange(kv_length)[None, :] < "
+                               "key_value_seq_lengths[:, None])[:, None, None, :], a [batch, 1, "
+                               "1, kv_length] mask",
       "local_window_size": "a window's mask would be [q_length, kv_length], an L×L residual",
   }
   for name, value in options.items():

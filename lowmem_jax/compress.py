@@ -38,7 +38,6 @@ above does not hold.
 import functools
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -197,8 +196,11 @@ def _channels_last(ndim: int) -> lax.ConvDimensionNumbers:
 def avg_pool(x: jax.Array, pool: int) -> jax.Array:
   """Mean of ``x [N, *spatial, C]`` over non-overlapping ``pool`` windows of each
   spatial axis: ``[N, *(s // pool), C]``, computed in float32, in x's dtype."""
-  window = (pool,) * (x.ndim - 2)
-  return nn.avg_pool(x.astype(jnp.float32), window, strides=window).astype(x.dtype)
+  # Not Flax's nn.avg_pool: it divides the float32 sums by an int32 count, which
+  # strict dtype promotion refuses. The same sum, divided by the same count in float32.
+  window = (1,) + (pool,) * (x.ndim - 2) + (1,)
+  total = lax.reduce_window(x.astype(jnp.float32), 0.0, lax.add, window, window, "VALID")
+  return (total / jnp.float32(pool ** (x.ndim - 2))).astype(x.dtype)
 
 
 def upsample(x: jax.Array, pool: int) -> jax.Array:

@@ -81,7 +81,7 @@ def linear_cross_entropy_reference(h, w, labels, *, bias=None, ignore_index=None
   w2 = w if w_layout == "dv" else w.T
   logits = jnp.einsum("...d,dv->...v", h, w2, preferred_element_type=jnp.float32)
   if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
+    logits = logits + bias.astype(jnp.float32).reshape((1,) * (logits.ndim - 1) + bias.shape)
   if logit_soft_cap is not None:
     logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
   lse = jax.nn.logsumexp(logits, axis=-1)
@@ -184,7 +184,7 @@ class _Head:
     raw = lax.dot_general(hc, self.w_chunk(s), (((1,), (0,)), ((), ())),
                           preferred_element_type=jnp.float32)
     if self.b is not None:
-      raw = raw + lax.dynamic_slice(self.b, (s,), (self.vc,))
+      raw = raw + lax.dynamic_slice(self.b, (s,), (self.vc,))[None, :]
     capped = raw if self.cap is None else self.cap * jnp.tanh(raw / self.cap)
     col = s + lax.broadcasted_iota(jnp.int32, raw.shape, 1)
     valid = col >= (s if whole else j * self.vc)
@@ -250,7 +250,7 @@ def _chunked_bwd(cfg, w_layout, res, g):
     row = i_start + lax.broadcasted_iota(jnp.int32, (head.tc,), 0)
     g_c = jnp.where(row >= first_row, lax.dynamic_slice(gt, (i_start,), (head.tc,)), 0.0)
     p = jnp.exp(logits - lse_c[:, None])
-    dl = (p * (1 + 2 * z * lse_c)[:, None] - (1 - eps) * (col == yc[:, None])
+    dl = (p * (1 + 2 * z * lse_c)[:, None] - (1 - eps) * (col == yc[:, None]).astype(jnp.float32)
           - jnp.where(valid, eps / head.vocab, 0.0)) * g_c[:, None]
     if head.cap is not None:
       dl = dl * (1 - jnp.square(jnp.where(valid, logits, 0.0) / head.cap))

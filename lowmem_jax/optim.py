@@ -119,7 +119,10 @@ class MomentFold:
     else:
       new_mu = jnp.where(first, self.b1 * mu, mu)
       new_nu = jnp.where(first, self.b2 * nu, nu)
-    return mu_weight * g + new_mu, nu_weight * (g * g) + new_nu
+    with jax.numpy_dtype_promotion("standard"):  # JAX's promotion, made explicit below
+      dtype = jnp.promote_types(g.dtype, mu.dtype)
+    return ((mu_weight * g).astype(dtype) + new_mu.astype(dtype),
+            (nu_weight * (g * g)).astype(dtype) + new_nu.astype(dtype))
 
 
 def _moment_fold(k: "int | MomentFold", b1: Any, b2: Any, nu_scale: str | None) -> MomentFold:

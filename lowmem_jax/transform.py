@@ -829,9 +829,9 @@ def _affine(y, scale, bias, pv, dtype):
   it = iter(pv)
   z = y
   if scale is not None:
-    z = z * next(it).astype(y.dtype)
+    z = z * lax.broadcast_to_rank(next(it).astype(y.dtype), z.ndim)
   if bias is not None:
-    z = z + next(it).astype(y.dtype)
+    z = z + lax.broadcast_to_rank(next(it).astype(y.dtype), z.ndim)
   return z.astype(dtype)
 
 
@@ -941,7 +941,7 @@ def _fold_action(g, d, side, chain, token, scale, bias, actions):
     if scale is not None:
       gv = next(it)
       dp.append(jnp.sum(dz32 * y.astype(jnp.float32), axes).reshape(gv.shape).astype(gv.dtype))
-      dz32 = dz32 * gv.astype(jnp.float32)
+      dz32 = dz32 * lax.broadcast_to_rank(gv.astype(jnp.float32), dz32.ndim)
     if bias is not None:
       bv = next(it)
       dp.append(jnp.sum(dz.astype(jnp.float32), axes).reshape(bv.shape).astype(bv.dtype))

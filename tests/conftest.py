@@ -1,4 +1,4 @@
-"""Test configuration: 8 CPU devices and strict dtype promotion."""
+"""Test configuration: 8 CPU devices, strict dtype promotion and rank promotion "raise"."""
 
 import os
 import sys
@@ -15,17 +15,38 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-# Strict promotion catches silent upcasts in our functional core. Flax's own
-# normalisation layers mix bfloat16 and float32 implicitly, so the tests that
-# run Flax models keep JAX's standard promotion.
-_STRICT = ("test_activations", "test_norms", "test_pack", "test_fold", "test_pallas_activations",
-           "test_pallas_norms", "test_dispatch")
+# Strict dtype promotion and rank promotion "raise", for every test, as equinox's
+# tests do: they catch silent upcasts (a float32 constant or parameter turning a
+# bfloat16 array into float32) and silent broadcasts of unequal ranks. A test that
+# runs a third-party function promoting implicitly is marked with one of
+# third_party_promotion.py's ``standard_promotion`` marks, naming the function: it
+# keeps JAX's standard dtype promotion; rank promotion still raises. The module
+# fixture covers the module-scoped fixtures too (the examples' runs); a module's
+# ``pytestmark`` reaches both.
+
+
+def _promotion(node):
+  """The context of a test or a module: strict dtype promotion unless marked, rank "raise"."""
+  marks = list(node.iter_markers("standard_promotion"))
+  for mark in marks:
+    if len(mark.args) != 1 or not isinstance(mark.args[0], str) or not mark.args[0]:
+      raise ValueError(f"{node.nodeid}: standard_promotion takes one reason naming the "
+                       f"third-party function that promotes, got {mark.args!r}")
+  mode = "standard" if marks else "strict"
+  return jax.numpy_dtype_promotion(mode), jax.numpy_rank_promotion("raise")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_promotion(request):
+  dtype, rank = _promotion(request.node)
+  with dtype, rank:
+    yield
 
 
 @pytest.fixture(autouse=True)
-def _dtype_promotion(request):
-  mode = "strict" if request.module.__name__.rsplit(".", 1)[-1] in _STRICT else "standard"
-  with jax.numpy_dtype_promotion(mode):
+def _test_promotion(request):
+  dtype, rank = _promotion(request.node)
+  with dtype, rank:
     yield
 
 

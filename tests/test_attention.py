@@ -255,7 +255,7 @@ def test_jax_options_it_lacks_are_refused_by_name(option, value):
 def test_key_value_seq_lengths_as_the_mask_its_error_gives():
   q, k, v = _qkv(lk=9)
   lengths = jnp.array([9, 4])
-  mask = (jnp.arange(9) < lengths[:, None])[:, None, None, :]
+  mask = (jnp.arange(9)[None, :] < lengths[:, None])[:, None, None, :]
   theirs = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
   chex.assert_trees_all_close(lm.attention(q, k, v, mask=mask, chunk_size=4), theirs, atol=1e-5)
 

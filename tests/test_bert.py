@@ -7,6 +7,7 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import fold, models
 from lowmem_jax.models import bert
+from third_party_promotion import FLAX_NORM
 
 TINY = bert.BertConfig(vocab_size=50, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_len=12)
 TOKENS = jnp.arange(20, dtype=jnp.int32).reshape(2, 10) % 50
@@ -140,6 +141,7 @@ def test_ms_norm_lowers_the_compiled_peak():
   assert peak("ms") < peak("plain")
 
 
+@FLAX_NORM
 def test_workload_builds_a_classifier_step():
   wl = models.workload("minilm-l6", batch=4, seq=16, activation="approx", norm="ms",
                        attention="recompute")

@@ -8,6 +8,7 @@ from flax import nnx
 
 import lowmem_jax as lm
 from lowmem_jax.models.llama import Llama, LlamaConfig
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 # Duplicates, a negative id, and one out of range (NaN rows, no gradient) as jnp.take has them.
 IDS = jnp.array([[0, 3, 3, -1], [6, 9, -8, 2]])
@@ -67,6 +68,7 @@ def test_llama_embedding_switch_is_exact_and_checked():
     Llama(cfg, embedding="sparse").init(jax.random.key(1), tokens)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_late_embedding_buffer_leaves_adama_peak():
   """AdamA's micro-batch loop on the h100 target: with `nn.Embed` XLA makes the table-sized
   gradient buffer at the start of the backward, beside the logits; with the late lookup the

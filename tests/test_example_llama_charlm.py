@@ -5,6 +5,9 @@ import pytest
 
 import llama_charlm
 from example_checks import assert_lowmem_holds_less, assert_resumes
+from third_party_promotion import OPTAX_BIAS_CORRECTION
+
+pytestmark = OPTAX_BIAS_CORRECTION  # the module fixture's quick run steps optax's Adam
 
 
 @pytest.fixture(scope="module")

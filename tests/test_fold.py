@@ -131,8 +131,8 @@ def test_fold_norm_affine_into_rank3_kernel(dtype, tol, leaves):
   assert q["kernel"].dtype == dtype and q["bias"].dtype == dtype
   z = _normal(rng, (4, n))
   f32 = lambda a: a.astype(jnp.float32)
-  want = jnp.einsum("bn,nhk->bhk", z * g + b, f32(w)) + f32(c)
-  got = jnp.einsum("bn,nhk->bhk", z, f32(q["kernel"])) + f32(q["bias"])
+  want = jnp.einsum("bn,nhk->bhk", z * g[None] + b[None], f32(w)) + f32(c)[None]
+  got = jnp.einsum("bn,nhk->bhk", z, f32(q["kernel"])) + f32(q["bias"])[None]
   chex.assert_trees_all_close(got, want, atol=tol, rtol=tol)
 
 

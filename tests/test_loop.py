@@ -7,6 +7,9 @@ import optax
 import pytest
 
 import loop
+from third_party_promotion import OPTAX_BIAS_CORRECTION
+
+pytestmark = OPTAX_BIAS_CORRECTION  # both tests step optax.adam
 
 TX = optax.adam(0.1)
 

@@ -12,6 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import lowbit_digits  # benchmarks/, on sys.path in conftest.py
 import lowmem_jax as lm
 from lowmem_jax import lowbit
+from third_party_promotion import (OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION,
+                                   OPTAX_UPDATE_MOMENT)
 
 
 def _wide(shape, seed=0, signed=True):
@@ -50,7 +52,7 @@ def test_stochastic_rounding_is_within_its_bound_and_unbiased(signed):
   back = jax.vmap(lambda k: lowbit.dequantize(lowbit.quantize(x, signed=signed, key=k),
                                               signed=signed))(keys)
   bound = lowbit.error_bound(x, scale, signed=signed, stochastic=True)
-  assert bool(jnp.all(jnp.abs(back - x) <= bound * (1 + 1e-6)))
+  assert bool(jnp.all(jnp.abs(back - x[None]) <= bound[None] * (1 + 1e-6)))
   # the mean of 2,000 roundings: within 4 standard errors of an ulp's Bernoulli spread
   np.testing.assert_array_less(jnp.abs(back.mean(0) - x), 4 * bound / np.sqrt(2000) + 1e-30)
 
@@ -76,6 +78,7 @@ def _grads(params, steps, seed=0):
 PARAMS = {"big": jnp.linspace(-1, 1, 64 * 80).reshape(64, 80), "small": jnp.ones((3, 5))}
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
   tx, ref = lowbit.scale_by_adam_8bit(), optax.scale_by_adam()
   s, r = tx.init(PARAMS), ref.init(PARAMS)
@@ -88,6 +91,7 @@ def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
     assert float(rel) < 0.1, float(rel)  # to first order 2^-4 from m, 2^-5 from sqrt(v)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adamw_8bit_is_the_adamw_chain_with_8bit_moments():
   params = {"w": jnp.linspace(-1, 1, 8192).reshape(32, 256), "b": jnp.ones(4)}
   grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)
@@ -106,6 +110,8 @@ def test_adamw_8bit_is_the_adamw_chain_with_8bit_moments():
   np.testing.assert_allclose(updates["w"], -1e-3 * params["w"], rtol=1e-6)
 
 
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
 def test_updates_keep_the_gradients_dtype():
   params = {"w": jnp.ones((64, 128), jnp.bfloat16)}
   grads = {"w": jnp.full((64, 128), 0.5, jnp.bfloat16)}
@@ -116,8 +122,11 @@ def test_updates_keep_the_gradients_dtype():
 
 @pytest.mark.parametrize("name", [
     "Adam, 8-bit, stochastic rounding", "AdamA k=4, 8-bit moments",
-    "Adam, 8-bit, bfloat16 params rounded stochastically",
-    "AdamA k=4, 8-bit, bfloat16 params rounded stochastically"])
+    pytest.param("Adam, 8-bit, bfloat16 params rounded stochastically",
+                 marks=[OPTAX_UPDATE_MOMENT, OPTAX_APPLY_UPDATES]),
+    pytest.param("AdamA k=4, 8-bit, bfloat16 params rounded stochastically",
+                 marks=[OPTAX_APPLY_UPDATES])])
+@OPTAX_BIAS_CORRECTION
 def test_training_on_digits_within_1_percent_of_float32(name):
   """Validation loss on digits against the same optimizer's 32-bit moments and float32
   parameters, 3 seeds."""
@@ -133,6 +142,8 @@ def test_training_on_digits_within_1_percent_of_float32(name):
     assert abs(got - want) / want < 0.01, (seed, got, want)
 
 
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
 def test_bfloat16_params_rounded_to_nearest_stall():
   """Without stochastic rounding bfloat16 parameters lose Adam's small steps: the same
   optimizer ends more than 3% worse (what `stochastic_rounding` is for)."""
@@ -152,7 +163,7 @@ def test_stochastic_round_picks_a_neighbour_unbiased():
       (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16 << 16), jnp.float32)  # toward zero
   hi = jnp.nextafter(lo.astype(jnp.bfloat16), jnp.copysign(jnp.inf, x).astype(
       jnp.bfloat16)).astype(jnp.float32)
-  assert bool(jnp.all((r == lo) | (r == hi)))
+  assert bool(jnp.all((r == lo[None]) | (r == hi[None])))
   spacing = jnp.abs(hi - lo)
   assert bool(jnp.all(jnp.abs(r.mean(0) - x) <= 0.1 * spacing))  # 9 standard errors
   edges = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0, 1.0], jnp.float32)
@@ -160,6 +171,7 @@ def test_stochastic_round_picks_a_neighbour_unbiased():
   np.testing.assert_array_equal(got, edges)
 
 
+@OPTAX_APPLY_UPDATES
 def test_stochastic_rounding_makes_apply_updates_round_stochastically():
   params = {"w": _wide((64, 256), seed=4).astype(jnp.bfloat16), "b": jnp.ones(8)}
   updates = {"w": 1e-3 * _wide((64, 256), seed=5), "b": jnp.full(8, 1e-9)}
@@ -200,6 +212,7 @@ def test_stochastic_rounding_bad_arguments():
     lowbit.stochastic_round(jnp.ones(3, jnp.bfloat16), key=jax.random.key(0))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_state_serialises_and_shards_on_8_devices():
   tx = optax.chain(lowbit.scale_by_adam_8bit(), optax.scale_by_learning_rate(1e-2))
   grads = _grads(PARAMS, 3)
@@ -240,6 +253,8 @@ def test_bad_arguments():
     step(params, tx.init(params), jnp.ones((4, 64)))
 
 
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
 def test_states_round_trip_through_orbax_sharded_on_8_devices(tmp_path):
   """8-bit Adam, 8-bit AdamA and stochastic rounding states, sharded along the parameters'
   leading axis, saved and restored by orbax with their shardings."""

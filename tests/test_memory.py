@@ -8,6 +8,7 @@ from flax import nnx
 import lowmem_jax as lm
 from lowmem_jax import memory, targets
 from lowmem_jax.memory import breakdown
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 
 def _mlp_grad():
@@ -114,6 +115,7 @@ class _NnxMLP(nnx.Module):
     return self.fc2(self.norm(nnx.gelu(self.fc1(x))))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_report_finds_nnx_params_and_optimizer_by_type():
   """An nnx.jit step on an NNX model and nnx.Optimizer: no argument is named params or opt_state."""
   model = _NnxMLP(nnx.Rngs(0))
@@ -133,6 +135,7 @@ def test_report_finds_nnx_params_and_optimizer_by_type():
   assert "none found" not in str(b)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_report_finds_an_optax_state_by_type():
   """Arguments named w and s: s is an optax state; an unused argument and a static one
   are left out of the compiled program, which shifts the arguments' numbers."""

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import lowmem_jax as lm
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 
 class DropoutMLP(nnx.Module):
@@ -68,6 +69,7 @@ def by_hand(model, optimizer, batch, k, folded):
 
 @pytest.mark.parametrize("tx_name", TXS)
 @pytest.mark.parametrize("model_cls", [DropoutMLP, BatchNormMLP])
+@OPTAX_BIAS_CORRECTION
 def test_step_equals_sequential_micro_batches_by_hand(model_cls, tx_name):
   k = 4
   tx = TXS[tx_name](k)
@@ -88,6 +90,7 @@ def test_step_equals_sequential_micro_batches_by_hand(model_cls, tx_name):
 
 
 @pytest.mark.parametrize("model_cls", [DropoutMLP, BatchNormMLP])
+@OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_equals_folding_after_the_backward_bit_for_bit(model_cls):
   k = 4
   runs = []
@@ -116,6 +119,7 @@ def test_dropout_masks_differ_between_micro_batches():
   assert int(model.drop.rngs.count[...]) == 2 * k  # two calls per micro-batch
 
 
+@OPTAX_BIAS_CORRECTION
 def test_plain_jax_jit_over_split_state():
   k = 2
   tx = TXS["adama"](k)

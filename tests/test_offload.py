@@ -10,8 +10,10 @@ import pytest
 import lowmem_jax as lm
 import offload_memory  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import offload, targets
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 
+@OPTAX_BIAS_CORRECTION
 def test_offload_gives_the_inner_updates_with_the_state_on_the_host():
   keys = jax.random.split(jax.random.key(0), 4)
   params = {"w": jax.random.normal(keys[0], (32, 16)), "b": jnp.zeros(16),
@@ -32,6 +34,7 @@ def test_offload_gives_the_inner_updates_with_the_state_on_the_host():
   assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
 
 
+@OPTAX_BIAS_CORRECTION
 def test_h100_compile_keeps_the_state_on_the_host_and_the_device_under_its_memory():
   """28 float32 leaves of 1 GiB with Adam: parameters and gradient take 56 GiB of the
   H100's 80; the moments (56 GiB) fit only in host memory, with the leaves in transit."""

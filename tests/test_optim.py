@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import lowmem_jax as lm
 from adama import dense_stack_loss  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import optim
+from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 
 def exact(a, b):
@@ -27,7 +28,9 @@ def random_grads(params, n, seed=0):
 PARAMS = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
 
 
-@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("mu_dtype", [
+    None, pytest.param(jnp.bfloat16, marks=OPTAX_UPDATE_MOMENT)])
+@OPTAX_BIAS_CORRECTION
 def test_k1_is_adam_bit_for_bit(mu_dtype):
   ours = optax.chain(lm.adama(1, mu_dtype=mu_dtype), optax.scale_by_learning_rate(1e-2))
   theirs = optax.adam(1e-2, mu_dtype=mu_dtype)
@@ -39,6 +42,7 @@ def test_k1_is_adam_bit_for_bit(mu_dtype):
   exact((s1[0].mu, s1[0].nu), (s2[0].mu, s2[0].nu))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adamaw_k1_is_adamw_bit_for_bit():
   mask = {"w": True, "b": False}
   ours, theirs = lm.adamaw(1e-2, 1, weight_decay=0.1, mask=mask), optax.adamw(1e-2, weight_decay=0.1, mask=mask)
@@ -73,6 +77,7 @@ def numpy_adama(grads, k, nu_scale, b1=0.9, b2=0.999, eps=1e-8):
 
 @pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
 @pytest.mark.parametrize("k", [2, 4])
+@OPTAX_BIAS_CORRECTION
 def test_moments_follow_the_spec(k, nu_scale):
   tx = lm.adama(k, nu_scale=nu_scale)
   grads = [g["w"] for g in random_grads(PARAMS, 3 * k)]
@@ -85,6 +90,7 @@ def test_moments_follow_the_spec(k, nu_scale):
   assert int(state.count) == 3 and int(state.micro_step) == 0
 
 
+@OPTAX_BIAS_CORRECTION
 def test_mu_is_adams_on_the_mean_gradient_and_mean_nu_bounds_adams():
   k = 4
   grads = random_grads(PARAMS, 2 * k)
@@ -106,9 +112,10 @@ def test_mu_is_adams_on_the_mean_gradient_and_mean_nu_bounds_adams():
     assert np.all(np.asarray(ours) >= np.asarray(adams) * (1 - 1e-6))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adamaw_decays_and_schedules_per_optimizer_step():
   k = 3
-  schedule = lambda step: 0.1 * (step + 1)
+  schedule = lambda step: 0.1 * jnp.asarray(step + 1, jnp.float32)
   tx = lm.adamaw(schedule, k, weight_decay=0.5)
   params = {"w": jnp.full((2,), 2.0)}
   state = tx.init(params)
@@ -120,6 +127,7 @@ def test_adamaw_decays_and_schedules_per_optimizer_step():
       np.testing.assert_allclose(updates["w"], expected, rtol=1e-6)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_inject_hyperparams():
   k = 2
   grads = random_grads(PARAMS, 2 * k)
@@ -155,6 +163,7 @@ def mlp_batch(n=16, d=8, seed=1):
   return jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n, 1))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_microbatch_step_equals_k_updates_by_hand():
   k = 4
   tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
@@ -198,6 +207,7 @@ def _three_steps(steps, params, tx):
 
 
 @pytest.mark.parametrize("k", [1, 4])
+@OPTAX_BIAS_CORRECTION
 def test_microbatch_step_applies_one_update_bit_for_bit(k):
   tx = lm.adamaw(1e-2, k, weight_decay=0.1)
   params = mlp_init()
@@ -206,6 +216,7 @@ def test_microbatch_step_applies_one_update_bit_for_bit(k):
   exact(runs[0], runs[1])
 
 
+@OPTAX_BIAS_CORRECTION
 def test_train_step_is_one_update_or_microbatch_step():
   tx = optax.adamw(1e-2)
   params, batch = mlp_init(), mlp_batch()
@@ -228,6 +239,7 @@ def test_train_step_is_one_update_or_microbatch_step():
     optim.train_step(mlp_loss, tx, 0)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_on_kth_micro_step_is_conditionally_transform():
   """Its twin: the same updates and inner state to float tolerance (XLA fuses a select and a
   cond differently: about 1 ulp)."""
@@ -245,6 +257,7 @@ def test_on_kth_micro_step_is_conditionally_transform():
   assert int(s1[1].micro_step) == int(s2[1].step) == 3 * k
 
 
+@OPTAX_BIAS_CORRECTION
 def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
   """A wrapper that may skip AdamA (here its second micro-step) shifts its step across calls:
   the update then falls inside the loop, and is applied there, as before."""
@@ -257,6 +270,7 @@ def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
   assert not np.array_equal(runs[0][0]["w1"], params["w1"])
 
 
+@OPTAX_BIAS_CORRECTION
 def test_microbatch_step_holds_no_update_inside_the_loop():
   """On the H100 target: applying the update once takes a parameter-sized buffer out of
   the loop, and AdamA then saves nearly the whole gradient against accumulation."""
@@ -284,6 +298,7 @@ class _LinenMLP(flax.linen.Module):
 
 @pytest.mark.parametrize("where", [None, lambda path, leaf: path[-1].key == "kernel"],
                          ids=["every leaf", "kernels"])
+@OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where):
   """A non-scanned Flax linen model: bit for bit in float32 (NNX: test_nnx_train.py)."""
   k = 4
@@ -297,6 +312,7 @@ def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where)
   exact(runs[0], runs[1])
 
 
+@OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_never_holds_the_whole_gradient():
   """On the H100 target, in the compiled buffers at the step's peak."""
   k = 4
@@ -322,6 +338,7 @@ def test_fold_in_backward_bad_options():
     step(mlp_init(), lm.adama(2).init(mlp_init()), mlp_batch())
 
 
+@OPTAX_BIAS_CORRECTION
 def test_microbatch_step_accumulates_for_other_optimizers():
   k = 4
   tx = optax.adam(1e-2)
@@ -340,6 +357,7 @@ def stateful_loss(params, state, batch):
 
 
 @pytest.mark.parametrize("folded", [True, False], ids=["adama", "adam"])
+@OPTAX_BIAS_CORRECTION
 def test_has_state_threads_state_through_micro_batches(folded):
   k = 4
   tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2)) if folded else optax.adam(1e-2)
@@ -360,6 +378,7 @@ def test_has_state_threads_state_through_micro_batches(folded):
   chex.assert_trees_all_close((p1, c1, s1), (p2, c2, s2), rtol=1e-5, atol=1e-7)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_has_aux_stacks_aux_per_micro_batch():
   loss = lambda p, b: (mlp_loss(p, b), {"n": b[0].shape[0]})
   tx = lm.adama(2)
@@ -367,6 +386,7 @@ def test_has_aux_stacks_aux_per_micro_batch():
   np.testing.assert_array_equal(metrics["aux"]["n"], [8, 8])
 
 
+@OPTAX_BIAS_CORRECTION
 def test_state_saved_mid_step_continues_bit_identically():
   k = 4
   tx = lm.adamaw(1e-2, k)
@@ -384,6 +404,7 @@ def test_state_saved_mid_step_continues_bit_identically():
   exact((u1, state), (u2, restored))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_sharded_state_matches_one_device():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("d",))
   k = 2
@@ -402,6 +423,7 @@ def test_sharded_state_matches_one_device():
   chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-5, atol=1e-7)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_apply_if_finite_skips_a_non_finite_micro_batch():
   k = 4
   tx = optax.apply_if_finite(lm.adama(k), max_consecutive_errors=3)
@@ -424,6 +446,7 @@ def test_apply_if_finite_skips_a_non_finite_micro_batch():
   assert int(state.total_notfinite) == 1
 
 
+@OPTAX_BIAS_CORRECTION
 def test_apply_if_finite_with_k1_is_adams():
   ours, theirs = optax.apply_if_finite(lm.adama(1), 2), optax.apply_if_finite(optax.scale_by_adam(), 2)
   s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
@@ -456,6 +479,7 @@ def scanned_loss(params, batch, moments=None):
 
 
 @pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
+@OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_equals_folding_after_backward(nu_scale):
   fold = lm.MomentFold(2, nu_scale=nu_scale)
   tx = optax.chain(lm.adama(fold), optax.scale_by_learning_rate(1e-2))
@@ -471,6 +495,7 @@ def test_fold_in_backward_equals_folding_after_backward(nu_scale):
   assert float(jnp.max(jnp.abs(s2[0].mu["layers"]["w1"]))) > 0
 
 
+@OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_with_state_takes_moments_last():
   k = 2
   tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
@@ -525,6 +550,7 @@ def test_bad_arguments():
     step(scanned_init(), tx.init(scanned_init()), mlp_batch())
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adama_step_holds_no_accumulator_in_compiled_memory():
   """XLA's compiled peak on the H100 target (abstract shapes). A scanned model's backward makes
   the stacked layers' gradient whole, so AdamA alone saves little there (the unscanned stack
@@ -546,6 +572,7 @@ def test_adama_step_holds_no_accumulator_in_compiled_memory():
   assert peaks["fold-in-backward"] <= peaks["accumulate"] - 0.9 * grad_bytes, peaks
 
 
+@OPTAX_BIAS_CORRECTION
 def test_one_moment_fold_for_both_halves_of_adama():
   """One MomentFold given to adama and microbatch_step: the backward folds with its
   rates, bit for bit what folding after the backward with the same adama gives."""
@@ -563,6 +590,7 @@ def test_one_moment_fold_for_both_halves_of_adama():
   assert not np.allclose(jax.tree.leaves(runs[0])[0], jax.tree.leaves(default[0])[0])
 
 
+@OPTAX_BIAS_CORRECTION
 def test_adama_refuses_a_fold_that_differs_from_the_backward():
   params = {"w": jnp.ones((8, 4))}
   loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from lowmem_jax import memory, models, names, precision
+from third_party_promotion import FLAX_NORM, JMP_LOSS_SCALE, OPTAX_BIAS_CORRECTION
 
 
 def loss_fn(params, batch, dtype=jnp.float32):
@@ -48,6 +49,7 @@ def test_get_policy():
     precision.get_policy(16)
 
 
+@FLAX_NORM
 def test_policy_halves_the_matmul_residuals_of_a_reference_model():
   def saved(policy):  # batch 16: the half-precision weight copies it also saves are small
     w = models.workload("vit-tiny", batch=16, image=224, **precision.flax_dtypes(policy))
@@ -61,6 +63,8 @@ def test_policy_halves_the_matmul_residuals_of_a_reference_model():
   assert 0.5 * full.activation_bytes < half.activation_bytes < 0.8 * full.activation_bytes
 
 
+@JMP_LOSS_SCALE
+@OPTAX_BIAS_CORRECTION
 def test_finite_step_equals_the_unscaled_step_exactly():
   params, batch = setup()
   tx = optax.adam(1e-2)
@@ -74,6 +78,8 @@ def test_finite_step_equals_the_unscaled_step_exactly():
   assert int(scale.counter) == 1
 
 
+@JMP_LOSS_SCALE
+@OPTAX_BIAS_CORRECTION
 def test_overflow_skips_the_step_and_keeps_its_state():
   params, batch = setup()
   tx = optax.adam(1e-2)
@@ -96,6 +102,7 @@ def test_overflow_skips_the_step_and_keeps_its_state():
   assert bool(m2["grads_finite"]) and float(s2.loss_scale) == 2.0 ** 9
 
 
+@JMP_LOSS_SCALE
 def test_scale_recovers_float16_gradients_that_underflow():
   w = jnp.ones((4,))
   x = jnp.full((4,), 1e-4)
@@ -113,6 +120,7 @@ def test_scale_recovers_float16_gradients_that_underflow():
   np.testing.assert_allclose(grads_under(precision.dynamic_loss_scale()), 1e-8, rtol=1e-2)
 
 
+@JMP_LOSS_SCALE
 def test_scan_matches_the_python_loop():
   params, batch = setup()
   tx = optax.sgd(0.1)

@@ -7,6 +7,7 @@ import re
 import pytest
 
 import lowmem_jax as lm
+from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
@@ -16,7 +17,17 @@ def test_the_readme_has_its_blocks():
   assert len(BLOCKS) >= 8 and any("nnx" in b for b in BLOCKS) and any("linen" in b for b in BLOCKS)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def _promotion_marks(block):
+  """A block that steps an Adam (optax's, or lowmem_jax's on optax's bias correction) runs
+  optax's implicit promotions; with bfloat16 parameters, its moment update and apply_updates'."""
+  if "adam" not in block:
+    return []
+  bf16 = "jnp.bfloat16" in block and "apply_updates" in block
+  return [OPTAX_BIAS_CORRECTION] + [OPTAX_UPDATE_MOMENT, OPTAX_APPLY_UPDATES] * bf16
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, marks=_promotion_marks(block))
+                                   for i, block in enumerate(BLOCKS)])
 def test_readme_block_runs(index, tmp_path, monkeypatch, capfd):
   monkeypatch.chdir(tmp_path)
   namespace = {"__name__": "readme"}

@@ -11,6 +11,7 @@ import pytest
 
 import lowmem_jax as lm
 from lowmem_jax import cli, memory, names, techniques
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
 
@@ -34,6 +35,7 @@ def _mlp():
   return loss, train_step, params, jax.eval_shape(tx.init, params), x
 
 
+@OPTAX_BIAS_CORRECTION
 def test_report_agrees_with_a_hand_count():
   loss, train_step, params, opt_state, x = _mlp()
   b = memory.report(jax.jit(train_step, donate_argnums=(0, 1)), params, opt_state, x,
@@ -80,6 +82,7 @@ def test_layers_and_names_of_a_flax_model():
   assert len(probs) == 2 and all(buf.shape == "f32[8,3,197,197]" for buf in probs)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_plots_are_pngs(tmp_path):
   loss, train_step, params, opt_state, x = _mlp()
   b = memory.report(train_step, params, opt_state, x, label="mlp")
@@ -90,6 +93,7 @@ def test_plots_are_pngs(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@OPTAX_BIAS_CORRECTION
 def test_explain_oom():
   _, train_step, params, opt_state, x = _mlp()
   text = memory.explain_oom(train_step, params, opt_state, x, limit_bytes=2**16, top=3)
@@ -109,6 +113,8 @@ def test_report_bad_top():
 SMALL = ["--model", "vit-tiny", "--batch", "4"]
 
 
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_cli_report_json(capsys, tmp_path):
   """The components on the CPU target, where the micro-batch loop keeps both moments live."""
   assert cli.main(["report", *SMALL, "--techniques", "baseline,approx+ms-norm,all+adama:2",
@@ -140,6 +146,7 @@ def test_cli_report_json(capsys, tmp_path):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@OPTAX_BIAS_CORRECTION
 def test_cli_report_table(capsys):
   assert cli.main(["report", *SMALL, "--techniques", "baseline,remat:full"]) == 0
   out = capsys.readouterr().out
@@ -179,6 +186,8 @@ def test_cli_usage_errors(capsys, argv, message):
   assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_cli_plan(capsys):
   # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
   base = techniques.measure(techniques.Job("vit-tiny", batch=4), techniques.parse("baseline"))
@@ -197,6 +206,7 @@ def test_cli_plan_nothing_fits(capsys):
   assert err.count("\n") == 1
 
 
+@OPTAX_BIAS_CORRECTION
 def test_fused_ce_for_language_models(capsys):
   assert techniques.parse("all+fused-ce") == techniques.TechniqueSet(
       "all+fused-ce", approx=True, ms_norm=True, attention=True, bf16=True, fused_ce=True)
@@ -214,6 +224,8 @@ def test_fused_ce_for_language_models(capsys):
   assert 64 * 32000 * 4 - 64 * 4 <= saved <= 64 * 32000 * 4, saved
 
 
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
   printed Python runs and builds the same optimizer state."""
@@ -240,6 +252,7 @@ def test_optimizer_memory_techniques(capsys):
   assert {p.dtype for p in jax.tree.leaves(namespace["params"])} == {jnp.dtype(jnp.bfloat16)}
 
 
+@OPTAX_BIAS_CORRECTION
 def test_wrn_in_the_report(capsys):
   assert cli.main(["report", "--model", "wrn-28-2", "--batch", "8", "--target", "h100",
                    "--techniques", "baseline,approx+conv:int8", "--json"]) == 0
@@ -268,7 +281,7 @@ import jax, jax.numpy as jnp, optax
 def loss(params, x):
   h = x @ params["w1"]
   mu = h.mean(-1, keepdims=True)
-  h = (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * params["g"]
+  h = (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * params["g"][None]
   return jnp.mean(jax.nn.gelu(h, approximate=False) @ params["w2"])
 
 
@@ -315,6 +328,7 @@ def step_file(tmp_path):
   return str(path)
 
 
+@OPTAX_BIAS_CORRECTION
 def test_cli_report_step(capsys, step_file):
   """lowmem (the step differentiates lm.lowmem(loss)) keeps no more than the baseline, on
   the H100 target."""
@@ -329,6 +343,7 @@ def test_cli_report_step(capsys, step_file):
   assert "none found" not in rows["baseline"] + rows["lowmem"]  # params and optimizer state
 
 
+@OPTAX_BIAS_CORRECTION
 def test_cli_report_step_module_json(capsys, step_file, monkeypatch):
   monkeypatch.syspath_prepend(str(pathlib.Path(step_file).parent))
   assert cli.main(["report", "--step", "mlp_step:make_step", "--techniques", "baseline,lowmem",
@@ -343,6 +358,7 @@ def test_cli_report_step_module_json(capsys, step_file, monkeypatch):
   assert low["saved_activation_bytes"] < base["saved_activation_bytes"]
 
 
+@OPTAX_BIAS_CORRECTION
 def test_cli_plan_step(capsys, step_file):
   spec = f"{step_file}:make_step"
   assert cli.main(["report", "--step", spec, "--target", "cpu", "--json"]) == 0

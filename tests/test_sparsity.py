@@ -7,6 +7,7 @@ import pytest
 
 import lowmem_jax as lm
 from lowmem_jax import sparsity
+from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 
 SHAPES = {"b": (5,), "w1": (6, 5), "w2": (5, 4, 2)}
@@ -255,6 +256,7 @@ def test_storage_bytes():
     sparsity.storage_bytes(params, optax.sgd(0.1).init(params))
 
 
+@OPTAX_BIAS_CORRECTION
 def test_after_adama_masks_move_at_the_optimizer_step():
   """Under AdamA over k micro-batches, update_every counts micro-batches."""
   params = make_params()

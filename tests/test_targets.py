@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import lowmem_jax as lm
 from lowmem_jax import memory, names, policies, targets
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 
 def _custom_calls(compiled) -> set[str]:
@@ -44,6 +45,8 @@ def test_shipped_configs_parse():
 
 
 @pytest.mark.parametrize("name", [n for n in targets.names() if n != "cpu"])
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_every_shipped_gpu_compiles_a_training_step(name):
   step, args = _vit_step(jnp.bfloat16)
   compiled = targets.get(name).compile(step, *args, donate_argnums=(0, 1))
@@ -52,6 +55,8 @@ def test_every_shipped_gpu_compiles_a_training_step(name):
   assert memory.stats_of(compiled).temp_bytes > 0
 
 
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_vit_step_on_h100_uses_cublas_and_bf16_is_smaller():
   """The GPU pipeline's GEMMs are cuBLAS custom calls, and bfloat16 halves what
   float32 holds; the CPU pipeline, which computes 16-bit dots in float32 and

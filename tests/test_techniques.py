@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from lowmem_jax import techniques
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 SMALL = techniques.Job("vit-tiny", batch=4, image=32, target="cpu")
 
@@ -49,6 +50,7 @@ def test_job_defaults():
   assert techniques.Job("vit-b16").default_sets() == techniques.DEFAULT.split(",")
 
 
+@OPTAX_BIAS_CORRECTION
 def test_sparse_rows_are_measured_dense_with_a_mask():
   base = techniques.measure(SMALL, techniques.parse("baseline"), top=0)
   sparse = techniques.parse("sparse:0.25")
@@ -61,6 +63,8 @@ def test_sparse_rows_are_measured_dense_with_a_mask():
       "optimizer_state"]
 
 
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
 def test_cheapest_fit_stops_at_the_first_set_that_fits():
   # on the CPU proxy bfloat16 costs more
   job = dataclasses.replace(SMALL, image=None, target="h100")

@@ -13,6 +13,7 @@ from flax import nnx
 
 import lowmem_jax as lm
 import plain_vit  # benchmarks/, on sys.path in conftest.py
+from third_party_promotion import FLAX_NORM, JAX_DOT_PRODUCT_ATTENTION
 
 KEY = jax.random.key(0)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
@@ -36,7 +37,10 @@ def _float_residuals(fn, *args):
 ACTIVATIONS = {  # form: (function, the project's op it becomes)
     "jax.nn.gelu (tanh)": (jax.nn.gelu, "tanh"),
     "jax.nn.gelu (erfc)": (lambda x: jax.nn.gelu(x, approximate=False), lm.regelu2),
-    "erf by hand": (lambda x: 0.5 * x * (1 + jax.lax.erf(x / np.sqrt(2.0))), lm.regelu2),
+    # a user's float32 1/sqrt(2): erf runs in float32 whatever x's dtype, as it did when
+    # np.sqrt(2.0) promoted x implicitly
+    "erf by hand": (lambda x: (0.5 * x).astype(jnp.float32) * (1 + jax.lax.erf(
+        x.astype(jnp.float32) / np.float32(np.sqrt(2.0)))), lm.regelu2),
     "jax.nn.silu": (jax.nn.silu, lm.resilu2),
     "x * sigmoid(x)": (lambda x: x * jax.nn.sigmoid(x), lm.resilu2),
     "jax.nn.relu": (jax.nn.relu, lm.relu),
@@ -49,13 +53,13 @@ ACTIVATIONS = {  # form: (function, the project's op it becomes)
 def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype):
   fn, op = ACTIVATIONS[form]
   x = _normal((4, 8, 64), dtype, scale=3.0)
-  loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) * jnp.arange(64.0))
+  loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) * jnp.arange(64.0)[None, None])
   fast = lm.lowmem(loss)
   assert fast.explain(x).counts == {"activation": 1}
   _close(fast(x), loss(x), TOL[dtype] * 10)
   if op == "tanh":  # the tanh GELU keeps its forward and takes ReGELU2's backward
     op = lm.activations.regelu2_tanh
-  twin = lambda x: jnp.sum(op(x).astype(jnp.float32) * jnp.arange(64.0))
+  twin = lambda x: jnp.sum(op(x).astype(jnp.float32) * jnp.arange(64.0)[None, None])
   chex.assert_trees_all_equal(jax.grad(fast)(x), jax.grad(twin)(x))
   saved = [r for r in _float_residuals(fast, x) if r.shape == x.shape]
   assert not saved, "a float activation input is still saved"
@@ -92,7 +96,7 @@ def _perturbed(params):
                                    for p, k in zip(leaves, keys)])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=FLAX_NORM)])
 @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
 def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   model = _PreLN(norm, dtype)
@@ -111,23 +115,29 @@ def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   assert jax.tree.structure(jax.grad(fast)(params, x)) == jax.tree.structure(params)
 
 
+def _along(v, x):
+  """The ``[features]`` parameter ``v`` with x's rank, as a user's implicit broadcast makes it."""
+  return jax.lax.broadcast_to_rank(v, x.ndim)
+
+
 def _hand_ln(p, x):
   mu = x.mean(-1, keepdims=True)
   var = ((x - mu) ** 2).mean(-1, keepdims=True)
-  return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+  return (x - mu) * jax.lax.rsqrt(var + 1e-5) * _along(p["g"], x) + _along(p["b"], x)
 
 
 def _hand_rms(p, x):
-  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * p["g"]
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * _along(p["g"], x)
 
 
 def _var_over_sqrt_ln(p, x):
   mu = x.mean(-1, keepdims=True)
-  return (x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * p["g"] + p["b"]
+  return ((x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5) * _along(p["g"], x)
+          + _along(p["b"], x))
 
 
 def _rms_over_sqrt(p, x):
-  return p["g"] * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))
+  return _along(p["g"], x) * (x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6))
 
 
 @pytest.mark.parametrize("norm", [_hand_ln, _hand_rms, _var_over_sqrt_ln, _rms_over_sqrt])
@@ -135,7 +145,7 @@ def test_hand_written_norm(norm):
   p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)), "w": _normal((32, 8)),
        "c": _normal((8,))}
   x = _normal((4, 16, 32), scale=3.0)
-  loss = lambda p, x: jnp.sum(jnp.tanh(norm(p, x) @ p["w"] + p["c"]))
+  loss = lambda p, x: jnp.sum(jnp.tanh(norm(p, x) @ p["w"] + p["c"][None, None]))
   fast = lm.lowmem(loss, activations=None)
   assert fast.explain(p, x).counts == {"norm": 1}
   _close(fast(p, x), loss(p, x), 1e-5)
@@ -357,8 +367,8 @@ def test_loss_head_labels_out_of_range_give_the_gathers_nan():
 
 def _by_hand_without_keepdims(logits, labels):
   """A log-softmax whose max and log-sum-exp broadcast along the first axis (a user's bug)."""
-  shifted = logits - jnp.max(logits, -1)
-  log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), -1))
+  shifted = logits - jnp.max(logits, -1)[None, :]
+  log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), -1))[None, :]
   return -jnp.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
 
 
@@ -496,6 +506,7 @@ def test_explain_counts_the_bytes_and_prints_a_table():
   assert "lm.attention" in str(rewrites) and "test_transform.py" in rewrites[0].source
 
 
+@JAX_DOT_PRODUCT_ATTENTION
 def test_attention_compiles_for_the_h100_target_where_cudnn_refuses_the_length():
   # cuDNN takes the forward of L = 197 but refuses it once differentiated:
   # lm.attention falls back to its chunked backward under the caller's grad.

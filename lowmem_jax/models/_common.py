@@ -12,6 +12,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import linen as lm_linen, names
@@ -163,6 +164,6 @@ class HeadsDense(nn.Module):
     kernel = kernel.reshape(heads, head_dim, self.features).astype(self.dtype)
     y = jnp.einsum("...hd,hdf->...f", x.astype(self.dtype), kernel)
     if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,),
-                         self.param_dtype).astype(self.dtype)
+      bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+      y = y + lax.broadcast_to_rank(bias.astype(self.dtype), y.ndim)
     return y

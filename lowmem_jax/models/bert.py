@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import fold, names
@@ -95,7 +96,8 @@ class MSPostLayerNorm(nn.Module):
     bias = self.param(fold.RESIDUAL_PREFIX + "bias", nn.initializers.zeros, (features,),
                       self.param_dtype)
     y = ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
-    return y, y * scale.astype(self.dtype) + bias.astype(self.dtype)
+    scale, bias = (lax.broadcast_to_rank(p.astype(self.dtype), y.ndim) for p in (scale, bias))
+    return y, y * scale + bias
 
 
 class SelfAttention(nn.Module):

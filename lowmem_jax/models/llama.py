@@ -58,7 +58,7 @@ def rope(x: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding of ``x: [batch, length, heads, head_dim]`` (rotate-half)."""
   length, head_dim = x.shape[1], x.shape[-1]
   inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
   sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
   x32 = x.astype(jnp.float32)

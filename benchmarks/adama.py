@@ -27,7 +27,9 @@ On the same models with stacked layers and per-layer remat ("scanned"):
 (``Llama(loss="fused")``). The token embedding is ``Llama(embedding="late")``
 (`lowmem_jax.embedding.take`, exact), whose gradient buffer XLA would
 otherwise make at the start of each micro-batch's backward; ``--embedding
-plain`` measures with `nn.Embed`. ``--stack`` prints instead issue 21's example: 8
+plain`` measures with `nn.Embed` (the scanned model: ``table[ids]``).
+``--plain-step`` prints instead the peak of one AdamW step without
+micro-batches, with each embedding (8 x 512 tokens). ``--stack`` prints instead issue 21's example: 8
 float32 layers of 1024 x 1024, not scanned, k = 4, batch 4 x 256, AdamW, XLA's
 temp and peak bytes for accumulation, AdamA and AdamA folding in the backward.
 
@@ -209,6 +211,23 @@ def stack_table(k: int = 4) -> Table:
   return table
 
 
+def plain_step_table(models) -> Table:
+  """The peak of one AdamW step (8 x 512 tokens, no micro-batches) with each token embedding."""
+  table = Table(title="one AdamW step, 8 x 512 tokens, no micro-batches: peak MiB")
+  for col in ("model", "nn.Embed", "late"):
+    table.add_column(col, justify="left" if col == "model" else "right")
+  for model in models:
+    peaks = []
+    for embedding in ("plain", "late"):
+      init, loss = unscanned(CONFIGS[model], embedding=embedding)
+      tx = optax.adam(LR)
+      step = jax.jit(lm.optim.train_step(loss, tx), donate_argnums=(0, 1))
+      peaks.append(lm.memory.analyze(step, *shapes(init, tx, CONFIGS[model], 1, 8, 512, False))
+                   .peak_bytes)
+    table.add_row(model, *(f"{p / 2**20:,.0f}" for p in peaks))
+  return table
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["gpt2-small", "bert-large"])
@@ -222,11 +241,17 @@ def main():
                       help="the token embedding (Llama's embedding switch)")
   parser.add_argument("--no-timing", action="store_true")
   parser.add_argument("--stack", action="store_true", help="issue 21's 8-layer example only")
+  parser.add_argument("--plain-step", action="store_true",
+                      help="one AdamW step without micro-batches, each embedding, only")
   args = parser.parse_args()
   console = Console()
   if args.stack:
     console.print(lm.targets.default().note, highlight=False)
     console.print(stack_table())
+    return
+  if args.plain_step:
+    console.print(lm.targets.default().note, highlight=False)
+    console.print(plain_step_table(args.models))
     return
   mib = lambda b: f"{b / 2**20:,.0f}"
   for model in args.models:

@@ -37,6 +37,7 @@ suite does to check this script.
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
   if args.case:
     print(json.dumps(measure(*json.loads(args.case))))
     return 0
+  # This process only names the device: without preallocation it leaves the GPU's memory to
+  # the processes that measure (the Llama-3-sized plain head needs over 30 GiB).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   from tqdm import tqdm
 

@@ -133,7 +133,7 @@ def _size(nbytes: float) -> str:
 def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
-                "other: the batch, updates and XLA's temporaries (split below for the best "
+                "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
                 "is live at the peak, as where XLA fuses each gradient into its update; peak: "
                 "XLA's memory analysis; saved: autodiff's residuals of the loss (- without one); "

@@ -132,7 +132,8 @@ class Embed(nn.Embed):
 
   The same attributes, parameter (``embedding``) and values, gradients bit for
   bit; the table-sized gradient buffer is made when the cotangent arrives,
-  not at the start of the backward pass.
+  not at the start of the backward pass: for AdamA's micro-batch loop (a plain
+  step is not helped; see `lowmem_jax.embedding`).
   """
 
   def __call__(self, inputs: jax.Array) -> jax.Array:

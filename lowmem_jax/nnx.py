@@ -51,7 +51,8 @@ class Embed(nnx.Embed):
 
   The same arguments, parameter (``embedding``) and values, gradients bit for
   bit; the table-sized gradient buffer is made when the cotangent arrives,
-  not at the start of the backward pass.
+  not at the start of the backward pass: for AdamA's micro-batch loop (a plain
+  step is not helped; see `lowmem_jax.embedding`).
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
@@ -154,7 +155,7 @@ def microbatch_step(
     ``step(model, optimizer, batch) -> metrics``: updates ``model`` and
     ``optimizer`` in place; ``metrics`` as from `lowmem_jax.optim.microbatch_step`.
   """
-  optim._check_k(k.k if isinstance(k, optim.MomentFold) else k)
+  optim._moment_fold(k)  # checks k
 
   def step(model, optimizer, batch):
     if not isinstance(model, nnx.Module):

@@ -105,8 +105,8 @@ class MomentFold:
     if self.nu_scale not in NU_SCALES:
       raise ValueError(f"`nu_scale` must be one of {NU_SCALES}, got {self.nu_scale!r}.")
 
-  def __call__(self, g: jax.Array, mu: jax.Array, nu: jax.Array,
-               first: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def apply(self, g: jax.Array, mu: jax.Array, nu: jax.Array,
+            first: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Folds one leaf ``g`` into ``(mu, nu)``; ``first``: bool [], the step's first micro-batch.
 
     Returns the moments in the promoted dtype, as `optax.scale_by_adam` computes
@@ -125,30 +125,38 @@ class MomentFold:
             (nu_weight * (g * g)).astype(dtype) + new_nu.astype(dtype))
 
 
-def _moment_fold(k: "int | MomentFold", b1: Any, b2: Any, nu_scale: str | None) -> MomentFold:
-  """``k`` if it is a `MomentFold` (then b1, b2 and nu_scale must be None), else one
-  built from the four, None taking the defaults 0.9, 0.999 and "mean_sq"."""
-  if isinstance(k, MomentFold):
-    given = [name for name, value in (("b1", b1), ("b2", b2), ("nu_scale", nu_scale))
-             if value is not None]
-    if given:
-      raise ValueError(f"`k` is a MomentFold, which holds b1, b2 and nu_scale; do not give "
-                       f"{', '.join(f'`{name}`' for name in given)} as well ({k}).")
-    return k
-  _check_k(k)
-  return MomentFold(k, 0.9 if b1 is None else b1, 0.999 if b2 is None else b2,
-                    "mean_sq" if nu_scale is None else nu_scale)
+_DEFAULT_FOLD = {"b1": 0.9, "b2": 0.999, "nu_scale": "mean_sq"}
+
+
+def _moment_fold(k: "int | MomentFold", b1: Any = 0.9, b2: Any = 0.999,
+                 nu_scale: str = "mean_sq") -> MomentFold:
+  """``k`` if it is a `MomentFold`, else ``MomentFold(k, b1, b2, nu_scale)``.
+
+  With a `MomentFold` ``k`` the rates are its own: one of b1, b2, nu_scale
+  given with another value than its default and the fold's raises, as does
+  one traced (injected by `optax.inject_hyperparams`, which the fold would
+  ignore)."""
+  if not isinstance(k, MomentFold):
+    return MomentFold(k, b1, b2, nu_scale)
+  for name, value in (("b1", b1), ("b2", b2), ("nu_scale", nu_scale)):
+    if isinstance(value, jax.core.Tracer) or value not in (_DEFAULT_FOLD[name],
+                                                           getattr(k, name)):
+      raise ValueError(f"`k` is a MomentFold, which holds b1, b2 and nu_scale; `{name}`="
+                       f"{value!r} differs from its {getattr(k, name)!r} (under "
+                       "optax.inject_hyperparams, give an int k or list the rates in "
+                       "static_args).")
+  return k
 
 
 def adama(
     k: "int | MomentFold",
-    b1: float | None = None,
-    b2: float | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
     mu_dtype: Any | None = None,
-    nu_scale: str | None = None,
+    nu_scale: str = "mean_sq",
     state_bits: int | None = None,
     seed: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -181,12 +189,14 @@ def adama(
   Args:
     k: micro-batches per optimizer step, a positive Python int; or a
       `MomentFold`, which holds k, b1, b2 and nu_scale (the one to give
-      `microbatch_step` too).
-    b1, b2: decay rates of the first and second moments; None: 0.9 and 0.999.
+      `microbatch_step` too; under `optax.inject_hyperparams` list it in
+      ``static_args``).
+    b1, b2: decay rates of the first and second moments (with a `MomentFold`
+      ``k``: its own; another value raises).
     eps, eps_root: as in `optax.adam`.
     mu_dtype: dtype of the first moment; None keeps the params' dtypes.
-    nu_scale: "mean_sq" (w = 1/k^2; None means it) or "mean" (w = 1/k): the
-      weight of each squared micro-batch gradient in v (module docstring).
+    nu_scale: "mean_sq" (w = 1/k^2) or "mean" (w = 1/k): the weight of each
+      squared micro-batch gradient in v (module docstring).
     state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
       for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
@@ -237,6 +247,11 @@ def adama(
 
   def update_fn(updates, state, params=None, *, folded=None, folded_with=None, **extra_args):
     del params, extra_args
+    if folded_with is not None and any(isinstance(v, jax.core.Tracer) for v in (b1, b2)):
+      raise ValueError(
+          "This AdamA's b1 or b2 is traced (optax.inject_hyperparams), and the moments were "
+          "folded in the backward by a MomentFold with fixed rates: list b1 and b2 in "
+          "static_args, or fold after the backward (fold_in_backward=False).")
     if folded_with is not None and _disagree(folded_with, fold):
       raise ValueError(
           f"The moments were folded in the backward with {folded_with}, and this AdamA folds "
@@ -255,7 +270,7 @@ def adama(
     first = state.micro_step == 0
     last = state.micro_step == k - 1
     moments = jax.tree.map(
-        lambda g, m, v, done: fold(g, m, v, first) if done is None else done,
+        lambda g, m, v, done: fold.apply(g, m, v, first) if done is None else done,
         updates, lowbit.tree_load(state.mu, signed=True), lowbit.tree_load(state.nu, signed=False),
         folded)
     mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
@@ -286,13 +301,13 @@ def adama(
 def adamaw(
     learning_rate: optax.ScalarOrSchedule,
     k: "int | MomentFold",
-    b1: float | None = None,
-    b2: float | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
     mu_dtype: Any | None = None,
-    nu_scale: str | None = None,
+    nu_scale: str = "mean_sq",
     weight_decay: float = 1e-4,
     mask: Any = None,
     state_bits: int | None = None,
@@ -453,7 +468,7 @@ def _folding_scan_bwd(layer_fn, fold, residuals, dy):
     _, vjp = jax.vjp(layer_fn, p, h)
     dp, dh = vjp(dh)
     at = lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False)
-    folded = jax.tree.map(lambda g, m, v: fold(g, at(m), at(v), first), dp, mu, nu)
+    folded = jax.tree.map(lambda g, m, v: fold.apply(g, at(m), at(v), first), dp, mu, nu)
     put = lambda t, pair, j: jax.lax.dynamic_update_index_in_dim(t, pair[j].astype(t.dtype), i, 0)
     mu = jax.tree.map(lambda t, _, pair: put(t, pair, 0), mu, dp, folded)
     nu = jax.tree.map(lambda t, _, pair: put(t, pair, 1), nu, dp, folded)
@@ -531,7 +546,7 @@ def _folding_leaf_fwd(fold, p, mu, nu, first):
 
 def _folding_leaf_bwd(fold, residuals, g):
   mu, nu, first = residuals
-  new_mu, new_nu = fold(g, mu, nu, first)
+  new_mu, new_nu = fold.apply(g, mu, nu, first)
   return jnp.zeros_like(g), new_mu.astype(mu.dtype), new_nu.astype(nu.dtype), None
 
 
@@ -615,7 +630,8 @@ def microbatch_step(
     raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
                      f"{fold_in_backward!r}.")
   options = fold_in_backward or FoldInBackward()
-  fold = _moment_fold(k, options.b1, options.b2, options.nu_scale)
+  fold = _moment_fold(k, **{name: getattr(options, name) for name in _DEFAULT_FOLD
+                            if getattr(options, name) is not None})
   k = fold.k
 
   def loss_of(params, state, batch, *moments):
@@ -672,8 +688,7 @@ def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
       (as `microbatch_step`'s).
     fold_in_backward: as `microbatch_step`'s; it needs k > 1.
   """
-  micro_batches = k.k if isinstance(k, MomentFold) else k
-  _check_k(micro_batches)
+  micro_batches = _moment_fold(k).k
   if fold_in_backward and micro_batches == 1:
     raise ValueError("`fold_in_backward` folds AdamA's micro-batches: it needs k > 1.")
   if micro_batches > 1:

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import lowmem_jax as lm
 from lowmem_jax.models.llama import Llama, LlamaConfig
@@ -41,19 +42,34 @@ def test_take_bad_arguments():
     lm.embedding.take(jnp.ones(()), jnp.array([0]))
 
 
+@pytest.mark.parametrize("rows", [7, 1])  # one row: Flax broadcasts it, whatever the id
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
-def test_linen_and_nnx_embed_equal_flax(dtype):
+def test_linen_and_nnx_embed_equal_flax(dtype, rows):
+  ids = IN_RANGE % rows
   loss = lambda y: jnp.sum(jnp.sin(y.astype(jnp.float32)))
-  plain, late = nn.Embed(7, 3, dtype=dtype), lm.linen.Embed(7, 3, dtype=dtype)
-  params = plain.init(jax.random.key(0), IN_RANGE)
-  assert jax.tree.structure(late.init(jax.random.key(0), IN_RANGE)) == jax.tree.structure(params)
-  for f in (lambda m: m.apply(params, IN_RANGE),
-            lambda m: jax.grad(lambda p: loss(m.apply(p, IN_RANGE)))(params)["params"]["embedding"]):
+  plain, late = nn.Embed(rows, 3, dtype=dtype), lm.linen.Embed(rows, 3, dtype=dtype)
+  params = plain.init(jax.random.key(0), ids)
+  assert jax.tree.structure(late.init(jax.random.key(0), ids)) == jax.tree.structure(params)
+  for f in (lambda m: m.apply(params, ids),
+            lambda m: jax.grad(lambda p: loss(m.apply(p, ids)))(params)["params"]["embedding"]):
     assert same(f(plain), f(late))
-  modules = [cls(7, 3, dtype=dtype, rngs=nnx.Rngs(0)) for cls in (nnx.Embed, lm.nnx.Embed)]
-  outs = [m(IN_RANGE) for m in modules]
-  grads = [nnx.grad(lambda m: loss(m(IN_RANGE)))(m)["embedding"][...] for m in modules]
+  modules = [cls(rows, 3, dtype=dtype, rngs=nnx.Rngs(0)) for cls in (nnx.Embed, lm.nnx.Embed)]
+  outs = [m(ids) for m in modules]
+  grads = [nnx.grad(lambda m: loss(m(ids)))(m)["embedding"][...] for m in modules]
   assert same(*outs) and same(*grads)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_take_of_a_sharded_table(axis_type):
+  """A table sharded along its features on 2 devices: the same gradient, sharded like it."""
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(axis_type,), devices=jax.devices()[:2])
+  table = jax.random.normal(jax.random.key(0), (8, 4))
+  loss = lambda t, take: jnp.sum(jnp.sin(take(t, IN_RANGE)))
+  want = jax.grad(loss)(table, lambda t, i: jnp.take(t, i, axis=0))
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(table, NamedSharding(mesh, P(None, "x")))
+    got = jax.jit(jax.grad(loss), static_argnums=1)(sharded, lm.embedding.take)
+  assert same(want, got) and got.sharding.spec == P(None, "x")
 
 
 def test_llama_embedding_switch_is_exact_and_checked():

@@ -7,12 +7,12 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import models, names, planner, policies
 
-TINY_VIT = dict(patch_size=4, width=64, depth=3, mlp_dim=256, num_heads=2, num_classes=10)
+TINY_VIT = dict(patch_size=4, width=64, depth=2, mlp_dim=256, num_heads=2, num_classes=10)
 
 
 @pytest.fixture(scope="module")
 def workload():
-  """A 3-block ViT on 32x32 images, batch 16: the planner's step and its abstract args."""
+  """A 2-block ViT on 32x32 images, batch 16: the planner's step and its abstract args."""
   model = models.ViT(**TINY_VIT, dtype=jnp.float32)
   inputs = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
   labels = jax.ShapeDtypeStruct((16,), jnp.int32)

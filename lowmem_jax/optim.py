@@ -125,7 +125,7 @@ class MomentFold:
             (nu_weight * (g * g)).astype(dtype) + new_nu.astype(dtype))
 
 
-_DEFAULT_FOLD = {"b1": 0.9, "b2": 0.999, "nu_scale": "mean_sq"}
+_DEFAULT_FOLD = {f.name: f.default for f in dataclasses.fields(MomentFold) if f.name != "k"}
 
 
 def _moment_fold(k: "int | MomentFold", b1: Any = 0.9, b2: Any = 0.999,

@@ -5,9 +5,11 @@ arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`).
 `MultiHeadDotProductAttention` and `MultiHeadAttention` are Flax's, with
 `attention_fn` (`lowmem_jax.attention`: no L×L residual) in place of Flax's.
 `Embed` is Flax's with `lowmem_jax.embedding.take`, whose gradient buffer is
-made late.
+made late. `SparseConv` keeps its kernel as values and positions
+(`lowmem_jax.sparse`).
 """
 
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -19,6 +21,7 @@ from lowmem_jax import names
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.embedding import take
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
+from lowmem_jax.sparse import densify
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
@@ -141,3 +144,59 @@ class Embed(nn.Embed):
     if self.num_embeddings == 1 and jnp.issubdtype(inputs.dtype, jnp.integer):
       return jnp.broadcast_to(embedding, inputs.shape + (self.features,))  # as Flax's
     return take(embedding, inputs)
+
+
+class SparseConv(nn.Module):
+  """A convolution without bias whose kernel is stored sparse (`lowmem_jax.sparse`).
+
+  ``nn.Conv(features, kernel_size, strides, padding, use_bias=False)`` with the
+  kernel ``[*kernel_size, in_features, features]`` kept as its
+  ``nnz = round(density * size)`` active entries: the param ``kernel`` is
+  ``param_dtype[nnz]``, initialised as ``kernel_init`` would the dense kernel's
+  first ``nnz`` entries (i.i.d., so any ``nnz`` of them alike). Their flat
+  positions are read from the ``"sparse"`` collection at the param's path
+  (``{"sparse": lowmem_jax.sparse.find_state(opt_state).positions}`` in
+  ``apply``); the dense kernel is made by `lowmem_jax.sparse.densify` at the
+  call, so under `nn.remat` it is made again in the backward, not kept.
+
+  Attributes:
+    features, kernel_size, strides, padding, dtype, param_dtype, kernel_init:
+      as `flax.linen.Conv`'s.
+    density: in (0, 1), the share of the kernel's entries stored.
+    conv_general_dilated: the convolution, as `flax.linen.Conv`'s (e.g.
+      `lowmem_jax.compress.int8_conv`); None: `jax.lax.conv_general_dilated`.
+  """
+  features: int
+  kernel_size: tuple[int, ...]
+  density: float
+  strides: int | tuple[int, ...] = 1
+  padding: Any = "SAME"
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  conv_general_dilated: Callable | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not (isinstance(self.density, float) and 0 < self.density < 1):
+      raise ValueError(f"`density` must be a float in (0, 1), got {self.density!r}.")
+    window = tuple(self.kernel_size)
+    shape = (*window, inputs.shape[-1], self.features)
+    nnz = max(1, round(self.density * math.prod(shape)))
+    values = self.param("kernel", lambda key: self.kernel_init(
+        key, shape, self.param_dtype).reshape(-1)[:nnz])
+    if self.has_variable("sparse", "kernel"):
+      positions = self.get_variable("sparse", "kernel")
+    elif self.is_initializing():  # shapes only: the positions are the optimizer's to draw
+      positions = jnp.arange(nnz, dtype=jnp.int32)
+    else:
+      raise ValueError(f"{self.name}: no positions for the sparse kernel; apply the model with "
+                       "{'params': ..., 'sparse': lowmem_jax.sparse.find_state(opt_state)"
+                       ".positions}.")
+    kernel = densify(values, positions, shape, after=inputs)
+    inputs, kernel = nn.dtypes.promote_dtype(inputs, kernel, dtype=self.dtype)
+    strides = (self.strides,) * len(window) if isinstance(self.strides, int) else self.strides
+    conv = self.conv_general_dilated or jax.lax.conv_general_dilated
+    spatial = "DHW"[-len(window):]
+    return conv(inputs, kernel, strides, self.padding,
+                dimension_numbers=(f"N{spatial}C", f"{spatial}IO", f"N{spatial}C"))

@@ -702,12 +702,20 @@ def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
 
 
 def _split(batch: Any, k: int) -> Any:
-  """Each leaf ``[n, ...]`` as ``[k, n // k, ...]``, micro-batch i the rows i, i + k, ..."""
+  """Each leaf ``[n, ...]`` as ``[n // k, k, ...]`` (a reshape, no copy): micro-batch i is
+  ``[:, i]``, the rows i, i + k, ... (`_micro_batch`)."""
   def split(x):
     if x.ndim == 0 or x.shape[0] % k:
       raise ValueError(f"`batch` leaves need a leading axis divisible by k={k}, got shape {x.shape}.")
-    return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(x.shape[0] // k, k, *x.shape[1:])
   return jax.tree.map(split, batch)
+
+
+def _micro_batch(grouped: Any, i: Any) -> Any:
+  """Micro-batch ``i`` of `_split`'s ``grouped`` batch, sliced where it is used: scanning
+  over a transposed or sliced batch would copy the batch first."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False),
+                      grouped)
 
 
 def _metrics(losses, aux):
@@ -718,13 +726,14 @@ def _metrics(losses, aux):
 
 
 def _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches):
-  def body(carry, batch):
+  def body(carry, i):
     acc, state = carry
-    (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
+    (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params, state, _micro_batch(micro_batches, i))
     return (jax.tree.map(jnp.add, acc, grads), state), (loss, aux)
 
   (acc, state), (losses, aux) = jax.lax.scan(
-      body, (otu.tree_zeros_like(params), state), micro_batches)
+      body, (otu.tree_zeros_like(params), state), jnp.arange(k))
   grads = jax.tree.map(lambda g: g / k, acc)
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)
@@ -738,7 +747,8 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
   ``conditionally_mask``, ``conditionally_transform``, ``MultiSteps``) can shift its step
   across calls, so an update may fall inside the loop: there every micro-batch's update is
   applied, as before."""
-  def micro_step(params, state, opt_state, batch):
+  def micro_step(params, state, opt_state, i):
+    batch = _micro_batch(micro_batches, i)
     if fold_in_backward is None:
       (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -749,26 +759,24 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
     return updates, state, opt_state, (loss, aux)
 
   if _has_skips(opt_state):
-    def applying(carry, batch):
+    def applying(carry, i):
       params, state, opt_state = carry
-      updates, state, opt_state, out = micro_step(params, state, opt_state, batch)
+      updates, state, opt_state, out = micro_step(params, state, opt_state, i)
       return (optax.apply_updates(params, updates), state, opt_state), out
 
     (params, state, opt_state), (losses, aux) = jax.lax.scan(
-        applying, (params, state, opt_state), micro_batches)
+        applying, (params, state, opt_state), jnp.arange(k))
     return params, state, opt_state, _metrics(losses, aux)
 
-  def folding(carry, batch):
-    _, state, opt_state, out = micro_step(params, *carry, batch)
+  def folding(carry, i):
+    _, state, opt_state, out = micro_step(params, *carry, i)
     return (state, opt_state), out
 
   outs = []
   if k > 1:
-    head = jax.tree.map(lambda x: x[:-1], micro_batches)
-    (state, opt_state), out = jax.lax.scan(folding, (state, opt_state), head)
+    (state, opt_state), out = jax.lax.scan(folding, (state, opt_state), jnp.arange(k - 1))
     outs.append(out)
-  updates, state, opt_state, out = micro_step(
-      params, state, opt_state, jax.tree.map(lambda x: x[-1], micro_batches))
+  updates, state, opt_state, out = micro_step(params, state, opt_state, k - 1)
   outs.append(jax.tree.map(lambda x: jnp.asarray(x)[None], out))
   losses, aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
   return optax.apply_updates(params, updates), state, opt_state, _metrics(losses, aux)

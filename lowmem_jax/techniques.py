@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import (lowbit, memory, models, offload, optim, planner, policies, sparsity, targets,
+from lowmem_jax import (lowbit, memory, models, offload, optim, planner, policies, sparse, targets,
                         transform)
 
 TECHNIQUES = {
@@ -48,8 +48,8 @@ TECHNIQUES = {
                    "(lowmem_jax.offload)",
     "conv:<pooled|int8>": "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
                           "(lowmem_jax.compress)",
-    "sparse:<density>": "dynamic sparsity keeping that share of the kernels, stored dense with "
-                        "a mask (lowmem_jax.sparsity.dynamic_sparsity): it saves no memory yet",
+    "sparse:<density>": "wrn-28-2: the blocks' conv kernels stored sparse at that density, values "
+                        "and positions, moved every 100 steps (lowmem_jax.sparse.sparse_storage)",
     "fused-ce": "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] logits "
                 "(lowmem_jax.losses.linear_cross_entropy)",
     "all": "approx+ms-norm+attention+bf16",
@@ -176,6 +176,12 @@ class TechniqueSet:
     if self.conv != "plain" and not job.conv_net:
       raise TechniqueError(f"conv:{self.conv} in {self.label!r} applies to wrn-28-2, not "
                            f"{job.model}.")
+    if self.density is not None and not job.conv_net:
+      raise TechniqueError(f"sparse:{self.density} in {self.label!r} applies to wrn-28-2 (sparse "
+                           f"storage is built for its convs), not {job.model}.")
+    if self.density is not None and self.offload_opt:
+      raise TechniqueError(f"{self.label!r}: sparse does not take offload-opt (the moves zero "
+                           "moments on the device).")
     try:
       return self._workload(job)
     except ValueError as e:  # a shape the model refuses, e.g. BERT's seq > 512
@@ -190,7 +196,7 @@ class TechniqueSet:
         norm="ms" if self.ms_norm else "plain",
         attention="recompute" if self.attention else "plain",
         loss="fused" if self.fused_ce else "plain", embedding=self.embedding(job),
-        remat=self.remat is not None, remat_policy=self.remat)
+        density=self.density, remat=self.remat is not None, remat_policy=self.remat)
 
   def embedding(self, job: Job) -> str:
     """The LLaMA models' token embedding: "late" under AdamA (its gradient buffer made when
@@ -204,7 +210,8 @@ class TechniqueSet:
 
   def optimizer(self) -> optax.GradientTransformation:
     """AdamW (`LEARNING_RATE`, `WEIGHT_DECAY`) as the set has it: AdamA, 8-bit, offloaded,
-    bfloat16 parameters rounded stochastically."""
+    bfloat16 parameters rounded stochastically (a sparse workload wraps it in
+    `lowmem_jax.models.Workload.optimizer`)."""
     if self.adama > 1:
       tx = optim.adamaw(LEARNING_RATE, self.adama, state_bits=self.state_bits)
     elif self.state_bits == 8:
@@ -213,8 +220,6 @@ class TechniqueSet:
       tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     if self.offload_opt:
       tx = offload.offload(tx)
-    if self.density is not None:
-      tx = optax.chain(tx, sparsity.dynamic_sparsity(self.density))
     if self.bf16_params:
       tx = optax.chain(tx, lowbit.stochastic_rounding())
     return tx
@@ -252,10 +257,11 @@ class TechniqueSet:
       tx = f"optax.adamw({LEARNING_RATE}, weight_decay={WEIGHT_DECAY})"
     if self.offload_opt:
       tx = f"lm.offload.offload({tx})"
-    if self.density is not None:
-      tx = f"optax.chain({tx}, lm.sparsity.dynamic_sparsity({self.density}))"
     if self.bf16_params:
       tx = f"optax.chain({tx}, lm.lowbit.stochastic_rounding())"
+    if self.density is not None:
+      switches.append(f"density={self.density}")
+      tx = f"wl.optimizer({tx})"
     k = f", k={self.adama}" if self.adama > 1 else ""
     fold = ", fold_in_backward=True" if self.fold_in_backward else ""
     return "\n".join([
@@ -385,14 +391,16 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   if job.batch % k:
     raise TechniqueError(f"adama:{k}: the batch ({job.batch}) must split into {k} equal "
                          "micro-batches.")
-  tx = techniques.optimizer()
+  tx = wl.optimizer(techniques.optimizer())
   params = wl.abstract_params()
+  opt_state = offload.abstract_state(tx, params)
   batch = (wl.inputs, wl.labels)
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
+  positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
   step = jax.jit(wl.train_step(tx, k, fold_in_backward=techniques.fold_in_backward),
                  donate_argnums=(0, 1))
-  return memory.report(step, params, offload.abstract_state(tx, params), batch,
-                       loss_fn=wl.loss, loss_args=(params, *micro), label=techniques.label,
+  return memory.report(step, params, opt_state, batch, loss_fn=wl.loss,
+                       loss_args=(params, *micro, *positions), label=techniques.label,
                        top=top, target=job.target)
 
 

@@ -261,8 +261,9 @@ def test_wrn_in_the_report(capsys):
   base, lowmem = out["rows"]
   assert lowmem["saved_activation_bytes"] < 0.7 * base["saved_activation_bytes"]
   # and the compiled peak: the convs' backward makes its full-size copy of the input when it
-  # gets there (56.1 -> 45.4 MiB; 51.9 without the barrier, which let XLA hoist the copies)
-  assert lowmem["peak_bytes"] < 0.85 * base["peak_bytes"]
+  # gets there (49.4 -> 43.1 MiB since the head is no GEMM; 56.1 -> 45.4 before it, and 51.9
+  # without the barrier, which let XLA hoist the copies: 4.2 MiB less)
+  assert lowmem["peak_bytes"] < base["peak_bytes"] - 6 * 2**20
 
 
 def test_parse_bytes():

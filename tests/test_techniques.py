@@ -50,17 +50,18 @@ def test_job_defaults():
   assert techniques.Job("vit-b16").default_sets() == techniques.DEFAULT.split(",")
 
 
-@OPTAX_BIAS_CORRECTION
-def test_sparse_rows_are_measured_dense_with_a_mask():
-  base = techniques.measure(SMALL, techniques.parse("baseline"), top=0)
+def test_sparse_is_stored_sparse_on_the_wideresnet_only():
   sparse = techniques.parse("sparse:0.25")
-  measured = techniques.measure(SMALL, sparse, top=0)
-  row = techniques.row(measured, base, sparse)
   assert sparse.density == 0.25
-  assert "lm.sparsity.dynamic_sparsity(0.25)" in sparse.python(SMALL)
-  # the masks: a byte a kernel weight more optimizer state, nothing less
-  assert row["optimizer_state"] > techniques.row(base, base, techniques.parse("baseline"))[
-      "optimizer_state"]
+  with pytest.raises(techniques.TechniqueError, match="applies to wrn-28-2"):
+    sparse.workload(SMALL)
+  wrn = techniques.Job("wrn-28-2", batch=8)
+  code = sparse.python(wrn)
+  assert "density=0.25" in code and "tx = wl.optimizer(optax.adamw(" in code
+  wl = sparse.workload(wrn)
+  assert wl.sparse and wl.model.density == 0.25
+  with pytest.raises(techniques.TechniqueError, match="sparse does not take offload-opt"):
+    techniques.parse("sparse:0.25+offload-opt").workload(wrn)
 
 
 @FLAX_NORM

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import optim
+from lowmem_jax import optim, sparse
 from lowmem_jax.models import bert, llama, wrn
 from lowmem_jax.models._common import Switches, TransformerSwitches, check_switches
 from lowmem_jax.models.bert import Bert, BertClassifier, BertConfig
@@ -74,18 +74,40 @@ class Workload:
     """The same workload with each block under `nn.remat` with ``policy``."""
     return dataclasses.replace(self, model=self.model.clone(remat=True, remat_policy=policy))
 
-  def loss(self, params: Any, inputs: jax.Array, labels: jax.Array) -> jax.Array:
+  @property
+  def sparse(self) -> bool:
+    """Whether the model stores kernels sparse (the WideResNet's ``density``)."""
+    return getattr(self.model, "density", None) is not None
+
+  def dense_params(self) -> Any:
+    """``ShapeDtypeStruct`` pytree of the parameters the dense model has (the same
+    structure; a sparse kernel at its dense shape): `lowmem_jax.sparse.sparse_storage`'s
+    ``dense``."""
+    return dataclasses.replace(self, model=self.model.clone(density=None)).abstract_params()
+
+  def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx``, wrapped in `lowmem_jax.sparse.sparse_storage` where the model is `sparse`."""
+    return sparse.sparse_storage(tx, self.dense_params()) if self.sparse else tx
+
+  def loss(self, params: Any, inputs: jax.Array, labels: jax.Array,
+           positions: Any = None) -> jax.Array:
     """Mean cross-entropy, float32 scalar.
 
     Batch norm (the WideResNet) runs in training mode: it normalises with the
     batch's statistics, so the loss and its gradient do not depend on the
     running averages, which this loss does not keep (a training loop carries
-    them: 2 floats a channel).
+    them: 2 floats a channel). A `sparse` model reads its kernels' ``positions``
+    (`lowmem_jax.sparse.SparseStorageState.positions`).
     """
+    if self.sparse != (positions is not None):
+      raise ValueError(f"`positions` must be given for a model with sparse kernels and only "
+                       f"then; the model is {'sparse' if self.sparse else 'dense'}.")
     if isinstance(self.model, Llama):  # the model's own head: its loss switch
       return self.model.apply({"params": params}, inputs, labels)
     if isinstance(self.model, WideResNet):
-      logits, _ = self.model.apply({"params": params}, inputs, mutable=["batch_stats"])
+      variables = {"params": params} if positions is None else {"params": params,
+                                                                  "sparse": positions}
+      logits, _ = self.model.apply(variables, inputs, mutable=["batch_stats"])
     else:
       logits = self.model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -98,17 +120,25 @@ class Workload:
     `lowmem_jax.optim.train_step` of `loss`: with ``k > 1``, over k micro-batches
     (give an AdamA ``tx`` for the same k, or the `lowmem_jax.MomentFold` it was built
     with, to fold each micro-batch gradient into its moments, in the backward pass with
-    ``fold_in_backward``).
+    ``fold_in_backward``). A `sparse` model's ``tx`` is `optimizer`'s, whose state
+    holds the positions the step's forward reads.
     """
-    return optim.train_step(lambda params, batch: self.loss(params, *batch), tx, k,
-                            fold_in_backward=fold_in_backward)
+    if not self.sparse:
+      return optim.train_step(lambda params, batch: self.loss(params, *batch), tx, k,
+                              fold_in_backward=fold_in_backward)
+
+    def step(params, opt_state, batch):
+      positions = sparse.find_state(opt_state).positions
+      return optim.train_step(lambda params, batch: self.loss(params, *batch, positions), tx, k,
+                              fold_in_backward=fold_in_backward)(params, opt_state, batch)
+    return step
 
 
 def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
              activation: str = "exact", norm: str = "plain", attention: str = "plain",
              conv: str = "plain", loss: str = "plain", embedding: str = "plain",
-             remat: bool = False, remat_policy: Callable | None = None) -> Workload:
+             density: float | None = None, remat: bool = False, remat_policy: Callable | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
   Args:
@@ -128,6 +158,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
       (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
     embedding: the LLaMA models' token embedding, "plain" or "late" (its
       gradient buffer made when needed: for AdamA's micro-batch loop).
+    density: the WideResNet's blocks' convs stored sparse at this density (a
+      float in (0, 1)); None: dense. Train with `Workload.optimizer`'s ``tx``.
   """
   if name not in NAMES:
     raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
@@ -150,14 +182,18 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     if (norm, attention) != ("plain", "plain"):
       raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
                        f"'plain', got norm={norm!r}, attention={attention!r}.")
-    model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, remat=remat,
-                       remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
+    model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, density=density,
+                       remat=remat, remat_policy=remat_policy, dtype=dtype,
+                       param_dtype=param_dtype)
     image = 32 if image is None else image
     if conv == "pooled" and image % 8:
       raise ValueError(f"conv='pooled' pools the input of every conv 2x2, the last group's at "
                        f"image / 4: image must be a multiple of 8, got {image}.")
     return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
                     jax.ShapeDtypeStruct((batch,), jnp.int32))
+  if density is not None:
+    raise ValueError(f"density (sparse storage) applies to the WideResNet's convs only; {name} "
+                     f"takes density=None, got {density!r}.")
   if conv != "plain":
     raise ValueError(f"conv applies to the WideResNet only; {name} takes conv='plain', "
                      f"got {conv!r}.")

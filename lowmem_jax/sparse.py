@@ -1,0 +1,288 @@
+"""Sparse storage for training: each sparse weight kept as its active values and their positions.
+
+A sparse leaf of the params is a float vector ``[nnz]`` of its active entries;
+the optimizer's moments for it are ``[nnz]`` too, and its gradient is made
+``[nnz]`` (a gather of the dense one, which lives for one layer). Its flat
+positions in the dense weight, ``int32 [nnz]``, live in the state of
+`sparse_storage`, the optimizer wrapper that also moves them during training:
+every ``update_every`` optimizer steps each sparse leaf prunes its
+``round(prune_fraction * nnz)`` active entries of smallest magnitude and
+regrows as many at random positions that were inactive, at zero, with their
+moments zeroed (`prune_and_regrow`). Its temporaries are O(nnz): no dense mask,
+no ``top_k`` over the dense weight.
+
+The budget is per leaf, as in SET: array shapes are fixed under `jax.jit`, so
+the global reallocation of DSR (`lowmem_jax.sparsity.dynamic_sparsity`, stored
+dense with a mask) would need every leaf stored at its largest size.
+
+The model reads the weight through `densify` inside its layers (e.g.
+`lowmem_jax.linen.SparseConv`), so under `nn.remat` a dense weight exists for
+one layer at a time.
+
+References:
+  Mocanu et al., 2018, "Scalable training of artificial neural networks with
+  adaptive sparse connectivity inspired by network science" (SET),
+  https://doi.org/10.1038/s41467-018-04316-3.
+  Sohoni et al., 2019, "Low-Memory Neural Network Training: A Technical Report",
+  https://arxiv.org/abs/1904.10631.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowmem_jax import lowbit, optim
+
+
+class SparseStorageState(NamedTuple):
+  """State of `sparse_storage`."""
+  inner: Any  # the wrapped optimizer's state, over the stored params
+  positions: Any  # the params' structure: int32 [nnz] flat positions on sparse leaves, else None
+  count: jax.Array  # int32 [], optimizer steps completed (under AdamA, not micro-batches)
+  key: jax.Array  # typed PRNG key [], for the next regrowth
+
+
+def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
+            after: jax.Array | None = None) -> jax.Array:
+  """The dense weight of ``shape``: ``values`` at the flat ``positions``, zero elsewhere.
+
+  Args:
+    values: float ``[nnz]``.
+    positions: int32 ``[nnz]``, distinct, in ``[0, prod(shape))``.
+    shape: the dense weight's shape.
+    after: None, or an array the dense weight is made after (the layer's input):
+      its zeros come out of an `jax.lax.optimization_barrier` with it. Without,
+      XLA makes the zeros of every layer's weight in one fusion at the start.
+
+  Returns:
+    ``values.dtype[shape]``. Its gradient with respect to ``values`` is the
+    dense cotangent gathered at ``positions``.
+  """
+  if values.ndim != 1 or positions.shape != values.shape:
+    raise ValueError(f"`values` and `positions` must both be [nnz], got {values.shape} and "
+                     f"{positions.shape}.")
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise TypeError(f"`positions` must be integers, got {positions.dtype}.")
+  zero = jnp.zeros((), values.dtype)
+  if after is not None:
+    zero, _ = jax.lax.optimization_barrier((zero, after))
+  dense = jnp.broadcast_to(zero, (math.prod(shape),))
+  return dense.at[positions].set(values, unique_indices=True,
+                                 mode="promise_in_bounds").reshape(shape)
+
+
+def random_positions(key: jax.Array, size: int, nnz: int) -> jax.Array:
+  """``nnz`` distinct flat positions in ``[0, size)``, uniform, sorted: int32 ``[nnz]``."""
+  return jnp.sort(jax.random.choice(key, size, (nnz,), replace=False)).astype(jnp.int32)
+
+
+def _candidates(moves: int, nnz: int, size: int) -> int:
+  """Draws enough for ``moves`` fresh positions: twice the expected need, plus a margin."""
+  return math.ceil(2 * moves * size / (size - nnz)) + 32
+
+
+def prune_and_regrow(values: jax.Array, positions: jax.Array, key: jax.Array, *, size: int,
+                     moves: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Moves ``moves`` entries of one sparse leaf: the smallest |values| to fresh positions.
+
+  The ``moves`` slots of smallest ``|values|`` (ties: the lower slot) take
+  positions drawn uniformly among those inactive before the move, and their
+  values become zero. The draw is ``_candidates`` uniform positions, less the
+  active ones and repeats, the first ``moves`` kept in draw order; should fewer
+  remain (vanishingly rare at the sizes ``sparse_storage`` allows), the slots of
+  largest magnitude among the ``moves`` are left where they are. Temporaries
+  are O(nnz + moves).
+
+  Args:
+    values: float ``[nnz]``; positions: int32 ``[nnz]``, distinct, in ``[0, size)``.
+    key: a PRNG key.
+    size: the dense leaf's size; moves: a static int in ``[0, min(nnz, size - nnz)]``.
+
+  Returns:
+    ``(values, positions, moved)``: the new values (zero where moved), the new
+    positions, and bool ``[nnz]``, True on the slots that moved.
+  """
+  nnz = values.shape[0]
+  if moves == 0:
+    return values, positions, jnp.zeros(nnz, bool)
+  _, pruned = jax.lax.top_k(-jnp.abs(values.astype(jnp.float32)), moves)
+  draws = _candidates(moves, nnz, size)
+  candidates = jax.random.randint(key, (draws,), 0, size, jnp.int32)
+  active = jnp.sort(positions)
+  found = active[jnp.minimum(jnp.searchsorted(active, candidates), nnz - 1)] == candidates
+  order = jnp.argsort(candidates, stable=True)
+  ranked = candidates[order]
+  repeat = jnp.zeros(draws, bool).at[order[1:]].set(ranked[1:] == ranked[:-1])
+  fresh = ~found & ~repeat
+  # The first `moves` fresh candidates in draw order (float32 holds these ints exactly).
+  rank = jnp.arange(draws, dtype=jnp.float32)
+  _, chosen = jax.lax.top_k(jnp.where(fresh, -rank, -jnp.float32(draws)), moves)
+  ok = fresh[chosen]
+  positions = positions.at[pruned].set(jnp.where(ok, candidates[chosen], positions[pruned]))
+  moved = jnp.zeros(nnz, bool).at[pruned].set(ok)
+  return jnp.where(moved, jnp.zeros((), values.dtype), values), positions, moved
+
+
+def _zero_slots(state_leaf: Any, moved: jax.Array | None) -> Any:
+  """An optimizer-state leaf of a stored leaf, zero on the ``moved`` slots."""
+  if moved is None:
+    return state_leaf
+  if lowbit.is_quantized(state_leaf):  # code 0 decodes to 0.0 in both code maps
+    return state_leaf._replace(codes=jnp.where(moved, jnp.zeros((), jnp.uint8), state_leaf.codes))
+  if getattr(state_leaf, "shape", None) != moved.shape:
+    raise ValueError(f"`sparse_storage` zeroes the moments of moved slots; the inner optimizer "
+                     f"keeps a {getattr(state_leaf, 'shape', type(state_leaf).__name__)} state "
+                     f"for a sparse leaf of {moved.shape}, which it cannot zero slot by slot.")
+  return jnp.where(moved, jnp.zeros((), state_leaf.dtype), state_leaf)
+
+
+def _is_count(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def sparse_storage(
+    inner: optax.GradientTransformation,
+    dense: Any,
+    *,
+    update_every: int = 100,
+    prune_fraction: float = 0.2,
+    stop_after: int | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """``inner`` over params with sparse leaves stored as values, moving their positions.
+
+  A leaf of the params is sparse where its shape differs from ``dense``'s: it
+  must then be ``[nnz]`` with ``nnz`` below the dense size. ``init`` draws each
+  sparse leaf's positions uniformly (`random_positions`, from ``seed``).
+  ``update`` runs ``inner``; at the end of every ``update_every``-th optimizer
+  step (and not after ``stop_after`` steps, if given) each sparse leaf moves
+  ``round(prune_fraction * nnz)`` entries with `prune_and_regrow`, on the new
+  weights ``params + updates``: the returned updates set the moved slots to
+  zero, and ``inner``'s moments there are zeroed. Steps are counted as
+  ``inner`` completes them: under `lowmem_jax.adama` over k micro-batches, once
+  per k updates, at the k-th.
+
+  Give the model the positions (`find_state` ``(opt_state).positions``) and
+  read each weight through `densify`.
+
+  Args:
+    inner: the optimizer of the stored params.
+    dense: the params as the dense model has them (arrays or
+      ``jax.ShapeDtypeStruct``), the stored params' tree structure.
+    update_every: a positive int, optimizer steps between moves.
+    prune_fraction: in [0, 1), the share of each sparse leaf moved per move.
+    stop_after: None, or an int >= 0: no move after this many steps.
+    seed: seeds the positions and the regrowth.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state `SparseStorageState`;
+    ``update`` needs ``params``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from lowmem_jax import sparse
+    >>> dense = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "b": jnp.zeros(8)}
+    >>> params = {"w": jnp.ones(16), "b": jnp.zeros(8)}  # 16 of w's 64 entries
+    >>> tx = sparse.sparse_storage(optax.sgd(0.1), dense, update_every=1, prune_fraction=0.25)
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> int((params["w"] == 0).sum()), state.positions["w"].shape, state.positions["b"]
+    (4, (16,), None)
+  """
+  if not (_is_count(update_every) and update_every >= 1):
+    raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
+  if not (isinstance(prune_fraction, (int, float)) and not isinstance(prune_fraction, bool)
+          and 0 <= prune_fraction < 1):
+    raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
+  if not (stop_after is None or _is_count(stop_after) and stop_after >= 0):
+    raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
+  dense_leaves, dense_def = jax.tree.flatten(dense)
+
+  def sizes(params):
+    """The dense size of each sparse leaf of ``params``, None on dense leaves."""
+    leaves, treedef = jax.tree.flatten(params)
+    if treedef != dense_def:
+      raise ValueError(f"`dense` must have the params' tree structure {treedef}, got {dense_def}.")
+    out = []
+    for p, d in zip(leaves, dense_leaves):
+      if p.shape == d.shape:
+        out.append(None)
+        continue
+      size = math.prod(d.shape)
+      if p.ndim != 1 or not 0 < p.size < size:
+        raise ValueError(f"A sparse leaf must be [nnz] with 0 < nnz < its dense size; got "
+                         f"{p.shape} for a dense {d.shape}.")
+      moves = round(prune_fraction * p.size)
+      if moves > size - p.size:
+        raise ValueError(f"`prune_fraction` {prune_fraction} moves {moves} entries of a leaf of "
+                         f"{p.size} in {size}: only {size - p.size} positions are free.")
+      out.append(size)
+    if all(s is None for s in out):
+      raise ValueError("No leaf of the params is sparse: each has its shape in `dense`.")
+    return out
+
+  def init_fn(params):
+    leaf_sizes = sizes(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaf_sizes) + 1)
+    positions = [None if s is None else random_positions(k, s, p.size)
+                 for k, s, p in zip(keys, leaf_sizes, jax.tree.leaves(params))]
+    return SparseStorageState(inner.init(params), jax.tree.unflatten(dense_def, positions),
+                              jnp.zeros([], jnp.int32), keys[-1])
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("`params` is required: `sparse_storage` prunes by the new weights' "
+                       "magnitude.")
+    leaf_sizes = sizes(params)
+    updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+    adama = optim.find_adama_state(inner_state)
+    completed = jnp.bool_(True) if adama is None else adama.micro_step == 0
+    count = jnp.where(completed, optax.safe_int32_increment(state.count), state.count)
+    ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
+    positions = jax.tree.leaves(state.positions, is_leaf=lambda x: x is None)
+    sparse_ids = [i for i, s in enumerate(leaf_sizes) if s is not None]
+    moves = [round(prune_fraction * ps[i].size) for i in sparse_ids]
+    if not any(moves) or stop_after == 0:
+      return updates, SparseStorageState(inner_state, state.positions, count, state.key)
+    due = completed & (count % update_every == 0)
+    if stop_after is not None:
+      due &= count <= stop_after
+
+    def move(inner_state, positions, key):
+      key, *subs = jax.random.split(key, len(sparse_ids) + 1)
+      new, moved = list(positions), [None] * len(ps)
+      for i, m, sub in zip(sparse_ids, moves, subs):
+        weight = ps[i] + us[i]
+        _, new[i], moved[i] = prune_and_regrow(weight, positions[i], sub, size=leaf_sizes[i],
+                                               moves=m)
+      moved_tree = jax.tree.unflatten(dense_def, moved)
+      inner_state = optax.tree_utils.tree_map_params(
+          inner, _zero_slots, inner_state, moved_tree, is_leaf=lowbit.is_quantized)
+      return inner_state, new, [m for m in moved if m is not None], key
+
+    def keep(inner_state, positions, key):
+      return inner_state, positions, [jnp.zeros(ps[i].shape, bool) for i in sparse_ids], key
+
+    inner_state, positions, moved, key = jax.lax.cond(due, move, keep, inner_state, positions,
+                                                      state.key)
+    out = list(us)
+    for i, m in zip(sparse_ids, moved):
+      out[i] = jnp.where(m, -ps[i], us[i])
+    return jax.tree.unflatten(dense_def, out), SparseStorageState(
+        inner_state, jax.tree.unflatten(dense_def, positions), count, key)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def find_state(opt_state: Any) -> SparseStorageState:
+  """The one `SparseStorageState` inside ``opt_state`` (e.g. of a chain)."""
+  is_state = lambda s: isinstance(s, SparseStorageState)
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+  if len(found) != 1:
+    raise ValueError(f"`opt_state` must hold exactly one SparseStorageState; it holds "
+                     f"{len(found)}.")
+  return found[0]

@@ -1,0 +1,238 @@
+"""lowmem_jax.sparse: weights stored as values and positions, moved in O(nnz) memory."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax import lowbit, sparse
+from lowmem_jax.models.wrn import WideResNet
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
+
+
+def test_densify_is_a_scatter_and_its_gradient_a_gather():
+  values = jax.random.normal(jax.random.key(0), (30,))
+  positions = sparse.random_positions(jax.random.key(1), 96, 30)
+  assert len(set(np.asarray(positions).tolist())) == 30
+  twin = np.zeros(96, np.float32)
+  twin[np.asarray(positions)] = np.asarray(values)
+  for after in (None, jnp.ones(3)):
+    dense, vjp = jax.vjp(lambda v: sparse.densify(v, positions, (4, 4, 6), after=after), values)
+    np.testing.assert_array_equal(dense, twin.reshape(4, 4, 6))
+    cotangent = jax.random.normal(jax.random.key(2), (4, 4, 6))
+    np.testing.assert_array_equal(vjp(cotangent)[0], cotangent.reshape(-1)[positions])
+  with pytest.raises(ValueError, match=r"`values` and `positions` must both be \[nnz\]"):
+    sparse.densify(values, positions[:5], (96,))
+  with pytest.raises(TypeError, match="`positions` must be integers"):
+    sparse.densify(values, positions.astype(jnp.float32), (96,))
+
+
+def test_prune_and_regrow_moves_the_smallest_to_fresh_positions():
+  nnz, size, moves = 200, 1000, 40
+  values = jax.random.normal(jax.random.key(0), (nnz,))
+  positions = sparse.random_positions(jax.random.key(1), size, nnz)
+  new_values, new_positions, moved = jax.jit(
+      sparse.prune_and_regrow, static_argnames=("size", "moves"))(
+          values, positions, jax.random.key(2), size=size, moves=moves)
+  moved, old = np.asarray(moved), np.asarray(positions)
+  assert moved.sum() == moves
+  smallest = np.argsort(np.abs(np.asarray(values)), kind="stable")[:moves]
+  assert set(np.flatnonzero(moved)) == set(smallest)
+  new = np.asarray(new_positions)
+  assert len(set(new.tolist())) == nnz and new.min() >= 0 and new.max() < size
+  assert not set(new[moved]) & set(old.tolist())  # regrown where nothing was before the move
+  np.testing.assert_array_equal(new[~moved], old[~moved])
+  np.testing.assert_array_equal(np.asarray(new_values)[moved], 0)
+  np.testing.assert_array_equal(np.asarray(new_values)[~moved], np.asarray(values)[~moved])
+  same = sparse.prune_and_regrow(values, positions, jax.random.key(2), size=size, moves=0)
+  assert same[0] is values and same[1] is positions and not same[2].any()
+
+
+def _sgd_setup():
+  dense = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "b": jnp.zeros(8)}
+  params = {"w": jnp.arange(1.0, 17.0), "b": jnp.zeros(8)}
+  return dense, params
+
+
+def test_sparse_storage_moves_every_update_every_steps():
+  dense, params = _sgd_setup()
+  tx = sparse.sparse_storage(optax.sgd(0.0), dense, update_every=2, prune_fraction=0.25, seed=3)
+  state = tx.init(params)
+  first = state.positions["w"]
+  assert state.positions["b"] is None and first.dtype == jnp.int32
+  grads = jax.tree.map(jnp.zeros_like, params)
+  update = jax.jit(tx.update)
+  updates, state = update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(state.positions["w"], first)  # step 1: no move
+  updates, state = update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  moved = np.asarray(state.positions["w"] != first)
+  assert moved.sum() == 4 and np.flatnonzero(moved).tolist() == [0, 1, 2, 3]  # |w| 1..4
+  np.testing.assert_array_equal(params["w"], np.where(moved, 0, np.arange(1.0, 17.0)))
+  assert int(state.count) == 2
+
+
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+@pytest.mark.parametrize("inner", ["adamw", "adamw_8bit", "adama"])
+def test_moved_slots_start_with_zero_moments(inner):
+  n = 8192  # 8-bit moments from lowbit.MIN_SIZE = 4096 entries
+  dense = {"w": jax.ShapeDtypeStruct((4 * n,), jnp.float32)}
+  params = {"w": jax.random.normal(jax.random.key(0), (n,))}
+  k = 2 if inner == "adama" else 1
+  opt = {"adamw": optax.adamw(1e-3), "adamw_8bit": lowbit.adamw_8bit(1e-3),
+         "adama": lm.adamaw(1e-3, k)}[inner]
+  tx = sparse.sparse_storage(opt, dense, update_every=1, prune_fraction=0.1)
+  state = tx.init(params)
+  before = state.positions["w"]
+  update = jax.jit(tx.update)
+  for micro in range(k):
+    grads = {"w": jax.random.normal(jax.random.key(micro + 1), (n,))}
+    updates, state = update(grads, state, params)
+    moved = np.asarray(state.positions["w"] != before)
+    assert moved.sum() == (n // 10 if micro == k - 1 else 0)  # at the optimizer step only
+  params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(np.asarray(params["w"])[moved], 0)
+  found = []
+  optax.tree_utils.tree_map_params(opt, found.append, state.inner, is_leaf=lowbit.is_quantized)
+  assert len(found) == 2  # mu and nu of w
+  for leaf in found:
+    stored = np.asarray(leaf.codes if lowbit.is_quantized(leaf) else leaf)
+    assert np.all(stored[moved] == 0) and (stored[~moved] != 0).mean() > 0.9
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(update_every=0), "`update_every` must be a positive int"),
+    (dict(prune_fraction=1.0), r"`prune_fraction` must be a number in \[0, 1\)"),
+    (dict(stop_after=-1), "`stop_after` must be None or an int >= 0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+  dense, _ = _sgd_setup()
+  with pytest.raises(ValueError, match=match):
+    sparse.sparse_storage(optax.sgd(0.1), dense, **kwargs)
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"w": jnp.ones(16)}, "`dense` must have the params' tree structure"),
+    ({"w": jnp.ones((4, 4)), "b": jnp.zeros(8)}, r"A sparse leaf must be \[nnz\]"),
+    ({"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}, "No leaf of the params is sparse"),
+    ({"w": jnp.ones(60), "b": jnp.zeros(8)}, "only 4 positions are free"),
+])
+def test_bad_params_are_named(params, match):
+  dense, _ = _sgd_setup()
+  tx = sparse.sparse_storage(optax.sgd(0.1), dense, prune_fraction=0.5)
+  with pytest.raises(ValueError, match=match):
+    tx.init(params)
+
+
+def test_sparse_conv_is_a_conv_with_the_dense_kernel():
+  x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4))
+  conv = lm.linen.SparseConv(6, (3, 3), density=0.25, strides=2)
+  values = conv.init(jax.random.key(1), x)["params"]["kernel"]
+  assert values.shape == (round(0.25 * 3 * 3 * 4 * 6),)
+  positions = sparse.random_positions(jax.random.key(2), 3 * 3 * 4 * 6, values.shape[0])
+  twin = nn.Conv(6, (3, 3), strides=2, use_bias=False)
+
+  def sparse_out(v):
+    return conv.apply({"params": {"kernel": v}, "sparse": {"kernel": positions}}, x)
+
+  def dense_out(v):
+    return twin.apply({"params": {"kernel": sparse.densify(v, positions, (3, 3, 4, 6))}}, x)
+
+  np.testing.assert_allclose(sparse_out(values), dense_out(values), rtol=1e-6, atol=1e-6)
+  g_sparse = jax.grad(lambda v: jnp.sum(sparse_out(v) ** 2))(values)
+  g_dense = jax.grad(lambda v: jnp.sum(dense_out(v) ** 2))(values)
+  np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="no positions for the sparse kernel"):
+    conv.apply({"params": {"kernel": values}}, x)
+
+
+def _small_wrn(density):
+  return WideResNet(depth=10, widen=1, density=density)
+
+
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_sparse_training_equals_dense_training_with_the_gradient_masked():
+  """The exact twin: the dense model on the densified kernels, Adam on gradients that are
+  zero off the positions (so are its moments and updates there)."""
+  images = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+  labels = jnp.arange(4) % 10
+  model = _small_wrn(0.25)
+  values = model.init(jax.random.key(1), images)["params"]
+  dense_params = jax.eval_shape(_small_wrn(None).init, jax.random.key(1), images)["params"]
+  tx = sparse.sparse_storage(optax.adam(1e-2), dense_params, update_every=100)
+  state = tx.init(values)
+  positions = state.positions
+  shapes = jax.tree.map(lambda d: d.shape, dense_params)
+
+  def to_dense(v):
+    return jax.tree.map(lambda p, leaf, s: leaf if p is None else sparse.densify(leaf, p, s),
+                        positions, v, shapes, is_leaf=lambda p: p is None or isinstance(p, jax.Array))
+
+  def loss(model, variables):
+    logits, _ = model.apply(variables, images, mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  twin_tx = optax.adam(1e-2)
+  dense = to_dense(values)
+  twin_state = twin_tx.init(dense)
+  masks = to_dense(jax.tree.map(jnp.ones_like, values))
+  for _ in range(3):
+    grads = jax.grad(lambda v: loss(model, {"params": v, "sparse": positions}))(values)
+    updates, state = tx.update(grads, state, values)
+    values = optax.apply_updates(values, updates)
+    twin_grads = jax.grad(lambda d: loss(_small_wrn(None), {"params": d}))(dense)
+    twin_grads = jax.tree.map(lambda g, m: g * m, twin_grads, masks)
+    twin_updates, twin_state = twin_tx.update(twin_grads, twin_state, dense)
+    dense = optax.apply_updates(dense, twin_updates)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               to_dense(values), dense)
+
+
+def test_a_move_takes_o_nnz_temporaries_on_the_h100_target():
+  """A sparse leaf of 1M dense entries, 1% stored: the step that moves it (both branches of
+  its cond compiled) holds far less than one dense float32 copy, 4 MiB."""
+  dense = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  params = {"w": jax.ShapeDtypeStruct((10486,), jnp.float32)}
+  tx = sparse.sparse_storage(optax.sgd(0.1), dense, update_every=1)
+  state = jax.eval_shape(tx.init, params)
+  stats = lm.memory.analyze(jax.jit(tx.update), params, state, params, target="h100")
+  assert stats.temp_bytes < 0.1 * 4 * 2**20, stats.temp_bytes
+
+
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_sparse_storage_lowers_the_compiled_peak_on_the_h100_target():
+  images = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+  labels = jax.ShapeDtypeStruct((2,), jnp.int32)
+  peaks = {}
+  for density in (None, 0.1):
+    model = WideResNet(depth=10, widen=4, density=density)
+    params = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
+    tx = optax.adamw(1e-3)
+    if density is not None:
+      tx = sparse.sparse_storage(
+          tx, jax.eval_shape(WideResNet(depth=10, widen=4).init, jax.random.key(0),
+                             images)["params"])
+
+    def step(params, opt_state, x, y, model=model, tx=tx, density=density):
+      variables = lambda p: ({"params": p} if density is None else
+                             {"params": p, "sparse": sparse.find_state(opt_state).positions})
+      grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+          model.apply(variables(p), x, mutable=["batch_stats"])[0], y).mean())(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    peaks[density] = lm.memory.analyze(
+        jax.jit(step, donate_argnums=(0, 1)), params, jax.eval_shape(tx.init, params), images,
+        labels, target="h100").peak_bytes
+    if density is None:
+      dense_bytes = lm.memory.tree_bytes(params)
+  print(peaks, dense_bytes)
+  # params, gradient and two moments, nearly all in the blocks' convs: 4 dense copies
+  assert peaks[0.1] < peaks[None] - 2 * dense_bytes, (peaks, dense_bytes)

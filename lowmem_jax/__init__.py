@@ -1,7 +1,8 @@
 """lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
 
 from lowmem_jax import (attention_ops, compress, embedding, fold, linen, losses, lowbit, memory,
-                        models, names, nnx, offload, optim, policies, precision, sparsity, targets,
+                        models, names, nnx, offload, optim, policies, precision, sparse, sparsity,
+                        targets,
                         techniques, transform)
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention, attention_reference
@@ -16,6 +17,6 @@ __all__ = [
     "attention_reference", "compress", "embedding",
     "fold", "linen", "losses", "lowbit", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
     "nnx", "offload", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
-    "sparsity",
+    "sparse", "sparsity",
     "targets", "techniques", "transform",
 ]

@@ -68,7 +68,9 @@ def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
     raise TypeError(f"`positions` must be integers, got {positions.dtype}.")
   zero = jnp.zeros((), values.dtype)
   if after is not None:
-    zero, _ = jax.lax.optimization_barrier((zero, after))
+    # `after` enters without its tangent: a barrier that carried one would make autodiff
+    # save `after` again for the backward.
+    zero, _ = jax.lax.optimization_barrier((zero, jax.lax.stop_gradient(after)))
   dense = jnp.broadcast_to(zero, (math.prod(shape),))
   return dense.at[positions].set(values, unique_indices=True,
                                  mode="promise_in_bounds").reshape(shape)

@@ -236,3 +236,19 @@ def test_sparse_storage_lowers_the_compiled_peak_on_the_h100_target():
   print(peaks, dense_bytes)
   # params, gradient and two moments, nearly all in the blocks' convs: 4 dense copies
   assert peaks[0.1] < peaks[None] - 2 * dense_bytes, (peaks, dense_bytes)
+
+
+@FLAX_NORM
+def test_the_workload_asks_for_positions_exactly_when_sparse():
+  sparse_wl = lm.models.workload("wrn-28-2", batch=2, image=8, density=0.1)
+  dense_wl = lm.models.workload("wrn-28-2", batch=2, image=8)
+  assert sparse_wl.sparse and not dense_wl.sparse
+  assert jax.tree.structure(sparse_wl.dense_params()) == jax.tree.structure(
+      sparse_wl.abstract_params())
+  x, y = jnp.zeros((2, 8, 8, 3)), jnp.zeros(2, jnp.int32)
+  with pytest.raises(ValueError, match="`positions` must be given for a model with sparse"):
+    sparse_wl.loss(None, x, y)
+  with pytest.raises(ValueError, match="the model is dense"):
+    dense_wl.loss(None, x, y, positions={})
+  with pytest.raises(ValueError, match="density \\(sparse storage\\) applies to the WideResNet"):
+    lm.models.workload("vit-tiny", batch=2, density=0.1)

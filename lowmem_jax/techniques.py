@@ -204,6 +204,12 @@ class TechniqueSet:
     return "late" if self.adama > 1 and job.language_model else "plain"
 
   @property
+  def moment_fold(self) -> "optim.MomentFold | int":
+    """AdamA's `lowmem_jax.MomentFold` of ``adama`` micro-batches, given to both the
+    optimizer and the step; 1 without AdamA."""
+    return optim.MomentFold(self.adama) if self.adama > 1 else 1
+
+  @property
   def fold_in_backward(self) -> bool:
     """AdamA folds in the backward, except with 8-bit moments (folded in the scan body)."""
     return self.adama > 1 and self.state_bits is None
@@ -213,7 +219,7 @@ class TechniqueSet:
     bfloat16 parameters rounded stochastically (a sparse workload wraps it in
     `lowmem_jax.models.Workload.optimizer`)."""
     if self.adama > 1:
-      tx = optim.adamaw(LEARNING_RATE, self.adama, state_bits=self.state_bits)
+      tx = optim.adamaw(LEARNING_RATE, self.moment_fold, state_bits=self.state_bits)
     elif self.state_bits == 8:
       tx = lowbit.adamw_8bit(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     else:
@@ -250,7 +256,7 @@ class TechniqueSet:
       switches.append(f"remat=True, remat_policy=lm.policies.{policies.describe(self.remat)}")
     if self.adama > 1:
       bits = ", state_bits=8" if self.state_bits == 8 else ""
-      tx = f"lm.adamaw({LEARNING_RATE}, k={self.adama}{bits})"
+      tx = f"lm.adamaw({LEARNING_RATE}, fold{bits})"
     elif self.state_bits == 8:
       tx = f"lm.lowbit.adamw_8bit({LEARNING_RATE}, weight_decay={WEIGHT_DECAY})"
     else:
@@ -262,11 +268,13 @@ class TechniqueSet:
     if self.density is not None:
       switches.append(f"density={self.density}")
       tx = f"wl.optimizer({tx})"
-    k = f", k={self.adama}" if self.adama > 1 else ""
+    k = ", fold" if self.adama > 1 else ""
     fold = ", fold_in_backward=True" if self.fold_in_backward else ""
     return "\n".join([
         "import jax, jax.numpy as jnp, optax, lowmem_jax as lm",
         f'wl = lm.models.workload("{job.model}", {", ".join(switches)})',
+        *([f"fold = lm.MomentFold({self.adama})  # AdamA's rule, for the optimizer and the step"]
+          if self.adama > 1 else []),
         f"tx = {tx}",
         f"step = jax.jit(wl.train_step(tx{k}{fold}), donate_argnums=(0, 1))",
         "params = wl.init(jax.random.key(0))",
@@ -397,7 +405,8 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   batch = (wl.inputs, wl.labels)
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
-  step = jax.jit(wl.train_step(tx, k, fold_in_backward=techniques.fold_in_backward),
+  step = jax.jit(wl.train_step(tx, techniques.moment_fold,
+                               fold_in_backward=techniques.fold_in_backward),
                  donate_argnums=(0, 1))
   return memory.report(step, params, opt_state, batch, loss_fn=wl.loss,
                        loss_args=(params, *micro, *positions), label=techniques.label,

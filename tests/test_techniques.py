@@ -58,6 +58,9 @@ def test_sparse_is_stored_sparse_on_the_wideresnet_only():
   wrn = techniques.Job("wrn-28-2", batch=8)
   code = sparse.python(wrn)
   assert "density=0.25" in code and "tx = wl.optimizer(optax.adamw(" in code
+  code = techniques.parse("sparse:0.25+adama:4+8bit").python(wrn)
+  assert "fold = lm.MomentFold(4)" in code and "lm.adamaw(0.001, fold, state_bits=8)" in code
+  assert "wl.train_step(tx, fold)" in code
   wl = sparse.workload(wrn)
   assert wl.sparse and wl.model.density == 0.25
   with pytest.raises(techniques.TechniqueError, match="sparse does not take offload-opt"):

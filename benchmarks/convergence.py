@@ -18,6 +18,8 @@ rows, one switch each unless stated:
   bf16             lowmem_jax.precision.flax_dtypes("bfloat16"): float32 params, bfloat16 compute
   fp16+loss-scale  float16 compute, precision.loss_scaled_step with dynamic_loss_scale()
   sparse-0.2       optax.chain(adam, sparsity.dynamic_sparsity(0.2, update_every=50))
+  stored-0.2       WideResNet(density=0.2): the blocks' kernels stored sparse, trained with
+                   sparse.sparse_storage(adam, update_every=50) (a budget per kernel)
   adama-k4         lowmem_jax.microbatch_step with chain(adama(4), scale_by_learning_rate):
                    4 micro-batches of 16, so batch norm normalises per micro-batch
   remat            remat=True on every block; exact
@@ -72,13 +74,14 @@ VARIANTS = {
     "bf16": dict(policy="bfloat16"),
     "fp16+loss-scale": dict(policy="float16", loss_scale=True),
     "sparse-0.2": dict(density=0.2),
+    "stored-0.2": dict(stored=0.2),
     "adama-k4": dict(k=4),
     "remat": dict(remat=True),
     "all": dict(activation="1bit", conv="pooled", policy="bfloat16", density=0.2, k=4,
                 remat=True),
 }
 EXACT = ("1bit-relu", "remat")  # exact gradients: expected to match the baseline
-MODEL_SWITCHES = ("activation", "conv", "remat", "policy")
+MODEL_SWITCHES = ("activation", "conv", "remat", "policy", "stored")
 UPDATE_EVERY = 50  # steps between dynamic_sparsity's mask moves
 TAIL = 50  # the final train loss is the mean over these last steps
 QUICK_STEPS = 20
@@ -100,9 +103,9 @@ def batch_indices(n, steps, batch, seed):
       steps, batch)
 
 
-def model(activation="exact", conv="plain", remat=False, policy="float32"):
+def model(activation="exact", conv="plain", remat=False, policy="float32", stored=None):
   return WideResNet(depth=10, widen=2, num_classes=10, activation=activation, conv=conv,
-                    remat=remat, **lm.precision.flax_dtypes(policy))
+                    remat=remat, density=stored, **lm.precision.flax_dtypes(policy))
 
 
 def optimizer(lr, k=1, density=None):
@@ -123,6 +126,12 @@ def train(name, params, x, y, order, lr):
   work = Workload(name, net, jax.ShapeDtypeStruct((order.shape[1], *x.shape[1:]), net.dtype),
                   jax.ShapeDtypeStruct((order.shape[1],), jnp.int32))
   tx = optimizer(lr, k, switches.get("density"))
+  if "stored" in switches:  # the baseline's initial params at the positions kept
+    dense = params
+    tx = lm.sparse.sparse_storage(tx, dense, update_every=UPDATE_EVERY)
+    positions = tx.init(net.init(jax.random.key(0), x[:1])["params"]).positions
+    params = jax.tree.map(lambda p, d: d if p is None else d.reshape(-1)[p], positions, dense,
+                          is_leaf=lambda p: p is None)
   params = jax.tree.map(jnp.copy, params)  # the steps donate their params
   opt_state = tx.init(params)
   scale, skipped = None, 0
@@ -151,6 +160,13 @@ def train(name, params, x, y, order, lr):
     masks = [m for m in jax.tree.leaves(opt_state) if m.dtype == jnp.bool_]
     notes.append(f"kernel entries active {sum(int(m.sum()) for m in masks) / size:.1%}, "
                  f"nonzero {sum(int(jnp.count_nonzero(p)) for p in kernels) / size:.1%}")
+  if "stored" in switches:
+    positions = lm.sparse.find_state(opt_state).positions
+    pairs = [(p, d) for p, d in zip(jax.tree.leaves(positions, is_leaf=lambda p: p is None),
+                                    jax.tree.leaves(dense)) if p is not None]
+    params = lm.sparse.to_dense(params, positions, dense)
+    share = sum(p.size for p, _ in pairs) / sum(d.size for _, d in pairs)
+    notes.append(f"block kernel entries stored {share:.1%} (the stem dense)")
   if k > 1:
     notes.append(f"batch norm per micro-batch of {order.shape[1] // k}")
   return params, losses, notes

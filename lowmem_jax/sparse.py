@@ -76,6 +76,18 @@ def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
                                  mode="promise_in_bounds").reshape(shape)
 
 
+def to_dense(params: Any, positions: Any, dense: Any) -> Any:
+  """``params`` with each sparse leaf made dense (`densify`), for evaluation or export.
+
+  Args:
+    params: the stored params; positions: `SparseStorageState.positions` (int32 ``[nnz]``
+      on sparse leaves, None on dense ones); dense: the dense params' shapes (arrays or
+      ``jax.ShapeDtypeStruct``), as given to `sparse_storage`.
+  """
+  return jax.tree.map(lambda p, leaf, d: leaf if p is None else densify(leaf, p, d.shape),
+                      positions, params, dense, is_leaf=lambda p: p is None)
+
+
 def random_positions(key: jax.Array, size: int, nnz: int) -> jax.Array:
   """``nnz`` distinct flat positions in ``[0, size)``, uniform, sorted: int32 ``[nnz]``."""
   return jnp.sort(jax.random.choice(key, size, (nnz,), replace=False)).astype(jnp.int32)

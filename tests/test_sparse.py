@@ -168,11 +168,9 @@ def test_sparse_training_equals_dense_training_with_the_gradient_masked():
   tx = sparse.sparse_storage(optax.adam(1e-2), dense_params, update_every=100)
   state = tx.init(values)
   positions = state.positions
-  shapes = jax.tree.map(lambda d: d.shape, dense_params)
 
   def to_dense(v):
-    return jax.tree.map(lambda p, leaf, s: leaf if p is None else sparse.densify(leaf, p, s),
-                        positions, v, shapes, is_leaf=lambda p: p is None or isinstance(p, jax.Array))
+    return sparse.to_dense(v, positions, dense_params)
 
   def loss(model, variables):
     logits, _ = model.apply(variables, images, mutable=["batch_stats"])

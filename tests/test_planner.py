@@ -7,12 +7,12 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import models, names, planner, policies
 
-TINY_VIT = dict(patch_size=4, width=64, depth=2, mlp_dim=256, num_heads=2, num_classes=10)
+TINY_VIT = dict(patch_size=4, width=64, depth=1, mlp_dim=256, num_heads=2, num_classes=10)
 
 
 @pytest.fixture(scope="module")
 def workload():
-  """A 2-block ViT on 32x32 images, batch 16: the planner's step and its abstract args."""
+  """A 1-block ViT on 32x32 images, batch 16: the planner's step and its abstract args."""
   model = models.ViT(**TINY_VIT, dtype=jnp.float32)
   inputs = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
   labels = jax.ShapeDtypeStruct((16,), jnp.int32)
@@ -28,15 +28,23 @@ def _peak(step, args, policy):
   return lm.memory.analyze(lambda *a: step(*a, policy=policy), *args).peak_bytes
 
 
-def test_a_budget_the_step_fits_needs_no_remat(workload):
+@pytest.fixture(scope="module")
+def peaks(workload):
+  """The compiled peaks without remat and with full remat (``top``, ``floor``), compiled
+  once for the module's tests."""
   step, args = workload
-  plan = lm.plan(step, *args, budget=_peak(step, args, policies.everything))
+  return _peak(step, args, policies.everything), _peak(step, args, policies.full)
+
+
+def test_a_budget_the_step_fits_needs_no_remat(workload, peaks):
+  step, args = workload
+  plan = lm.plan(step, *args, budget=peaks[0])
   assert plan.policy is policies.everything and plan.recompute_flops == 0
 
 
-def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload):
+def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload, peaks):
   step, args = workload
-  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  top, floor = peaks
   assert floor < top  # remat shows in the compiled figure (see targets.CPU_KEEPS_REMAT)
   budget = (top + floor) // 2
   plan = lm.plan(step, *args, budget=budget)
@@ -50,41 +58,41 @@ def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload):
   assert "save_only" in str(plan) and f"{budget:,}" in str(plan)
 
 
-def test_a_second_plan_reuses_the_compiled_candidates(workload):
+def test_a_second_plan_reuses_the_compiled_candidates(workload, peaks):
   step, args = workload
-  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  top, floor = peaks
   lm.plan(step, *args, budget=(top + floor) // 2)
   before = planner._measure.cache_info().misses
   lm.plan(step, *args, budget=(top + floor) // 2)
   assert planner._measure.cache_info().misses == before
 
 
-def test_an_impossible_budget_names_the_smallest_peak(workload):
+def test_an_impossible_budget_names_the_smallest_peak(workload, peaks):
   step, args = workload
-  floor = _peak(step, args, policies.full)
+  floor = peaks[1]
   with pytest.raises(planner.BudgetError, match="smallest peak reachable") as error:
     lm.plan(step, *args, budget=floor // 2)
   reached = int(re.search(r"reachable: ([\d,]+) bytes", str(error.value)).group(1).replace(",", ""))
   assert floor // 2 < reached <= floor
 
 
-def test_names_restrict_the_search(workload):
+def test_names_restrict_the_search(workload, peaks):
   step, args = workload
-  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  top, floor = peaks
   plan = lm.plan(step, *args, budget=(top + floor) // 2, names=(names.QKV, names.ATTN_OUT))
   for c in plan.tried:
     if (kept := policies.kept_names(c.policy)) is not None:
       assert kept <= {names.QKV, names.ATTN_OUT}
 
 
-def test_candidates_may_keep_names_the_step_does_not_tag(workload):
+def test_candidates_may_keep_names_the_step_does_not_tag(workload, peaks):
   step, args = workload  # exact activations, plain norms: no act_code, no norm_rstd
-  top, floor = _peak(step, args, policies.everything), _peak(step, args, policies.full)
+  top, floor = peaks
   plan = lm.plan(step, *args, budget=(top + floor) // 2, candidates=(policies.compressed,))
   assert plan.peak_bytes <= (top + floor) // 2
 
 
-def test_bad_arguments_are_named(workload):
+def test_bad_arguments_are_named(workload, peaks):
   step, args = workload
   with pytest.raises(ValueError, match="budget"):
     lm.plan(step, *args, budget=0)
@@ -93,6 +101,6 @@ def test_bad_arguments_are_named(workload):
   with pytest.raises(TypeError, match="step_fn"):
     lm.plan(None, *args, budget=10)
   with pytest.raises(ValueError, match="not tagged"):
-    lm.plan(step, *args, budget=_peak(step, args, policies.everything), names=("no_such_name",))
+    lm.plan(step, *args, budget=peaks[0], names=("no_such_name",))
   with pytest.raises(TypeError, match="candidates"):
     lm.plan(step, *args, budget=10, candidates=("dots",))

@@ -107,8 +107,8 @@ def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   (rewrite,) = fast.explain(params, x)
   assert rewrite.kind == "norm" and "fold into 2 matmuls" in rewrite.op, rewrite
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
-  _close(fast(params, x), loss(params, x), tol)
-  _close(jax.grad(fast, (0, 1))(params, x), jax.grad(loss, (0, 1))(params, x), tol * 10)
+  _close(jax.jit(fast)(params, x), jax.jit(loss)(params, x), tol)
+  _close(*(jax.jit(jax.grad(f, (0, 1)))(params, x) for f in (fast, loss)), tol * 10)
   names = {r.name for r in lm.memory.saved_residuals(fast, params, x).rows}
   assert {"norm_out", "norm_rstd"} <= names
   # the parameter tree is the user's: pretrained weights load as they are
@@ -148,8 +148,8 @@ def test_hand_written_norm(norm):
   loss = lambda p, x: jnp.sum(jnp.tanh(norm(p, x) @ p["w"] + p["c"][None, None]))
   fast = lm.lowmem(loss, activations=None)
   assert fast.explain(p, x).counts == {"norm": 1}
-  _close(fast(p, x), loss(p, x), 1e-5)
-  _close(jax.grad(fast, (0, 1))(p, x), jax.grad(loss, (0, 1))(p, x), 1e-4)
+  _close(jax.jit(fast)(p, x), jax.jit(loss)(p, x), 1e-5)
+  _close(*(jax.jit(jax.grad(f, (0, 1)))(p, x) for f in (fast, loss)), 1e-4)
   shapes = [r.shape for r in _float_residuals(fast, p, x) if r.name is None]
   assert x.shape not in shapes, "the norm's input is still saved"
 
@@ -236,8 +236,8 @@ def test_attention_rewritten_without_an_lxl_residual(form):
   loss = lambda q, k, v: jnp.sum(ATTENTIONS[form](q, k, v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(fast(q, k, v), loss(q, k, v), 1e-5)
-  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
+  _close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
+  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
   lxl = [r for r in _float_residuals(fast, q, k, v) if r.shape[-2:] == (L, L)]
   assert not lxl, lxl
 
@@ -269,8 +269,8 @@ def test_grouped_query_attention_rewritten_without_an_lxl_residual(form):
   loss = lambda q, k, v: jnp.sum(GROUPED[form](q, k, v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(fast(q, k, v), loss(q, k, v), 1e-5)
-  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
+  _close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
+  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
   scores = [r for r in _float_residuals(fast, q, k, v) if np.prod(r.shape) == 2 * 8 * L * L]
   assert not scores, scores  # the [1, 8, L, L] bias, a constant here, has another size
 
@@ -283,8 +283,8 @@ def test_output_projection_contracts_the_attention_output_as_saved(dtype):
       (_einsum_attention(q, k, v).reshape(2, L, 64) @ w).astype(jnp.float32) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v, w).counts == {"attention": 1, "layout": 1}
-  _close(fast(q, k, v, w), loss(q, k, v, w), 1e-5 if dtype == jnp.float32 else 2e-2)
-  grads = [jax.grad(f, (0, 1, 2, 3))(q, k, v, w) for f in (fast, loss)]
+  _close(jax.jit(fast)(q, k, v, w), jax.jit(loss)(q, k, v, w), 1e-5 if dtype == jnp.float32 else 2e-2)
+  grads = [jax.jit(jax.grad(f, (0, 1, 2, 3)))(q, k, v, w) for f in (fast, loss)]
   scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for g in grads[1])
   _close(*jax.tree.map(lambda g: g / scale, grads), 1e-4 if dtype == jnp.float32 else 3e-2)
   saved = [r.shape for r in _float_residuals(fast, q, k, v, w)]
@@ -298,7 +298,7 @@ def test_attention_of_a_single_query():
       jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -1), v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v), 1e-4)
+  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
 
 
 def test_softmax_not_followed_by_a_matmul_is_left():
@@ -339,8 +339,8 @@ def test_loss_head_rewritten_without_the_logits(form):
   fast = lm.lowmem(loss)
   rewrites = fast.explain(h, w)
   assert rewrites.counts == {"loss": 1} and "test_transform.py" in rewrites[0].source
-  _close(fast(h, w), loss(h, w), 1e-5)
-  _close(jax.grad(fast, (0, 1))(h, w), jax.grad(loss, (0, 1))(h, w), 1e-4)
+  _close(jax.jit(fast)(h, w), jax.jit(loss)(h, w), 1e-5)
+  _close(*(jax.jit(jax.grad(f, (0, 1)))(h, w) for f in (fast, loss)), 1e-4)
   logits = [r for r in _float_residuals(fast, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
   assert not logits, logits
   assert [r for r in _float_residuals(loss, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
@@ -410,8 +410,8 @@ def test_llama_head_rewritten_as_the_fused_loss():
   tokens, labels = wl.batch(jax.random.key(1))
   fast = lm.lowmem(wl.loss, activations=None)
   assert fast.explain(params, tokens, labels).counts == {"attention": 1, "norm": 3, "loss": 1}
-  _close(fast(params, tokens, labels), wl.loss(params, tokens, labels), 1e-5)
-  _close(jax.grad(fast)(params, tokens, labels), jax.grad(wl.loss)(params, tokens, labels), 1e-4)
+  _close(jax.jit(fast)(params, tokens, labels), jax.jit(wl.loss)(params, tokens, labels), 1e-5)
+  _close(*(jax.jit(jax.grad(f))(params, tokens, labels) for f in (fast, wl.loss)), 1e-4)
 
 
 class _Block(nnx.Module):
@@ -439,8 +439,8 @@ def test_nnx_block_of_stock_modules():
   # each source is the user's call of the stock module, not a line inside Flax
   assert {r.source.split(":")[0] for r in rewrites} == {"test_transform.py"}, rewrites
   exact = lm.lowmem(loss, activations=None)  # every other rewrite is exact
-  _close(exact(state, x), loss(state, x), 1e-5)
-  _close(jax.grad(exact)(state, x), jax.grad(loss)(state, x), 1e-4)
+  _close(jax.jit(exact)(state, x), jax.jit(loss)(state, x), 1e-5)
+  _close(*(jax.jit(jax.grad(f))(state, x) for f in (exact, loss)), 1e-4)
 
 
 def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():

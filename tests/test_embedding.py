@@ -76,8 +76,8 @@ def test_llama_embedding_switch_is_exact_and_checked():
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)
   plain, late = Llama(cfg), Llama(cfg, embedding="late")
-  params = plain.init(jax.random.key(1), tokens)["params"]
-  grads = [jax.grad(lambda p, m=m: m.apply({"params": p}, tokens, tokens))(params)
+  params = jax.jit(plain.init)(jax.random.key(1), tokens)["params"]
+  grads = [jax.jit(jax.grad(lambda p, m=m: m.apply({"params": p}, tokens, tokens)))(params)
            for m in (plain, late)]
   assert all(jax.tree.leaves(jax.tree.map(same, *grads)))
   with pytest.raises(ValueError, match="embedding must be one of"):

@@ -32,6 +32,14 @@ def test_analyze_on_abstract_shapes():
   assert memory.analyze(jax.jit(grad), w, x) == stats  # a jitted function is used as it is
 
 
+def test_tree_bytes_packs_sub_byte_dtypes_as_the_h100_target_does():
+  codes = jax.ShapeDtypeStruct((1 << 20,), jnp.uint4)
+  assert memory.tree_bytes(codes) == 1 << 19
+  assert memory.analyze(lambda c: c.astype(jnp.float32), codes,
+                        target="h100").argument_bytes == 1 << 19
+  assert memory.tree_bytes(jax.ShapeDtypeStruct((3,), jnp.int4)) == 2  # a partial byte counts
+
+
 def test_analyze_sees_donation():
   x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
   donated = memory.analyze(jax.jit(lambda x: x * 2, donate_argnums=0), x)

@@ -233,5 +233,7 @@ def step_flops(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> fl
 
 
 def tree_bytes(tree: Any) -> int:
-  """Bytes of every array (or `jax.ShapeDtypeStruct`) leaf of ``tree``."""
-  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  """Bytes of every array (or `jax.ShapeDtypeStruct`) leaf of ``tree``, sub-byte dtypes
+  (``uint4``) packed, as XLA's GPU and TPU backends store them."""
+  return sum(-(-math.prod(x.shape) * jax.dtypes.itemsize_bits(x.dtype) // 8)
+             for x in jax.tree.leaves(tree))

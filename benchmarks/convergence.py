@@ -130,8 +130,7 @@ def train(name, params, x, y, order, lr):
     dense = params
     tx = lm.sparse.sparse_storage(tx, dense, update_every=UPDATE_EVERY)
     positions = tx.init(net.init(jax.random.key(0), x[:1])["params"]).positions
-    params = jax.tree.map(lambda p, d: d if p is None else d.reshape(-1)[p], positions, dense,
-                          is_leaf=lambda p: p is None)
+    params = lm.sparse.to_values(dense, positions)
   params = jax.tree.map(jnp.copy, params)  # the steps donate their params
   opt_state = tx.init(params)
   scale, skipped = None, 0

@@ -1,5 +1,7 @@
 """Input checks shared by the public functions: errors name the argument."""
 
+from typing import Any
+
 import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -30,3 +32,8 @@ def check_out_dtype(dtype, name: str = "dtype"):
   if dtype not in FLOAT_DTYPES:
     raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtype}.")
   return dtype
+
+
+def is_int(x: Any) -> bool:
+  """Whether ``x`` is a Python int and not a bool (a count, a seed, a static size)."""
+  return isinstance(x, int) and not isinstance(x, bool)

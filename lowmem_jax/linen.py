@@ -183,6 +183,9 @@ class SparseConv(nn.Module):
     window = tuple(self.kernel_size)
     shape = (*window, inputs.shape[-1], self.features)
     nnz = max(1, round(self.density * math.prod(shape)))
+    if nnz == math.prod(shape):
+      raise ValueError(f"`density` {self.density} keeps all {nnz} entries of a {shape} kernel: "
+                       "use nn.Conv, or a lower density.")
     values = self.param("kernel", lambda key: self.kernel_init(
         key, shape, self.param_dtype).reshape(-1)[:nnz])
     if self.has_variable("sparse", "kernel"):

@@ -8,8 +8,8 @@ positions in the dense weight, ``int32 [nnz]``, live in the state of
 every ``update_every`` optimizer steps each sparse leaf prunes its
 ``round(prune_fraction * nnz)`` active entries of smallest magnitude and
 regrows as many at random positions that were inactive, at zero, with their
-moments zeroed (`prune_and_regrow`). Its temporaries are O(nnz): no dense mask,
-no ``top_k`` over the dense weight.
+moments zeroed (`prune_and_regrow`). Its temporaries are O(nnz) whatever the
+density: no dense mask, no ``top_k`` over the dense weight.
 
 The budget is per leaf, as in SET: array shapes are fixed under `jax.jit`, so
 the global reallocation of DSR (`lowmem_jax.sparsity.dynamic_sparsity`, stored
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import lowbit, optim
+from lowmem_jax._checks import is_int
 
 
 class SparseStorageState(NamedTuple):
@@ -42,7 +43,7 @@ class SparseStorageState(NamedTuple):
   inner: Any  # the wrapped optimizer's state, over the stored params
   positions: Any  # the params' structure: int32 [nnz] flat positions on sparse leaves, else None
   count: jax.Array  # int32 [], optimizer steps completed (under AdamA, not micro-batches)
-  key: jax.Array  # typed PRNG key [], for the next regrowth
+  key: jax.Array  # uint32 raw PRNG key (`jax.random.key_data`) of the next regrowth
 
 
 def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
@@ -88,14 +89,16 @@ def to_dense(params: Any, positions: Any, dense: Any) -> Any:
                       positions, params, dense, is_leaf=lambda p: p is None)
 
 
+def to_values(dense_params: Any, positions: Any) -> Any:
+  """`to_dense` undone: ``dense_params`` with each sparse leaf's entries taken at its
+  ``positions`` (``[nnz]``), e.g. to start sparse training from dense weights."""
+  return jax.tree.map(lambda p, d: d if p is None else d.reshape(-1)[p], positions,
+                      dense_params, is_leaf=lambda p: p is None)
+
+
 def random_positions(key: jax.Array, size: int, nnz: int) -> jax.Array:
   """``nnz`` distinct flat positions in ``[0, size)``, uniform, sorted: int32 ``[nnz]``."""
   return jnp.sort(jax.random.choice(key, size, (nnz,), replace=False)).astype(jnp.int32)
-
-
-def _candidates(moves: int, nnz: int, size: int) -> int:
-  """Draws enough for ``moves`` fresh positions: twice the expected need, plus a margin."""
-  return math.ceil(2 * moves * size / (size - nnz)) + 32
 
 
 def prune_and_regrow(values: jax.Array, positions: jax.Array, key: jax.Array, *, size: int,
@@ -104,33 +107,45 @@ def prune_and_regrow(values: jax.Array, positions: jax.Array, key: jax.Array, *,
 
   The ``moves`` slots of smallest ``|values|`` (ties: the lower slot) take
   positions drawn uniformly among those inactive before the move, and their
-  values become zero. The draw is ``_candidates`` uniform positions, less the
-  active ones and repeats, the first ``moves`` kept in draw order; should fewer
-  remain (vanishingly rare at the sizes ``sparse_storage`` allows), the slots of
-  largest magnitude among the ``moves`` are left where they are. Temporaries
-  are O(nnz + moves).
+  values become zero. The draw is ``2 moves + 32`` uniform ranks among the
+  ``size - nnz`` inactive positions, each mapped to its position through the
+  sorted active ones (so every draw is inactive, at any density), less
+  repeats, the first ``moves`` kept in draw order. Should fewer remain, the
+  slots of largest magnitude among the ``moves`` stay where they are
+  (``moved`` says which moved): that needs more than ``moves + 32`` repeats
+  among the draws, which happens only when ``moves`` nears ``size - nnz``
+  (with ``moves <= (size - nnz) / 2`` the draws hold 1.26 ``moves`` distinct
+  ranks on average). Temporaries are O(nnz + moves).
 
   Args:
     values: float ``[nnz]``; positions: int32 ``[nnz]``, distinct, in ``[0, size)``.
     key: a PRNG key.
-    size: the dense leaf's size; moves: a static int in ``[0, min(nnz, size - nnz)]``.
+    size: the dense leaf's size, a static int > nnz; moves: a static int in
+      ``[0, min(nnz, size - nnz)]``.
 
   Returns:
     ``(values, positions, moved)``: the new values (zero where moved), the new
     positions, and bool ``[nnz]``, True on the slots that moved.
   """
   nnz = values.shape[0]
+  if not (is_int(size) and size > nnz):
+    raise ValueError(f"`size` must be a static int above nnz = {nnz}, got {size!r}.")
+  if not (is_int(moves) and 0 <= moves <= min(nnz, size - nnz)):
+    raise ValueError(f"`moves` must be a static int in [0, {min(nnz, size - nnz)}] (at most "
+                     f"the {nnz} active and the {size - nnz} free positions), got {moves!r}.")
   if moves == 0:
     return values, positions, jnp.zeros(nnz, bool)
   _, pruned = jax.lax.top_k(-jnp.abs(values.astype(jnp.float32)), moves)
-  draws = _candidates(moves, nnz, size)
-  candidates = jax.random.randint(key, (draws,), 0, size, jnp.int32)
+  draws = 2 * moves + 32
+  ranks = jax.random.randint(key, (draws,), 0, size - nnz, jnp.int32)
+  # The r-th inactive position is r plus the active ones at or before it: those whose count
+  # of inactive positions before them, a_i - i, is at most r.
   active = jnp.sort(positions)
-  found = active[jnp.minimum(jnp.searchsorted(active, candidates), nnz - 1)] == candidates
+  inactive_before = active - jnp.arange(nnz, dtype=active.dtype)
+  candidates = ranks + jnp.searchsorted(inactive_before, ranks, side="right").astype(jnp.int32)
   order = jnp.argsort(candidates, stable=True)
   ranked = candidates[order]
-  repeat = jnp.zeros(draws, bool).at[order[1:]].set(ranked[1:] == ranked[:-1])
-  fresh = ~found & ~repeat
+  fresh = ~jnp.zeros(draws, bool).at[order[1:]].set(ranked[1:] == ranked[:-1])
   # The first `moves` fresh candidates in draw order (float32 holds these ints exactly).
   rank = jnp.arange(draws, dtype=jnp.float32)
   _, chosen = jax.lax.top_k(jnp.where(fresh, -rank, -jnp.float32(draws)), moves)
@@ -153,10 +168,6 @@ def _zero_slots(state_leaf: Any, moved: jax.Array | None) -> Any:
   return jnp.where(moved, jnp.zeros((), state_leaf.dtype), state_leaf)
 
 
-def _is_count(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 def sparse_storage(
     inner: optax.GradientTransformation,
     dense: Any,
@@ -176,8 +187,10 @@ def sparse_storage(
   ``round(prune_fraction * nnz)`` entries with `prune_and_regrow`, on the new
   weights ``params + updates``: the returned updates set the moved slots to
   zero, and ``inner``'s moments there are zeroed. Steps are counted as
-  ``inner`` completes them: under `lowmem_jax.adama` over k micro-batches, once
-  per k updates, at the k-th.
+  ``inner`` completes them: under `lowmem_jax.adama` over k micro-batches, as
+  its step count moves (once per k updates, at the k-th). Without AdamA every
+  ``update`` is a step: put a wrapper that skips steps (`optax.apply_if_finite`,
+  `optax.MultiSteps`) around ``sparse_storage``, not inside it.
 
   Give the model the positions (`find_state` ``(opt_state).positions``) and
   read each weight through `densify`.
@@ -189,7 +202,7 @@ def sparse_storage(
     update_every: a positive int, optimizer steps between moves.
     prune_fraction: in [0, 1), the share of each sparse leaf moved per move.
     stop_after: None, or an int >= 0: no move after this many steps.
-    seed: seeds the positions and the regrowth.
+    seed: an int, seeds the positions and the regrowth.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state `SparseStorageState`;
@@ -207,13 +220,15 @@ def sparse_storage(
     >>> int((params["w"] == 0).sum()), state.positions["w"].shape, state.positions["b"]
     (4, (16,), None)
   """
-  if not (_is_count(update_every) and update_every >= 1):
+  if not (is_int(update_every) and update_every >= 1):
     raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
   if not (isinstance(prune_fraction, (int, float)) and not isinstance(prune_fraction, bool)
           and 0 <= prune_fraction < 1):
     raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
-  if not (stop_after is None or _is_count(stop_after) and stop_after >= 0):
+  if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
     raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
+  if not is_int(seed):
+    raise ValueError(f"`seed` must be an int, got {seed!r}.")
   dense_leaves, dense_def = jax.tree.flatten(dense)
 
   def sizes(params):
@@ -245,7 +260,7 @@ def sparse_storage(
     positions = [None if s is None else random_positions(k, s, p.size)
                  for k, s, p in zip(keys, leaf_sizes, jax.tree.leaves(params))]
     return SparseStorageState(inner.init(params), jax.tree.unflatten(dense_def, positions),
-                              jnp.zeros([], jnp.int32), keys[-1])
+                              jnp.zeros([], jnp.int32), jax.random.key_data(keys[-1]))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -254,7 +269,8 @@ def sparse_storage(
     leaf_sizes = sizes(params)
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
     adama = optim.find_adama_state(inner_state)
-    completed = jnp.bool_(True) if adama is None else adama.micro_step == 0
+    completed = (jnp.bool_(True) if adama is None
+                 else adama.count != optim.find_adama_state(state.inner).count)
     count = jnp.where(completed, optax.safe_int32_increment(state.count), state.count)
     ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
     positions = jax.tree.leaves(state.positions, is_leaf=lambda x: x is None)
@@ -267,7 +283,7 @@ def sparse_storage(
       due &= count <= stop_after
 
     def move(inner_state, positions, key):
-      key, *subs = jax.random.split(key, len(sparse_ids) + 1)
+      key, *subs = jax.random.split(jax.random.wrap_key_data(key), len(sparse_ids) + 1)
       new, moved = list(positions), [None] * len(ps)
       for i, m, sub in zip(sparse_ids, moves, subs):
         weight = ps[i] + us[i]
@@ -276,7 +292,7 @@ def sparse_storage(
       moved_tree = jax.tree.unflatten(dense_def, moved)
       inner_state = optax.tree_utils.tree_map_params(
           inner, _zero_slots, inner_state, moved_tree, is_leaf=lowbit.is_quantized)
-      return inner_state, new, [m for m in moved if m is not None], key
+      return inner_state, new, [m for m in moved if m is not None], jax.random.key_data(key)
 
     def keep(inner_state, positions, key):
       return inner_state, positions, [jnp.zeros(ps[i].shape, bool) for i in sparse_ids], key

@@ -29,16 +29,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowmem_jax._checks import is_int
+
 
 class SparsityState(NamedTuple):
   """State of `dynamic_sparsity`."""
   masks: Any  # the params' structure: bool, the leaf's shape, on sparse leaves; None on dense ones
   count: jax.Array  # int32 [], steps seen
   key: jax.Array  # typed PRNG key [], for the next regrowth
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: Any) -> bool:
@@ -158,11 +156,11 @@ def dynamic_sparsity(
   """
   if not (_is_number(density) and 0 < density <= 1):
     raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
-  if not (_is_int(update_every) and update_every >= 1):
+  if not (is_int(update_every) and update_every >= 1):
     raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
   if not (_is_number(prune_fraction) and 0 <= prune_fraction < 1):
     raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
-  if not (stop_after is None or _is_int(stop_after) and stop_after >= 0):
+  if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
     raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
   if sparse is not None and not callable(sparse):
     raise TypeError(f"`sparse` must be None or a function params -> bools, got {sparse!r}.")
@@ -253,7 +251,7 @@ def storage_bytes(params: Any, state: Any, *, index_bytes: int = 4) -> dict[str,
     (the bool masks, one byte per entry) and ``projected_sparse`` (sparse
     leaves at nnz * (itemsize + index_bytes), dense leaves at full size).
   """
-  if not (_is_int(index_bytes) and index_bytes >= 0):
+  if not (is_int(index_bytes) and index_bytes >= 0):
     raise ValueError(f"`index_bytes` must be an int >= 0, got {index_bytes!r}.")
   found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, SparsityState))
            if isinstance(s, SparsityState)]

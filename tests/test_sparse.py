@@ -1,6 +1,7 @@
 """lowmem_jax.sparse: weights stored as values and positions, moved in O(nnz) memory."""
 
 import flax.linen as nn
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +25,10 @@ def test_densify_is_a_scatter_and_its_gradient_a_gather():
     np.testing.assert_array_equal(dense, twin.reshape(4, 4, 6))
     cotangent = jax.random.normal(jax.random.key(2), (4, 4, 6))
     np.testing.assert_array_equal(vjp(cotangent)[0], cotangent.reshape(-1)[positions])
+  tree = {"w": values, "b": jnp.ones(3)}
+  positions_tree = {"w": positions, "b": None}
+  dense = sparse.to_dense(tree, positions_tree, {"w": jnp.zeros((4, 4, 6)), "b": jnp.ones(3)})
+  jax.tree.map(np.testing.assert_array_equal, sparse.to_values(dense, positions_tree), tree)
   with pytest.raises(ValueError, match=r"`values` and `positions` must both be \[nnz\]"):
     sparse.densify(values, positions[:5], (96,))
   with pytest.raises(TypeError, match="`positions` must be integers"):
@@ -49,6 +54,30 @@ def test_prune_and_regrow_moves_the_smallest_to_fresh_positions():
   np.testing.assert_array_equal(np.asarray(new_values)[~moved], np.asarray(values)[~moved])
   same = sparse.prune_and_regrow(values, positions, jax.random.key(2), size=size, moves=0)
   assert same[0] is values and same[1] is positions and not same[2].any()
+
+
+@pytest.mark.parametrize("nnz", [100, 500, 900])
+def test_regrowth_is_full_and_o_moves_at_any_density(nnz):
+  """Every draw is a free position (ranks among the free ones), so the moves are all made
+  with 2 moves + 32 draws, up to moves = half the free positions, at 10% to 90% density."""
+  size, moves = 1000, min(50, (1000 - nnz) // 2)
+  values = jax.random.normal(jax.random.key(0), (nnz,))
+  regrow = jax.jit(jax.vmap(
+      lambda key: sparse.prune_and_regrow(values, positions, key, size=size, moves=moves)))
+  positions = sparse.random_positions(jax.random.key(1), size, nnz)
+  _, new, moved = regrow(jax.random.split(jax.random.key(2), 200))
+  assert bool(jnp.all(moved.sum(-1) == moves))
+  old = set(np.asarray(positions).tolist())
+  for row, m in zip(np.asarray(new), np.asarray(moved)):
+    assert len(set(row.tolist())) == nnz and not set(row[m].tolist()) & old
+  text = jax.jit(sparse.prune_and_regrow, static_argnames=("size", "moves")).lower(
+      values, positions, jax.random.key(2), size=size, moves=moves).as_text()
+  assert f"tensor<{2 * moves + 32}xi32>" in text  # the draws: none of the dense size
+  with pytest.raises(ValueError, match="`moves` must be a static int"):
+    sparse.prune_and_regrow(values, positions, jax.random.key(2), size=size,
+                            moves=size - nnz + 1)
+  with pytest.raises(ValueError, match="`size` must be a static int above nnz"):
+    sparse.prune_and_regrow(values, positions, jax.random.key(2), size=nnz, moves=1)
 
 
 def _sgd_setup():
@@ -105,7 +134,41 @@ def test_moved_slots_start_with_zero_moments(inner):
     assert np.all(stored[moved] == 0) and (stored[~moved] != 0).mean() > 0.9
 
 
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_a_skipped_micro_step_is_no_optimizer_step():
+  """Under AdamA a step completes when its count moves: a micro-step that
+  `optax.apply_if_finite` skips (the state kept) neither counts nor moves."""
+  n = 256
+  dense = {"w": jax.ShapeDtypeStruct((4 * n,), jnp.float32)}
+  params = {"w": jax.random.normal(jax.random.key(0), (n,))}
+  tx = sparse.sparse_storage(optax.apply_if_finite(lm.adamaw(1e-3, 2), 5), dense,
+                             update_every=1, prune_fraction=0.1)
+  state = tx.init(params)
+  before = state.positions["w"]
+  update = jax.jit(tx.update)
+  _, state = update({"w": jnp.full(n, jnp.nan)}, state, params)
+  assert int(state.count) == 0
+  np.testing.assert_array_equal(state.positions["w"], before)
+  for micro in range(2):
+    _, state = update({"w": jnp.ones(n)}, state, params)
+  assert int(state.count) == 1 and int((state.positions["w"] != before).sum()) == round(n / 10)
+
+
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_state_round_trips_through_flax_serialization():
+  dense, params = _sgd_setup()
+  tx = sparse.sparse_storage(optax.adam(0.1), dense, update_every=1, prune_fraction=0.25)
+  state = tx.update(params, tx.init(params), params)[1]
+  restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(state))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  np.testing.assert_array_equal(tx.update(params, restored, params)[1].positions["w"],
+                                tx.update(params, state, params)[1].positions["w"])
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(seed=0.5), "`seed` must be an int"),
     (dict(update_every=0), "`update_every` must be a positive int"),
     (dict(prune_fraction=1.0), r"`prune_fraction` must be a number in \[0, 1\)"),
     (dict(stop_after=-1), "`stop_after` must be None or an int >= 0"),
@@ -149,6 +212,8 @@ def test_sparse_conv_is_a_conv_with_the_dense_kernel():
   np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="no positions for the sparse kernel"):
     conv.apply({"params": {"kernel": values}}, x)
+  with pytest.raises(ValueError, match="`density` 0.99 keeps all 16 entries"):
+    lm.linen.SparseConv(4, (1, 1), density=0.99).init(jax.random.key(0), jnp.ones((1, 2, 2, 4)))
 
 
 def _small_wrn(density):
@@ -239,7 +304,6 @@ def test_sparse_storage_lowers_the_compiled_peak_on_the_h100_target():
         labels, target="h100").peak_bytes
     if density is None:
       dense_bytes = lm.memory.tree_bytes(params)
-  print(peaks, dense_bytes)
   # params, gradient and two moments, nearly all in the blocks' convs: 4 dense copies
   assert peaks[0.1] < peaks[None] - 2 * dense_bytes, (peaks, dense_bytes)
 

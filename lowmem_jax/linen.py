@@ -21,7 +21,7 @@ from lowmem_jax import names
 from lowmem_jax.attention_ops import attention
 from lowmem_jax.embedding import take
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
-from lowmem_jax.sparse import densify
+from lowmem_jax.sparse import densify, tie_gradients
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
@@ -196,6 +196,7 @@ class SparseConv(nn.Module):
       raise ValueError(f"{self.name}: no positions for the sparse kernel; apply the model with "
                        "{'params': ..., 'sparse': lowmem_jax.sparse.find_state(opt_state)"
                        ".positions}.")
+    inputs, values = tie_gradients(inputs, values)
     kernel = densify(values, positions, shape, after=inputs)
     inputs, kernel = nn.dtypes.promote_dtype(inputs, kernel, dtype=self.dtype)
     strides = (self.strides,) * len(window) if isinstance(self.strides, int) else self.strides

@@ -577,7 +577,11 @@ def microbatch_step(
   docs/benchmarks.md measures 0.36 to 0.92 of the gradient bytes on CPU).
   With any other ``tx`` the step sums
   the gradients in an accumulator and calls ``tx.update`` once with their
-  mean: plain accumulation, for comparison on the same call.
+  mean: plain accumulation, for comparison on the same call. Inside the
+  scan, where AdamA completes no step, an extra-args ``tx`` gets the extra
+  argument ``completes_step=False``: a transformation that acts at the end
+  of an optimizer step (`lowmem_jax.sparse.sparse_storage`'s moves) leaves
+  that work out of the loop body.
 
   With ``has_state``, a state that is not differentiated (batch statistics,
   RNG counts) runs through the micro-batches in order: micro-batch i sees the
@@ -747,15 +751,16 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
   ``conditionally_mask``, ``conditionally_transform``, ``MultiSteps``) can shift its step
   across calls, so an update may fall inside the loop: there every micro-batch's update is
   applied, as before."""
-  def micro_step(params, state, opt_state, i):
+  def micro_step(params, state, opt_state, i, **hint):
     batch = _micro_batch(micro_batches, i)
     if fold_in_backward is None:
       (loss, (aux, state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, state, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
+      updates, opt_state = tx.update(grads, opt_state, params, **hint)
     else:
       grads, folded, loss, (aux, state) = _grads_folded_in_backward(
           loss_of, fold_in_backward, fold, params, state, opt_state, batch)
-      updates, opt_state = tx.update(grads, opt_state, params, folded=folded, folded_with=fold)
+      updates, opt_state = tx.update(grads, opt_state, params, folded=folded, folded_with=fold,
+                                     **hint)
     return updates, state, opt_state, (loss, aux)
 
   if _has_skips(opt_state):
@@ -768,8 +773,12 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
         applying, (params, state, opt_state), jnp.arange(k))
     return params, state, opt_state, _metrics(losses, aux)
 
+  # Micro-batches 1..k-1 complete no step: transformations that can take the hint get it.
+  hint = ({"completes_step": False} if isinstance(tx, optax.GradientTransformationExtraArgs)
+          else {})
+
   def folding(carry, i):
-    _, state, opt_state, out = micro_step(params, *carry, i)
+    _, state, opt_state, out = micro_step(params, *carry, i, **hint)
     return (state, opt_state), out
 
   outs = []

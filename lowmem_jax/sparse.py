@@ -77,6 +77,33 @@ def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
                                  mode="promise_in_bounds").reshape(shape)
 
 
+@jax.custom_vjp
+def tie_gradients(x: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(x, values)`` unchanged; in the backward their cotangents leave together, through an
+  `optimization_barrier`.
+
+  A layer that takes ``x`` and reads its weight from ``values`` (``x`` any
+  shape, ``values`` float ``[nnz]``) calls it first: then the weight's gradient
+  (the dense one, gathered to ``[nnz]``) is made before ``x``'s gradient flows on
+  to the layers below, and the dense weight gradient and the output's
+  cotangent die there. Without it XLA gathers the weight gradient where the
+  optimizer reads it, after the whole backward, and keeps every layer's
+  output cotangent alive until then.
+  """
+  return x, values
+
+
+def _tie_fwd(x, values):
+  return (x, values), None
+
+
+def _tie_bwd(_, cotangents):
+  return jax.lax.optimization_barrier(cotangents)
+
+
+tie_gradients.defvjp(_tie_fwd, _tie_bwd)
+
+
 def to_dense(params: Any, positions: Any, dense: Any) -> Any:
   """``params`` with each sparse leaf made dense (`densify`), for evaluation or export.
 
@@ -191,6 +218,10 @@ def sparse_storage(
   its step count moves (once per k updates, at the k-th). Without AdamA every
   ``update`` is a step: put a wrapper that skips steps (`optax.apply_if_finite`,
   `optax.MultiSteps`) around ``sparse_storage``, not inside it.
+  ``update``'s extra argument ``completes_step=False`` (what
+  `lowmem_jax.microbatch_step` passes inside its loop) says statically that
+  this update completes no step: the move is then not compiled, and the
+  positions pass through unchanged (so XLA keeps them out of the loop).
 
   Give the model the positions (`find_state` ``(opt_state).positions``) and
   read each weight through `densify`.
@@ -268,6 +299,8 @@ def sparse_storage(
                        "magnitude.")
     leaf_sizes = sizes(params)
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+    if extra_args.get("completes_step", True) is False:
+      return updates, state._replace(inner=inner_state)
     adama = optim.find_adama_state(inner_state)
     completed = (jnp.bool_(True) if adama is None
                  else adama.count != optim.find_adama_state(state.inner).count)

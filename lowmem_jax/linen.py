@@ -157,7 +157,9 @@ class SparseConv(nn.Module):
   positions are read from the ``"sparse"`` collection at the param's path
   (``{"sparse": lowmem_jax.sparse.find_state(opt_state).positions}`` in
   ``apply``); the dense kernel is made by `lowmem_jax.sparse.densify` at the
-  call, so under `nn.remat` it is made again in the backward, not kept.
+  call, so under `nn.remat` it is made again in the backward, not kept, and
+  its gradient is gathered as the layer's backward runs
+  (`lowmem_jax.sparse.tie_gradients`: reverse-mode autodiff only).
 
   Attributes:
     features, kernel_size, strides, padding, dtype, param_dtype, kernel_init:

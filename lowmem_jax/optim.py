@@ -578,10 +578,11 @@ def microbatch_step(
   With any other ``tx`` the step sums
   the gradients in an accumulator and calls ``tx.update`` once with their
   mean: plain accumulation, for comparison on the same call. Inside the
-  scan, where AdamA completes no step, an extra-args ``tx`` gets the extra
-  argument ``completes_step=False``: a transformation that acts at the end
-  of an optimizer step (`lowmem_jax.sparse.sparse_storage`'s moves) leaves
-  that work out of the loop body.
+  scan, where AdamA over the same k (its state at micro-step 0, as a step
+  leaves it) completes no step, a ``tx`` whose state asks for it
+  (`lowmem_jax.sparse.sparse_storage`'s) gets the extra argument
+  ``completes_step=False``, so its move at the end of a step stays out of
+  the loop body.
 
   With ``has_state``, a state that is not differentiated (batch statistics,
   RNG counts) runs through the micro-batches in order: micro-batch i sees the
@@ -773,9 +774,8 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
         applying, (params, state, opt_state), jnp.arange(k))
     return params, state, opt_state, _metrics(losses, aux)
 
-  # Micro-batches 1..k-1 complete no step: transformations that can take the hint get it.
-  hint = ({"completes_step": False} if isinstance(tx, optax.GradientTransformationExtraArgs)
-          else {})
+  # Micro-batches 1..k-1 complete no step: sparse storage, which acts at a step's end, is told.
+  hint = {"completes_step": False} if _takes_completes_step(opt_state) else {}
 
   def folding(carry, i):
     _, state, opt_state, out = micro_step(params, *carry, i, **hint)
@@ -793,6 +793,14 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
 
 _SKIPPING_STATES = (optax.ApplyIfFiniteState, optax.ConditionallyMaskState,
                     optax.ConditionallyTransformState, optax.MultiStepsState)
+
+
+def _takes_completes_step(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds the state of a transformation that takes the extra argument
+  ``completes_step`` (its state class says so: ``takes_completes_step = True``, as
+  `lowmem_jax.sparse.SparseStorageState`)."""
+  takes = lambda x: getattr(type(x), "takes_completes_step", False) is True
+  return any(takes(x) for x in jax.tree.leaves(opt_state, is_leaf=takes))
 
 
 def _has_skips(opt_state: Any) -> bool:

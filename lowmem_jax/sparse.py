@@ -44,6 +44,7 @@ class SparseStorageState(NamedTuple):
   positions: Any  # the params' structure: int32 [nnz] flat positions on sparse leaves, else None
   count: jax.Array  # int32 [], optimizer steps completed (under AdamA, not micro-batches)
   key: jax.Array  # uint32 raw PRNG key (`jax.random.key_data`) of the next regrowth
+  takes_completes_step = True  # `microbatch_step` tells update where no step completes
 
 
 def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
@@ -88,7 +89,8 @@ def tie_gradients(x: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array
   to the layers below, and the dense weight gradient and the output's
   cotangent die there. Without it XLA gathers the weight gradient where the
   optimizer reads it, after the whole backward, and keeps every layer's
-  output cotangent alive until then.
+  output cotangent alive until then. A `jax.custom_vjp`: reverse mode only
+  (``jax.jvp``, ``jacfwd`` and forward-over-reverse Hessians raise).
   """
   return x, values
 
@@ -160,6 +162,9 @@ def prune_and_regrow(values: jax.Array, positions: jax.Array, key: jax.Array, *,
   if not (is_int(moves) and 0 <= moves <= min(nnz, size - nnz)):
     raise ValueError(f"`moves` must be a static int in [0, {min(nnz, size - nnz)}] (at most "
                      f"the {nnz} active and the {size - nnz} free positions), got {moves!r}.")
+  if positions.dtype != jnp.int32 or size >= 2 ** 31:
+    raise ValueError(f"`positions` must be int32 and `size` below 2^31, got {positions.dtype} "
+                     f"and {size}.")
   if moves == 0:
     return values, positions, jnp.zeros(nnz, bool)
   _, pruned = jax.lax.top_k(-jnp.abs(values.astype(jnp.float32)), moves)
@@ -173,9 +178,9 @@ def prune_and_regrow(values: jax.Array, positions: jax.Array, key: jax.Array, *,
   order = jnp.argsort(candidates, stable=True)
   ranked = candidates[order]
   fresh = ~jnp.zeros(draws, bool).at[order[1:]].set(ranked[1:] == ranked[:-1])
-  # The first `moves` fresh candidates in draw order (float32 holds these ints exactly).
-  rank = jnp.arange(draws, dtype=jnp.float32)
-  _, chosen = jax.lax.top_k(jnp.where(fresh, -rank, -jnp.float32(draws)), moves)
+  # The first `moves` fresh candidates in draw order.
+  rank = jnp.arange(draws, dtype=jnp.int32)
+  _, chosen = jax.lax.top_k(jnp.where(fresh, -rank, -jnp.int32(draws)), moves)
   ok = fresh[chosen]
   positions = positions.at[pruned].set(jnp.where(ok, candidates[chosen], positions[pruned]))
   moved = jnp.zeros(nnz, bool).at[pruned].set(ok)
@@ -219,9 +224,12 @@ def sparse_storage(
   ``update`` is a step: put a wrapper that skips steps (`optax.apply_if_finite`,
   `optax.MultiSteps`) around ``sparse_storage``, not inside it.
   ``update``'s extra argument ``completes_step=False`` (what
-  `lowmem_jax.microbatch_step` passes inside its loop) says statically that
-  this update completes no step: the move is then not compiled, and the
-  positions pass through unchanged (so XLA keeps them out of the loop).
+  `lowmem_jax.microbatch_step` passes inside its loop, where AdamA over the
+  same k, entering at micro-step 0, completes no step) says statically that
+  this update completes none: the move is then not compiled, and the
+  positions pass through unchanged (so XLA keeps them out of the loop); the
+  step count still follows AdamA's. The argument is not passed on to
+  ``inner``.
 
   Give the model the positions (`find_state` ``(opt_state).positions``) and
   read each weight through `densify`.
@@ -298,13 +306,14 @@ def sparse_storage(
       raise ValueError("`params` is required: `sparse_storage` prunes by the new weights' "
                        "magnitude.")
     leaf_sizes = sizes(params)
+    may_complete = extra_args.pop("completes_step", True) is not False
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
-    if extra_args.get("completes_step", True) is False:
-      return updates, state._replace(inner=inner_state)
     adama = optim.find_adama_state(inner_state)
-    completed = (jnp.bool_(True) if adama is None
+    completed = (jnp.bool_(may_complete) if adama is None
                  else adama.count != optim.find_adama_state(state.inner).count)
     count = jnp.where(completed, optax.safe_int32_increment(state.count), state.count)
+    if not may_complete:
+      return updates, state._replace(inner=inner_state, count=count)
     ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
     positions = jax.tree.leaves(state.positions, is_leaf=lambda x: x is None)
     sparse_ids = [i for i, s in enumerate(leaf_sizes) if s is not None]

@@ -222,6 +222,17 @@ def test_microbatch_step_moves_after_its_loop_only():
   moved = np.asarray(new_state.positions["w"] != state.positions["w"])
   assert int(new_state.count) == 1 and moved.sum() == round(n / 10)
   np.testing.assert_array_equal(np.asarray(new_params["w"])[moved], 0)
+  # the hint reaches no one else: a strict extra-args transformation, inside and beside
+  strict = optax.GradientTransformationExtraArgs(lambda p: (), lambda u, s, p=None: (u, s))
+  for tx in (sparse.sparse_storage(optax.chain(lm.adamaw(1e-3, 4), strict), dense,
+                                   update_every=1, prune_fraction=0.1),
+             optax.chain(lm.adamaw(1e-3, 4), strict)):
+    step = lm.microbatch_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, 4)
+    jax.jit(step)(params, tx.init(params), batch)
+  # AdamA over 2 under a step of 4: two steps complete a call, and the count says so
+  tx = sparse.sparse_storage(lm.adamaw(1e-3, 2), dense, update_every=100)
+  step = lm.microbatch_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, 4)
+  assert int(jax.jit(step)(params, tx.init(params), batch)[1].count) == 2
 
 
 @OPTAX_BIAS_CORRECTION

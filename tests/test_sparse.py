@@ -402,3 +402,33 @@ def test_the_workload_asks_for_positions_exactly_when_sparse():
     dense_wl.loss(None, x, y, positions={})
   with pytest.raises(ValueError, match="density \\(sparse storage\\) applies to the WideResNet"):
     lm.models.workload("vit-tiny", batch=2, density=0.1)
+
+
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_the_workloads_step_moves_and_its_next_forward_reads_the_new_positions():
+  """A sparse WRN-10-1 workload's jitted step under AdamA over 2 micro-batches, a move every
+  2 steps: once the moved slots have been trained (a move leaves them at zero), the next
+  step's forward reads the new positions (its loss is the loss there, not at the old)."""
+  wl = lm.models.Workload("wrn-10-1", WideResNet(depth=10, widen=1, density=0.25),
+                          jax.ShapeDtypeStruct((4, 8, 8, 3), jnp.float32),
+                          jax.ShapeDtypeStruct((4,), jnp.int32))
+  tx = sparse.sparse_storage(lm.adamaw(1e-2, 2), wl.dense_params(), update_every=2)
+  params, batch = jax.jit(wl.init)(jax.random.key(0)), wl.batch(jax.random.key(1))
+  step = jax.jit(wl.train_step(tx, 2))
+  states = [tx.init(params)]
+  for _ in range(3):  # the move at the end of the second step
+    params, state, _ = step(params, states[-1], batch)
+    states.append(state)
+  old, new = states[1].positions, states[2].positions
+  assert any(bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+  jax.tree.map(np.testing.assert_array_equal, states[3].positions, new)
+
+  @jax.jit
+  def loss(positions):  # the step's: the mean over its strided micro-batches
+    return jnp.mean(jnp.stack([wl.loss(params, batch[0][i::2], batch[1][i::2], positions)
+                               for i in range(2)]))
+  _, _, metrics = step(params, states[3], batch)
+  np.testing.assert_allclose(metrics["loss"], loss(new), rtol=1e-5)
+  assert abs(float(loss(old) - loss(new))) > 1e-4

@@ -387,8 +387,7 @@ def find_adama_state(opt_state: Any) -> AdamAState | None:
   Raises:
     ValueError: if ``opt_state`` holds more than one.
   """
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, AdamAState))
-           if isinstance(s, AdamAState)]
+  found = [s for _, s in otu.tree_get_all_with_path(opt_state, "AdamAState")]
   if len(found) > 1:
     raise ValueError(f"`opt_state` holds {len(found)} AdamA states; expected at most one.")
   return found[0] if found else None

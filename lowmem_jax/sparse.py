@@ -352,8 +352,8 @@ def sparse_storage(
 
 def find_state(opt_state: Any) -> SparseStorageState:
   """The one `SparseStorageState` inside ``opt_state`` (e.g. of a chain)."""
-  is_state = lambda s: isinstance(s, SparseStorageState)
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+  found = [s for _, s in optax.tree_utils.tree_get_all_with_path(opt_state,
+                                                                 "SparseStorageState")]
   if len(found) != 1:
     raise ValueError(f"`opt_state` must hold exactly one SparseStorageState; it holds "
                      f"{len(found)}.")

@@ -253,8 +253,7 @@ def storage_bytes(params: Any, state: Any, *, index_bytes: int = 4) -> dict[str,
   """
   if not (is_int(index_bytes) and index_bytes >= 0):
     raise ValueError(f"`index_bytes` must be an int >= 0, got {index_bytes!r}.")
-  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, SparsityState))
-           if isinstance(s, SparsityState)]
+  found = [s for _, s in optax.tree_utils.tree_get_all_with_path(state, "SparsityState")]
   if len(found) != 1:
     raise ValueError(f"`state` must be or hold exactly one SparsityState; it holds {len(found)}.")
   leaves, masks = jax.tree.leaves(params), _leaves_or_none(found[0].masks)

@@ -31,17 +31,17 @@ from rich.table import Table
 
 import lowmem_jax as lm
 from lowmem_jax import models
+from lowmem_jax.app import techniques
 
-VARIANTS = {
-    "baseline": dict(),
-    "approx activation": dict(activation="approx"),
-    "ms-norm": dict(norm="ms"),
-    "both": dict(activation="approx", norm="ms"),
-    "attention": dict(attention="recompute"),
-    "all three": dict(activation="approx", norm="ms", attention="recompute"),
-    "all three + fused loss": dict(activation="approx", norm="ms", attention="recompute",
-                                   loss="fused"),  # LLaMA only
-    "lm.lowmem(baseline)": dict(),
+VARIANTS = {  # the technique set of each (lowmem_jax.app.techniques)
+    "baseline": "baseline",
+    "approx activation": "approx",
+    "ms-norm": "ms-norm",
+    "both": "approx+ms-norm",
+    "attention": "attention",
+    "all three": "approx+ms-norm+attention",
+    "all three + fused loss": "approx+ms-norm+attention+fused-ce",  # LLaMA only
+    "lm.lowmem(baseline)": "baseline",
 }
 TRANSFORMED = "lm.lowmem(baseline)"  # the baseline model's loss through `lm.lowmem`
 
@@ -70,11 +70,11 @@ def residual_fn(wl, variant):
 
 
 def memory_rows(wl_of, explain, target, variants=VARIANTS):
-  """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(**switches)``,
+  """``[(variant, stats, per_block_bytes, saved)]`` for ``wl_of(technique set)``,
   compiled for ``target``."""
   rows = []
-  for variant, switches in variants.items():
-    wl = wl_of(**switches)
+  for variant, text in variants.items():
+    wl = wl_of(text)
     params = wl.abstract_params()
     grad = jax.grad(loss_of(wl, variant))
     stats = lm.memory.analyze(grad, params, wl.inputs, wl.labels, target=target)
@@ -105,8 +105,8 @@ def group_by_op(peak):
 
 def time_rows(wl_of, repeats, variants=VARIANTS):
   times = {}
-  for variant, switches in variants.items():
-    wl = wl_of(**switches)
+  for variant, text in variants.items():
+    wl = wl_of(text)
     params = wl.init(jax.random.key(0))
     inputs, labels = wl.batch(jax.random.key(1))
     step = jax.jit(jax.grad(loss_of(wl, variant)))
@@ -149,10 +149,11 @@ def main(argv=None):
   mib = lambda b: f"{b / 2**20:,.0f}"
   for name in args.models.split(","):
     vit = name in models.VIT_CONFIGS
-    model_variants = {v: s for v, s in variants.items() if not (vit and "loss" in s)}
+    model_variants = {v: s for v, s in variants.items() if not (vit and "fused-ce" in s)}
     size = (dict(batch=args.vit_batch) if vit else dict(batch=args.llama_batch, seq=args.seq))
     for dtype in args.dtypes.split(","):
-      wl_of = lambda **sw: models.workload(name, dtype=jnp.dtype(dtype), **size, **sw)
+      wl_of = lambda text: techniques.parse(text).workload(
+          techniques.Job(name, dtype=dtype, target=target, **size))
       if args.explain:
         print(f"\n{name}, {dtype} compute")
       rows = memory_rows(wl_of, args.explain, target, model_variants)
@@ -173,7 +174,8 @@ def main(argv=None):
     if not args.no_timing:
       b, n = (int(x) for x in (args.time_vit if vit else args.time_llama).split(","))
       small = dict(batch=b, image=n) if vit else dict(batch=b, seq=n)
-      times = time_rows(lambda **sw: models.workload(name, dtype=jnp.float32, **small, **sw),
+      times = time_rows(lambda text: techniques.parse(text).workload(
+                            techniques.Job(name, target=target, **small)),
                         args.repeats, model_variants)
       table = Table(title=f"step time, {name}, {small}, float32, "
                           f"{jax.devices()[0].device_kind}, median of {args.repeats}")

@@ -4,7 +4,7 @@ Sohoni et al. ("Low-Memory Neural Network Training: A Technical Report", 2019,
 arXiv:1904.10631) combine sparsity, low precision, micro-batching and
 checkpointing to train WideResNet-28-2 on CIFAR-10 in 60.7x less memory than
 the float32 baseline (batch 128). This script measures each technique set as
-``lowmem-jax report`` does (`lowmem_jax.techniques`: a jitted AdamW train step
+``lowmem-jax report`` does (`lowmem_jax.app.techniques`: a jitted AdamW train step
 of `lowmem_jax.models`, AdamA folding each micro-batch in the backward) on
 WRN-28-2 at batch 128 of 32x32x3 images and a ViT, and prints, per row:
 
@@ -38,7 +38,8 @@ import time
 import jax
 from tqdm import tqdm
 
-from lowmem_jax import targets, techniques
+from lowmem_jax import targets
+from lowmem_jax.app import techniques
 
 SIZES = {"wrn-28-2": dict(batch=128), "vit-b16": dict(batch=64, image=224)}
 DENSITY = 0.1  # of the WideResNet's block kernels, stored sparse
@@ -46,7 +47,7 @@ DENSITY = 0.1  # of the WideResNet's block kernels, stored sparse
 
 def rows(name: str) -> list[tuple[str, str, str]]:
   """``(label, technique set, compute dtype)`` of each row: each technique alone, then
-  combinations up to everything on (`lowmem_jax.techniques.parse`'s sets)."""
+  combinations up to everything on (`lowmem_jax.app.techniques.parse`'s sets)."""
   if name.startswith("wrn"):
     compress = "approx+conv:pooled"
     alone = [("1-bit ReLU", "approx"), ("pooled conv residuals", "conv:pooled"),

@@ -47,11 +47,8 @@ import time
 
 CASES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=2048)}
 DRY_CASES = {"vit-tiny": dict(batch=2, image=32)}
-TECHNIQUES = {"baseline": {},
-              "approx+ms-norm+attention": dict(activation="approx", norm="ms", attention="recompute"),
-              # the LLaMA models only: their head's loss block by block
-              "approx+ms-norm+attention+fused-ce": dict(activation="approx", norm="ms",
-                                                        attention="recompute", loss="fused")}
+TECHNIQUES = ("baseline", "approx+ms-norm+attention",
+              "approx+ms-norm+attention+fused-ce")  # fused-ce: the LLaMA models only
 DTYPES = ("float32", "bfloat16")
 DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,12 +57,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -> dict:
   """One case, in this process: measured, real-compile and target-compile figures."""
   import jax
-  import jax.numpy as jnp
   import optax
 
-  from lowmem_jax import memory, models, targets
+  from lowmem_jax import memory, targets
+  from lowmem_jax.app import techniques as app_techniques
 
-  wl = models.workload(model, dtype=jnp.dtype(dtype), **size, **TECHNIQUES[techniques])
+  wl = app_techniques.parse(techniques).workload(
+      app_techniques.Job(model, dtype=dtype, target="cpu", **size))  # the target: not compiled for
   tx = optax.adamw(1e-3)
   step = jax.jit(wl.train_step(tx), donate_argnums=(0, 1))
   params = wl.init(jax.random.key(0))
@@ -97,7 +95,7 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
 def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES) -> list[tuple]:
   """``[(model, size, dtype, techniques)]`` of ``cases``; ``loss`` techniques for LLaMA only."""
   return [(m, s, d, t) for m, s in cases.items() for d in dtypes for t in TECHNIQUES
-          if m.startswith("llama") or "loss" not in TECHNIQUES[t]]
+          if m.startswith("llama") or "fused-ce" not in t]
 
 
 def run_case(model, size, dtype, techniques, repeats) -> dict:

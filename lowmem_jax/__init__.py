@@ -1,22 +1,47 @@
-"""lowmem-jax: train bigger JAX/Flax models on smaller accelerators."""
+"""lowmem-jax: train bigger JAX/Flax models on smaller accelerators.
 
-from lowmem_jax import (attention_ops, compress, embedding, fold, linen, losses, lowbit, memory,
-                        models, names, nnx, offload, optim, policies, precision, sparse, sparsity,
-                        targets,
-                        techniques, transform)
+The functions and transformations below import with the package; its
+submodules (``lm.linen``, ``lm.models``, ``lm.memory``, ...) import on first
+use, so ``import lowmem_jax`` loads neither Flax's module systems nor the
+Pallas kernels nor the ``lowmem-jax`` application (`lowmem_jax.app`).
+"""
+
+import importlib
+import warnings
+
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention, attention_reference
-from lowmem_jax.lowbit import scale_by_adam_8bit
+from lowmem_jax.lowbit import adamw_8bit, scale_by_adam_8bit
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
 from lowmem_jax.optim import MomentFold, adama, adamaw, microbatch_step
-from lowmem_jax.planner import Plan, plan
+from lowmem_jax.planner import BudgetError, Plan, plan
 from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
+SUBMODULES = ("attention_ops", "compress", "embedding", "fold", "linen", "losses", "lowbit",
+              "memory", "models", "names", "nnx", "offload", "optim", "policies", "precision",
+              "sparse", "sparsity", "targets", "transform")
+"""The library's modules, each ``lm.<name>``, imported on first use."""
+
+_MOVED = {"techniques": "lowmem_jax.app.techniques"}
+"""Old name -> where it lives now; the old name warns, for one release."""
+
+
+def __getattr__(name: str):
+  if name in SUBMODULES:
+    return importlib.import_module(f"lowmem_jax.{name}")
+  if name in _MOVED:
+    warnings.warn(f"lowmem_jax.{name} is now {_MOVED[name]}; the old name goes in the next "
+                  "release.", DeprecationWarning, stacklevel=2)
+    return importlib.import_module(_MOVED[name])
+  raise AttributeError(f"module 'lowmem_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(SUBMODULES))
+
+
 __all__ = [
-    "MomentFold", "Plan", "Rewrite", "Rewrites", "adama", "adamaw", "approx_activation", "attention", "attention_ops",
-    "attention_reference", "compress", "embedding",
-    "fold", "linen", "losses", "lowbit", "lowmem", "memory", "microbatch_step", "models", "ms_layer_norm", "ms_rms_norm", "names",
-    "nnx", "offload", "optim", "plan", "policies", "precision", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
-    "sparse", "sparsity",
-    "targets", "techniques", "transform",
+    "BudgetError", "MomentFold", "Plan", "Rewrite", "Rewrites", "adama", "adamaw", "adamw_8bit",
+    "approx_activation", "attention", "attention_reference", "lowmem", "microbatch_step",
+    "ms_layer_norm", "ms_rms_norm", "plan", "regelu2", "relu", "resilu2", "scale_by_adam_8bit",
 ]

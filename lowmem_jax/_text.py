@@ -2,12 +2,11 @@
 
 import io
 
-from rich.console import Console
-
 
 def render(*renderables) -> str:
   """``renderables`` (rich tables, strings) as text 160 columns wide, without colour,
   one after the other, trailing whitespace stripped."""
+  from rich.console import Console  # rich loads with the first table printed, not the library
   console = Console(file=io.StringIO(), width=160, color_system=None)
   for r in renderables:
     console.print(r)

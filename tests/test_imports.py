@@ -121,7 +121,7 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_the_graph_sees_the_imports():
   graph = _graph()
-  assert "lowmem_jax.memory" in graph["lowmem_jax"]
+  assert "lowmem_jax.transform" in graph["lowmem_jax"] and "lowmem_jax.memory" in graph["lowmem_jax.planner"]
   assert graph["lowmem_jax.memory"] >= {"lowmem_jax.memory.analysis", "lowmem_jax.memory.breakdown"}
   assert graph["lowmem_jax.memory.breakdown"] >= {
       "lowmem_jax.memory._xla_dump", "lowmem_jax.memory.analysis", "lowmem_jax._plots", "lowmem_jax.names"}
@@ -151,3 +151,26 @@ def test_import_in_a_fresh_interpreter():
       cwd=ROOT, capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == str(PACKAGE / "__init__.py")
+
+
+def test_the_library_does_not_load_the_app_rich_or_flax():
+  """``import lowmem_jax`` loads the library's functions: not the ``lowmem-jax``
+  application, rich (its tables load with the first one printed), Flax's module
+  systems or the Pallas kernels (each loads with its first use)."""
+  loaded = subprocess.run(
+      [sys.executable, "-c", "import sys, lowmem_jax; print(' '.join(sorted(sys.modules)))"],
+      cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  for name in ("lowmem_jax.app", "lowmem_jax.app.cli", "lowmem_jax.app.techniques", "rich",
+               "lowmem_jax.models", "flax.linen", "flax.nnx", "pallas_kernels"):
+    assert name not in loaded, name
+
+
+def test_the_layers():
+  """The data path runs one way: no library module imports the application, and
+  no op imports the compile targets or a kernel's private module."""
+  graph = _graph(deferred=True)
+  for module, imports in graph.items():
+    if not module.startswith("lowmem_jax.app"):
+      assert not {m for m in imports if m.startswith("lowmem_jax.app")}, module
+  for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
+    assert "lowmem_jax.targets" not in graph[f"lowmem_jax.{op}"], op

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import cli, memory, names, techniques
+from lowmem_jax import memory, names
+from lowmem_jax.app import cli, techniques
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
@@ -164,12 +165,12 @@ def test_cli_report_table(capsys):
     (["report", "--techniques", "adama:²"], "adama:²"),
     (["report", *SMALL, "--techniques", "adama:3"], "equal micro-batches"),
     (["report", *SMALL, "--plot", "/dev/null/x"], "--plot"),
-    (["report", *SMALL, "--techniques", "all+fused-ce"], "fused-ce in 'all+fused-ce' applies to "
-                                                          "the LLaMA models"),
+    (["report", *SMALL, "--techniques", "all+fused-ce"], "fused-ce in 'all+fused-ce': loss='fused' "
+                                                          "applies to the LLaMA models"),
     (["report", "--batch", "0"], "--batch must be >= 1"),
     (["report", "--techniques", "conv:fft"], "conv:fft"),
-    (["report", *SMALL, "--techniques", "conv:int8"], "conv:int8 in 'conv:int8' applies to "
-                                                       "wrn-28-2"),
+    (["report", *SMALL, "--techniques", "conv:int8"], "conv:int8 in 'conv:int8': conv applies to "
+                                                       "the WideResNet"),
     (["report", "--model", "wrn-28-2", "--techniques", "all"], "wrn-28-2 has batch norm"),
     (["report", *SMALL, "--techniques", "adama:2+offload-opt"], "offload-opt does not take adama"),
     (["report", *SMALL, "--techniques", "bf16-params"], "bf16-params needs 8bit"),
@@ -208,8 +209,8 @@ def test_cli_plan_nothing_fits(capsys):
 
 @OPTAX_BIAS_CORRECTION
 def test_fused_ce_for_language_models(capsys):
-  assert techniques.parse("all+fused-ce") == techniques.TechniqueSet(
-      "all+fused-ce", approx=True, ms_norm=True, attention=True, bf16=True, fused_ce=True)
+  assert techniques.parse("all+fused-ce").values == (
+      ("approx", True), ("ms-norm", True), ("attention", True), ("bf16", True), ("fused-ce", True))
   assert techniques.ladder(4) == ["baseline", "bf16", "bf16+ms-norm+attention", "all", "all+remat:plan",
                            "all+remat:full+adama:2", "all+remat:full+adama:4"]
   assert techniques.ladder(2, language_model=True) == [
@@ -230,7 +231,7 @@ def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
   printed Python runs and builds the same optimizer state."""
   s = techniques.parse("adama:2+8bit+bf16-params")
-  assert s == techniques.TechniqueSet("adama:2+8bit+bf16-params", adama=2, state_bits=8, bf16_params=True)
+  assert s.values == (("adama", 2), ("8bit", True), ("bf16-params", True))
   assert not s.fold_in_backward and techniques.parse("adama:2").fold_in_backward
   small = ["--model", "vit-tiny", "--batch", "4", "--image", "32", "--target", "h100"]
   # (each 8-bit row compiles for ~15 s: one row holds both; adama's row is test_cli_report_json's)
@@ -248,7 +249,7 @@ def test_optimizer_memory_techniques(capsys):
   namespace = {}
   exec(code, namespace)
   assert jax.tree.structure(namespace["opt_state"]) == jax.tree.structure(
-      setting.optimizer().init(namespace["params"]))
+      setting.adamw().init(namespace["params"]))
   assert {p.dtype for p in jax.tree.leaves(namespace["params"])} == {jnp.dtype(jnp.bfloat16)}
 
 

@@ -11,13 +11,12 @@ that does not fit.
 
 import dataclasses
 import re
+import sys
 import tempfile
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from flax import nnx
-from rich.table import Table
 
 from lowmem_jax import _plots, _text, names as _names, targets
 from lowmem_jax.memory import _xla_dump
@@ -337,6 +336,7 @@ def _mib(nbytes: float) -> str:
 
 
 def _tables(b: Breakdown) -> list:
+  from rich.table import Table  # rich loads with the first table printed, not the library
   live = b.live_peak_bytes
   host = (f"; {_mib(b.stats.host_temp_bytes)} MiB offloaded to host memory"
           if b.stats.host_temp_bytes else "")
@@ -388,9 +388,10 @@ def _argument_component(path: str, typed: str | None = None) -> str:
 
 def _type_component(node: Any) -> str | None:
   """The component a pytree node's type says its leaves belong to, if any."""
-  if isinstance(node, nnx.OptState):  # an nnx.Optimizer's state and step count
+  nnx = sys.modules.get("flax.nnx")  # no node is NNX's where NNX was never imported
+  if nnx is not None and isinstance(node, nnx.OptState):  # an nnx.Optimizer's state and step count
     return "optimizer state"
-  if isinstance(node, nnx.Param):
+  if nnx is not None and isinstance(node, nnx.Param):
     return "parameters"
   if (isinstance(node, tuple) and hasattr(node, "_fields")
       and type(node).__module__.partition(".")[0] in ("optax", "lowmem_jax")):

@@ -39,7 +39,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lowmem_jax import memory, models, targets, techniques
+from lowmem_jax import memory, models, targets
+from lowmem_jax.app import techniques
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -117,7 +118,7 @@ def _progress(console: Console) -> Progress:
 
 
 def _workload_title(args, job: techniques.Job) -> str:
-  target = targets.resolve(job.target).name
+  target = job.target.name
   if job.make_step is not None:
     return f"{args.step} training step (target {target}, jax {jax.__version__})"
   size = (f"{job.image_side}px images" if job.model in models.VIT_CONFIGS or job.conv_net
@@ -174,7 +175,7 @@ def report(args, job: techniques.Job, console: Console) -> int:
       breakdowns[0].plot_live_bytes(os.path.join(args.plot, "live_bytes.png"), *breakdowns[1:])
     except (ImportError, OSError) as e:
       raise UsageError(f"--plot: {e}") from e
-  target = targets.resolve(job.target)
+  target = job.target
   if args.json:
     workload = ({"step": args.step} if job.make_step is not None else
                 {"model": job.model, "batch": job.batch, "seq": job.seq, "image": job.image_side,
@@ -186,7 +187,7 @@ def report(args, job: techniques.Job, console: Console) -> int:
     return 0
   console.print(_summary(rows, _workload_title(args, job)))
   if target.platform == "cpu" and job.make_step is None and (
-      job.dtype != "float32" or any(s.bf16 for s in sets)):
+      job.dtype != "float32" or any("bf16" in s for s in sets)):
     console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
                   "16-bit arrays as temporaries, which an accelerator does not: compare the "
                   "techniques in float32 here.", highlight=False)
@@ -221,7 +222,7 @@ def plan(args, job: techniques.Job, console: Console) -> int:
   base = fit.tried[0][0]
   console.print(_summary([techniques.row(b, base, s) for b, s in fit.tried],
                          f"{_workload_title(args, job)}: tried, cheapest first"))
-  console.print(targets.resolve(job.target).note, highlight=False)
+  console.print(job.target.note, highlight=False)
   console.print(f"Fits {_size(budget)}: {fit.fits.label} "
                 f"({_size(fit.tried[-1][0].stats.peak_bytes)} compiled peak). In Python:",
                 highlight=False)
@@ -237,7 +238,7 @@ def _plan_step(args, job: techniques.Job, budget: int, console: Console) -> int:
   base = measured[0][0]
   console.print(_summary([techniques.row(b, base, s) for b, s in measured],
                          f"{_workload_title(args, job)}: against {_size(budget)}"))
-  console.print(targets.resolve(job.target).note, highlight=False)
+  console.print(job.target.note, highlight=False)
   for b, _ in measured:
     peak = b.stats.peak_bytes
     verdict = (f"fits with {_size(budget - peak)} to spare" if peak <= budget
@@ -287,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="lowmem-jax", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  described = "\n".join(f"  {name:<15} {text}" for name, text in techniques.TECHNIQUES.items())
+  described = "\n".join(t.help() for t in techniques.TECHNIQUES.values())
   rep = sub.add_parser("report", help="memory of a training step (a reference model's or yours: "
                        "--step), per technique set",
                        description=f"techniques:\n{described}\n\nwith --step: "

@@ -1,0 +1,573 @@
+"""Technique sets: what ``lowmem-jax report`` and ``plan`` measure, as a library.
+
+A technique set joins techniques with "+" (``"all+remat:full+adama:4"``);
+`parse` makes a `TechniqueSet` of it. A `Job` says what is measured: a
+reference model of `lowmem_jax.models` at a batch's shapes, or a step of the
+user's own (``make_step``). `measure` compiles one set's training step for the
+job's target and returns its `lowmem_jax.memory.Breakdown`; `row` gives its
+summary figures against a baseline; `cheapest_fit` walks `ladder`, cheapest
+first, to the first set whose compiled peak fits a budget; `TechniqueSet.python`
+is the code that builds that step.
+
+    from lowmem_jax.app import techniques
+    job = techniques.Job("llama-1b", batch=8, seq=2048, target="h100")
+    b = techniques.measure(job, techniques.parse("all+fused-ce"))
+"""
+
+import dataclasses
+import functools
+import inspect
+import re
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowmem_jax import memory, models, offload, planner, policies, sparse, targets, transform
+from lowmem_jax.app import code
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+  """One technique, declared once: parsing, the workloads, the printed Python,
+  ``--help`` and the checks all read this.
+
+  Attributes:
+    term: the CLI term; a term that takes a value is written ``term:<value>``.
+    summary: what it does, for ``--help``.
+    value: how the value reads in ``--help`` (``"<k>"``), or None for a term without one.
+    parse: the value from its text; raises ValueError with the reason.
+    switches: the reference models' switches it sets (`lowmem_jax.models.workload`'s
+      keywords), or a function of ``(value, job)`` giving them; the models say which
+      model takes which.
+    lowmem: the `lowmem_jax.lowmem` option that does the same to a step of your own.
+    exact: whether the gradient is the plain step's to float tolerance.
+    needs: ``(term, why)``: a term the set must also hold.
+    excludes: ``(term, why)`` pairs: terms the set must not also hold.
+  """
+  term: str
+  summary: str
+  value: str | None = None
+  parse: Callable[[str], Any] | None = None
+  switches: Mapping[str, Any] | Callable[[Any, "Job"], Mapping[str, Any]] = dataclasses.field(
+      default_factory=dict)
+  lowmem: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  exact: bool = True
+  needs: tuple[str, str] | None = None
+  excludes: tuple[tuple[str, str], ...] = ()
+
+  def model_switches(self, value: Any, job: "Job") -> dict[str, Any]:
+    """The model switches this technique sets on ``job`` with ``value``."""
+    return dict(self.switches(value, job) if callable(self.switches) else self.switches)
+
+  def help(self) -> str:
+    """The ``--help`` line: term, summary, exactness."""
+    term = f"{self.term}:{self.value}" if self.value else self.term
+    return f"  {term:<19} {self.summary}{'' if self.exact else ' [approximate gradient]'}"
+
+
+def _policy(text: str) -> Callable:
+  if text not in policies.READY_MADE:
+    raise ValueError(f"the policy must be one of {', '.join(policies.READY_MADE)}")
+  return policies.READY_MADE[text]
+
+
+def _micro_batches(text: str) -> int:
+  if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+    raise ValueError("k must be a positive integer, e.g. adama:4")
+  return int(text)
+
+
+def _conv(text: str) -> str:
+  if text not in ("pooled", "int8"):
+    raise ValueError("the convolution must be pooled or int8")
+  return text
+
+
+def _density(text: str) -> float:
+  try:
+    density = float(text)
+  except ValueError:
+    density = 0.0
+  if not 0 < density < 1:
+    raise ValueError("the density must be a number between 0 and 1, e.g. sparse:0.1")
+  return density
+
+
+_ALL = ("approx", "ms-norm", "attention", "bf16")
+
+TECHNIQUES = {t.term: t for t in (
+    Technique("baseline", "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping "
+              "its probabilities, AdamW"),
+    Technique("approx", "ReGELU2/ReSiLU2: 2-bit activation residuals; for wrn-28-2, ReLU keeping "
+              "a 1-bit mask (exact)",
+              switches=lambda _, job: {"activation": "1bit" if job.conv_net else "approx"},
+              lowmem={"activations": "approx"}, exact=False),
+    Technique("ms-norm", "memory-sharing norms: the norm keeps only its output and 1/sigma",
+              switches={"norm": "ms"}, lowmem={"norms": "ms"}),
+    Technique("attention", "attention that keeps no L×L residual (lowmem_jax.attention)",
+              switches={"attention": "recompute"}, lowmem={"attention": "recompute"}),
+    Technique("bf16", "bfloat16 compute; parameters and optimizer state stay float32",
+              switches={"dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False),
+    Technique("remat", "nn.remat of every block with lowmem_jax.policies.<policy>, one of "
+              + ", ".join(policies.READY_MADE), value="<policy>", parse=_policy,
+              switches=lambda policy, _: {"remat": True, "remat_policy": code.Code(
+                  policy, f"lm.policies.{policies.describe(policy)}")}),
+    Technique("adama", "AdamA over k micro-batches of the batch, each micro-batch gradient "
+              "folded into the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
+              "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA models "
+              "the token embedding's gradient buffer is made late (embedding=\"late\", exact)",
+              value="<k>", parse=_micro_batches,
+              switches=lambda _, job: {"embedding": "late"} if job.language_model else {}),
+    Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.lowbit.adamw_8bit; "
+              "with adama, adamaw(state_bits=8))"),
+    Technique("bf16-params", "bfloat16 parameters with no float32 copy, each update rounded "
+              "stochastically (lowmem_jax.lowbit.stochastic_rounding); with 8bit",
+              switches={"param_dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False,
+              needs=("8bit", "Adam keeps its moments in the parameters' dtype, and a bfloat16 "
+                     "second moment rounded to nearest stalls; 8bit keeps them in 8 bits, "
+                     "rounded stochastically")),
+    Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
+              "(lowmem_jax.offload)",
+              excludes=(("adama", "AdamA's moments would cross to the device every micro-batch; "
+                         "use 8bit for its moments"),)),
+    Technique("conv", "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
+              "(lowmem_jax.compress)", value="<pooled|int8>", parse=_conv,
+              switches=lambda conv, _: {"conv": conv}, exact=False),
+    Technique("sparse", "wrn-28-2: the blocks' conv kernels stored sparse at that density, values "
+              "and positions, moved every 100 steps (lowmem_jax.sparse.sparse_storage)",
+              value="<density>", parse=_density,
+              switches=lambda density, _: {"density": density}, exact=False,
+              excludes=(("offload-opt", "the moves zero moments on the device"),)),
+    Technique("fused-ce", "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] "
+              "logits (lowmem_jax.losses.linear_cross_entropy)",
+              switches={"loss": "fused"}, lowmem={"loss": "fused"}),
+    Technique("all", "+".join(_ALL), exact=False),
+    Technique("lowmem", "a step of your own only: it differentiates lm.lowmem(loss_fn) "
+              "(make_step(lowmem=lm.lowmem)): GELU/SiLU, norms, attention and the loss head "
+              "rewritten", exact=False),
+)}
+"""Every technique by its CLI term."""
+DEFAULT = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
+"""The default technique sets of the transformers."""
+LANGUAGE_MODEL_EXTRA = ",fused-ce,all+fused-ce"
+"""Added to `DEFAULT` for the language models (``fused-ce``)."""
+CONV_NET_DEFAULT = "baseline,approx,conv:pooled,conv:int8,bf16,approx+conv:int8+bf16"
+"""The default technique sets of the WideResNet (batch norm, no attention)."""
+STEP_TECHNIQUES = ("baseline", "lowmem")
+"""The techniques of a user's step; the others change a reference model."""
+LOWMEM_OPTIONS = {k: v for t in TECHNIQUES.values() for k, v in t.lowmem.items()}
+"""The `lowmem_jax.lowmem` options of the ``lowmem`` step: each technique's own."""
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 1e-4  # optax.adamw's default
+
+
+class TechniqueError(ValueError):
+  """A technique set or a job that cannot be measured, said in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """What a technique set is measured on.
+
+  Attributes:
+    model: a reference model of `lowmem_jax.models.NAMES` (ignored with ``make_step``).
+    batch: examples per step.
+    seq: tokens per example (LLaMA, BERT).
+    image: image side in pixels; None: 224 for the ViTs, 32 for the WideResNet.
+    dtype: the compute dtype's name where the set has no ``bf16``; parameters stay float32.
+    target: what to compile for: a `lowmem_jax.targets.Target`, its name, or None for
+      `lowmem_jax.targets.default`; the `Target` once the job is made.
+    make_step: a step of the user's own instead of ``model``: ``make_step()`` returns
+      ``(step, args)`` or ``(step, args, (loss_fn, loss_args))``, and
+      ``make_step(lowmem=lm.lowmem)`` the step that differentiates ``lowmem(loss_fn)``.
+  """
+  model: str = "vit-b16"
+  batch: int = 64
+  seq: int = 512
+  image: int | None = None
+  dtype: str = "float32"
+  target: targets.Target = None
+  make_step: Callable | None = None
+
+  def __post_init__(self):
+    if self.make_step is None and self.model not in models.NAMES:
+      raise TechniqueError(f"model must be one of {', '.join(models.NAMES)}, got {self.model!r}.")
+    for name in ("batch", "seq", "image"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise TechniqueError(f"{name} must be an int >= 1, got {value!r}.")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise TechniqueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+    try:
+      object.__setattr__(self, "target", targets.resolve(self.target))
+    except (ValueError, TypeError, targets.TargetUnavailable) as e:
+      raise TechniqueError(f"target: {e}") from e
+
+  @property
+  def language_model(self) -> bool:
+    """Whether the model is a language model, whose head ``fused-ce`` rewrites."""
+    return self.make_step is None and self.model in models.llama.CONFIGS
+
+  @property
+  def conv_net(self) -> bool:
+    """Whether the model is the WideResNet, whose techniques are the conv ones."""
+    return self.make_step is None and self.model in models.WRN_CONFIGS
+
+  @property
+  def image_side(self) -> int:
+    """``image``, or the model's default side."""
+    return self.image if self.image is not None else 32 if self.conv_net else 224
+
+  def step_techniques(self) -> tuple[str, ...]:
+    """The techniques ``make_step`` allows: lowmem only where it takes ``lowmem``."""
+    try:
+      inspect.signature(self.make_step).bind(lowmem=transform.lowmem)
+    except TypeError:
+      return STEP_TECHNIQUES[:1]
+    return STEP_TECHNIQUES
+
+  def default_sets(self) -> list[str]:
+    """The technique sets a report of this job shows by default."""
+    if self.make_step is not None:
+      return list(self.step_techniques())
+    if self.conv_net:
+      return CONV_NET_DEFAULT.split(",")
+    return (DEFAULT + (LANGUAGE_MODEL_EXTRA if self.language_model else "")).split(",")
+
+
+@dataclasses.dataclass(frozen=True)
+class TechniqueSet:
+  """One technique set: its techniques by term, with their values (True for a term
+  that takes none), in `TECHNIQUES`' order.
+
+  `program` is the step it measures on a reference model, `python` the same step
+  printed; a step of the user's own holds ``lowmem`` or nothing.
+  """
+  label: str
+  values: tuple[tuple[str, Any], ...] = ()
+
+  def __contains__(self, term: str) -> bool:
+    return any(t == term for t, _ in self.values)
+
+  def get(self, term: str, default: Any = None) -> Any:
+    """The value of ``term`` in the set, else ``default``."""
+    return next((v for t, v in self.values if t == term), default)
+
+  @property
+  def adama(self) -> int:
+    """AdamA's micro-batches a step; 1 without AdamA."""
+    return self.get("adama", 1)
+
+  @property
+  def fold_in_backward(self) -> bool:
+    """AdamA folds in the backward, except with 8-bit moments (folded in the scan body)."""
+    return self.adama > 1 and "8bit" not in self
+
+  def switches(self, job: Job) -> dict[str, Any]:
+    """`lowmem_jax.models.workload`'s keywords for ``job`` (a reference model's), as
+    `code.Code` where a value prints otherwise than its repr."""
+    out = _shapes(job)
+    for term, value in self.values:
+      out.update(TECHNIQUES[term].model_switches(value, job))
+    return out
+
+  def check(self, job: Job) -> None:
+    """Raises `TechniqueError` where a technique does not apply to ``job``'s model (the
+    models' own check of its switches) or the set lacks a technique one needs or holds
+    one another excludes."""
+    for term, value in self.values:
+      switches = TECHNIQUES[term].model_switches(value, job)
+      try:
+        _workload(job.model, {**_shapes(job), **switches})
+      except ValueError as e:
+        text = term if value is True else f"{term}:{value}"
+        raise TechniqueError(f"{text} in {self.label!r}: {e}") from e
+    for term, _ in self.values:
+      technique = TECHNIQUES[term]
+      if technique.needs is not None and technique.needs[0] not in self:
+        raise TechniqueError(f"{self.label!r}: {term} needs {technique.needs[0]}: "
+                             f"{technique.needs[1]}.")
+      for other, why in technique.excludes:
+        if other in self:
+          raise TechniqueError(f"{self.label!r}: {term} does not take {other}: {why}.")
+    try:
+      _workload(job.model, self.switches(job))
+    except ValueError as e:  # a shape the model refuses, e.g. BERT's seq > 512
+      raise TechniqueError(f"{self.label!r}: {e}") from e
+
+  def workload(self, job: Job) -> models.Workload:
+    """The reference workload of ``job`` with this set's switches."""
+    self.check(job)
+    return _workload(job.model, self.switches(job))
+
+  def _adamw_code(self) -> code.Call:
+    """`adamw`'s call; its AdamA rule is the program's ``fold``."""
+    if self.adama > 1:
+      bits = {"state_bits": 8} if "8bit" in self else {}
+      tx = code.Call.of("lm.adamaw", LEARNING_RATE, code.Name("fold"), **bits)
+    elif "8bit" in self:
+      tx = code.Call.of("lm.lowbit.adamw_8bit", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    else:
+      tx = code.Call.of("optax.adamw", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    if "offload-opt" in self:
+      tx = code.Call.of("lm.offload.offload", tx)
+    if "bf16-params" in self:
+      tx = code.Call.of("optax.chain", tx, code.Call.of("lm.lowbit.stochastic_rounding"))
+    return tx
+
+  def adamw(self) -> optax.GradientTransformation:
+    """AdamW (`LEARNING_RATE`, `WEIGHT_DECAY`) as the set has it: AdamA, 8-bit,
+    offloaded, bfloat16 parameters rounded stochastically (a sparse workload wraps it
+    in `lowmem_jax.models.Workload.optimizer`)."""
+    return code.Program(self._fold() + (("tx", self._adamw_code(), ""),)).run()["tx"]
+
+  def _fold(self) -> tuple:
+    if self.adama == 1:
+      return ()
+    return (("fold", code.Call.of("lm.MomentFold", self.adama),
+             "AdamA's rule, for the optimizer and the step"),)
+
+  def program(self, job: Job) -> code.Program:
+    """The assignments ``wl`` (the workload), ``fold`` (with AdamA), ``tx`` and ``step``
+    (jitted, parameters and state donated) of this set's training step of ``job``."""
+    self.check(job)
+    tx = self._adamw_code()
+    if "sparse" in self:
+      tx = code.Call.of("wl.optimizer", tx)
+    fold = (code.Name("fold"),) if self.adama > 1 else ()
+    in_backward = {"fold_in_backward": True} if self.fold_in_backward else {}
+    step = code.Call.of("jax.jit", code.Call.of("wl.train_step", code.Name("tx"), *fold,
+                                                **in_backward), donate_argnums=(0, 1))
+    return code.Program((("wl", code.Call.of("lm.models.workload", job.model,
+                                             **self.switches(job)), ""),
+                         *self._fold(), ("tx", tx, ""), ("step", step, "")))
+
+  def python(self, job: Job) -> str:
+    """`program`'s lines, then the parameters and optimizer state it starts from."""
+    start = (("params", code.Call.of("wl.init", code.Call.of("jax.random.key", 0)), ""),
+             ("opt_state", code.Call.of("tx.init", code.Name("params")), ""))
+    return code.Program(self.program(job).lines + start).source()
+
+
+def _shapes(job: Job) -> dict[str, Any]:
+  """`lowmem_jax.models.workload`'s batch, size and compute dtype keywords for ``job``."""
+  size = ({"image": job.image_side} if job.model in models.VIT_CONFIGS or job.conv_net
+          else {"seq": job.seq})
+  return {"batch": job.batch, **size, "dtype": code.Code(jnp.dtype(job.dtype), f"jnp.{job.dtype}")}
+
+
+def _workload(model: str, switches: dict) -> models.Workload:
+  return models.workload(model, **{k: v.value if isinstance(v, code.Code) else v
+                                   for k, v in switches.items()})
+
+
+def parse(text: str, step: bool = False) -> TechniqueSet:
+  """The `TechniqueSet` of ``"all+remat:full+adama:4"``, or for a user's step
+  (``step``) of ``"baseline"`` or ``"lowmem"``; `TechniqueError` naming the
+  term on a mistake."""
+  values = {}
+  for term in text.strip().split("+"):
+    name, colon, value = term.strip().partition(":")
+    technique = TECHNIQUES.get(name)
+    if step and term.strip() not in STEP_TECHNIQUES:
+      what = "applies only to the reference models (--model)" if technique else "is unknown"
+      raise TechniqueError(f"technique {term.strip()!r} in {text!r} {what}; with a step of your "
+                           f"own (--step), choose from {', '.join(STEP_TECHNIQUES)}.")
+    if technique is not None and technique.value and not colon:
+      raise TechniqueError(f"{name} in {text!r} takes a value: {name}:{technique.value}.")
+    if technique is None or bool(colon) != bool(technique.value):
+      raise TechniqueError(f"unknown technique {term.strip()!r} in {text!r}; choose from "
+                           f"{', '.join(TECHNIQUES)}.")
+    if name == "lowmem" and not step:
+      raise TechniqueError(f"technique 'lowmem' in {text!r} applies only to --step (a step of "
+                           "your own); a reference model takes approx, ms-norm, attention or all.")
+    if technique.parse is not None:
+      try:
+        values[name] = technique.parse(value)
+      except ValueError as e:
+        raise TechniqueError(f"{term.strip()}: {e}.") from e
+    elif name == "all":
+      values.update(dict.fromkeys(_ALL, True))
+    elif name != "baseline":
+      values[name] = True
+  return TechniqueSet(text.strip(), tuple((t, values[t]) for t in TECHNIQUES if t in values))
+
+
+def _what(x: Any) -> str:
+  return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {type(x).__name__}"
+
+
+def check(job: Job, techniques: TechniqueSet) -> None:
+  """Raises `TechniqueError` where ``techniques`` does not apply to ``job``: a step of
+  the user's own takes baseline and lowmem only (lowmem where ``make_step`` takes
+  it), a reference model every technique but lowmem."""
+  if job.make_step is None:
+    if "lowmem" in techniques:
+      raise TechniqueError(f"technique 'lowmem' in {techniques.label!r} applies only to a step "
+                           "of your own (make_step, --step).")
+    return
+  if any(term != "lowmem" for term, _ in techniques.values):
+    raise TechniqueError(f"{techniques.label!r} changes a reference model; a step of your own "
+                         f"takes {' or '.join(STEP_TECHNIQUES)}.")
+  if "lowmem" in techniques and job.step_techniques() != STEP_TECHNIQUES:
+    name = getattr(job.make_step, "__name__", "make_step")
+    raise TechniqueError(f"lowmem calls {name}(lowmem=lm.lowmem), and {name} takes no lowmem "
+                         f"argument: define {name}(lowmem=lambda f: f) and differentiate "
+                         "lowmem(loss_fn) in the step.")
+
+
+def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
+  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``, which
+  `check` has passed (``loss_fn`` None where make_step gives none)."""
+  name = getattr(job.make_step, "__name__", "make_step")
+  made = (job.make_step(lowmem=functools.partial(transform.lowmem, **LOWMEM_OPTIONS))
+          if "lowmem" in techniques else job.make_step())
+  said = f"{name}() returned"
+  if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
+    raise TechniqueError(f"{said} {_what(made)}; expected (step, args) or "
+                         "(step, args, (loss_fn, loss_args)).")
+  step, step_args, *loss = made
+  if not callable(step):
+    raise TechniqueError(f"{said} {_what(step)} as its step; expected a function.")
+  if not isinstance(step_args, (tuple, list)):
+    raise TechniqueError(f"{said} {_what(step_args)} as the step's args; expected a tuple of its "
+                         "arguments (arrays or jax.ShapeDtypeStruct pytrees).")
+  if not loss:
+    return step, tuple(step_args), None, ()
+  if not (isinstance(loss[0], (tuple, list)) and len(loss[0]) == 2 and callable(loss[0][0])
+          and isinstance(loss[0][1], (tuple, list))):
+    raise TechniqueError(f"{said} {_what(loss[0])} as its third element; expected (loss_fn, "
+                         "loss_args), loss_args a tuple.")
+  return step, tuple(step_args), loss[0][0], tuple(loss[0][1])
+
+
+def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.Breakdown:
+  """The `memory.Breakdown` of ``techniques``' training step of ``job`` compiled for
+  ``job.target``, with autodiff's residuals of its loss; a reference model's
+  step is `TechniqueSet.program`'s: AdamW's, parameters and state donated."""
+  check(job, techniques)
+  if job.make_step is not None:
+    step, step_args, loss_fn, loss_args = _user_step(job, techniques)
+    return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args,
+                         label=techniques.label, top=top, target=job.target)
+  k = techniques.adama
+  if job.batch % k:
+    raise TechniqueError(f"adama:{k}: the batch ({job.batch}) must split into {k} equal "
+                         "micro-batches.")
+  built = techniques.program(job).run()
+  wl, tx, step = built["wl"], built["tx"], built["step"]
+  params = wl.abstract_params()
+  opt_state = offload.abstract_state(tx, params)
+  batch = (wl.inputs, wl.labels)
+  micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
+  positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
+  return memory.report(step, params, opt_state, batch, loss_fn=wl.loss,
+                       loss_args=(params, *micro, *positions), label=techniques.label,
+                       top=top, target=job.target)
+
+
+def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -> dict:
+  """The summary figures of one technique set's breakdown against ``base``'s: in bytes,
+  parameters and optimizer state (None where no argument is one), gradients,
+  activations, other, the live and compiled peaks and autodiff's saved
+  activations (None without a loss); as ratios, the reduction and the extra
+  FLOPs (None for loops, whose body XLA counts once)."""
+  at = b.at_peak
+  found = b.argument_components
+  return {
+      "techniques": b.label,
+      "parameters": at["parameters"] if "parameters" in found else None,
+      "optimizer_state": at["optimizer state"] if "optimizer state" in found else None,
+      "gradients": at["gradients"],
+      "activations": at["activations"],
+      "other": at["inputs"] + at["updates"] + at["temporaries"],
+      "live_peak_bytes": b.live_peak_bytes,
+      "peak_bytes": b.stats.peak_bytes,
+      "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
+      # A micro-batch scan's FLOPs are per micro-batch, fused-ce's per block of logits.
+      "extra_flops": ((b.flops - base.flops) / base.flops
+                      if techniques.adama == 1 and "fused-ce" not in techniques else None),
+      "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
+  }
+
+
+def ladder(batch: int, language_model: bool = False) -> list[str]:
+  """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
+  approximate gradient, then recompute (``remat:plan``: `lowmem_jax.plan`'s
+  policy), then micro-batches with full remat. A language model's sets all
+  take ``fused-ce`` (exact, and the largest single saving), after it alone."""
+  sets = ["bf16", "bf16+ms-norm+attention", "all", "all+remat:plan"]
+  k = 2
+  while k <= batch:
+    if batch % k == 0:
+      sets.append(f"all+remat:full+adama:{k}")
+    k *= 2
+  if language_model:
+    return ["baseline", "fused-ce"] + [s.replace("all", "all+fused-ce") if s.startswith("all")
+                                       else f"{s}+fused-ce" for s in sets]
+  return ["baseline"] + sets
+
+
+def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
+  """The set ``text``; for ``remat:plan`` with the policy `lowmem_jax.plan` picks
+  for ``budget`` bytes, or None where no policy fits."""
+  if "remat:plan" not in text:
+    return parse(text)
+  techniques = parse(text.replace("+remat:plan", ""))
+  wl = techniques.workload(job)
+  params = wl.abstract_params()
+  tx = techniques.adamw()
+  batch = (wl.inputs, wl.labels)
+
+  def step(params, opt_state, batch, *, policy):
+    return wl.with_policy(policy).train_step(tx)(params, opt_state, batch)
+  try:
+    chosen = planner.plan(step, params, jax.eval_shape(tx.init, params), batch, budget=budget,
+                          donate_argnums=(0, 1), target=job.target)
+  except planner.BudgetError:
+    return None
+  values = dict(techniques.values, remat=chosen.policy)
+  return TechniqueSet(f"{techniques.label}+remat:{policies.describe(chosen.policy)}",
+                      tuple((t, values[t]) for t in TECHNIQUES if t in values))
+
+
+class Fit(NamedTuple):
+  """What `cheapest_fit` found.
+
+  Attributes:
+    tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
+    fits: the first set whose compiled peak fits, or None.
+    fixed_bytes: the float32 parameters and AdamW state, which no set here cuts
+      below; nothing is measured where they alone exceed the budget.
+  """
+  tried: list
+  fits: TechniqueSet | None
+  fixed_bytes: int
+
+
+def cheapest_fit(job: Job, budget: int,
+                 on_try: Callable[[str], None] = lambda text: None) -> Fit:
+  """Measures the sets of `ladder` for ``job`` (a reference model) in order, up to
+  the first whose compiled peak is at most ``budget`` bytes; ``on_try(text)``
+  is called before each. The ladder is the transformers' (ms-norm, attention): not
+  for a step of the user's own nor the WideResNet."""
+  if job.make_step is not None or job.conv_net:
+    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); "
+                         f"{'a step of your own' if job.make_step else job.model} takes "
+                         "measure() of chosen sets instead.")
+  params = parse("baseline").workload(job).abstract_params()
+  fixed = memory.tree_bytes((params, jax.eval_shape(optax.adamw(LEARNING_RATE).init, params)))
+  tried = []
+  if fixed > budget:
+    return Fit(tried, None, fixed)
+  for text in ladder(job.batch, job.language_model):
+    on_try(text)
+    techniques = planned(job, text, budget)
+    if techniques is None:
+      continue
+    b = measure(job, techniques)
+    tried.append((b, techniques))
+    if b.stats.peak_bytes <= budget:
+      return Fit(tried, techniques, fixed)
+  return Fit(tried, None, fixed)

@@ -17,7 +17,7 @@ rows, one switch each unless stated:
   int8-conv        conv="int8": conv inputs saved as int8 rows
   bf16             lowmem_jax.precision.flax_dtypes("bfloat16"): float32 params, bfloat16 compute
   fp16+loss-scale  float16 compute, precision.loss_scaled_step with dynamic_loss_scale()
-  sparse-0.2       optax.chain(adam, sparsity.dynamic_sparsity(0.2, update_every=50))
+  sparse-0.2       optax.chain(adam, masked_sparsity.dynamic_sparsity(0.2, update_every=50))
   stored-0.2       WideResNet(density=0.2): the blocks' kernels stored sparse, trained with
                    sparse.sparse_storage(adam, update_every=50) (a budget per kernel)
   adama-k4         lowmem_jax.microbatch_step with chain(adama(4), scale_by_learning_rate):
@@ -112,7 +112,7 @@ def optimizer(lr, k=1, density=None):
   tx = optax.adam(lr) if k == 1 else optax.chain(lm.adama(k), optax.scale_by_learning_rate(lr))
   if density is None:
     return tx
-  sparse = lm.sparsity.dynamic_sparsity(density, update_every=UPDATE_EVERY)
+  sparse = lm.masked_sparsity.dynamic_sparsity(density, update_every=UPDATE_EVERY)
   if k > 1:  # it counts its calls: under AdamA, call it on each step's last micro-batch only
     sparse = optax.conditionally_transform(sparse, lambda micro_step: micro_step % k == k - 1)
   return optax.chain(tx, sparse)

@@ -24,7 +24,7 @@ What the runs share: both models are initialised with the same key
 same value (checked at start). The trees differ in the norms only: the
 baseline's LayerNorms have a scale (1 at init) and a bias (0 at init), the
 MS-LayerNorms have neither. Trained from scratch there is no pretrained
-affine to fold (`lowmem_jax.fold`), so the lowmem model simply has no affine
+affine to fold (`lowmem_jax.affine_folding`), so the lowmem model simply has no affine
 in its norms; at init the two compute the same function.
 
 Reported per run: test accuracy and loss (each run's own model: every lowmem

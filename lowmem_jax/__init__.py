@@ -7,8 +7,8 @@ Pallas kernels nor the ``lowmem-jax`` application (`lowmem_jax.app`).
 """
 
 import importlib
-import warnings
 
+from lowmem_jax._moved import getattr_of
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.lowbit import adamw_8bit, scale_by_adam_8bit
@@ -17,23 +17,20 @@ from lowmem_jax.optim import MomentFold, adama, adamaw, microbatch_step
 from lowmem_jax.planner import BudgetError, Plan, plan
 from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
-SUBMODULES = ("attention_ops", "compress", "embedding", "fold", "linen", "losses", "lowbit",
-              "memory", "models", "names", "nnx", "offload", "optim", "policies", "precision",
-              "sparse", "sparsity", "targets", "transform")
+SUBMODULES = ("affine_folding", "attention_ops", "compress", "embedding", "linen", "losses",
+              "lowbit", "masked_sparsity", "memory", "models", "names", "nnx", "offload", "optim",
+              "policies", "precision", "sparse", "targets", "transform")
 """The library's modules, each ``lm.<name>``, imported on first use."""
 
-_MOVED = {"techniques": "lowmem_jax.app.techniques"}
-"""Old name -> where it lives now; the old name warns, for one release."""
+_moved = getattr_of("lowmem_jax", {"techniques": "lowmem_jax.app.techniques",
+                                    "fold": "lowmem_jax.affine_folding",
+                                    "sparsity": "lowmem_jax.masked_sparsity"})
 
 
 def __getattr__(name: str):
   if name in SUBMODULES:
     return importlib.import_module(f"lowmem_jax.{name}")
-  if name in _MOVED:
-    warnings.warn(f"lowmem_jax.{name} is now {_MOVED[name]}; the old name goes in the next "
-                  "release.", DeprecationWarning, stacklevel=2)
-    return importlib.import_module(_MOVED[name])
-  raise AttributeError(f"module 'lowmem_jax' has no attribute {name!r}")
+  return _moved(name)
 
 
 def __dir__() -> list[str]:

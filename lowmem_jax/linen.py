@@ -102,7 +102,7 @@ class MSLayerNorm(_MSNorm):
   """LayerNorm without affine whose backward keeps only y and 1/sigma.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.fold`.
+  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.affine_folding`.
 
   Attributes:
     epsilon: added to the variance.
@@ -118,7 +118,7 @@ class MSRMSNorm(_MSNorm):
   """RMSNorm without scale whose backward keeps only y and 1/rms.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale`` into the next Dense with `lowmem_jax.fold`.
+  a pretrained ``scale`` into the next Dense with `lowmem_jax.affine_folding`.
 
   Attributes:
     epsilon: added to the mean square.

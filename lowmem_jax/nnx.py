@@ -86,7 +86,7 @@ class MSLayerNorm(_MSNorm):
   """LayerNorm without affine whose backward keeps only y and 1/sigma.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained affine into the next Linear with `lowmem_jax.fold`.
+  pretrained affine into the next Linear with `lowmem_jax.affine_folding`.
 
   Args:
     num_features: if given, the size the input's last axis must have.
@@ -103,7 +103,7 @@ class MSRMSNorm(_MSNorm):
   """RMSNorm without scale whose backward keeps only y and 1/rms.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained scale into the next Linear with `lowmem_jax.fold`.
+  pretrained scale into the next Linear with `lowmem_jax.affine_folding`.
 
   Args:
     num_features: if given, the size the input's last axis must have.

@@ -4,7 +4,7 @@ MS-BP (Yang et al., ICML 2024, arXiv:2406.16282): the exact backward of a
 normalisation can be written with its output ``y`` and the per-row ``rstd``
 instead of its input ``x``. When the next layer is a matmul, it saves ``y``
 anyway, so the norm adds only one float32 per row. Any affine ``g, b`` of a
-pretrained norm is folded into the next linear layer (`lowmem_jax.fold`).
+pretrained norm is folded into the next linear layer (`lowmem_jax.affine_folding`).
 
 Per row of the last axis, statistics in float32, biased variance:
 

@@ -12,7 +12,7 @@ moments zeroed (`prune_and_regrow`). Its temporaries are O(nnz) whatever the
 density: no dense mask, no ``top_k`` over the dense weight.
 
 The budget is per leaf, as in SET: array shapes are fixed under `jax.jit`, so
-the global reallocation of DSR (`lowmem_jax.sparsity.dynamic_sparsity`, stored
+the global reallocation of DSR (`lowmem_jax.masked_sparsity.dynamic_sparsity`, stored
 dense with a mask) would need every leaf stored at its largest size.
 
 The model reads the weight through `densify` inside its layers (e.g.

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import fold, models
+from lowmem_jax import affine_folding, models
 from lowmem_jax.models import bert
 from third_party_promotion import FLAX_NORM
 
@@ -54,7 +54,7 @@ def test_from_hf_matches_a_numpy_forward():
 def test_ms_norms_with_kept_affines_are_the_same_function_and_gradient(attention):
   """Post-LN MS-LayerNorm + folded linear layers + affine on the residual path: exact."""
   params = bert.from_hf(_hf_tensors(TINY), TINY)
-  folded = fold.fold_all(params, fold.BERT_RULES, keep_affine=True)
+  folded = affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)
   plain, ms = bert.Bert(TINY), bert.Bert(TINY, norm="ms", attention=attention)
   assert jax.tree.structure(folded) == jax.tree.structure(
       ms.init(jax.random.key(0), TOKENS, MASK)["params"])
@@ -63,7 +63,7 @@ def test_ms_norms_with_kept_affines_are_the_same_function_and_gradient(attention
   # Through the fold, the MS model's gradient is the plain model's, leaf by leaf.
   loss = lambda model, p: jnp.sum(model.apply({"params": p}, TOKENS, MASK)[..., :3] ** 2)
   chex.assert_trees_all_close(
-      jax.grad(lambda p: loss(ms, fold.fold_all(p, fold.BERT_RULES, keep_affine=True)))(params),
+      jax.grad(lambda p: loss(ms, affine_folding.fold_all(p, affine_folding.BERT_RULES, keep_affine=True)))(params),
       jax.grad(lambda p: loss(plain, p))(params), atol=1e-4, rtol=1e-4)
   # The folded and unfolded trees differ: neither model takes the other's.
   with pytest.raises(Exception, match="residual_scale"):

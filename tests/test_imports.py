@@ -15,6 +15,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lowmem_jax"
 
@@ -174,3 +176,15 @@ def test_the_layers():
       assert not {m for m in imports if m.startswith("lowmem_jax.app")}, module
   for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
     assert "lowmem_jax.targets" not in graph[f"lowmem_jax.{op}"], op
+
+
+def test_moved_names_warn_and_still_work():
+  import lowmem_jax as lm
+  from lowmem_jax import affine_folding, masked_sparsity
+  from lowmem_jax.app import techniques
+  for old, new in (("fold", affine_folding), ("sparsity", masked_sparsity),
+                   ("techniques", techniques)):
+    with pytest.warns(DeprecationWarning, match=f"lowmem_jax.{old} is now {new.__name__}"):
+      assert getattr(lm, old) is new
+  with pytest.raises(AttributeError, match="no attribute 'fold_norm'"):
+    lm.fold_norm

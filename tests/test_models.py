@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import fold, models
+from lowmem_jax import affine_folding, models
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 from third_party_promotion import FLAX_NORM
@@ -24,15 +24,15 @@ def _perturb(params, seed=1):
 
 
 @pytest.mark.parametrize("make,rules,inputs", [
-    (lambda **kw: ViT(**TINY_VIT, **kw), fold.VIT_RULES, jnp.ones((2, 16, 16, 3))),
-    (lambda **kw: Llama(TINY_LLAMA, **kw), fold.LLAMA_RULES, jnp.arange(16).reshape(2, 8) % 64),
+    (lambda **kw: ViT(**TINY_VIT, **kw), affine_folding.VIT_RULES, jnp.ones((2, 16, 16, 3))),
+    (lambda **kw: Llama(TINY_LLAMA, **kw), affine_folding.LLAMA_RULES, jnp.arange(16).reshape(2, 8) % 64),
 ])
 def test_ms_norm_with_folded_params_computes_the_same_function(make, rules, inputs):
   plain = make()
   params = _perturb(plain.init(jax.random.key(0), inputs)["params"])
   if inputs.dtype != jnp.int32:
     inputs = jax.random.normal(jax.random.key(2), inputs.shape)
-  folded = fold.fold_all(params, rules)
+  folded = affine_folding.fold_all(params, rules)
   ms = make(norm="ms")
   assert jax.tree.structure(folded) == jax.tree.structure(ms.init(jax.random.key(0), inputs)["params"])
   chex.assert_trees_all_close(ms.apply({"params": folded}, inputs),

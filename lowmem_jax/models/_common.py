@@ -69,7 +69,7 @@ class TransformerSwitches(Switches):
       or "ms", the memory-sharing norm (MS-BP: Yang et al., ICML 2024,
       arXiv:2406.16282; `MSLayerNorm`, `MSRMSNorm`), which keeps only its
       output and 1/sigma and has no affine: fold a trained one into the next
-      linear layers with `lowmem_jax.fold` and the model's rules.
+      linear layers with `lowmem_jax.affine_folding` and the model's rules.
     attention: "plain", which keeps the float32 probabilities, or "recompute",
       `lowmem_jax.attention`, which keeps none.
   """

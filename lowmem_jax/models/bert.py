@@ -6,14 +6,14 @@ sits in the layer that consumes it: ``layers_{i}/input_norm`` is the norm
 before layer i's attention (Hugging Face's ``embeddings.LayerNorm`` for i = 0,
 ``encoder.layer.{i-1}.output.LayerNorm`` after), ``layers_{i}/attention_norm``
 the norm before its MLP, and ``final_norm`` the last layer's output norm. So
-`lowmem_jax.fold.BERT_RULES` name, within one layer, the linear layers each
+`lowmem_jax.affine_folding.BERT_RULES` name, within one layer, the linear layers each
 norm feeds.
 
 A post-LN norm feeds its layer's linear layers and the residual stream. With
 ``norm="ms"`` it is an MS-LayerNorm (`lowmem_jax.norms`) emitting ``y``, and
 its affine stays as an explicit ``z = scale * y + bias`` on the residual path
 only: the linear layers take ``y`` itself, with the affine folded into their
-kernels (``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``). ``y``
+kernels (``affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)``). ``y``
 is the one array the norm, the affine and the next matmuls save. The last
 norm, ``final_norm``, feeds no linear layer inside the model and stays plain.
 
@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import fold, names
+from lowmem_jax import affine_folding, names
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.models._common import HeadsDense, TransformerSwitches, check_switches, gelu, normed
 from lowmem_jax.norms import ms_layer_norm
@@ -75,7 +75,7 @@ class MSPostLayerNorm(nn.Module):
   the folded affine, and ``z = residual_scale * y + residual_bias`` for the
   residual stream, both ``[..., features]`` in ``dtype``. The parameters are
   `flax.linen.LayerNorm`'s ``scale`` and ``bias`` under the names
-  ``fold.fold_all(..., keep_affine=True)`` gives them.
+  ``affine_folding.fold_all(..., keep_affine=True)`` gives them.
 
   Fine-tuned, this is another parameterisation than the plain norm's: g and b
   train separately on the residual path and inside the folded kernels.
@@ -91,9 +91,9 @@ class MSPostLayerNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     features = x.shape[-1]
-    scale = self.param(fold.RESIDUAL_PREFIX + "scale", nn.initializers.ones, (features,),
+    scale = self.param(affine_folding.RESIDUAL_PREFIX + "scale", nn.initializers.ones, (features,),
                        self.param_dtype)
-    bias = self.param(fold.RESIDUAL_PREFIX + "bias", nn.initializers.zeros, (features,),
+    bias = self.param(affine_folding.RESIDUAL_PREFIX + "bias", nn.initializers.zeros, (features,),
                       self.param_dtype)
     y = ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
     scale, bias = (lax.broadcast_to_rank(p.astype(self.dtype), y.ndim) for p in (scale, bias))
@@ -175,7 +175,7 @@ class Bert(TransformerSwitches):
     config: the sizes (the defaults are MiniLM-L6-H384's).
     activation, norm, attention, remat, remat_policy, dtype, param_dtype:
       `TransformerSwitches`' (keywords); with ``norm="ms"`` (`MSPostLayerNorm`)
-      fold the params with ``fold.fold_all(params, fold.BERT_RULES, keep_affine=True)``.
+      fold the params with ``affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)``.
   """
   config: BertConfig = BertConfig()
 

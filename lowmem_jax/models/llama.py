@@ -2,7 +2,7 @@
 
 Parameter layout (``tok_embeddings``, ``layers_{i}/{attention_norm,
 attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
-``output``) follows Meta's reference code, so `lowmem_jax.fold.LLAMA_RULES`
+``output``) follows Meta's reference code, so `lowmem_jax.affine_folding.LLAMA_RULES`
 folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
 
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,

@@ -4,7 +4,7 @@ Pre-LN encoder blocks; the parameter tree matches big_vision's ``vit.py``
 (``Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0,
 LayerNorm_1, MlpBlock_0}``, ``Transformer/encoder_norm``, ``embedding``,
 ``pos_embedding``, ``cls``, ``head``; class token pooling), so its
-checkpoints load, and `lowmem_jax.fold.VIT_RULES` folds it.
+checkpoints load, and `lowmem_jax.affine_folding.VIT_RULES` folds it.
 
 Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
 LayerNorms), ``remat`` / ``remat_policy`` for the blocks.

@@ -6,16 +6,16 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import sparsity
+from lowmem_jax import masked_sparsity
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 
 SHAPES = {"b": (5,), "w1": (6, 5), "w2": (5, 4, 2)}
 # A chain that several tests share, so that its update compiles once.
-TX = optax.chain(optax.sgd(0.1), sparsity.dynamic_sparsity(0.3, update_every=2))
+TX = optax.chain(optax.sgd(0.1), masked_sparsity.dynamic_sparsity(0.3, update_every=2))
 STEP = jax.jit(TX.update)
 # Two (4, 4) kernels, 8 active each, 8 of the 16 moved at every step.
-HALF = sparsity.dynamic_sparsity(0.5, update_every=1, prune_fraction=0.5)
+HALF = masked_sparsity.dynamic_sparsity(0.5, update_every=1, prune_fraction=0.5)
 HALF_STEP = jax.jit(HALF.update)
 
 
@@ -49,7 +49,7 @@ def assert_zero_outside_masks(params, state):
 @pytest.mark.parametrize("density", [0.1, 0.5, 1.0])
 def test_init_masks_have_exact_counts(density):
   params = make_params()
-  state = sparsity.dynamic_sparsity(density, prune_fraction=0.0).init(params)
+  state = masked_sparsity.dynamic_sparsity(density, prune_fraction=0.0).init(params)
   assert state.masks["b"] is None
   for name in ("w1", "w2"):
     chex.assert_shape(state.masks[name], params[name].shape)
@@ -60,7 +60,7 @@ def test_init_masks_have_exact_counts(density):
 
 def test_custom_sparse_selection():
   params = make_params()
-  tx = sparsity.dynamic_sparsity(0.4, sparse=lambda p: {"b": True, "w1": False, "w2": False})
+  tx = masked_sparsity.dynamic_sparsity(0.4, sparse=lambda p: {"b": True, "w1": False, "w2": False})
   state = tx.init(params)
   assert state.masks["w1"] is None and state.masks["w2"] is None
   assert int(state.masks["b"].sum()) == 2
@@ -143,7 +143,7 @@ def test_leaf_without_survivors_gets_no_regrowth():
 
 
 def test_regrowth_follows_survivors():
-  tx = sparsity.dynamic_sparsity(0.25, update_every=1, prune_fraction=0.375)
+  tx = masked_sparsity.dynamic_sparsity(0.25, update_every=1, prune_fraction=0.375)
   state = tx.init({"a": jnp.zeros((32, 32)), "b": jnp.zeros((32, 32))})
   rank_a = jnp.cumsum(state.masks["a"].ravel()).reshape(32, 32)
   # "a" keeps 64 of its 256 weights (its 192 smallest are the 192 pruned), "b" all 256.
@@ -159,7 +159,7 @@ def test_regrowth_follows_survivors():
 def test_jit_and_scan_match_python_loop():
   params0 = make_params()
   tx = optax.chain(optax.sgd(0.1, momentum=0.9),
-                   sparsity.dynamic_sparsity(0.3, update_every=2, seed=3))
+                   masked_sparsity.dynamic_sparsity(0.3, update_every=2, seed=3))
   grads = random_grads(4)
 
   def step(carry, g):
@@ -185,7 +185,7 @@ def test_jit_and_scan_match_python_loop():
 
 def test_seed_makes_it_deterministic():
   params = make_params()
-  masks = [sparse_masks(sparsity.dynamic_sparsity(0.3, seed=s).init(params)) for s in (0, 0, 1)]
+  masks = [sparse_masks(masked_sparsity.dynamic_sparsity(0.3, seed=s).init(params)) for s in (0, 0, 1)]
   chex.assert_trees_all_equal(masks[0], masks[1])
   assert any(bool((a != b).any()) for a, b in zip(masks[0], masks[2]))
 
@@ -193,7 +193,7 @@ def test_seed_makes_it_deterministic():
 @pytest.mark.parametrize("stop_after", [0, 3])
 def test_stop_after_stops_mask_updates(stop_after):
   params = make_params()
-  tx = sparsity.dynamic_sparsity(0.3, update_every=1, stop_after=stop_after)
+  tx = masked_sparsity.dynamic_sparsity(0.3, update_every=1, stop_after=stop_after)
   state = tx.init(params)
   step = jax.jit(tx.update)
   for t in range(1, 7):
@@ -217,20 +217,20 @@ def test_stop_after_stops_mask_updates(stop_after):
 ])
 def test_bad_arguments_are_named(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    sparsity.dynamic_sparsity(**{"density": 0.5, **kwargs})
+    masked_sparsity.dynamic_sparsity(**{"density": 0.5, **kwargs})
 
 
 def test_bad_sparse_and_params_are_named():
   params = make_params()
   with pytest.raises(TypeError, match="sparse"):
-    sparsity.dynamic_sparsity(0.5, sparse="kernels")
+    masked_sparsity.dynamic_sparsity(0.5, sparse="kernels")
   with pytest.raises(ValueError, match="sparse"):
-    sparsity.dynamic_sparsity(0.5, sparse=lambda p: {"w1": True}).init(params)
+    masked_sparsity.dynamic_sparsity(0.5, sparse=lambda p: {"w1": True}).init(params)
   with pytest.raises(ValueError, match="sparse"):
-    sparsity.dynamic_sparsity(0.5, sparse=lambda p: jax.tree.map(lambda _: False, p)).init(params)
+    masked_sparsity.dynamic_sparsity(0.5, sparse=lambda p: jax.tree.map(lambda _: False, p)).init(params)
   with pytest.raises(ValueError, match="prune_fraction"):
-    sparsity.dynamic_sparsity(1.0, prune_fraction=0.2).init(params)
-  tx = sparsity.dynamic_sparsity(0.5)
+    masked_sparsity.dynamic_sparsity(1.0, prune_fraction=0.2).init(params)
+  tx = masked_sparsity.dynamic_sparsity(0.5)
   state = tx.init(params)
   with pytest.raises(ValueError, match="params"):
     tx.update(params, state)
@@ -241,19 +241,19 @@ def test_bad_sparse_and_params_are_named():
 def test_storage_bytes():
   params = {"b": jnp.zeros(16), "w1": jnp.zeros((20, 10)),
             "w2": jnp.zeros((10, 30), jnp.bfloat16)}
-  tx = optax.chain(optax.sgd(0.1), sparsity.dynamic_sparsity(0.1))
+  tx = optax.chain(optax.sgd(0.1), masked_sparsity.dynamic_sparsity(0.1))
   state = tx.init(params)
-  got = sparsity.storage_bytes(params, state, index_bytes=4)
-  assert got == sparsity.storage_bytes(params, state[-1], index_bytes=4)
+  got = masked_sparsity.storage_bytes(params, state, index_bytes=4)
+  assert got == masked_sparsity.storage_bytes(params, state[-1], index_bytes=4)
   assert got["dense"] == sum(p.nbytes for p in jax.tree.leaves(params))
   assert got["dense"] == 16 * 4 + 200 * 4 + 300 * 2
   assert got["mask"] == 200 + 300
   assert got["projected_sparse"] == 16 * 4 + 20 * (4 + 4) + 30 * (2 + 4)
   assert got["projected_sparse"] < got["dense"]
   with pytest.raises(ValueError, match="index_bytes"):
-    sparsity.storage_bytes(params, state, index_bytes=-1)
+    masked_sparsity.storage_bytes(params, state, index_bytes=-1)
   with pytest.raises(ValueError, match="state"):
-    sparsity.storage_bytes(params, optax.sgd(0.1).init(params))
+    masked_sparsity.storage_bytes(params, optax.sgd(0.1).init(params))
 
 
 @OPTAX_BIAS_CORRECTION
@@ -265,7 +265,7 @@ def test_after_adama_masks_move_at_the_optimizer_step():
   def loss(p, batch):
     return jnp.sum((batch @ p["w1"].T + p["b"][:6].sum()) ** 2) + jnp.sum(p["w2"] ** 2)
 
-  tx = optax.chain(lm.adama(k=2), sparsity.dynamic_sparsity(0.3, update_every=2))
+  tx = optax.chain(lm.adama(k=2), masked_sparsity.dynamic_sparsity(0.3, update_every=2))
   step = jax.jit(lm.microbatch_step(loss, tx, 2))
   opt_state = tx.init(params)
   before = sparse_masks(opt_state[-1])

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import lowmem_jax as lm
-from lowmem_jax import fold
+from lowmem_jax import affine_folding
 
 
 class MlpBlock(nn.Module):
@@ -99,11 +99,11 @@ def _random_params(module, x):
 
 
 @pytest.mark.parametrize(
-    "model,rules", [(ViT, fold.VIT_RULES), (Llama, fold.LLAMA_RULES)], ids=["vit", "llama"])
+    "model,rules", [(ViT, affine_folding.VIT_RULES), (Llama, affine_folding.LLAMA_RULES)], ids=["vit", "llama"])
 def test_folded_model_matches_original(model, rules):
   x = _normal(np.random.default_rng(1), (2, 5, 8))
   params = _random_params(model(), x)
-  folded = fold.fold_all(params, rules)
+  folded = affine_folding.fold_all(params, rules)
   plain = model(affine=False)
   chex.assert_trees_all_equal_shapes_and_dtypes(folded, _random_params(plain, x))
   got = jax.jit(plain.apply)({"params": folded}, x)
@@ -124,7 +124,7 @@ def test_fold_norm_affine_into_rank3_kernel(dtype, tol, leaves):
   norm = {"scale": g, "bias": b}
   params = {"ln": {k: norm[k] for k in leaves}, "attn": {"query": {"kernel": w, "bias": c}}}
 
-  out = fold.fold_norm_affine(params, ("ln",), ["attn/query"])
+  out = affine_folding.fold_norm_affine(params, ("ln",), ["attn/query"])
 
   assert set(out) == {"attn"}
   q = out["attn"]["query"]
@@ -149,7 +149,7 @@ def _tiny(bias=1.0):
 def test_input_not_mutated_and_container_kept(container):
   params = container(_tiny())
   before = jax.tree.map(np.array, params)
-  out = fold.fold_norm_affine(params, "enc/ln", ["enc/fc"])
+  out = affine_folding.fold_norm_affine(params, "enc/ln", ["enc/fc"])
   assert type(out) is type(params)
   assert set(out["enc"]) == {"fc", "fc_nobias"}
   chex.assert_trees_all_equal(params, before)
@@ -158,7 +158,7 @@ def test_input_not_mutated_and_container_kept(container):
 
 def test_zero_norm_bias_needs_no_layer_bias():
   params = _tiny(bias=0.0)
-  out = fold.fold_norm_affine(params, "enc/ln", ["enc/fc_nobias"])
+  out = affine_folding.fold_norm_affine(params, "enc/ln", ["enc/fc_nobias"])
   assert set(out["enc"]["fc_nobias"]) == {"kernel"}
   chex.assert_trees_all_close(
       out["enc"]["fc_nobias"]["kernel"],
@@ -166,18 +166,18 @@ def test_zero_norm_bias_needs_no_layer_bias():
 
 
 @pytest.mark.parametrize("call,error,match", [
-    (lambda p: fold.fold_norm_affine(p, "enc/ln", ["enc/fc", "enc/fc_nobias"]),
+    (lambda p: affine_folding.fold_norm_affine(p, "enc/ln", ["enc/fc", "enc/fc_nobias"]),
      ValueError, "'enc/fc_nobias' has no 'bias'"),
-    (lambda p: fold.fold_norm_affine(
+    (lambda p: affine_folding.fold_norm_affine(
         {**p, "wide": {"kernel": jnp.ones((7, 3))}}, "enc/ln", ["wide"]),
      ValueError, r"\(6,\).*\(7, 3\)"),
-    (lambda p: fold.fold_norm_affine(p, "enc/ln_x", ["enc/fc"]),
+    (lambda p: affine_folding.fold_norm_affine(p, "enc/ln_x", ["enc/fc"]),
      ValueError, r"'enc/ln_x' not found: no 'ln_x' at enc, which holds "
      r"\['fc', 'fc_nobias', 'ln'\]"),
-    (lambda p: fold.fold_norm_affine(p, "enc/ln", ["dec/fc"]),
+    (lambda p: affine_folding.fold_norm_affine(p, "enc/ln", ["dec/fc"]),
      ValueError, r"'dec/fc' not found: no 'dec' at the root, which holds \['enc'\]"),
-    (lambda p: fold.fold_norm_affine(p, "enc/ln", "enc/fc"), TypeError, "sequence of paths"),
-    (lambda p: fold.fold_all(p, {"ln": ("fc",), "LayerNorm_9": ("fc",)}),
+    (lambda p: affine_folding.fold_norm_affine(p, "enc/ln", "enc/fc"), TypeError, "sequence of paths"),
+    (lambda p: affine_folding.fold_all(p, {"ln": ("fc",), "LayerNorm_9": ("fc",)}),
      ValueError, "'LayerNorm_9'.*matches nowhere"),
 ], ids=["missing-bias", "shape", "unknown-norm", "unknown-into", "into-str", "rule-nowhere"])
 def test_errors(call, error, match):
@@ -187,13 +187,13 @@ def test_errors(call, error, match):
 
 def test_keep_affine_folds_copies_and_keeps_the_norm():
   params = _tiny()
-  out = fold.fold_norm_affine(params, "enc/ln", ["enc/fc"], keep_affine=True)
+  out = affine_folding.fold_norm_affine(params, "enc/ln", ["enc/fc"], keep_affine=True)
   chex.assert_trees_all_equal(out["enc"]["ln"], {"residual_scale": params["enc"]["ln"]["scale"],
                                                  "residual_bias": params["enc"]["ln"]["bias"]})
   chex.assert_trees_all_close(out["enc"]["fc"],
-                              fold.fold_norm_affine(params, "enc/ln", ["enc/fc"])["enc"]["fc"])
+                              affine_folding.fold_norm_affine(params, "enc/ln", ["enc/fc"])["enc"]["fc"])
   with pytest.raises(ValueError, match="no 'scale' or 'bias' to fold"):  # folded once only
-    fold.fold_norm_affine(out, "enc/ln", ["enc/fc"], keep_affine=True)
+    affine_folding.fold_norm_affine(out, "enc/ln", ["enc/fc"], keep_affine=True)
 
 
 class NnxBlock(nnx.Module):
@@ -225,12 +225,12 @@ def test_nnx_state_folds_like_a_dict(pure):
     block.fc.bias[...] = 0.5 * _normal(rng, (3,))
   state = nnx.state(model, nnx.Param)
   state = nnx.as_pure(state) if pure else state
-  folded = fold.fold_all(state, {"ln": ("fc",)})
+  folded = affine_folding.fold_all(state, {"ln": ("fc",)})
   assert type(folded) is nnx.State
   assert type(folded["blocks"][0]["fc"]["kernel"]) is type(state["blocks"][0]["fc"]["kernel"])
   chex.assert_trees_all_close(nnx.to_pure_dict(folded),
-                              fold.fold_all(nnx.to_pure_dict(state), {"ln": ("fc",)}))
-  one = fold.fold_norm_affine(state, ("blocks", 1, "ln"), [("blocks", 1, "fc")])
+                              affine_folding.fold_all(nnx.to_pure_dict(state), {"ln": ("fc",)}))
+  one = affine_folding.fold_norm_affine(state, ("blocks", 1, "ln"), [("blocks", 1, "fc")])
   chex.assert_trees_all_close(nnx.to_pure_dict(one)["blocks"][1],
                               nnx.to_pure_dict(folded)["blocks"][1])
 

@@ -1,4 +1,5 @@
-"""Dynamic sparse reparameterisation: a fixed global budget of weights, moved during training.
+"""Dynamic sparse reparameterisation, stored dense under a mask: a fixed global budget of
+weights, moved during training.
 
 Each sparse leaf (by default every leaf of rank >= 2) starts with a random
 ``round(density * size)`` of its entries active; their sum over the sparse
@@ -142,8 +143,8 @@ def dynamic_sparsity(
 
   Example:
     >>> import optax, jax.numpy as jnp
-    >>> from lowmem_jax import sparsity
-    >>> tx = optax.chain(optax.sgd(0.1), sparsity.dynamic_sparsity(0.25, update_every=1))
+    >>> from lowmem_jax import masked_sparsity
+    >>> tx = optax.chain(optax.sgd(0.1), masked_sparsity.dynamic_sparsity(0.25, update_every=1))
     >>> params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update(params, state, params)

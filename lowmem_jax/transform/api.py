@@ -20,9 +20,8 @@ OPTIONS = {
     "loss": ("fused", None),
 }
 
-# Each option's matcher, in the order they run on a jaxpr: a pattern one takes
-# is not offered to the next (the loss head before the attention's matmuls,
-# the norms before the activations, whose regions must not be norm statistics).
+# Each option's matcher, in the order they run on a jaxpr: the equations one
+# takes are not offered to those after it.
 MATCHERS = (
     ("loss", _loss.match),
     ("attention", _attention.match),

@@ -506,6 +506,16 @@ def test_explain_counts_the_bytes_and_prints_a_table():
   assert "lm.attention" in str(rewrites) and "test_transform.py" in rewrites[0].source
 
 
+def test_rewrites_is_a_frozen_sequence():
+  x = _normal((4, 8, 64))
+  rewrites = lm.lowmem(lambda x: jnp.sum(jax.nn.gelu(x) ** 2)).explain(x)
+  assert isinstance(rewrites, lm.Rewrites) and dataclasses.is_dataclass(rewrites)
+  assert len(rewrites) == 1 and rewrites[0] == rewrites.rewrites[0] == next(iter(rewrites))
+  assert rewrites[0].op == "tanh-gelu → regelu2 backward" and rewrites[:1] == rewrites.rewrites
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    rewrites.rewrites = ()
+
+
 @JAX_DOT_PRODUCT_ATTENTION
 def test_attention_compiles_for_the_h100_target_where_cudnn_refuses_the_length():
   # cuDNN takes the forward of L = 197 but refuses it once differentiated:

@@ -1,0 +1,56 @@
+"""`lowmem`: the project's techniques applied to a function's jaxpr.
+
+A model the user already has (plain JAX, Flax linen or NNX, equinox) traces to
+a jaxpr. `lowmem(fn)` traces ``fn``, finds the patterns below in the jaxpr and
+evaluates it again with each pattern replaced by the project's own op, whose
+forward is the same function (to float tolerance) and whose backward keeps
+less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
+2021 for attention):
+
+- ``activations``: an elementwise function of one array that equals, on a grid
+  of test points, the erf GELU (→ `regelu2`), the tanh GELU (exact forward,
+  ReGELU2's 2-bit backward), SiLU (→ `resilu2`) or ReLU (→ `relu`, exact).
+- ``norms``: LayerNorm / RMSNorm (mean and variance, ``jnp.var`` with
+  ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
+  `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the
+  feature axis, through reshapes and casts) gets the affine folded in inside
+  the step: ``y @ (g[:, None] * W) + b @ W`` forward, and a backward that
+  recomputes the activation-sized ``y * g + b`` from ``y``, so the norm and the
+  matmul save one array, no weight-sized product is kept or made in the
+  backward, and the parameter tree does not change. Other consumers get
+  ``y * g + b`` (the models' ``keep_affine``).
+- ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
+  ``where`` mask → softmax over keys → ``dot_general(p, v)``, in any layout
+  that transposes and unit axes reach, grouped-query heads included (a group
+  axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
+  writes them) → `lowmem_jax.attention`.
+- ``loss``: ``h @ w`` (optionally ``+ bias``), its log-softmax over the last
+  axis (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit
+  as ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at
+  integer labels (``take_along_axis``) → `losses.linear_cross_entropy`, where
+  the vocabulary is wider than ``h``, so the logits are the larger array.
+- ``"layout"`` (with attention): a matmul whose input is the attention output
+  ``[.., h, d]`` only reshaped to ``[.., h * d]`` contracts over ``(h, d)``
+  instead, so autodiff saves one array, not two.
+
+Nested jaxprs are rewritten too: ``jit`` calls are inlined (so a pattern may
+span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
+rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
+functions keep their own derivative rules and are left as they are, except
+`jax.nn.relu`. What the matchers miss: layout redundancies other than the
+attention output's, and grouped queries laid out group-major (``[.., G, K, ..]``). A jaxpr
+rewrite sees hand-written code as well as framework modules; Qwix's approach
+(intercepting framework calls by module path) sees only the modules it knows.
+
+The package, by job: `api` (`lowmem`, `OPTIONS`, `MATCHERS`), `rewrites` (the
+`Rewrites` a trace gives and the `Pass` that collects them), `interpreter`
+(the one jaxpr evaluator), `graph` (producers, consumers and values of a
+jaxpr, shared by the matchers), and one module per matcher: `activations`,
+`norms`, `attention`, `loss`. Names shared across the package's modules have
+no leading underscore; a module's own helpers have one.
+"""
+
+from lowmem_jax.transform.api import MATCHERS, OPTIONS, lowmem
+from lowmem_jax.transform.rewrites import Rewrite, Rewrites
+
+__all__ = ["MATCHERS", "OPTIONS", "Rewrite", "Rewrites", "lowmem"]

@@ -1,0 +1,116 @@
+"""The public face of `lowmem`: its options, the matchers they turn on, and `lowmem` itself."""
+
+import functools
+from typing import Callable
+
+import jax
+import numpy as np
+
+from lowmem_jax.transform import activations as _activations
+from lowmem_jax.transform import attention as _attention
+from lowmem_jax.transform import loss as _loss
+from lowmem_jax.transform import norms as _norms
+from lowmem_jax.transform.interpreter import evaluate
+from lowmem_jax.transform.rewrites import Pass, Rewrites
+
+OPTIONS = {
+    "activations": ("approx", None),
+    "norms": ("ms", None),
+    "attention": ("recompute", None),
+    "loss": ("fused", None),
+}
+
+# Each option's matcher, in the order they run on a jaxpr: the equations one
+# takes are not offered to those after it.
+MATCHERS = (
+    ("loss", _loss.match),
+    ("attention", _attention.match),
+    ("norms", _norms.match),
+    ("activations", _activations.match),
+)
+
+
+def _check_options(options: dict) -> dict:
+  for key, value in options.items():
+    if key not in OPTIONS:
+      raise TypeError(f"lowmem got an unknown option {key}={value!r}; the options are "
+                      f"{sorted(OPTIONS)}.")
+    if value not in OPTIONS[key]:
+      raise ValueError(f"lowmem's {key} must be one of {OPTIONS[key]}, got {value!r}.")
+  return options
+
+
+def lowmem(fn: Callable, *, activations: str | None = "approx", norms: str | None = "ms",
+           attention: str | None = "recompute", loss: str | None = "fused") -> Callable:
+  """``fn`` with its GELU/SiLU/ReLU, norms, softmax attention and LM head's loss rewritten.
+
+  Args:
+    fn: any function of arrays (pytrees of them, NNX modules included; other
+      leaves are static) that traces to a jaxpr: a loss, a model's apply. Give
+      the function the step differentiates (``jax.grad(lowmem(loss))``,
+      ``nnx.value_and_grad(lowmem(loss))``), not the step: a step's jaxpr
+      already holds its backward, which the rewrites do not reach.
+    activations: "approx" (2-bit backward for GELU and SiLU, 1-bit exact ReLU)
+      or None to leave them.
+    norms: "ms" (memory-sharing norms, affine folded into the matmuls they
+      feed) or None.
+    attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
+    loss: "fused" (a matmul's logits wider than its input, their log-softmax
+      taken at integer labels → `lowmem_jax.losses.linear_cross_entropy`: no
+      ``[tokens, vocab]`` logits) or None.
+
+  Returns:
+    A function with ``fn``'s signature and outputs (to float tolerance) whose
+    backward keeps less. ``.explain(*args, **kwargs)`` (arrays or
+    `jax.ShapeDtypeStruct`s) returns the `Rewrites` of that trace. Composes
+    with ``jit``, ``grad``, ``vmap``, ``jax.checkpoint`` and ``scan``.
+  """
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
+  options = _check_options(
+      {"activations": activations, "norms": norms, "attention": attention, "loss": loss})
+  matchers = tuple(m for key, m in MATCHERS if options[key])
+
+  def traced(args, kwargs):
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [_is_array(x) for x in leaves]
+
+    def flat_fn(*arrays):
+      it = iter(arrays)
+      full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+      a, kw = jax.tree.unflatten(treedef, full)
+      return fn(*a, **kw)
+
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    return closed, arrays, out_shape
+
+  def rewrites(closed, arrays, count) -> Rewrites:
+    pass_ = Pass(matchers, count=count)
+    jax.make_jaxpr(lambda *a: evaluate(closed.jaxpr, closed.consts, a, pass_))(*arrays)
+    return pass_.result()
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    closed, arrays, out_shape = traced(args, kwargs)
+    if not rewrites(closed, arrays, count=False).counts:
+      return fn(*args, **kwargs)  # nothing to rewrite: fn's own jaxpr
+    # Evaluated again under the caller's trace rather than replayed from the
+    # jaxpr above: ops that choose an implementation when differentiated
+    # (lm.attention's cuDNN fallback) choose under the caller's transformations.
+    outs = evaluate(closed.jaxpr, closed.consts, arrays, Pass(matchers))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  def explain(*args, **kwargs) -> Rewrites:
+    closed, arrays, _ = traced(args, kwargs)
+    return rewrites(closed, arrays, count=True)
+
+  wrapped.explain = explain
+  return wrapped
+
+
+def _is_array(x) -> bool:
+  """Arrays (tracers included) and abstract arrays; other leaves are static."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+

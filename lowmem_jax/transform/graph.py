@@ -1,0 +1,164 @@
+"""The graph of one jaxpr as the matchers read it: producers, consumers, and values.
+
+Names here are shared by the matcher modules of the package (no leading
+underscore); each matcher module keeps its own helpers private.
+"""
+
+import collections
+import os
+
+import flax
+import jax
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+_FLAX_DIR = os.path.dirname(flax.__file__) + os.sep
+
+# Equations that only lay an array out again (or cast it).
+LAYOUT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy"})
+
+
+class Graph:
+  """Producers and consumers of the vars of one jaxpr."""
+
+  def __init__(self, jaxpr):
+    self.jaxpr = jaxpr
+    self.eqns = jaxpr.eqns
+    self.producer = {}
+    self.consumers = collections.defaultdict(list)
+    for i, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.outvars:
+        self.producer[v] = i
+      for v in eqn.invars:
+        if isinstance(v, jcore.Var):
+          self.consumers[v].append(i)
+    self.outvars = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+    self.taken = set()  # equations already part of a match
+
+  def prod(self, v):
+    """The equation that makes ``v``, or None (an input, const or literal)."""
+    i = self.producer.get(v) if isinstance(v, jcore.Var) else None
+    return None if i is None else self.eqns[i]
+
+  def untaken(self, primitives):
+    """Indices of the equations of ``primitives`` not yet part of a match, each checked
+    when the iteration reaches it (a match takes equations further on)."""
+    return (i for i, e in enumerate(self.eqns)
+            if e.primitive.name in primitives and i not in self.taken)
+
+  def index(self, v):
+    return self.producer.get(v) if isinstance(v, jcore.Var) else None
+
+  def back(self, v, prims=LAYOUT):
+    """``v`` followed back through single-input ``prims``."""
+    while True:
+      e = self.prod(v)
+      if e is None or e.primitive.name not in prims or len(e.invars) != 1:
+        return v
+      v = e.invars[0]
+
+  def only_consumer(self, v):
+    c = self.consumers.get(v, [])
+    if len(c) != 1 or v in self.outvars:
+      return None
+    return c[0]
+
+  def closed(self, indices, outputs) -> bool:
+    """True if the vars made by ``indices`` are used only by them (or are ``outputs``)."""
+    for i in indices:
+      for v in self.eqns[i].outvars:
+        if v in outputs:
+          continue
+        if v in self.outvars or any(c not in indices for c in self.consumers.get(v, [])):
+          return False
+    return True
+
+  def source(self, i) -> str:
+    """``file:line`` of equation i's first frame outside JAX and Flax: the user's call."""
+    frames = list(source_info_util.user_frames(self.eqns[i].source_info.traceback))
+    frame = next((f for f in frames if not f.file_name.startswith(_FLAX_DIR)), None)
+    frame = frame or (frames[0] if frames else None)
+    return "?" if frame is None else f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+
+
+def upstream(g, outputs, stops):
+  """Indices of the equations ``outputs`` depend on, back to the vars ``stops``."""
+  seen, todo = set(), [v for v in outputs]
+  while todo:
+    v = todo.pop()
+    i = g.index(v)
+    if v in stops or i is None or i in seen:
+      continue
+    seen.add(i)
+    todo.extend(w for w in g.eqns[i].invars if isinstance(w, jcore.Var))
+  return seen
+
+
+def live(eqns, indices, actions, outputs) -> list[int]:
+  """The equations of ``indices`` that ``outputs`` need, in order, with
+  ``actions`` in place of theirs."""
+  needed = {v for v in outputs if not isinstance(v, jcore.Literal)}
+  keep = []
+  for i in sorted(indices, reverse=True):
+    ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
+                 else (eqns[i].invars, eqns[i].outvars))
+    if any(o in needed for o in outs) or (i not in actions and eqns[i].effects):
+      keep.append(i)
+      needed.update(v for v in ins if not isinstance(v, jcore.Literal))
+  return keep[::-1]
+
+
+def scalar(v):
+  """The value of a scalar literal, else None."""
+  if isinstance(v, jcore.Literal) and np.ndim(v.val) == 0:
+    return float(v.val)
+  return None
+
+
+_SCALAR_OPS = {"add": float.__add__, "sub": float.__sub__, "mul": float.__mul__,
+               "div": float.__truediv__, "convert_element_type": float}
+
+
+def constant(g, v, depth=4):
+  """The value of scalar ``v`` if literals alone make it (as ``n - ddof`` in ``jnp.var``), else None."""
+  if (c := scalar(v)) is not None or depth == 0:
+    return c
+  e = g.prod(v)
+  if e is None or e.outvars[0].aval.shape != () or e.primitive.name not in _SCALAR_OPS:
+    return None
+  args = [constant(g, w, depth - 1) for w in e.invars]
+  if None in args or e.primitive.name == "div" and args[1] == 0.0:
+    return None
+  return _SCALAR_OPS[e.primitive.name](*args)
+
+
+def fill_value(g, v):
+  """The scalar ``v`` broadcasts, else None."""
+  e = g.prod(v)
+  while e is not None and e.primitive.name in ("broadcast_in_dim", "convert_element_type",
+                                               "transpose", "reshape"):
+    v = e.invars[0]
+    e = g.prod(v)
+  return scalar(v)
+
+
+def feature_vector(g, v, n):
+  """The ``[n]`` array ``v`` broadcasts along the last axis, else None."""
+  src = g.back(v)
+  if src.aval.shape != (n,) or not isinstance(src, jcore.Var):
+    return None
+  while v is not src:  # each step keeps the vector's axis last
+    e = g.prod(v)
+    x, out = e.invars[0], e.outvars[0]
+    if x.aval.shape[-1:] != (n,) or out.aval.shape[-1:] != (n,) or (
+        e.primitive.name == "broadcast_in_dim"
+        and e.params["broadcast_dimensions"][-1] != out.aval.ndim - 1):
+      return None
+    v = x
+  return src
+
+
+def aval(v):
+  """``v``'s shape and dtype as a `jax.ShapeDtypeStruct`."""
+  return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)

@@ -1,0 +1,142 @@
+"""The jaxpr interpreter of `lowmem`: one evaluator, as `jax.core.eval_jaxpr`, that binds
+each equation again or runs a matcher's `Action` in its place.
+
+`eval_eqns` is the loop; `eval_jaxpr` runs a whole jaxpr through it, `eqns_fn` a
+slice of one (a pattern, to count its residuals or to test it on points).
+`evaluate` is the rewriting pass: ``jit`` calls inlined, the `Pass`'s matchers
+run, and ``scan``, ``cond`` and ``jax.checkpoint`` rebuilt around their
+rewritten bodies.
+"""
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+from jax import lax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from lowmem_jax.transform.graph import Graph, live
+
+
+@dataclasses.dataclass
+class Action:
+  """Replaces one equation: reads ``inputs`` (vars or tokens), writes ``outputs``."""
+  inputs: list
+  outputs: list
+  fn: Callable[..., list]
+
+
+def bind(eqn, invals):
+  """``eqn``'s primitive bound again to ``invals``: its list of outputs."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def apply_layout(e, x, own_name):
+  """Layout equation ``e`` (reshape, cast, checkpoint name) applied to ``x``.
+
+  A checkpoint name the replacement already gives its output is not given
+  twice, which would make autodiff count the array twice.
+  """
+  name = e.primitive.name
+  if name == "convert_element_type":
+    return x.astype(e.params["new_dtype"])
+  if name == "name" and e.params["name"] == own_name:
+    return x
+  return bind(e, [x])[0]
+
+
+def eval_eqns(eqns, order, env, outputs, actions, bind_eqn=bind):
+  """Runs equations ``order`` of ``eqns`` (an action in place of each equation it
+  replaces) over ``env``, a dict var -> value, and reads ``outputs``."""
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for i in order:
+    eqn = eqns[i]
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+      if i in actions:
+        action = actions[i]
+        env.update(zip(action.outputs, action.fn(*map(read, action.inputs))))
+      else:
+        env.update(zip(eqn.outvars, bind_eqn(eqn, list(map(read, eqn.invars)))))
+  return list(map(read, outputs))
+
+
+def eval_jaxpr(jaxpr, consts, args, actions, bind_eqn=bind):
+  """``jaxpr`` evaluated at ``args``, with ``actions`` in place of the equations they replace."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  order = live(jaxpr.eqns, range(len(jaxpr.eqns)), actions, jaxpr.outvars)
+  return eval_eqns(jaxpr.eqns, order, env, jaxpr.outvars, actions, bind_eqn)
+
+
+def eqns_fn(g, indices, inputs, outputs, actions=None, bind_eqn=bind):
+  """The equations ``indices`` of graph ``g`` as a function of ``inputs``, with
+  ``actions`` in place."""
+  actions = {i: a for i, a in (actions or {}).items() if i in indices}
+  order = live(g.eqns, indices, actions, outputs)
+  return lambda *vals: eval_eqns(g.eqns, order, dict(zip(inputs, vals)), outputs, actions,
+                                 bind_eqn)
+
+
+def inline_jit(jaxpr, consts):
+  """``(jaxpr, consts)`` with the ``jit`` calls of ``jaxpr`` inlined, recursively."""
+  if not any(e.primitive.name in ("jit", "pjit") for e in jaxpr.eqns):
+    return jaxpr, list(consts)
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+           for v in jaxpr.invars]
+  closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, _bind_inlining))(*avals)
+  return closed.jaxpr, list(closed.consts)
+
+
+def _bind_inlining(eqn, invals):
+  if eqn.primitive.name in ("jit", "pjit"):
+    inner = eqn.params["jaxpr"]
+    return eval_jaxpr(inner.jaxpr, inner.consts, invals, {}, _bind_inlining)
+  return bind(eqn, invals)
+
+
+def evaluate(jaxpr, consts, args, pass_):
+  """Evaluates ``jaxpr`` with the patterns of ``pass_``'s matchers rewritten; logs to it."""
+  jaxpr, consts = inline_jit(jaxpr, consts)
+  g = Graph(jaxpr)
+  actions = {}
+  for matcher in pass_.matchers:
+    matcher(g, actions, pass_)
+  return eval_jaxpr(jaxpr, consts, args, actions, functools.partial(_bind_nested, pass_=pass_))
+
+
+def _bind_nested(eqn, invals, pass_):
+  """Binds ``eqn``, rewriting the jaxprs inside scan, cond and checkpoint."""
+  name = eqn.primitive.name
+  rec = functools.partial(evaluate, pass_=pass_)
+  params = eqn.params
+  if name == "scan":
+    body = params["jaxpr"]
+    nc, nk = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+    def step(carry, x):
+      outs = rec(body.jaxpr, body.consts, [*consts, *carry, *x])
+      return outs[:nk], outs[nk:]
+
+    carry, ys = lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
+                         unroll=params["unroll"])
+    return [*carry, *ys]
+  if name == "cond":
+    branches = [functools.partial(lambda br, *ops: rec(br.jaxpr, br.consts, ops), br)
+                for br in params["branches"]]
+    return lax.switch(invals[0], branches, *invals[1:])
+  if name in ("remat2", "checkpoint"):
+    body = params["jaxpr"]
+    fn = jax.checkpoint(lambda *a: rec(body, [], a), prevent_cse=params["prevent_cse"],
+                        policy=params["policy"])
+    return fn(*invals)
+  return bind(eqn, invals)

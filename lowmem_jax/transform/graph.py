@@ -5,15 +5,16 @@ underscore); each matcher module keeps its own helpers private.
 """
 
 import collections
+import importlib.util
 import os
 
-import flax
 import jax
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-_FLAX_DIR = os.path.dirname(flax.__file__) + os.sep
+# Flax's frames are skipped in a rewrite's source line; found without importing Flax.
+_FLAX_DIR = os.path.dirname(importlib.util.find_spec("flax").origin) + os.sep
 
 # Equations that only lay an array out again (or cast it).
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy"})

@@ -44,11 +44,24 @@ def test_bad_job_names_the_field(fields, message):
     techniques.Job(**fields)
 
 
-def test_job_defaults():
-  assert techniques.Job("wrn-28-2").image_side == 32 and techniques.Job().image_side == 224
-  assert techniques.Job("wrn-28-2").default_sets() == techniques.CONV_NET_DEFAULT.split(",")
-  assert techniques.Job("llama-100m").default_sets()[-2:] == ["fused-ce", "all+fused-ce"]
-  assert techniques.Job("vit-b16").default_sets() == techniques.DEFAULT.split(",")
+@pytest.mark.parametrize("model", ["vit-b16", "llama-100m", "minilm-l6", "wrn-28-2"])
+def test_each_default_set_applies_to_its_model(model):
+  """A report's default sets parse and pass the models' own checks, each declared
+  technique once, and a language model's include the loss head."""
+  job = techniques.Job(model, batch=8, target="cpu")
+  sets = [techniques.parse(text) for text in job.default_sets()]
+  for s in sets:
+    s.check(job)
+  used = {term for s in sets for term, _ in s.values}
+  assert used <= set(techniques.TECHNIQUES)
+  assert ("fused-ce" in used) == job.language_model
+  assert sets[0].values == ()  # the baseline first: the ratios are against it
+
+
+def test_the_default_image_side_is_the_models():
+  assert techniques.Job("wrn-28-2", target="cpu").image_side == 32
+  assert techniques.Job("vit-b16", target="cpu").image_side == 224
+  assert techniques.Job("vit-b16", image=64, target="cpu").image_side == 64
 
 
 def test_sparse_is_stored_sparse_on_the_wideresnet_only():

@@ -238,8 +238,7 @@ def adama(
 
   def init_fn(params):
     if state_bits == 8:
-      mu, nu = (lowbit.tree_zeros(params, signed=signed, dtype=jnp.float32)
-                for signed in (True, False))
+      mu, nu = lowbit.moments_zeros(params)
     else:
       mu, nu = otu.tree_zeros_like(params, dtype=mu_dtype), otu.tree_zeros_like(params)
     return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
@@ -271,20 +270,16 @@ def adama(
     last = state.micro_step == k - 1
     moments = jax.tree.map(
         lambda g, m, v, done: fold.apply(g, m, v, first) if done is None else done,
-        updates, lowbit.tree_load(state.mu, signed=True), lowbit.tree_load(state.nu, signed=False),
-        folded)
+        updates, *lowbit.moments_load(state.mu, state.nu), folded)
     mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
     nu = jax.tree.map(lambda _, mv: mv[1], updates, moments)
     count_inc = optax.safe_int32_increment(state.count)
-    mu_hat = otu.tree_bias_correction(mu, b1, count_inc)
-    nu_hat = otu.tree_bias_correction(nu, b2, count_inc)
-    direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
-    if state_bits == 8:  # the gradient's dtype, not the dequantised moments' float32
-      direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
+    # With 8-bit moments, in the gradient's dtype, not the dequantised moments' float32.
+    direction = lowbit.adam_direction(mu, nu, count_inc, b1=b1, b2=b2, eps=eps,
+                                      eps_root=eps_root, like=updates if state_bits == 8 else None)
+    if state_bits == 8:
       key = jax.random.fold_in(jax.random.key(seed), state.count * k + state.micro_step)
-      mu, nu = (lowbit.tree_store(x, updates, signed=signed,
-                                  key=jax.random.fold_in(key, signed))
-                for x, signed in ((mu, True), (nu, False)))
+      mu, nu = lowbit.moments_store(mu, nu, updates, key=key)
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:

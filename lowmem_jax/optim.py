@@ -31,7 +31,6 @@ References:
 import contextvars
 import dataclasses
 import functools
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -502,23 +501,14 @@ class FoldInBackward:
   Attributes:
     key: None (fold the leaves ``where`` selects), or the entry of the params
       dict with the stacked layers.
-    b1, b2, nu_scale: deprecated, for one release: give `microbatch_step` the
-      `MomentFold` given to `adama` instead. None: not given.
     where: with ``key=None``, ``where(path, leaf) -> bool`` selects the leaves
       to fold in backward (``path`` as `jax.tree_util.tree_map_with_path`
       gives it); None selects every leaf.
   """
   key: str | None = "layers"
-  b1: float | None = None
-  b2: float | None = None
-  nu_scale: str | None = None
   where: Callable[[Any, Any], bool] | None = None
 
   def __post_init__(self):
-    if (self.b1, self.b2, self.nu_scale) != (None, None, None):
-      warnings.warn("FoldInBackward's b1, b2 and nu_scale are deprecated: build one "
-                    "`MomentFold` and give it to `adama` and to `microbatch_step` as `k`.",
-                    DeprecationWarning, stacklevel=3)
     if self.key is not None and not isinstance(self.key, str):
       raise ValueError(f"`FoldInBackward.key` must be a str or None, got {self.key!r}.")
     if self.where is not None and (self.key is not None or not callable(self.where)):
@@ -628,9 +618,7 @@ def microbatch_step(
   if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
     raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
                      f"{fold_in_backward!r}.")
-  options = fold_in_backward or FoldInBackward()
-  fold = _moment_fold(k, **{name: getattr(options, name) for name in _DEFAULT_FOLD
-                            if getattr(options, name) is not None})
+  fold = _moment_fold(k)
   k = fold.k
 
   def loss_of(params, state, batch, *moments):

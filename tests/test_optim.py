@@ -600,9 +600,8 @@ def test_adama_refuses_a_fold_that_differs_from_the_backward():
   tx = optax.chain(lm.adama(2, b1=0.95), optax.scale_by_learning_rate(0.1))
   with pytest.raises(ValueError, match="give it to both"):  # an int k folds with MomentFold(2)
     lm.microbatch_step(loss, tx, 2, fold_in_backward=True)(params, tx.init(params), x)
-  with pytest.warns(DeprecationWarning, match="MomentFold"):
-    agreeing = lm.optim.FoldInBackward(key=None, b1=0.95)
-  lm.microbatch_step(loss, tx, 2, fold_in_backward=agreeing)(params, tx.init(params), x)
+  agreeing = lm.MomentFold(2, b1=0.95)
+  lm.microbatch_step(loss, tx, agreeing, fold_in_backward=True)(params, tx.init(params), x)
   hyper = optax.inject_hyperparams(lm.adama, static_args=("k", "b1", "b2"))(k=2, b1=0.9)
   lm.microbatch_step(loss, hyper, 2, fold_in_backward=True)(params, hyper.init(params), x)
   with pytest.raises(ValueError, match="`nu_scale`='mean' differs"):

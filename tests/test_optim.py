@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import lowmem_jax as lm
 from adama import dense_stack_loss  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import optim
+from lowmem_jax.optim import steps
 from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 
@@ -192,7 +193,7 @@ def _applying_every_micro_step(loss, tx, k):
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), value
     (params, opt_state), losses = jax.lax.scan(
-        body, (params, opt_state), jax.tree.map(lambda x: x.swapaxes(0, 1), lm.optim._split(batch, k)))
+        body, (params, opt_state), jax.tree.map(lambda x: x.swapaxes(0, 1), steps._split(batch, k)))
     return params, opt_state, {"loss": losses.mean()}
   return step
 

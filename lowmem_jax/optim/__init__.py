@@ -1,0 +1,27 @@
+"""AdamA, optimizer accumulation: micro-batch gradients fold straight into Adam's moments.
+
+Three parts, each a module:
+
+- `lowmem_jax.optim.accumulation`: AdamA as optax transformations (`adama`,
+  `adamaw`, `MomentFold`, `on_kth_micro_step`).
+- `lowmem_jax.optim.in_backward`: the moments folded inside the backward pass
+  (`scan_layers`, `LayerMoments`, `FoldInBackward`).
+- `lowmem_jax.optim.steps`: the train steps that drive them (`microbatch_step`,
+  `train_step`).
+
+References:
+  Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
+  Activations and Gradients for Large-scale DNN Training"
+  (https://arxiv.org/abs/2305.19982).
+"""
+
+from lowmem_jax.optim.accumulation import (NU_SCALES, AdamAState, KthMicroStepState, MomentFold,
+                                           adama, adamaw, find_adama_state, on_kth_micro_step)
+from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
+from lowmem_jax.optim.steps import microbatch_step, train_step
+
+__all__ = [
+    "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState", "LayerMoments",
+    "MomentFold", "adama", "adamaw", "find_adama_state", "microbatch_step", "on_kth_micro_step",
+    "scan_layers", "train_step",
+]

@@ -7,7 +7,7 @@ Three parts, each a module:
 - `lowmem_jax.optim.in_backward`: the moments folded inside the backward pass
   (`scan_layers`, `LayerMoments`, `FoldInBackward`).
 - `lowmem_jax.optim.steps`: the train steps that drive them (`microbatch_step`,
-  `train_step`).
+  `train_step`), and the extra argument `COMPLETES_STEP` they pass.
 
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
@@ -18,10 +18,11 @@ References:
 from lowmem_jax.optim.accumulation import (NU_SCALES, AdamAState, KthMicroStepState, MomentFold,
                                            adama, adamaw, find_adama_state, on_kth_micro_step)
 from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
-from lowmem_jax.optim.steps import microbatch_step, train_step
+from lowmem_jax.optim.steps import (COMPLETES_STEP, microbatch_step, takes_completes_step,
+                                    train_step)
 
 __all__ = [
-    "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState", "LayerMoments",
-    "MomentFold", "adama", "adamaw", "find_adama_state", "microbatch_step", "on_kth_micro_step",
-    "scan_layers", "train_step",
+    "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",
+    "LayerMoments", "MomentFold", "adama", "adamaw", "find_adama_state", "microbatch_step",
+    "on_kth_micro_step", "scan_layers", "takes_completes_step", "train_step",
 ]

@@ -3,7 +3,10 @@
 `microbatch_step` splits a batch into k strided micro-batches and runs them in
 one ``lax.scan``, folding each gradient into AdamA's moments (after the
 backward, or inside it: `lowmem_jax.optim.in_backward`); `train_step` is one
-optimizer step over one batch or k.
+optimizer step over one batch or k. Besides AdamA's own extra arguments
+(``folded``, ``folded_with``), the step passes ``tx.update`` one more, declared
+here: `COMPLETES_STEP`, to the transformations whose state asks for it
+(`takes_completes_step`).
 
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
@@ -23,9 +26,45 @@ from lowmem_jax.optim.accumulation import (MomentFold, as_moment_fold, find_adam
                                            moment_structure)
 from lowmem_jax.optim.in_backward import FoldInBackward, grads_folded_in_backward
 
+# The extra argument of ``tx.update`` that says whether the update may complete an optimizer
+# step: `microbatch_step` passes ``False`` inside its loop (`takes_completes_step`).
+COMPLETES_STEP = "completes_step"
+
 # optax's wrappers that may skip an update, so AdamA's step may end inside the loop.
 _SKIPPING_STATES = (optax.ApplyIfFiniteState, optax.ConditionallyMaskState,
                     optax.ConditionallyTransformState, optax.MultiStepsState)
+
+
+def takes_completes_step(state_class: type) -> type:
+  """Class decorator: a transformation with this state takes the extra argument
+  ``completes_step`` (`COMPLETES_STEP`).
+
+  `microbatch_step` passes ``completes_step=False`` to ``tx.update`` inside its
+  loop, where AdamA over the same k (its state at micro-step 0, as a step leaves
+  it) completes no optimizer step, so that what a transformation does at a
+  step's end (e.g. `lowmem_jax.sparse.sparse_storage`'s move) is not compiled
+  into the loop body. It passes it only where ``tx``'s state holds a state of a
+  class so marked (an extra-args transformation may refuse an argument it does
+  not know), and never where ``tx`` holds a wrapper that may skip an update
+  (`optax.apply_if_finite`, ``conditionally_mask``, ``conditionally_transform``,
+  ``MultiSteps``). Elsewhere the argument is absent: take it as True.
+
+  Example:
+    >>> from typing import NamedTuple
+    >>> import jax, lowmem_jax as lm
+    >>> @lm.optim.takes_completes_step
+    ... class MyState(NamedTuple):
+    ...   count: jax.Array  # int32 []
+    >>> MyState.takes_completes_step
+    True
+  """
+  state_class.takes_completes_step = True
+  return state_class
+
+
+def _asks_completes_step(state: Any) -> bool:
+  """Whether ``state``'s class is marked by `takes_completes_step`."""
+  return getattr(type(state), "takes_completes_step", False) is True
 
 
 def microbatch_step(
@@ -55,9 +94,8 @@ def microbatch_step(
   mean: plain accumulation, for comparison on the same call. Inside the
   scan, where AdamA over the same k (its state at micro-step 0, as a step
   leaves it) completes no step, a ``tx`` whose state asks for it
-  (`lowmem_jax.sparse.sparse_storage`'s) gets the extra argument
-  ``completes_step=False``, so its move at the end of a step stays out of
-  the loop body.
+  (`takes_completes_step`) gets the extra argument ``completes_step=False``,
+  so what it does at the end of a step stays out of the loop body.
 
   With ``has_state``, a state that is not differentiated (batch statistics,
   RNG counts) runs through the micro-batches in order: micro-batch i sees the
@@ -246,9 +284,8 @@ def _fold(loss_of, tx, fold_in_backward, fold, k, params, state, opt_state, micr
         applying, (params, state, opt_state), jnp.arange(k))
     return params, state, opt_state, _metrics(losses, aux)
 
-  # Micro-batches 1..k-1 complete no step: sparse storage, which acts at a step's end, is told.
-  asks = lambda x: getattr(type(x), "takes_completes_step", False) is True
-  hint = {"completes_step": False} if _holds(opt_state, asks) else {}
+  # Micro-batches 1..k-1 complete no step: a transformation that acts at a step's end is told.
+  hint = {COMPLETES_STEP: False} if _holds(opt_state, _asks_completes_step) else {}
 
   def folding(carry, i):
     _, state, opt_state, out = micro_step(params, *carry, i, **hint)

@@ -163,6 +163,44 @@ def tree_store(values: Any, like: Any, *, signed: bool, key: jax.Array | None,
       else x, values, like, jax.tree.unflatten(treedef, keys), is_leaf=lambda x: x is None)
 
 
+def moments_zeros(params: Any, *, min_size: int = MIN_SIZE,
+                  block: int = BLOCK) -> tuple[Any, Any]:
+  """Adam's zero moments ``(mu, nu)`` of ``params``' shapes: 8-bit (``mu`` signed, ``nu``
+  unsigned) where a leaf has at least ``min_size`` elements, else float32. With
+  `moments_load` and `moments_store`, the 8-bit moment store of `scale_by_adam_8bit` and
+  `lowmem_jax.adama` (``state_bits=8``)."""
+  return tuple(tree_zeros(params, signed=signed, min_size=min_size, block=block,
+                          dtype=jnp.float32) for signed in (True, False))
+
+
+def moments_load(mu: Any, nu: Any, *, block: int = BLOCK) -> tuple[Any, Any]:
+  """`moments_zeros`' ``(mu, nu)`` (or `moments_store`'s) with every leaf in float32."""
+  return tree_load(mu, signed=True, block=block), tree_load(nu, signed=False, block=block)
+
+
+def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None,
+                  min_size: int = MIN_SIZE, block: int = BLOCK) -> tuple[Any, Any]:
+  """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves,
+  rounding stochastically with keys folded from ``key`` (None: to nearest)."""
+  return tuple(tree_store(x, like, signed=signed, min_size=min_size, block=block,
+                          key=None if key is None else jax.random.fold_in(key, signed))
+               for x, signed in ((mu, True), (nu, False)))
+
+
+def adam_direction(mu: Any, nu: Any, count: jax.Array, *, b1: Any, b2: Any, eps: Any,
+                   eps_root: Any, like: Any = None) -> Any:
+  """Adam's direction ``m_hat / (sqrt(v_hat + eps_root) + eps)``, bias-corrected as
+  `optax.scale_by_adam` does, of moments ``count`` (int32 []) steps old: in the moments'
+  dtypes, or with ``like`` (the gradient) in its leaves' dtypes. `scale_by_adam_8bit` and
+  `lowmem_jax.adama` share it."""
+  mu_hat = otu.tree_bias_correction(mu, b1, count)
+  nu_hat = otu.tree_bias_correction(nu, b2, count)
+  direction = lambda m, v: m / (jnp.sqrt(v + eps_root) + eps)
+  if like is None:
+    return jax.tree.map(direction, mu_hat, nu_hat)
+  return jax.tree.map(lambda m, v, g: direction(m, v).astype(g.dtype), mu_hat, nu_hat, like)
+
+
 class ScaleByAdam8bitState(NamedTuple):
   """State of `scale_by_adam_8bit`: moments as `QuantizedArray` leaves (float32 for
   leaves under ``min_size`` elements)."""
@@ -201,25 +239,20 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"`seed` must be an int, got {seed!r}.")
   def init_fn(params):
-    zeros = lambda signed: tree_zeros(params, signed=signed, min_size=min_size, block=block,
-                                      dtype=jnp.float32)
-    return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), zeros(True), zeros(False))
+    return ScaleByAdam8bitState(jnp.zeros([], jnp.int32),
+                                *moments_zeros(params, min_size=min_size, block=block))
 
   def update_fn(updates, state, params=None):
     del params
-    mu = otu.tree_update_moment(updates, tree_load(state.mu, signed=True, block=block), b1, 1)
-    nu = otu.tree_update_moment_per_elem_norm(
-        updates, tree_load(state.nu, signed=False, block=block), b2, 2)
+    mu, nu = moments_load(state.mu, state.nu, block=block)
+    mu = otu.tree_update_moment(updates, mu, b1, 1)
+    nu = otu.tree_update_moment_per_elem_norm(updates, nu, b2, 2)
     count = optax.safe_int32_increment(state.count)
-    mu_hat = otu.tree_bias_correction(mu, b1, count)
-    nu_hat = otu.tree_bias_correction(nu, b2, count)
-    direction = jax.tree.map(lambda m, v, g: (m / (jnp.sqrt(v + eps_root) + eps)).astype(g.dtype),
-                             mu_hat, nu_hat, updates)
+    direction = adam_direction(mu, nu, count, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                               like=updates)
     key = jax.random.fold_in(jax.random.key(seed), count) if stochastic else None
-    store = lambda x, signed: tree_store(
-        x, updates, signed=signed, key=None if key is None else jax.random.fold_in(key, signed),
-        min_size=min_size, block=block)
-    return direction, ScaleByAdam8bitState(count, store(mu, True), store(nu, False))
+    return direction, ScaleByAdam8bitState(
+        count, *moments_store(mu, nu, updates, key=key, min_size=min_size, block=block))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

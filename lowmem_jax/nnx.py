@@ -32,6 +32,7 @@ from lowmem_jax import optim
 from lowmem_jax.embedding import take
 from lowmem_jax.linen import attention_fn
 from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
+from lowmem_jax.optim.accumulation import as_moment_fold
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
@@ -155,7 +156,7 @@ def microbatch_step(
     ``step(model, optimizer, batch) -> metrics``: updates ``model`` and
     ``optimizer`` in place; ``metrics`` as from `lowmem_jax.optim.microbatch_step`.
   """
-  optim._moment_fold(k)  # checks k
+  k = as_moment_fold(k)
 
   def step(model, optimizer, batch):
     if not isinstance(model, nnx.Module):

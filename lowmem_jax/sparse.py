@@ -38,13 +38,13 @@ from lowmem_jax import lowbit, optim
 from lowmem_jax._checks import is_int
 
 
+@optim.takes_completes_step  # `microbatch_step` tells update where no step completes
 class SparseStorageState(NamedTuple):
   """State of `sparse_storage`."""
   inner: Any  # the wrapped optimizer's state, over the stored params
   positions: Any  # the params' structure: int32 [nnz] flat positions on sparse leaves, else None
   count: jax.Array  # int32 [], optimizer steps completed (under AdamA, not micro-batches)
   key: jax.Array  # uint32 raw PRNG key (`jax.random.key_data`) of the next regrowth
-  takes_completes_step = True  # `microbatch_step` tells update where no step completes
 
 
 def densify(values: jax.Array, positions: jax.Array, shape: tuple[int, ...], *,
@@ -223,8 +223,8 @@ def sparse_storage(
   its step count moves (once per k updates, at the k-th). Without AdamA every
   ``update`` is a step: put a wrapper that skips steps (`optax.apply_if_finite`,
   `optax.MultiSteps`) around ``sparse_storage``, not inside it.
-  ``update``'s extra argument ``completes_step=False`` (what
-  `lowmem_jax.microbatch_step` passes inside its loop, where AdamA over the
+  ``update``'s extra argument ``completes_step=False`` (`lowmem_jax.optim.COMPLETES_STEP`:
+  what `lowmem_jax.microbatch_step` passes inside its loop, where AdamA over the
   same k, entering at micro-step 0, completes no step) says statically that
   this update completes none: the move is then not compiled, and the
   positions pass through unchanged (so XLA keeps them out of the loop); the
@@ -306,7 +306,7 @@ def sparse_storage(
       raise ValueError("`params` is required: `sparse_storage` prunes by the new weights' "
                        "magnitude.")
     leaf_sizes = sizes(params)
-    may_complete = extra_args.pop("completes_step", True) is not False
+    may_complete = extra_args.pop(optim.COMPLETES_STEP, True) is not False
     updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
     adama = optim.find_adama_state(inner_state)
     completed = (jnp.bool_(may_complete) if adama is None

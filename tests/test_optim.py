@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import lowmem_jax as lm
 from adama import dense_stack_loss  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import optim
+from lowmem_jax.optim import steps
 from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 
@@ -192,7 +193,7 @@ def _applying_every_micro_step(loss, tx, k):
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), value
     (params, opt_state), losses = jax.lax.scan(
-        body, (params, opt_state), jax.tree.map(lambda x: x.swapaxes(0, 1), lm.optim._split(batch, k)))
+        body, (params, opt_state), jax.tree.map(lambda x: x.swapaxes(0, 1), steps._split(batch, k)))
     return params, opt_state, {"loss": losses.mean()}
   return step
 
@@ -600,9 +601,8 @@ def test_adama_refuses_a_fold_that_differs_from_the_backward():
   tx = optax.chain(lm.adama(2, b1=0.95), optax.scale_by_learning_rate(0.1))
   with pytest.raises(ValueError, match="give it to both"):  # an int k folds with MomentFold(2)
     lm.microbatch_step(loss, tx, 2, fold_in_backward=True)(params, tx.init(params), x)
-  with pytest.warns(DeprecationWarning, match="MomentFold"):
-    agreeing = lm.optim.FoldInBackward(key=None, b1=0.95)
-  lm.microbatch_step(loss, tx, 2, fold_in_backward=agreeing)(params, tx.init(params), x)
+  agreeing = lm.MomentFold(2, b1=0.95)
+  lm.microbatch_step(loss, tx, agreeing, fold_in_backward=True)(params, tx.init(params), x)
   hyper = optax.inject_hyperparams(lm.adama, static_args=("k", "b1", "b2"))(k=2, b1=0.9)
   lm.microbatch_step(loss, hyper, 2, fold_in_backward=True)(params, hyper.init(params), x)
   with pytest.raises(ValueError, match="`nu_scale`='mean' differs"):

@@ -1,0 +1,28 @@
+"""AdamA, optimizer accumulation: micro-batch gradients fold straight into Adam's moments.
+
+Three parts, each a module:
+
+- `lowmem_jax.optim.accumulation`: AdamA as optax transformations (`adama`,
+  `adamaw`, `MomentFold`, `on_kth_micro_step`).
+- `lowmem_jax.optim.in_backward`: the moments folded inside the backward pass
+  (`scan_layers`, `LayerMoments`, `FoldInBackward`).
+- `lowmem_jax.optim.steps`: the train steps that drive them (`microbatch_step`,
+  `train_step`), and the extra argument `COMPLETES_STEP` they pass.
+
+References:
+  Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
+  Activations and Gradients for Large-scale DNN Training"
+  (https://arxiv.org/abs/2305.19982).
+"""
+
+from lowmem_jax.optim.accumulation import (NU_SCALES, AdamAState, KthMicroStepState, MomentFold,
+                                           adama, adamaw, find_adama_state, on_kth_micro_step)
+from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
+from lowmem_jax.optim.steps import (COMPLETES_STEP, microbatch_step, takes_completes_step,
+                                    train_step)
+
+__all__ = [
+    "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",
+    "LayerMoments", "MomentFold", "adama", "adamaw", "find_adama_state", "microbatch_step",
+    "on_kth_micro_step", "scan_layers", "takes_completes_step", "train_step",
+]

@@ -17,7 +17,7 @@ except where it says "instead":
                                the chain, so each new parameter rounds stochastically
   8-bit Adam instead of AdamA  lowmem activations, lm.scale_by_adam_8bit, one batch
   + bfloat16 parameters        the same, no float32 parameters (stochastic rounding)
-  + moments in host memory     the same, its moments in host memory (lm.offload.offload;
+  + moments in host memory     the same, its moments in host memory (lm.offload.offload_state;
                                not AdamA, whose moments would cross every micro-step)
   AdamW offloaded instead      lowmem activations, float32 AdamW's moments in host
                                memory, one batch
@@ -57,9 +57,9 @@ def rows(k: int) -> dict:
       "8-bit Adam, + bfloat16 parameters": (
           bf16_params, optax.chain(lm.lowbit.adamw_8bit(LR), lm.lowbit.stochastic_rounding()), 1, False),
       "8-bit Adam, bf16 parameters, + moments in host memory": (
-          bf16_params, optax.chain(lm.offload.offload(lm.lowbit.adamw_8bit(LR)),
+          bf16_params, optax.chain(lm.offload.offload_state(lm.lowbit.adamw_8bit(LR)),
                                    lm.lowbit.stochastic_rounding()), 1, False),
-      "AdamW offloaded instead of AdamA": (lowmem, lm.offload.offload(optax.adamw(LR)), 1, False),
+      "AdamW offloaded instead of AdamA": (lowmem, lm.offload.offload_state(optax.adamw(LR)), 1, False),
   }
 
 

@@ -2,7 +2,7 @@
 
 Adam over ``--leaves`` float32 leaves of 16,384² (1 GiB each), parameters and
 state donated. Rows: `optax.adam` (state on the device);
-`lowmem_jax.offload.offload` (state on the host, updated leaf by leaf); and,
+`lowmem_jax.offload.offload_state` (state on the host, updated leaf by leaf); and,
 for comparison, the whole state brought to the device and updated at once.
 Device peak, device arguments, XLA's temporaries (what is in transit) and
 host arguments, GiB.
@@ -54,7 +54,7 @@ def stats(tx: optax.GradientTransformation, leaves: int, target="h100") -> lm.me
 
 def rows() -> dict:
   return {"Adam, state on the device": optax.adam(1e-3),
-          "offload (leaf by leaf)": offload.offload(optax.adam(1e-3)),
+          "offload (leaf by leaf)": offload.offload_state(optax.adam(1e-3)),
           "whole state brought over at once": whole_tree(optax.adam(1e-3))}
 
 

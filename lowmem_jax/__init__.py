@@ -22,15 +22,15 @@ SUBMODULES = ("affine_folding", "attention_ops", "compress", "embedding", "linen
               "policies", "precision", "sparse", "targets", "transform")
 """The library's modules, each ``lm.<name>``, imported on first use."""
 
-_moved = getattr_of("lowmem_jax", {"techniques": "lowmem_jax.app.techniques",
-                                    "fold": "lowmem_jax.affine_folding",
-                                    "sparsity": "lowmem_jax.masked_sparsity"})
+_renamed = getattr_of("lowmem_jax", {"techniques": "lowmem_jax.app.techniques",
+                                      "fold": "lowmem_jax.affine_folding",
+                                      "sparsity": "lowmem_jax.masked_sparsity"})
 
 
 def __getattr__(name: str):
   if name in SUBMODULES:
     return importlib.import_module(f"lowmem_jax.{name}")
-  return _moved(name)
+  return _renamed(name)
 
 
 def __dir__() -> list[str]:

@@ -1,6 +1,6 @@
 """Optimizer state in host memory, brought to the device leaf by leaf for the update.
 
-`offload` wraps an optimizer that updates once a step and treats each
+`offload_state` wraps an optimizer that updates once a step and treats each
 parameter leaf on its own (Adam, AdamW, `lowmem_jax.scale_by_adam_8bit`; not
 AdamA, which folds every micro-batch into its moments): the state of each leaf
 lives in pinned host memory between steps (JAX's memories API,
@@ -26,11 +26,11 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import optim, targets
+from lowmem_jax import _moved, optim, targets
 
 
 class OffloadState(NamedTuple):
-  """State of `offload`: the inner transformation's state for each parameter leaf, in
+  """State of `offload_state`: the inner transformation's state for each parameter leaf, in
   ``jax.tree.leaves`` order, in host memory."""
   leaves: tuple
 
@@ -39,7 +39,7 @@ def _to(space: Any, tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def offload(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """``inner`` with its state in host memory, applied one parameter leaf at a time.
 
   Args:
@@ -88,3 +88,6 @@ def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
   is_offloaded = lambda x: isinstance(x, OffloadState)
   return jax.tree.map(lambda s: targets.in_host_memory(s) if is_offloaded(s) else s,
                       jax.eval_shape(tx.init, params), is_leaf=is_offloaded)
+
+
+__getattr__ = _moved.getattr_of(__name__, {"offload": "lowmem_jax.offload:offload_state"})

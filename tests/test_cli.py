@@ -244,7 +244,7 @@ def test_optimizer_memory_techniques(capsys):
   assert off["breakdown"]["compiled"]["host_argument_bytes"] >= base["optimizer_state"]
   setting = techniques.parse("8bit+bf16-params+offload-opt")
   code = setting.python(techniques.Job("vit-tiny", batch=4, image=32, target="h100"))
-  assert "lm.offload.offload(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code
+  assert "lm.offload.offload_state(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code
   assert "lm.lowbit.stochastic_rounding()" in code and "param_dtype=jnp.bfloat16" in code
   namespace = {}
   exec(code, namespace)

@@ -188,3 +188,7 @@ def test_moved_names_warn_and_still_work():
       assert getattr(lm, old) is new
   with pytest.raises(AttributeError, match="no attribute 'fold_norm'"):
     lm.fold_norm
+  from lowmem_jax import offload
+  with pytest.warns(DeprecationWarning, match="lowmem_jax.offload.offload is now "
+                    "lowmem_jax.offload.offload_state"):
+    assert offload.offload is offload.offload_state

@@ -21,7 +21,7 @@ def test_offload_gives_the_inner_updates_with_the_state_on_the_host():
   grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.fold_in(keys[2], i),
                                                           p.shape), params) for i in range(3)]
   inner = optax.adamw(1e-2, weight_decay=0.1)
-  tx = offload.offload(inner)
+  tx = offload.offload_state(inner)
   state = tx.init(params)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
   step, reference = jax.jit(offload_memory.step(tx)), jax.jit(offload_memory.step(inner))
@@ -41,7 +41,7 @@ def test_h100_compile_keeps_the_state_on_the_host_and_the_device_under_its_memor
   target = targets.get("h100")
   params = {f"w{i}": jax.ShapeDtypeStruct((16384, 16384), jnp.float32) for i in range(28)}
   peaks = {}
-  for name, tx in (("plain", optax.adam(1e-3)), ("offload", offload.offload(optax.adam(1e-3)))):
+  for name, tx in (("plain", optax.adam(1e-3)), ("offload", offload.offload_state(optax.adam(1e-3)))):
     state = offload.abstract_state(tx, params)
     compiled = target.compile(jax.jit(offload_memory.step(tx), donate_argnums=(0, 1)), params, state, params)
     stats = lm.memory.stats_of(compiled)
@@ -56,8 +56,8 @@ def test_h100_compile_keeps_the_state_on_the_host_and_the_device_under_its_memor
 
 def test_bad_arguments():
   with pytest.raises(TypeError, match="inner"):
-    offload.offload(lambda x: x)
-  tx = offload.offload(optax.adam(1e-3))
+    offload.offload_state(lambda x: x)
+  tx = offload.offload_state(optax.adam(1e-3))
   state = tx.init({"a": jnp.ones(2), "b": jnp.ones(2)})
   with pytest.raises(ValueError, match="leaves"):
     tx.update({"a": jnp.ones(2)}, state)

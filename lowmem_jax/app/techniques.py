@@ -311,7 +311,7 @@ class TechniqueSet:
     else:
       tx = code.Call.of("optax.adamw", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     if "offload-opt" in self:
-      tx = code.Call.of("lm.offload.offload", tx)
+      tx = code.Call.of("lm.offload.offload_state", tx)
     if "bf16-params" in self:
       tx = code.Call.of("optax.chain", tx, code.Call.of("lm.lowbit.stochastic_rounding"))
     return tx

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, dispatch, names, targets
+from lowmem_jax import _layout, dispatch, names
 from lowmem_jax._checks import check_float_array
 
 IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`lowmem_jax.dispatch`)
@@ -152,7 +152,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
   # cuDNN refuses odd lengths with a bias in training, and only in the backward, too late
   # to fall back; under jax.checkpoint JAX's cuDNN rule sees a bias where none was given.
   odd = query.shape[1] % 2 or key.shape[1] % 2
-  if impl == "auto" and targets.compiling_for() == "gpu" and not odd:
+  if impl == "auto" and dispatch.compiling_for() == "gpu" and not odd:
     try:
       return _cudnn(query, key, value, mask, bias, scale, causal)
     except (NotImplementedError, ValueError, RuntimeError):

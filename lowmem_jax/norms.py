@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, dispatch, names
+from lowmem_jax import _layout, _norm_reference as reference, dispatch, names
 from lowmem_jax._checks import check_float_array, check_out_dtype
 from pallas_kernels import norms as kernels
 
@@ -39,7 +39,7 @@ class _Spec:
 
 def _forward(spec, options, x):
   if options is None:
-    return kernels.forward_reference(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype)
+    return reference.forward_reference(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype)
   return kernels.forward(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype,
                          options=options)
 
@@ -58,7 +58,7 @@ def _ms_norm_fwd(spec, options, x):
 def _ms_norm_bwd(spec, options, res, dy):
   y, rstd = res
   if options is None:
-    dx = kernels.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
+    dx = reference.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
   else:
     dx = kernels.backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
                           options=options)

@@ -151,3 +151,40 @@ def test_import_in_a_fresh_interpreter():
       cwd=ROOT, capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == str(PACKAGE / "__init__.py")
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+  """The library modules importing ``start`` imports, directly or not."""
+  seen, todo = set(), [start]
+  while todo:
+    for w in graph[todo.pop()] - seen:
+      seen.add(w)
+      todo.append(w)
+  return seen
+
+
+def test_the_ops_stand_below_the_compile_machinery():
+  """The ops read the compile target from `dispatch`; `targets` sets it from above."""
+  graph = _graph(deferred=True)
+  for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
+    reached = _reached(graph, f"lowmem_jax.{op}")
+    assert not reached & {"lowmem_jax.targets", "lowmem_jax.memory"}, (op, sorted(reached))
+  assert "lowmem_jax.dispatch" in graph["lowmem_jax.targets"]
+
+
+def test_the_references_import_no_kernel():
+  """The kernels import their pure-JAX references from the library, not the other way."""
+  for name in ("_activation_reference", "_norm_reference", "_packing"):
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported if m.split(".")[0] == "pallas_kernels"}, (name, imported)
+
+
+def test_each_kernel_module_imports_first_in_a_fresh_interpreter():
+  """A kernel module imported before the library imports the library, which imports it."""
+  for module in ("pallas_kernels", "pallas_kernels.activations", "pallas_kernels.norms",
+                 "pallas_kernels.pack"):
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, (module, result.stderr)

@@ -39,7 +39,8 @@ class _Spec:
 
 def _forward(spec, options, x):
   if options is None:
-    return reference.forward_reference(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype)
+    return reference.forward_reference(x, centered=spec.centered, eps=spec.eps,
+                                       y_dtype=spec.y_dtype)
   return kernels.forward(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype,
                          options=options)
 

@@ -1,19 +1,15 @@
 """Fused activation kernels: one pass writes ``y`` and the packed residual code.
 
-Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). For a fit with kinks
-``c_1 < .. < c_K`` and slope increments ``a_1..a_K``:
-
-    forward:  y = fn(x) (float32, cast to x.dtype),
-              code = [x > c_1] + .. + [x > c_K], packed ``8 // bits`` a byte
-    backward: dx = dy * s[code],  s = (0, a_1, a_1 + a_2, ..)   (float32)
+Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). The fit (`Fit`, and
+`gelu` as kernels compute it) and the pure-JAX twins the kernels are tested
+against, `forward_reference` and `backward_reference`, are the library's
+(`lowmem_jax._activation_reference`, which gives the formulas; re-exported
+here).
 
 The forward kernel reads ``x`` once and writes ``y`` and the packed code; the
 backward kernel reads ``dy`` and the packed code and writes ``dx``. Both see
 rows as ``[n / P, P]`` groups (`pack.grouped`), so packing is a reduction over
-the minor axis inside the program. The fit (`Fit`, and `gelu` as kernels
-compute it) and the pure-JAX twins the kernels are tested against,
-`forward_reference` and `backward_reference`, are the library's
-(`lowmem_jax._activation_reference`, re-exported here).
+the minor axis inside the program.
 """
 
 import functools

@@ -1,18 +1,14 @@
 """MS-LayerNorm / MS-RMSNorm kernels: one pass per row block, each way.
 
-MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). Per row of the last axis,
-statistics in float32, biased variance:
-
-    LayerNorm: y = (x - mean(x)) * rstd,  rstd = 1 / sqrt(var(x) + eps)
-               dx = rstd * (dy - mean(dy) - y * mean(dy * y))
-    RMSNorm:   y = x * rstd,              rstd = 1 / sqrt(mean(x^2) + eps)
-               dx = rstd * (dy - y * mean(dy * y))
+MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The kernels compute what
+their pure-JAX twins, `forward_reference` and `backward_reference`, compute:
+the library's (`lowmem_jax._norm_reference`, which gives the formulas;
+re-exported here), which the kernels are tested against.
 
 A program holds whole rows (the row padded to a power of two and masked), so
 the forward writes ``y`` and ``rstd`` in one pass and the backward takes both
 row means of ``dy`` in one kernel. Rows longer than `MAX_ROW` do not fit a
-program. The pure-JAX twins the kernels are tested against, `forward_reference`
-and `backward_reference`, are the library's (`lowmem_jax._norm_reference`, re-exported here).
+program.
 """
 
 import functools

@@ -176,7 +176,7 @@ def test_the_references_import_no_kernel():
   """The kernels import their pure-JAX references from the library, not the other way."""
   for name in ("_activation_reference", "_norm_reference", "_packing"):
     tree = ast.parse((PACKAGE / f"{name}.py").read_text())
-    imported = {alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in imported if m.split(".")[0] == "pallas_kernels"}, (name, imported)
 

@@ -19,9 +19,8 @@ from typing import Callable, Sequence
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import dispatch, names
+from lowmem_jax import _activation_reference as reference, dispatch, names
 from lowmem_jax._checks import check_float_array
-from pallas_kernels import activations as kernels
 
 # Published fits (LowMemoryBP): sum(a) = 1 and sum(a * c) = 0.
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
@@ -30,18 +29,24 @@ RESILU2_A = (-0.04060357190528599, 1.080925428529668, -0.040321856624382146)
 RESILU2_C = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
 
 
+def _kernels():
+  """The Pallas kernels, imported where one runs: ``import lowmem_jax`` loads no Pallas."""
+  from pallas_kernels import activations
+  return activations
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _approx(fit: kernels.Fit, options, x: jax.Array) -> jax.Array:
+def _approx(fit: reference.Fit, options, x: jax.Array) -> jax.Array:
   if options is None:
-    return kernels.forward_reference(fit, x)[0]  # XLA drops the unused code
-  return kernels.forward(fit, x, options)[0]
+    return reference.forward_reference(fit, x)[0]  # XLA drops the unused code
+  return _kernels().forward(fit, x, options)[0]
 
 
 def _approx_fwd(fit, options, x):
   if options is None:
-    y, packed = kernels.forward_reference(fit, x)
+    y, packed = reference.forward_reference(fit, x)
   else:
-    y, packed = kernels.forward(fit, x, options)
+    y, packed = _kernels().forward(fit, x, options)
   # Tied to y, the code is made before y's next use; alone, XLA may schedule it
   # at the end of the forward (only the backward reads it) and keep x alive.
   y, packed = jax.lax.optimization_barrier((y, packed))
@@ -50,8 +55,8 @@ def _approx_fwd(fit, options, x):
 
 def _approx_bwd(fit, options, packed, dy):
   if options is None:
-    return (kernels.backward_reference(fit, packed, dy),)
-  return (kernels.backward(fit, packed, dy, options),)
+    return (reference.backward_reference(fit, packed, dy),)
+  return (_kernels().backward(fit, packed, dy, options),)
 
 
 _approx.defvjp(_approx_fwd, _approx_bwd)
@@ -80,7 +85,7 @@ def approx_activation(
     1 bit for one kink, 2 bits for two or three), tagged ``act_code``. ``impl``
     picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both save
     the same code and return the same ``dx`` for the same ``dy``. The
-    function's ``fit`` attribute is its `pallas_kernels.activations.Fit`.
+    function's ``fit`` attribute is its `lowmem_jax._activation_reference.Fit`.
   """
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
@@ -99,7 +104,7 @@ def approx_activation(
     raise ValueError(f"c must be strictly increasing, got {c}.")
   if kernel_fn is not None and not callable(kernel_fn):
     raise TypeError(f"kernel_fn must be callable or None, got {type(kernel_fn).__name__}.")
-  fit = kernels.Fit(fn, a, c, kernel_fn)
+  fit = reference.Fit(fn, a, c, kernel_fn)
 
   def activation(x: jax.Array, *, impl: str | None = None) -> jax.Array:
     check_float_array(x, "x")
@@ -113,7 +118,7 @@ def _gelu(x):
   return jax.nn.gelu(x, approximate=False)
 
 
-regelu2 = approx_activation(_gelu, REGELU2_A, REGELU2_C, kernel_fn=kernels.gelu)
+regelu2 = approx_activation(_gelu, REGELU2_A, REGELU2_C, kernel_fn=reference.gelu)
 regelu2.__name__ = regelu2.__qualname__ = "regelu2"
 regelu2.__doc__ = """ReGELU2: exact (erf) GELU forward, 2-bit residual, step backward.
 

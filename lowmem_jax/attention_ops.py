@@ -21,10 +21,7 @@ float32 probabilities, tagged `names.ATTN_PROBS`. Both name their output
 
 Both run under `jax.named_scope` (``lowmem/attention``,
 ``lowmem/attention_reference``), so the op names of memory reports and
-profiles show them. Their 0.1 keywords (``q``, ``k``, ``v``, ``causal``,
-``impl``), ``implementation="chunked"`` and the name
-``dot_product_attention`` for `attention_reference` still work for one
-release, each with a `DeprecationWarning` naming what replaces it.
+profiles show them.
 
 As in `jax.nn.dot_product_attention`, a row with every key masked attends
 uniformly to all its keys: its output is the mean of value, and query, key
@@ -35,45 +32,19 @@ biased to -inf (NaN in `jax.nn`).
 import functools
 import math
 import numbers
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, dispatch, names, targets
+from lowmem_jax import _layout, dispatch, names
 from lowmem_jax._checks import check_float_array
 
 IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`lowmem_jax.dispatch`)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit (as jax.nn's)
-_OLD_KEYWORDS = {"q": "query", "k": "key", "v": "value", "causal": "is_causal"}  # 0.1's names
 
 
-def _accepts_old_keywords(**renamed):
-  """Lets the decorated op take its 0.1 keywords (``old=new``) and
-  ``implementation="chunked"`` for one release, each with a `DeprecationWarning`."""
-  def decorate(fn):
-    @functools.wraps(fn)
-    def op(*args, **kwargs):
-      for old, new in renamed.items():
-        if old in kwargs:
-          if new in kwargs:
-            raise TypeError(f"{fn.__name__}() got both {old}= and {new}=; pass {new}= only.")
-          warnings.warn(f"{fn.__name__}(): {old}= is deprecated, use {new}=; {old}= goes in "
-                        f"the next release.", DeprecationWarning, stacklevel=2)
-          kwargs[new] = kwargs.pop(old)
-      if kwargs.get("implementation") == "chunked":
-        warnings.warn(f'{fn.__name__}(): implementation="chunked" is deprecated, use '
-                      f'implementation="xla" (the same chunked attention); "chunked" goes in '
-                      f'the next release.', DeprecationWarning, stacklevel=2)
-        kwargs["implementation"] = "xla"
-      return fn(*args, **kwargs)
-    return op
-  return decorate
-
-
-@_accepts_old_keywords(**_OLD_KEYWORDS, impl="implementation")
 @jax.named_scope("lowmem/attention")
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
               mask: jax.Array | None = None, *, scale: float | None = None,
@@ -152,7 +123,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
   # cuDNN refuses odd lengths with a bias in training, and only in the backward, too late
   # to fall back; under jax.checkpoint JAX's cuDNN rule sees a bias where none was given.
   odd = query.shape[1] % 2 or key.shape[1] % 2
-  if impl == "auto" and targets.compiling_for() == "gpu" and not odd:
+  if impl == "auto" and dispatch.compiling_for() == "gpu" and not odd:
     try:
       return _cudnn(query, key, value, mask, bias, scale, causal)
     except (NotImplementedError, ValueError, RuntimeError):
@@ -331,7 +302,6 @@ def _add_at(x, update, start, axis=1):
       x, lax.dynamic_slice_in_dim(x, start, update.shape[axis], axis) + update, start, axis)
 
 
-@_accepts_old_keywords(**_OLD_KEYWORDS)
 @jax.named_scope("lowmem/attention_reference")
 def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
                         bias: jax.Array | None = None, mask: jax.Array | None = None, *,
@@ -377,15 +347,6 @@ def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
   out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs.astype(value.dtype), value,
                    preferred_element_type=jnp.float32)
   return checkpoint_name(out.reshape(query.shape).astype(query.dtype), names.ATTN_OUT)
-
-
-@_accepts_old_keywords(**_OLD_KEYWORDS)
-def dot_product_attention(*args, **kwargs) -> jax.Array:
-  """Deprecated: `attention_reference`'s 0.1 name, kept for one release."""
-  warnings.warn("lowmem_jax.attention_ops.dot_product_attention is deprecated, use "
-                "attention_reference (the same function, with jax.nn's keywords); the old "
-                "name goes in the next release.", DeprecationWarning, stacklevel=3)
-  return attention_reference(*args, **kwargs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

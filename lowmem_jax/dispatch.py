@@ -17,7 +17,9 @@ ops with a Pallas kernel as ``impl``, `lowmem_jax.attention` as
 - ``"auto"``: per op, by the compile target: a kernel for a GPU where
   `docs/benchmarks.md` measured it no slower than XLA's fusion (the families
   in `MEASURED_NO_SLOWER`); cuDNN attention on a GPU where cuDNN takes the
-  call; else ``"xla"``.
+  call; else ``"xla"``. `MEASURED_NO_SLOWER` is empty today, so for the
+  activations and the norms ``"auto"`` means ``"xla"`` on every target; only
+  attention's ``"auto"`` leaves XLA (for cuDNN, on a GPU).
 
 An op offers some of them (`KERNEL_IMPLS`, `lowmem_jax.attention_ops.IMPLS`);
 asking it for another raises. ``None`` (the default) reads the environment
@@ -25,15 +27,32 @@ variable ``LOWMEM_JAX_IMPL`` when the op is traced, so one variable switches
 a whole program; an op that does not offer the variable's value runs
 ``"auto"``, and an unset or empty variable means ``"auto"``.
 
-``"On a GPU"`` means the compile target (`lowmem_jax.targets.compiling_for`): a
-step compiled for the H100 target on a machine without a GPU takes the
-kernels' Triton path, and ptxas builds them for sm_90a.
+``"On a GPU"`` means the compile target, `compiling_for`: the platform that
+`lowmem_jax.targets` sets (`compiling_for_platform`) while it compiles for a
+target, else JAX's default backend. A step compiled for the H100 target on a
+machine without a GPU takes the kernels' Triton path, and ptxas builds them
+for sm_90a.
+
+The choice is made when an op is traced, and jit's caches do not see it:
+neither ``$LOWMEM_JAX_IMPL`` nor the compile target is part of the key under
+which JAX caches a traced function. After changing the variable, call
+`jax.clear_caches()`; a function traced before is then traced again at its
+next call and takes the new choice. A new ``jax.jit`` of the same function is
+not enough (JAX caches the trace by the function), and neither is
+`jax.make_jaxpr`. The same holds for a function lowered with
+``jax.jit(f).lower`` inside `lowmem_jax.targets.compiling` on arguments it was
+traced with before. `lowmem_jax.targets.Target.compile` for a compile-only GPU
+needs none of this: it places the arguments on the target's devices, so the
+function is traced afresh.
 """
 
+import contextlib
+import contextvars
 import os
+from typing import Callable
 
-from lowmem_jax import targets
-from pallas_kernels import _blocks
+import jax
+
 
 IMPLS = ("auto", "xla", "cudnn", "pallas", "pallas_interpret")
 KERNEL_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")  # what the ops with a kernel offer
@@ -41,13 +60,49 @@ ENV_VAR = "LOWMEM_JAX_IMPL"
 
 # Kernel families a GPU benchmark (benchmarks/kernels.py, figures in
 # docs/benchmarks.md) measured no slower than XLA's fusion of the reference.
-# Empty: no GPU has run the benchmark yet, so "auto" means XLA everywhere.
+# Empty: the H100 run found the norm kernels faster (docs/kernels.md), but
+# adding them changes every GPU-target memory figure, so they wait for a
+# change that re-measures those; until then a kernel's "auto" is XLA.
 MEASURED_NO_SLOWER: frozenset[str] = frozenset()
+
+# The platform `compiling_for_platform` set; None: JAX's default backend.
+_platform: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "lowmem_jax_compile_platform", default=None)
+
+
+def compiling_for() -> str:
+  """The platform being compiled for: ``"gpu"``, ``"cpu"``, ... .
+
+  The platform `compiling_for_platform` set (`lowmem_jax.targets.Target.compile`
+  sets ``"gpu"`` for a GPU target), else `jax.default_backend`. The ops that
+  choose an implementation decide by it when they are traced.
+  """
+  chosen = _platform.get()
+  return jax.default_backend() if chosen is None else chosen
+
+
+@contextlib.contextmanager
+def compiling_for_platform(name: str):
+  """Within the block, `compiling_for` answers ``name`` (``"gpu"``, ``"cpu"``, ...).
+
+  What `lowmem_jax.targets.compiling` enters for a target; see the module
+  docstring for when a function traced before needs `jax.clear_caches`.
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"name must be a platform name such as 'gpu', got {name!r}.")
+  token = _platform.set(name)
+  try:
+    yield name
+  finally:
+    _platform.reset(token)
 
 
 def choose(impl: str | None, op: str, offered: tuple[str, ...],
            argument: str = "impl") -> tuple[str, str]:
   """The implementation of `IMPLS` to run ``op`` with, and where it was named.
+
+  Read when ``op`` is traced: a function traced before ``$LOWMEM_JAX_IMPL``
+  changed keeps its old choice until `jax.clear_caches` (module docstring).
 
   Args:
     impl: a name in `IMPLS`, or ``None``: ``$LOWMEM_JAX_IMPL`` where ``op``
@@ -78,31 +133,38 @@ def choose(impl: str | None, op: str, offered: tuple[str, ...],
   return impl, argument
 
 
-def kernel_options(impl: str | None, kernel: str, unsupported: str | None = None):
-  """The `pallas_kernels._blocks.Options` to run ``kernel`` with, or ``None`` for XLA.
+def kernel_options(impl: str | None, kernel: str,
+                   unsupported: Callable[[], str | None] = lambda: None):
+  """The `pallas_kernels.Options` to run ``kernel`` with, or ``None`` for XLA.
+
+  Pallas is imported here, where a kernel is chosen: not with the library.
 
   Args:
     impl: a name in `KERNEL_IMPLS`, or ``None`` (see `choose`).
     kernel: the kernel family, e.g. ``"approx_activation"``.
-    unsupported: why the kernel cannot take this input, or ``None``.
+    unsupported: gives why the kernel cannot take this input, or ``None``; called
+      only where the kernel would run.
 
   Raises:
     ValueError: an unknown ``impl``, one the op does not offer, or a kernel
       asked for where it cannot run.
   """
   impl, source = choose(impl, f"the {kernel} op", KERNEL_IMPLS)
-  platform = targets.compiling_for()
-  on_gpu = platform == "gpu"
-  if impl == "xla" or (impl == "auto" and not (on_gpu and kernel in MEASURED_NO_SLOWER
-                                               and unsupported is None)):
+  target = compiling_for()
+  on_gpu = target == "gpu"
+  if impl == "xla" or (impl == "auto" and not (on_gpu and kernel in MEASURED_NO_SLOWER)):
     return None
-  if unsupported is not None:
-    raise ValueError(f"{source}={impl!r} cannot run the {kernel} kernel: {unsupported}; "
+  why = unsupported()
+  if why is not None:
+    if impl == "auto":
+      return None
+    raise ValueError(f"{source}={impl!r} cannot run the {kernel} kernel: {why}; "
                      f"use impl='xla'.")
   if impl == "pallas" and not on_gpu:
     raise ValueError(
         f"{source}='pallas' needs a GPU: the {kernel} kernel compiles with Pallas' Triton "
-        f"backend and the compile target is {platform!r}. Compile for a GPU target "
+        f"backend and the compile target is {target!r}. Compile for a GPU target "
         f"(lowmem_jax.targets), use impl='pallas_interpret' to run the kernel in interpret "
         f"mode, or impl='xla'.")
-  return _blocks.Options(interpret=impl == "pallas_interpret")
+  from pallas_kernels import Options  # Pallas loads with the first kernel chosen
+  return Options(interpret=impl == "pallas_interpret")

@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, dispatch, names
+from lowmem_jax import _layout, _norm_reference as reference, dispatch, names
 from lowmem_jax._checks import check_float_array, check_out_dtype
-from pallas_kernels import norms as kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +36,17 @@ class _Spec:
   y_dtype: jnp.dtype
 
 
+def _kernels():
+  """The Pallas kernels, imported where one runs: ``import lowmem_jax`` loads no Pallas."""
+  from pallas_kernels import norms
+  return norms
+
+
 def _forward(spec, options, x):
   if options is None:
-    return kernels.forward_reference(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype)
-  return kernels.forward(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype,
+    return reference.forward_reference(x, centered=spec.centered, eps=spec.eps,
+                                       y_dtype=spec.y_dtype)
+  return _kernels().forward(x, centered=spec.centered, eps=spec.eps, y_dtype=spec.y_dtype,
                          options=options)
 
 
@@ -58,9 +64,9 @@ def _ms_norm_fwd(spec, options, x):
 def _ms_norm_bwd(spec, options, res, dy):
   y, rstd = res
   if options is None:
-    dx = kernels.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
+    dx = reference.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
   else:
-    dx = kernels.backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
+    dx = _kernels().backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
                           options=options)
   return (dx,)
 
@@ -74,7 +80,7 @@ def _norm(centered: bool, x: jax.Array, eps: float, dtype, impl: str | None) -> 
     raise ValueError(f"eps must be a number > 0, got {eps!r}.")
   x_dtype = jnp.dtype(x.dtype)
   spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)
-  options = dispatch.kernel_options(impl, "ms_norm", kernels.supports(x.shape[-1]))
+  options = dispatch.kernel_options(impl, "ms_norm", lambda: _kernels().supports(x.shape[-1]))
   return _ms_norm(spec, options, x)
 
 

@@ -40,6 +40,7 @@ Example:
 """
 
 import dataclasses
+from typing import Callable
 
 import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
@@ -67,21 +68,34 @@ def _tag(prim, params) -> str | None:
   return params["name"] if prim.name == "name" else None
 
 
-# JAX's own frozen dataclasses for these two, so that JAX's remat machinery
-# recognises them; `save_only` and `save_all_but` check the names first.
+# JAX's own frozen dataclasses for these two (SaveOnlyTheseNames and
+# SaveAnyNamesButThese, which JAX 0.10.2 names only in its private
+# jax._src.ad_checkpoint), so that JAX's remat machinery recognises them;
+# `save_only` and `save_all_but` check the names first.
 SaveOnly = type(jax.checkpoint_policies.save_only_these_names())  # field: saveable_names
 SaveAllBut = type(jax.checkpoint_policies.save_any_names_but_these())  # field: names
 
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
-  """Copies the values tagged with ``names`` from ``src`` to ``dst`` memory; recomputes the rest."""
+  """Copies the values tagged with ``names`` from ``src`` to ``dst`` memory; recomputes the rest.
+
+  Decides as JAX's ``save_and_offload_only_these_names`` with nothing saved,
+  which it calls; unlike JAX's closure it is hashable, compares by its
+  fields and prints as the `offload` call that made it.
+  """
   names: frozenset[str]
   src: str
   dst: str
+  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
 
-  def __call__(self, prim, *_, **params):
-    return Offloadable(src=self.src, dst=self.dst) if _tag(prim, params) in self.names else Recompute
+  def __post_init__(self):
+    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=self.names,
+        offload_src=self.src, offload_dst=self.dst))
+
+  def __call__(self, prim, *args, **params):
+    return self._decide(prim, *args, **params)
 
   def __str__(self) -> str:
     return f"offload({_listed(self.names)}, src={self.src!r}, dst={self.dst!r})"

@@ -34,7 +34,6 @@ nothing there.
 """
 
 import contextlib
-import contextvars
 import ctypes.util
 import dataclasses
 import functools
@@ -50,6 +49,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lowmem_jax import dispatch
+from lowmem_jax.dispatch import compiling_for  # the ops decide by it; public here too
 
 if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
@@ -73,8 +75,6 @@ CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 _CONFIGS = importlib.resources.files("lowmem_jax") / "target_configs"
-_compiling_for: contextvars.ContextVar["Target | None"] = contextvars.ContextVar(
-    "lowmem_jax_compiling_for", default=None)
 
 
 class TargetUnavailable(RuntimeError):
@@ -391,26 +391,15 @@ def resolve(target: "Target | str | None") -> Target:
   raise TypeError(f"target must be a Target, a name or None, got {type(target).__name__}.")
 
 
-def compiling_for() -> str:
-  """The platform being compiled for: ``"gpu"`` inside `Target.compile` for a
-  GPU target, else JAX's default backend. Ops that choose an implementation
-  (`lowmem_jax.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
-  for the H100 target takes the GPU paths on a machine without a GPU."""
-  target = _compiling_for.get()
-  if target is None:
-    return jax.default_backend()
-  return "gpu" if target.platform == "cuda" else target.platform
-
-
 @contextlib.contextmanager
 def compiling(target: Target):
-  """Within the block, `compiling_for` answers for ``target`` (for a user who
-  lowers with ``jax.jit(...).lower`` on `Target.place`'d arguments)."""
-  token = _compiling_for.set(target)
-  try:
+  """Within the block, `compiling_for` answers for ``target``: ``"gpu"`` for a
+  GPU target (for a user who lowers with ``jax.jit(...).lower`` on
+  `Target.place`'d arguments). Ops that choose an implementation
+  (`lowmem_jax.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
+  for the H100 target takes the GPU paths on a machine without a GPU."""
+  with dispatch.compiling_for_platform("gpu" if target.platform == "cuda" else target.platform):
     yield target
-  finally:
-    _compiling_for.reset(token)
 
 
 _DEVICE_KIND = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)

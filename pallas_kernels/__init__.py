@@ -1,8 +1,15 @@
-"""Pallas kernels of lowmem-jax, each file beside its pure-JAX reference.
+"""Pallas kernels of lowmem-jax, each tested against the library's pure-JAX reference.
 
 - `activations`: ReGELU2/ReSiLU2/ReLU fused with packing their residual code;
 - `norms`: MS-LayerNorm/MS-RMSNorm, one pass per row block each way;
 - `pack`: the bit-packing layout every compressed residual uses.
 
-`lowmem_jax.dispatch` chooses between a kernel and its reference (``impl=``).
+The references (and the packing layout) are the library's: `lowmem_jax._activation_reference`,
+`lowmem_jax._norm_reference`, `lowmem_jax._packing`; each kernel module re-exports its
+own. `Options` says how a kernel is compiled (interpret mode, block sizes,
+warps); `lowmem_jax.dispatch` chooses between a kernel and its reference (``impl=``).
 """
+
+from pallas_kernels._blocks import Options
+
+__all__ = ["Options"]

@@ -1,80 +1,27 @@
 """Fused activation kernels: one pass writes ``y`` and the packed residual code.
 
-Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). For a fit with kinks
-``c_1 < .. < c_K`` and slope increments ``a_1..a_K``:
-
-    forward:  y = fn(x) (float32, cast to x.dtype),
-              code = [x > c_1] + .. + [x > c_K], packed ``8 // bits`` a byte
-    backward: dx = dy * s[code],  s = (0, a_1, a_1 + a_2, ..)   (float32)
+Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). The fit (`Fit`, and
+`gelu` as kernels compute it) and the pure-JAX twins the kernels are tested
+against, `forward_reference` and `backward_reference`, are the library's
+(`lowmem_jax._activation_reference`, which gives the formulas; re-exported
+here).
 
 The forward kernel reads ``x`` once and writes ``y`` and the packed code; the
 backward kernel reads ``dy`` and the packed code and writes ``dx``. Both see
 rows as ``[n / P, P]`` groups (`pack.grouped`), so packing is a reduction over
-the minor axis inside the program. `forward_reference` and
-`backward_reference` are the pure-JAX twins: what runs without a kernel.
+the minor axis inside the program.
 """
 
-import dataclasses
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lowmem_jax._activation_reference import Fit, backward_reference, forward_reference, gelu
 from pallas_kernels import _blocks, pack
 
-
-@dataclasses.dataclass(frozen=True)
-class Fit:
-  """A piecewise-linear fit of an activation: slope increments ``a`` at kinks ``c``.
-
-  Hashable (a static argument of kernels and ``custom_vjp``).
-
-  Attributes:
-    fn: the exact activation, applied in float32.
-    a: slope increments ``a_1..a_K``, ``1 <= K <= 3``.
-    c: kinks ``c_1 < .. < c_K``.
-    kernel_fn: ``fn`` as the kernel computes it, where ``fn`` uses an op
-      Pallas' Triton lowering lacks (GELU's ``erfc``); ``None``: ``fn``.
-  """
-  fn: Callable[[jax.Array], jax.Array]
-  a: tuple[float, ...]
-  c: tuple[float, ...]
-  kernel_fn: Callable[[jax.Array], jax.Array] | None = None
-
-  @property
-  def bits(self) -> int:
-    """Bits a code: 1 for one kink, 2 for two or three."""
-    return 1 if len(self.c) == 1 else 2
-
-  def code(self, x: jax.Array) -> jax.Array:
-    """int32 code of each element: how many kinks lie below it (compared in float32)."""
-    x = x.astype(jnp.float32)
-    return sum((x > jnp.float32(ci)).astype(jnp.int32) for ci in self.c)
-
-  def slope(self, code: jax.Array) -> jax.Array:
-    """float32 ``s[code] = a_1 + .. + a_code``, elementwise (no gather)."""
-    return sum(jnp.where(code > i, jnp.float32(ai), jnp.float32(0)) for i, ai in enumerate(self.a))
-
-
-def gelu(x: jax.Array) -> jax.Array:
-  """Exact (erf) GELU of float32 ``x`` from ``exp`` alone, for kernels.
-
-  ``gelu(x) = x / 2 * erfc(-x / sqrt(2))``, with ``erfc`` from Press et al.'s
-  Chebyshev fit (Numerical Recipes, 2nd ed., section 6.2, ``erfcc``), whose
-  relative error is below 1.2e-7 in exact arithmetic. In float32 the rounding
-  of ``exp``'s argument dominates for large ``|x|``, as in XLA's GELU; the
-  tests hold it within 2e-5 relative of `jax.nn.gelu` on [-12, 12].
-  """
-  z = -x * jnp.float32(0.7071067811865476)
-  t = 1 / (1 + 0.5 * jnp.abs(z))
-  poly = jnp.float32(0.17087277)
-  for coef in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418,
-               0.37409196, 1.00002368, -1.26551223):
-    poly = poly * t + jnp.float32(coef)
-  tail = t * jnp.exp(poly - z * z)
-  return 0.5 * x * jnp.where(z >= 0, tail, 2 - tail)
+__all__ = ["Fit", "backward", "backward_reference", "forward", "forward_reference", "gelu"]
 
 
 def _forward_kernel(x_ref, y_ref, packed_ref, *, fit, shape):
@@ -149,15 +96,3 @@ def backward(fit: Fit, packed: jax.Array, dy: jax.Array,
       interpret=options.interpret, compiler_params=options.compiler_params(),
       name="lowmem_approx_activation_bwd")(packed.reshape(rows, size), view)
   return pack.ungrouped(dx, dy.shape)
-
-
-def forward_reference(fit: Fit, x: jax.Array):
-  """Pure-JAX `forward`: ``(fn(x) in x's dtype, uint8 packed code)``."""
-  y = fit.fn(x.astype(jnp.float32)).astype(x.dtype)
-  return y, pack.pack_reference(fit.code(x), fit.bits)
-
-
-def backward_reference(fit: Fit, packed: jax.Array, dy: jax.Array) -> jax.Array:
-  """Pure-JAX `backward`: ``dy * s[code]`` in float32, cast to dy's dtype."""
-  slope = fit.slope(pack.unpack_reference(packed, fit.bits, dy.shape[-1]))
-  return (dy.astype(jnp.float32) * slope).astype(dy.dtype)

@@ -1,17 +1,14 @@
 """MS-LayerNorm / MS-RMSNorm kernels: one pass per row block, each way.
 
-MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). Per row of the last axis,
-statistics in float32, biased variance:
-
-    LayerNorm: y = (x - mean(x)) * rstd,  rstd = 1 / sqrt(var(x) + eps)
-               dx = rstd * (dy - mean(dy) - y * mean(dy * y))
-    RMSNorm:   y = x * rstd,              rstd = 1 / sqrt(mean(x^2) + eps)
-               dx = rstd * (dy - y * mean(dy * y))
+MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The kernels compute what
+their pure-JAX twins, `forward_reference` and `backward_reference`, compute:
+the library's (`lowmem_jax._norm_reference`, which gives the formulas;
+re-exported here), which the kernels are tested against.
 
 A program holds whole rows (the row padded to a power of two and masked), so
 the forward writes ``y`` and ``rstd`` in one pass and the backward takes both
 row means of ``dy`` in one kernel. Rows longer than `MAX_ROW` do not fit a
-program. `forward_reference` and `backward_reference` are the pure-JAX twins.
+program.
 """
 
 import functools
@@ -20,7 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lowmem_jax._norm_reference import backward_reference, forward_reference
 from pallas_kernels import _blocks
+
+__all__ = ["MAX_ROW", "backward", "backward_reference", "forward", "forward_reference",
+           "supports"]
 
 # Longest row a program holds: 16K float32 values, 64 KiB (JAX's own Triton
 # layer norm loads rows in chunks of 64 KiB; ours holds the whole row).
@@ -136,24 +137,3 @@ def backward(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool, x_
       interpret=options.interpret, compiler_params=options.compiler_params(),
       name="lowmem_ms_norm_bwd")(rows, rstd.reshape(rows.shape[:1]), _blocks.as_rows(dy))
   return dx.reshape(y.shape)
-
-
-def forward_reference(x: jax.Array, *, centered: bool, eps: float, y_dtype=None):
-  """Pure-JAX `forward`: ``(y in y_dtype, float32 rstd [...])``."""
-  x32 = x.astype(jnp.float32)
-  if centered:
-    x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-  var = jnp.maximum(jnp.mean(jnp.square(x32), axis=-1, keepdims=True), 0.0)
-  rstd = jax.lax.rsqrt(var + eps)
-  return (x32 * rstd).astype(y_dtype or x.dtype), rstd[..., 0]
-
-
-def backward_reference(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool,
-                       x_dtype=None) -> jax.Array:
-  """Pure-JAX `backward`: ``rstd * (dy [- mean(dy)] - y * mean(dy * y))`` in float32."""
-  dy32 = dy.astype(jnp.float32)
-  y32 = y.astype(jnp.float32)
-  g = dy32 - y32 * jnp.mean(dy32 * y32, axis=-1, keepdims=True)
-  if centered:
-    g = g - jnp.mean(dy32, axis=-1, keepdims=True)
-  return (rstd[..., None] * g).astype(x_dtype or dy.dtype)

@@ -1,56 +1,27 @@
-"""Bit-packing of small integer codes along the last axis: kernels and reference.
+"""Pallas kernels that pack small integer codes along the last axis, and unpack them.
 
-The layout (DESIGN.md): with ``b`` bits a code and ``P = 8 // b`` codes a
-byte, element ``j`` of a row goes to byte ``j // P`` at bit ``b * (j % P)``,
-low bits first; the last axis is zero-padded to a multiple of ``P``. Packing
-along the last axis keeps a packed residual sharded like the array it came from.
-
-The kernels view a row of ``n`` codes as ``[n / P, P]`` (a free reshape), so a
-program reads whole bytes' worth of codes and reduces over the minor axis.
-`pack_reference` and `unpack_reference` are the pure-JAX twins the kernels are
-tested against; `codes_to_bytes` and `bytes_to_codes` are the in-kernel steps
-the fused activation kernels share.
+The layout and the pure-JAX twins the kernels are tested against,
+`pack_reference` and `unpack_reference`, are the library's
+(`lowmem_jax._packing`, re-exported here). The kernels view a row of ``n``
+codes as ``[n / P, P]`` (a free reshape), so a program reads whole bytes' worth
+of codes and reduces over the minor axis; `codes_to_bytes` and
+`bytes_to_codes` are the in-kernel steps the fused activation kernels share.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lowmem_jax import _packing
+from lowmem_jax._packing import (SUPPORTED_BITS, bytes_to_codes, check_packed, codes_per_byte,
+                                 codes_to_bytes, pack_reference, packed_size, unpack_reference)
 from pallas_kernels import _blocks
 
-SUPPORTED_BITS = (1, 2, 4, 8)
-
-
-def codes_per_byte(bits: int) -> int:
-  """``8 // bits``, after checking ``bits`` is one of `SUPPORTED_BITS`."""
-  if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-    raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
-  return 8 // bits
-
-
-def packed_size(n: int, bits: int) -> int:
-  """Bytes a row of ``n`` codes of ``bits`` bits takes: ``ceil(n * bits / 8)``."""
-  return math.ceil(n / codes_per_byte(bits))
-
-
-def _shifts(bits: int, ndim: int) -> jax.Array:
-  """int32 ``bits * (0, 1, .., P - 1)`` along the last of ``ndim`` axes."""
-  per_byte = 8 // bits
-  return jax.lax.broadcasted_iota(jnp.int32, (1,) * (ndim - 1) + (per_byte,), ndim - 1) * bits
-
-
-def codes_to_bytes(codes: jax.Array, bits: int) -> jax.Array:
-  """``[..., m, P]`` integer codes to their ``uint8[..., m]`` bytes."""
-  return jnp.sum(codes.astype(jnp.int32) << _shifts(bits, codes.ndim), axis=-1).astype(jnp.uint8)
-
-
-def bytes_to_codes(packed: jax.Array, bits: int) -> jax.Array:
-  """``uint8[..., m]`` bytes to their int32 codes ``[..., m, P]``."""
-  packed = packed.astype(jnp.int32)[..., None]
-  return (packed >> _shifts(bits, packed.ndim)) & (2**bits - 1)
+__all__ = ["SUPPORTED_BITS", "byte_grid", "bytes_to_codes", "check_packed", "codes_per_byte",
+           "codes_to_bytes", "grouped", "pack", "pack_reference", "packed_size", "ungrouped",
+           "unpack", "unpack_reference"]
 
 
 def grouped(x: jax.Array, bits: int, fill=0) -> jax.Array:
@@ -58,12 +29,7 @@ def grouped(x: jax.Array, bits: int, fill=0) -> jax.Array:
 
   A reshape when ``P`` divides ``n``; otherwise the padding copies ``x``.
   """
-  per_byte = codes_per_byte(bits)
-  x = _blocks.as_rows(x)
-  pad = -x.shape[-1] % per_byte
-  if pad:
-    x = jnp.pad(x, [(0, 0), (0, pad)], constant_values=fill)
-  return x.reshape(x.shape[0], x.shape[1] // per_byte, per_byte)
+  return _packing.grouped(_blocks.as_rows(x), bits, fill)
 
 
 def ungrouped(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -106,7 +72,7 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
     codes: integer array ``[..., n]`` with values in ``[0, 2**bits)``; other
       values are masked to their low ``bits`` bits.
     bits: 1, 2, 4 or 8.
-    options: interpret mode and tuning (`pallas_kernels._blocks.Options`).
+    options: interpret mode and tuning (`pallas_kernels.Options`).
 
   Returns:
     ``uint8[..., ceil(n * bits / 8)]``, equal to `pack_reference`.
@@ -143,44 +109,11 @@ def unpack(packed: jax.Array, bits: int, n: int, *,
   return ungrouped(codes, out_shape)
 
 
-def pack_reference(codes: jax.Array, bits: int) -> jax.Array:
-  """Pure-JAX `pack`: integer ``[..., n]`` to ``uint8[..., ceil(n * bits / 8)]``.
-
-  Codes must lie in ``[0, 2**bits)``; other values are masked to their low
-  ``bits`` bits, as in the kernel.
-  """
-  view, out_shape = _codes_view(codes, bits)
-  if view is None:
-    return jnp.zeros(out_shape, jnp.uint8)
-  return codes_to_bytes(view, bits).reshape(out_shape)
-
-
-def unpack_reference(packed: jax.Array, bits: int, n: int) -> jax.Array:
-  """Pure-JAX `unpack`: ``uint8[..., ceil(n * bits / 8)]`` to ``uint8[..., n]``."""
-  check_packed(packed, bits, n)
-  codes = bytes_to_codes(packed, bits).astype(jnp.uint8)
-  return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :n]
-
-
 def _codes_view(codes, bits):
   """Checked ``codes`` as `grouped` uint8 ``[rows, m, P]`` (``None`` when empty), and
   the packed shape ``[..., m]``."""
-  if not jnp.issubdtype(codes.dtype, jnp.integer) or codes.ndim < 1:
-    raise TypeError(
-        f"codes must be an integer array of rank >= 1, got {codes.dtype}{list(codes.shape)}.")
+  codes = _packing.checked_codes(codes, bits)
   out_shape = codes.shape[:-1] + (packed_size(codes.shape[-1], bits),)
   if 0 in out_shape:
     return None, out_shape
-  return grouped(codes.astype(jnp.uint8) & jnp.uint8(2**bits - 1), bits), out_shape
-
-
-def check_packed(packed: jax.Array, bits: int, n: int) -> None:
-  """Raises unless ``packed`` is ``uint8[..., ceil(n * bits / 8)]``, ``n >= 0``."""
-  if not isinstance(n, int) or n < 0:
-    raise ValueError(f"n must be an int >= 0, got {n!r}.")
-  if packed.dtype != jnp.uint8:
-    raise TypeError(f"packed must be uint8, got {packed.dtype}.")
-  if packed.ndim < 1 or packed.shape[-1] != packed_size(n, bits):
-    raise ValueError(
-        f"packed's last axis must be ceil(n * bits / 8) = {packed_size(n, bits)} for n={n}, "
-        f"bits={bits}, got shape {packed.shape}.")
+  return grouped(codes, bits), out_shape

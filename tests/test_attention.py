@@ -260,33 +260,20 @@ def test_key_value_seq_lengths_as_the_mask_its_error_gives():
   chex.assert_trees_all_close(lm.attention(q, k, v, mask=mask, chunk_size=4), theirs, atol=1e-5)
 
 
-def test_the_old_keywords_work_with_a_warning_naming_the_new():
+def test_only_the_jax_nn_names_are_taken_and_they_warn_of_nothing():
+  """0.1 was never released: its keywords, "chunked" and dot_product_attention are gone."""
   q, k, v = _qkv(lq=7, lk=9)
   mask = _mask(7, 9)
-  new = lm.attention(q, k, v, mask=mask, is_causal=True, implementation="xla", chunk_size=4)
-  with pytest.warns(DeprecationWarning) as record:
-    old = lm.attention(q=q, k=k, v=v, mask=mask, causal=True, impl="chunked", chunk_size=4)
-  said = " ".join(str(w.message) for w in record)
-  for old_name, new_name in (("q=", "query="), ("k=", "key="), ("v=", "value="),
-                             ("causal=", "is_causal="), ("impl=", "implementation=")):
-    assert f"{old_name} is deprecated, use {new_name}" in said
-  assert 'implementation="chunked" is deprecated, use implementation="xla"' in said
-  assert all(w.filename == __file__ for w in record)  # the warnings point at the caller
-  chex.assert_trees_all_equal(old, new)
-
-  twin = lm.attention_reference(q, k, v, mask=mask, is_causal=True)
-  with pytest.warns(DeprecationWarning) as record:
-    old = lm.attention_ops.dot_product_attention(q, k, v, mask=mask, causal=True)
-  assert [str(w.message).split(";")[0].split(" (")[0] for w in record] == [
-      "dot_product_attention(): causal= is deprecated, use is_causal=",
-      "lowmem_jax.attention_ops.dot_product_attention is deprecated, use attention_reference"]
-  assert all(w.filename == __file__ for w in record)
-  chex.assert_trees_all_equal(old, twin)
-  with pytest.raises(TypeError, match="got both causal= and is_causal="):
-    lm.attention(q, k, v, causal=True, is_causal=True)
+  for old in ({"q": q}, {"causal": True}, {"impl": "xla"}):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+      lm.attention(q, k, v, **old)
+  with pytest.raises(ValueError, match="implementation must be one of .* got 'chunked'"):
+    lm.attention(q, k, v, implementation="chunked")
+  assert not hasattr(lm.attention_ops, "dot_product_attention")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    lm.attention(q, k, v, mask=mask, is_causal=True)  # the new names warn of nothing
+    lm.attention(q, k, v, mask=mask, is_causal=True)  # the names warn of nothing
+    lm.attention_reference(q, k, v, mask=mask, is_causal=True)
     lm.linen.attention_fn(q, k, v, mask, is_causal=True)
 
 

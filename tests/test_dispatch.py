@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import lowmem_jax as lm
+import pallas_kernels
 from lowmem_jax import dispatch
 
 OPS = {"regelu2": lm.regelu2, "resilu2": lm.resilu2, "relu": lm.relu,
@@ -46,14 +47,47 @@ def test_environment_variable_sets_the_default(op, monkeypatch):
 def test_auto_takes_a_kernel_only_where_measured_on_gpu(monkeypatch):
   """"auto" and "pallas" decide by the compile target, here a compile-only H100."""
   with lm.targets.compiling(lm.targets.get("h100")):
-    assert dispatch.kernel_options("pallas", "ms_norm") == dispatch._blocks.Options()
+    assert dispatch.kernel_options("pallas", "ms_norm") == pallas_kernels.Options()
     assert dispatch.kernel_options("auto", "ms_norm") is None  # not measured: XLA
     monkeypatch.setattr(dispatch, "MEASURED_NO_SLOWER", frozenset({"ms_norm"}))
-    assert dispatch.kernel_options("auto", "ms_norm") == dispatch._blocks.Options()
-    assert dispatch.kernel_options("auto", "ms_norm", unsupported="rows too long") is None
+    assert dispatch.kernel_options("auto", "ms_norm") == pallas_kernels.Options()
+    assert dispatch.kernel_options("auto", "ms_norm", unsupported=lambda: "rows too long") is None
     with pytest.raises(ValueError, match="cannot run the ms_norm kernel: rows too long"):
-      dispatch.kernel_options("pallas", "ms_norm", unsupported="rows too long")
+      dispatch.kernel_options("pallas", "ms_norm", unsupported=lambda: "rows too long")
   assert dispatch.kernel_options("auto", "ms_norm") is None  # outside: the CPU
+
+
+def test_a_changed_choice_reaches_a_traced_function_after_clear_caches(monkeypatch):
+  """The module docstring's recipe: the choice is read at trace time, invisible to jit's
+  caches, so a function traced before keeps its choice until `jax.clear_caches()`."""
+  monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+  step = jax.jit(jax.grad(lambda x: jnp.sum(lm.regelu2(x * 1.5))))
+  kernel_in = lambda: "pallas_call" in str(step.trace(X).jaxpr)
+  assert not kernel_in()
+  monkeypatch.setenv(dispatch.ENV_VAR, "pallas_interpret")
+  assert not kernel_in()  # cached: the old choice
+  assert "pallas_call" not in str(jax.make_jaxpr(step)(X))  # a new trace from outside: cached too
+  jax.clear_caches()
+  assert kernel_in()
+  chex.assert_trees_all_close(step(X), jax.grad(lambda x: jnp.sum(lm.regelu2(x * 1.5,
+                                                                            impl="xla")))(X))
+  monkeypatch.delenv(dispatch.ENV_VAR)
+  jax.clear_caches()
+  assert not kernel_in()
+
+
+def test_compiling_for_follows_the_platform_set():
+  backend = jax.default_backend()
+  assert dispatch.compiling_for() == lm.targets.compiling_for() == backend
+  with dispatch.compiling_for_platform("gpu"):
+    assert dispatch.compiling_for() == "gpu"
+    with lm.targets.compiling(lm.targets.get("cpu")):
+      assert dispatch.compiling_for() == "cpu"
+    assert dispatch.compiling_for() == "gpu"
+  assert dispatch.compiling_for() == backend
+  with pytest.raises(TypeError, match="name must be a platform name"):
+    with dispatch.compiling_for_platform(None):
+      pass
 
 
 @pytest.mark.parametrize("op", OPS)

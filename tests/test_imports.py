@@ -167,15 +167,12 @@ def test_the_library_does_not_load_the_app_rich_or_flax():
     assert name not in loaded, name
 
 
-def test_the_layers():
-  """The data path runs one way: no library module imports the application, and
-  no op imports the compile targets or a kernel's private module."""
+def test_the_library_does_not_import_the_app():
+  """The data path runs one way: the application imports the library, never back."""
   graph = _graph(deferred=True)
   for module, imports in graph.items():
     if not module.startswith("lowmem_jax.app"):
       assert not {m for m in imports if m.startswith("lowmem_jax.app")}, module
-  for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
-    assert "lowmem_jax.targets" not in graph[f"lowmem_jax.{op}"], op
 
 
 def test_moved_names_warn_and_still_work():
@@ -192,3 +189,40 @@ def test_moved_names_warn_and_still_work():
   with pytest.warns(DeprecationWarning, match="lowmem_jax.offload.offload is now "
                     "lowmem_jax.offload.offload_state"):
     assert offload.offload is offload.offload_state
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+  """The library modules importing ``start`` imports, directly or not."""
+  seen, todo = set(), [start]
+  while todo:
+    for w in graph[todo.pop()] - seen:
+      seen.add(w)
+      todo.append(w)
+  return seen
+
+
+def test_the_ops_stand_below_the_compile_machinery():
+  """The ops read the compile target from `dispatch`; `targets` sets it from above."""
+  graph = _graph(deferred=True)
+  for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
+    reached = _reached(graph, f"lowmem_jax.{op}")
+    assert not reached & {"lowmem_jax.targets", "lowmem_jax.memory"}, (op, sorted(reached))
+  assert "lowmem_jax.dispatch" in graph["lowmem_jax.targets"]
+
+
+def test_the_references_import_no_kernel():
+  """The kernels import their pure-JAX references from the library, not the other way."""
+  for name in ("_activation_reference", "_norm_reference", "_packing"):
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported if m.split(".")[0] == "pallas_kernels"}, (name, imported)
+
+
+def test_each_kernel_module_imports_first_in_a_fresh_interpreter():
+  """A kernel module imported before the library imports the library, which imports it."""
+  for module in ("pallas_kernels", "pallas_kernels.activations", "pallas_kernels.norms",
+                 "pallas_kernels.pack"):
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, (module, result.stderr)

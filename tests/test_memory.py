@@ -184,13 +184,10 @@ def test_components_of_typed_leaves():
   assert breakdown._argument_component("s[0].mu['params']['w']", "optimizer state") == "optimizer state"
 
 
-def test_compile_is_renamed_aot_compile():
-  assert "compile" not in vars(memory)  # the builtin is not shadowed
-  with pytest.warns(DeprecationWarning, match="lowmem_jax.memory.aot_compile"):
-    old = memory.compile
-  assert old is memory.aot_compile
-  with pytest.raises(AttributeError, match="no attribute 'compiled'"):
-    _ = memory.compiled
+def test_aot_compile_does_not_shadow_the_builtin():
+  assert "compile" not in vars(memory)
+  with pytest.raises(AttributeError, match="no attribute 'compile'"):
+    _ = memory.compile
 
 
 def test_bad_fn():

@@ -231,3 +231,7 @@ def test_policies_are_hashable_and_read_well():
   assert policies.describe(policies.save_all_but(names.QKV)) == "save_all_but('qkv')"
   assert policies.kept_names(policies.compressed) == {names.ACT_CODE, names.NORM_RSTD}
   assert policies.kept_names(policies.dots) is None
+  moved = policies.offload(names.MLP_ACT, names.QKV)
+  assert moved == policies.offload(names.QKV, names.MLP_ACT)
+  assert len({moved, policies.offload(names.QKV, names.MLP_ACT), policies.offload(names.QKV)}) == 2
+  assert policies.describe(moved) == "offload('qkv', 'mlp_act', src='device', dst='pinned_host')"

@@ -17,8 +17,6 @@ step that does not fit. XLA's dumps, which the report reads, are parsed in
 the private `lowmem_jax.memory._xla_dump`.
 """
 
-import warnings
-
 from lowmem_jax.memory.analysis import (MemoryStats, Residual, Residuals, analyze, aot_compile, flops_of,
                                         saved_residuals, stats_of, step_flops, tree_bytes)
 from lowmem_jax.memory.breakdown import COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom, report
@@ -28,14 +26,3 @@ __all__ = [
     "aot_compile", "explain_oom", "flops_of", "report", "saved_residuals", "stats_of", "step_flops",
     "tree_bytes",
 ]
-
-_RENAMED = {"compile": "aot_compile"}  # old name -> new name, reachable with a warning for one release
-
-
-def __getattr__(name: str):
-  if name in _RENAMED:
-    new = _RENAMED[name]
-    warnings.warn(f"lowmem_jax.memory.{name} is renamed lowmem_jax.memory.{new}; the old name "
-                  "goes in the next release.", DeprecationWarning, stacklevel=2)
-    return globals()[new]
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

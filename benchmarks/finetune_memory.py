@@ -28,24 +28,24 @@ except where it says "instead":
 import argparse
 
 import jax
-import jax.numpy as jnp
 import optax
 from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
-from lowmem_jax import models
+from lowmem_jax.app import techniques
 
 LR = 1e-5
-LOWMEM = dict(activation="approx", norm="ms", attention="recompute", loss="fused")
+# The model's technique sets (lowmem_jax.app.techniques); the optimizers are the rows' own.
+LOWMEM = "all+fused-ce"
 
 
 def rows(k: int) -> dict:
-  """``{row: (workload switches, optimizer, micro-batches, fold in backward)}``."""
-  lowmem = dict(dtype=jnp.bfloat16, **LOWMEM)
-  bf16_params = dict(lowmem, param_dtype=jnp.bfloat16)
+  """``{row: (the model's technique set, optimizer, micro-batches, fold in backward)}``."""
+  lowmem = LOWMEM
+  bf16_params = f"{LOWMEM}+8bit+bf16-params"
   return {
-      "AdamW float32": (dict(dtype=jnp.float32), optax.adamw(LR), 1, False),
+      "AdamW float32": ("baseline", optax.adamw(LR), 1, False),
       "+ lowmem activations": (lowmem, optax.adamw(LR), 1, False),
       f"+ AdamA (k={k}, fold in backward)": (lowmem, lm.adamaw(LR, k), k, True),
       "+ 8-bit moments (AdamA in the scan body)": (lowmem, lm.adamaw(LR, k, state_bits=8), k,
@@ -63,11 +63,11 @@ def rows(k: int) -> dict:
   }
 
 
-def peak(name: str, batch: int, seq: int, switches: dict, tx, k: int, fold: bool,
+def peak(name: str, batch: int, seq: int, text: str, tx, k: int, fold: bool,
          target) -> tuple[int, int, int, int]:
   """Compiled device peak, parameter bytes, optimizer-state bytes and host-memory argument
   bytes of one step."""
-  wl = models.workload(name, batch=batch, seq=seq, **switches)
+  wl = techniques.parse(text).workload(techniques.Job(name, batch, seq, target=target))
   params = wl.abstract_params()
   if k == 1:
     step = wl.train_step(tx)
@@ -99,8 +99,8 @@ def main(argv=None):
                 "× less"):
       table.add_column(col, justify="left" if col == "techniques" else "right")
     base = None
-    for row, (switches, tx, k, fold) in rows(args.k).items():
-      total, params, state, host = peak(name, args.batch, args.seq, switches, tx, k, fold, target)
+    for row, (text, tx, k, fold) in rows(args.k).items():
+      total, params, state, host = peak(name, args.batch, args.seq, text, tx, k, fold, target)
       base = base or total
       table.add_row(row, *(f"{b / 2**30:.2f}" for b in (params, state, host, total)),
                     f"{base / total:.2f}")

@@ -25,17 +25,18 @@ import jax
 import jax.numpy as jnp
 
 import lowmem_jax as lm
-from lowmem_jax import models, names, policies
+from lowmem_jax import names, policies
+from lowmem_jax.app import techniques
 
 SIZES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=1024)}
-VARIANTS = {"exact, plain norms": dict(activation="exact", norm="plain"),
-            "approx, MS norms": dict(activation="approx", norm="ms")}
+VARIANTS = {"exact, plain norms": "baseline",  # technique sets (lowmem_jax.app.techniques)
+            "approx, MS norms": "approx+ms-norm"}
 BUDGET_FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full remat's peak to no remat's
 SMALL_VOCABULARY = (names.QKV, names.ATTN_PROBS, names.MLP_HIDDEN, names.MLP_ACT)
 
 
-def workload(model, switches):
-  wl = models.workload(model, dtype=jnp.float32, **SIZES[model], **switches)
+def workload(model, text):
+  wl = techniques.parse(text).workload(techniques.Job(model, target="cpu", **SIZES[model]))
 
   def step(params, inputs, labels, *, policy):
     return jax.grad(wl.with_policy(policy).loss)(params, inputs, labels)
@@ -54,8 +55,8 @@ def measure(step, args, policy):
   return lm.planner._measure(step, lm.planner._signature(args), policy)
 
 
-def pareto(model, variant, switches, exhaustive):
-  wl, step, args = workload(model, switches)
+def pareto(model, variant, text, exhaustive):
+  wl, step, args = workload(model, text)
   top, base_flops = measure(step, args, policies.everything)
   floor, _ = measure(step, args, policies.full)
   rows = [(name, policy) for name, policy in policies.READY_MADE.items()]
@@ -109,8 +110,8 @@ def main():
   parser.add_argument("--exhaustive", action="store_true")
   args = parser.parse_args()
   for model in args.models:
-    for variant, switches in VARIANTS.items():
-      pareto(model, variant, switches, args.exhaustive)
+    for variant, text in VARIANTS.items():
+      pareto(model, variant, text, args.exhaustive)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import _activation_reference as reference, dispatch, names
+from lowmem_jax._activation_reference import Fit  # an activation's fit, public here
 from lowmem_jax._checks import check_float_array
 
 # Published fits (LowMemoryBP): sum(a) = 1 and sum(a * c) = 0.
@@ -36,7 +37,7 @@ def _kernels():
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _approx(fit: reference.Fit, options, x: jax.Array) -> jax.Array:
+def _approx(fit: Fit, options, x: jax.Array) -> jax.Array:
   if options is None:
     return reference.forward_reference(fit, x)[0]  # XLA drops the unused code
   return _kernels().forward(fit, x, options)[0]
@@ -85,7 +86,7 @@ def approx_activation(
     1 bit for one kink, 2 bits for two or three), tagged ``act_code``. ``impl``
     picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both save
     the same code and return the same ``dx`` for the same ``dy``. The
-    function's ``fit`` attribute is its `lowmem_jax._activation_reference.Fit`.
+    function's ``fit`` attribute is its `Fit`.
   """
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
@@ -104,7 +105,7 @@ def approx_activation(
     raise ValueError(f"c must be strictly increasing, got {c}.")
   if kernel_fn is not None and not callable(kernel_fn):
     raise TypeError(f"kernel_fn must be callable or None, got {type(kernel_fn).__name__}.")
-  fit = reference.Fit(fn, a, c, kernel_fn)
+  fit = Fit(fn, a, c, kernel_fn)
 
   def activation(x: jax.Array, *, impl: str | None = None) -> jax.Array:
     check_float_array(x, "x")

@@ -51,7 +51,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lowmem_jax import dispatch
-from lowmem_jax.dispatch import compiling_for  # the ops decide by it; public here too
+from lowmem_jax.dispatch import compiling_for  # noqa: F401  (the ops decide by it; public here too)
 
 if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"

@@ -303,7 +303,7 @@ class _LinenMLP(flax.linen.Module):
                          ids=["every leaf", "kernels"])
 @OPTAX_BIAS_CORRECTION
 def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where):
-  """A non-scanned Flax linen model: bit for bit in float32 (NNX: test_nnx_train.py)."""
+  """A non-scanned Flax linen model: bit for bit in float32 (NNX: test_nnx.py)."""
   k = 4
   model = _LinenMLP()
   params = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]

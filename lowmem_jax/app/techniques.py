@@ -37,11 +37,16 @@ class Technique:
     summary: what it does, for ``--help``.
     value: how the value reads in ``--help`` (``"<k>"``), or None for a term without one.
     parse: the value from its text; raises ValueError with the reason.
+    off: a value that leaves the technique off (``adama:1``: one micro-batch is Adam).
     switches: the reference models' switches it sets (`lowmem_jax.models.workload`'s
       keywords), or a function of ``(value, job)`` giving them; the models say which
       model takes which.
     lowmem: the `lowmem_jax.lowmem` option that does the same to a step of your own.
-    exact: whether the gradient is the plain step's to float tolerance.
+    optimizer: wraps the optimizer's `code.Call` (offload-opt, bf16-params), in the
+      order of `TECHNIQUES`; the optimizer itself is AdamW, or AdamA with ``adama``,
+      with 8-bit moments with ``8bit`` (`TechniqueSet.adamw`).
+    exact: whether the gradient is the plain step's to float tolerance (on the
+      transformers, for a technique that differs by model).
     needs: ``(term, why)``: a term the set must also hold.
     excludes: ``(term, why)`` pairs: terms the set must not also hold.
   """
@@ -49,9 +54,11 @@ class Technique:
   summary: str
   value: str | None = None
   parse: Callable[[str], Any] | None = None
+  off: Any = None
   switches: Mapping[str, Any] | Callable[[Any, "Job"], Mapping[str, Any]] = dataclasses.field(
       default_factory=dict)
   lowmem: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  optimizer: Callable[["code.Call"], "code.Call"] | None = None
   exact: bool = True
   needs: tuple[str, str] | None = None
   excludes: tuple[tuple[str, str], ...] = ()
@@ -99,8 +106,8 @@ _ALL = ("approx", "ms-norm", "attention", "bf16")
 TECHNIQUES = {t.term: t for t in (
     Technique("baseline", "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping "
               "its probabilities, AdamW"),
-    Technique("approx", "ReGELU2/ReSiLU2: 2-bit activation residuals; for wrn-28-2, ReLU keeping "
-              "a 1-bit mask (exact)",
+    Technique("approx", "ReGELU2/ReSiLU2 keeping 2-bit activation residuals; on wrn-28-2, ReLU "
+              "keeping a 1-bit mask instead, exact there",
               switches=lambda _, job: {"activation": "1bit" if job.conv_net else "approx"},
               lowmem={"activations": "approx"}, exact=False),
     Technique("ms-norm", "memory-sharing norms: the norm keeps only its output and 1/sigma",
@@ -117,20 +124,23 @@ TECHNIQUES = {t.term: t for t in (
               "folded into the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
               "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA models "
               "the token embedding's gradient buffer is made late (embedding=\"late\", exact)",
-              value="<k>", parse=_micro_batches,
+              value="<k>", parse=_micro_batches, off=1,
               switches=lambda _, job: {"embedding": "late"} if job.language_model else {}),
     Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.lowbit.adamw_8bit; "
               "with adama, adamaw(state_bits=8))"),
+    Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
+              "(lowmem_jax.offload)",
+              optimizer=lambda tx: code.Call.of("lm.offload.offload_state", tx),
+              excludes=(("adama", "AdamA's moments would cross to the device every micro-batch; "
+                         "use 8bit for its moments"),)),
     Technique("bf16-params", "bfloat16 parameters with no float32 copy, each update rounded "
               "stochastically (lowmem_jax.lowbit.stochastic_rounding); with 8bit",
-              switches={"param_dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False,
+              switches={"param_dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")},
+              optimizer=lambda tx: code.Call.of("optax.chain", tx, code.Call.of(
+                  "lm.lowbit.stochastic_rounding")), exact=False,
               needs=("8bit", "Adam keeps its moments in the parameters' dtype, and a bfloat16 "
                      "second moment rounded to nearest stalls; 8bit keeps them in 8 bits, "
                      "rounded stochastically")),
-    Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
-              "(lowmem_jax.offload)",
-              excludes=(("adama", "AdamA's moments would cross to the device every micro-batch; "
-                         "use 8bit for its moments"),)),
     Technique("conv", "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
               "(lowmem_jax.compress)", value="<pooled|int8>", parse=_conv,
               switches=lambda conv, _: {"conv": conv}, exact=False),
@@ -187,7 +197,7 @@ class Job:
   seq: int = 512
   image: int | None = None
   dtype: str = "float32"
-  target: targets.Target = None
+  target: "targets.Target | str | None" = None
   make_step: Callable | None = None
 
   def __post_init__(self):
@@ -274,15 +284,18 @@ class TechniqueSet:
 
   def check(self, job: Job) -> None:
     """Raises `TechniqueError` where a technique does not apply to ``job``'s model (the
-    models' own check of its switches) or the set lacks a technique one needs or holds
-    one another excludes."""
-    for term, value in self.values:
-      switches = TECHNIQUES[term].model_switches(value, job)
+    models' own check of its switches), the set lacks a technique one needs or holds
+    one another excludes, or the model refuses ``job``'s shapes."""
+    try:
+      _workload(job.model, _shapes(job))
+      refused = None
+    except ValueError as e:  # a shape the model refuses, e.g. BERT's seq > 512
+      refused = e
+    for term, value in self.values if refused is None else ():
       try:
-        _workload(job.model, {**_shapes(job), **switches})
+        _workload(job.model, {**_shapes(job), **TECHNIQUES[term].model_switches(value, job)})
       except ValueError as e:
-        text = term if value is True else f"{term}:{value}"
-        raise TechniqueError(f"{text} in {self.label!r}: {e}") from e
+        raise TechniqueError(f"{self.text(term)} in {self.label!r}: {e}") from e
     for term, _ in self.values:
       technique = TECHNIQUES[term]
       if technique.needs is not None and technique.needs[0] not in self:
@@ -291,10 +304,14 @@ class TechniqueSet:
       for other, why in technique.excludes:
         if other in self:
           raise TechniqueError(f"{self.label!r}: {term} does not take {other}: {why}.")
-    try:
-      _workload(job.model, self.switches(job))
-    except ValueError as e:  # a shape the model refuses, e.g. BERT's seq > 512
-      raise TechniqueError(f"{self.label!r}: {e}") from e
+    if refused is not None:
+      raise TechniqueError(f"{self.label!r}: {refused}") from refused
+
+  def text(self, term: str) -> str:
+    """How ``term`` is written in the label (``"remat:full"``), or its name where the
+    label gives it through ``all``."""
+    return next((t.strip() for t in self.label.split("+") if t.strip().partition(":")[0] == term),
+                term)
 
   def workload(self, job: Job) -> models.Workload:
     """The reference workload of ``job`` with this set's switches."""
@@ -310,10 +327,9 @@ class TechniqueSet:
       tx = code.Call.of("lm.lowbit.adamw_8bit", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     else:
       tx = code.Call.of("optax.adamw", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    if "offload-opt" in self:
-      tx = code.Call.of("lm.offload.offload_state", tx)
-    if "bf16-params" in self:
-      tx = code.Call.of("optax.chain", tx, code.Call.of("lm.lowbit.stochastic_rounding"))
+    for term, _ in self.values:
+      if TECHNIQUES[term].optimizer is not None:
+        tx = TECHNIQUES[term].optimizer(tx)
     return tx
 
   def adamw(self) -> optax.GradientTransformation:
@@ -387,6 +403,8 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
         values[name] = technique.parse(value)
       except ValueError as e:
         raise TechniqueError(f"{term.strip()}: {e}.") from e
+      if values[name] == technique.off:
+        del values[name]
     elif name == "all":
       values.update(dict.fromkeys(_ALL, True))
     elif name != "baseline":

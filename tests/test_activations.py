@@ -156,6 +156,7 @@ def test_approx_activation_user_fit():
   chex.assert_trees_all_close(jax.grad(lambda x: act(x).sum())(x), jnp.array([0.0, 1.0, 1.0, 0.0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FNS))
 def test_transformations(name):
   f = FNS[name]

@@ -47,6 +47,7 @@ def test_plain_twin_matches_jax_attention_and_its_gradient(hk, causal, with_mask
                               _value_and_grads(theirs, q, k, v, bias), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hk,causal,lq,lk,chunk_size", [
     (4, False, 13, 13, 4), (2, True, 13, 13, 4), (1, True, 6, 13, 4), (2, False, 13, 6, 4),
     (4, True, 13, 6, 5), (1, False, 6, 13, 5), (2, True, 13, 13, 13), (4, True, 13, 6, 512)])
@@ -65,6 +66,7 @@ def test_attention_matches_plain_attention_and_its_gradient(hk, causal, lq, lk, 
   chex.assert_trees_all_close(got, _value_and_grads(twin, q, k, v, bias), atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hk", [4, 1])
 def test_a_scale_is_jax_attentions(hk):
   q, k, v = _qkv(lq=7, lk=9, hk=hk)
@@ -314,6 +316,7 @@ def test_gpu_impls_match_the_chunked_reference(impl):
                                rtol=2**-7, atol=5e-2)
 
 
+@pytest.mark.slow
 def test_linen_modules_keep_flax_params_names_and_function():
   x = jax.random.normal(jax.random.key(0), (2, 6, 16))
   mask = nn.make_causal_mask(jnp.ones((2, 6)))

@@ -51,6 +51,7 @@ def test_from_hf_matches_a_numpy_forward():
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["plain", "recompute"])
 def test_ms_norms_with_kept_affines_are_the_same_function_and_gradient(attention):
   """Post-LN MS-LayerNorm + folded linear layers + affine on the residual path: exact."""

@@ -114,6 +114,7 @@ def test_report_bad_top():
 SMALL = ["--model", "vit-tiny", "--batch", "4"]
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_cli_report_json(capsys, tmp_path):
@@ -147,6 +148,7 @@ def test_cli_report_json(capsys, tmp_path):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 def test_cli_report_table(capsys):
   assert cli.main(["report", *SMALL, "--techniques", "baseline,remat:full"]) == 0
@@ -187,6 +189,7 @@ def test_cli_usage_errors(capsys, argv, message):
   assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_cli_plan(capsys):
@@ -207,6 +210,7 @@ def test_cli_plan_nothing_fits(capsys):
   assert err.count("\n") == 1
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 def test_fused_ce_for_language_models(capsys):
   assert techniques.parse("all+fused-ce").values == (
@@ -225,6 +229,7 @@ def test_fused_ce_for_language_models(capsys):
   assert 64 * 32000 * 4 - 64 * 4 <= saved <= 64 * 32000 * 4, saved
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_optimizer_memory_techniques(capsys):
@@ -253,6 +258,7 @@ def test_optimizer_memory_techniques(capsys):
   assert {p.dtype for p in jax.tree.leaves(namespace["params"])} == {jnp.dtype(jnp.bfloat16)}
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 def test_wrn_in_the_report(capsys):
   assert cli.main(["report", "--model", "wrn-28-2", "--batch", "8", "--target", "h100",

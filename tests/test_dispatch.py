@@ -126,6 +126,7 @@ def test_attention_takes_the_same_names_and_the_environment_variable(monkeypatch
     _attention_runs()
 
 
+@pytest.mark.slow
 def test_vit_training_step_with_kernels_matches_xla(monkeypatch):
   """The ViT reference step, switched to the kernels by the environment variable alone."""
   wl = lm.models.workload("vit-tiny", batch=2, image=32, dtype=jnp.float32,

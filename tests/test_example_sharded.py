@@ -14,7 +14,8 @@ import pytest
 import sharded_train
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
-pytestmark = OPTAX_BIAS_CORRECTION  # the module fixture's quick run steps optax's Adam
+pytestmark = [OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps optax's Adam
+              pytest.mark.slow]
 
 # float32: the sharded step sums its reductions (weight gradients over the
 # batch, the loss mean, the gradient all-reduce) in another order; measured

@@ -28,6 +28,7 @@ def _problem(dtype, options, lead=(2, 13)):
   return h, w, bias, labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 def test_matches_the_exact_twin(options, dtype):

@@ -136,6 +136,7 @@ def _digits_validation_loss(name: str, seed: int) -> float:
     return lowbit_digits.validation_loss(tx, seed, k, param_dtype=dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [
     "Adam, 8-bit, stochastic rounding", "AdamA k=4, 8-bit moments",
     pytest.param("Adam, 8-bit, bfloat16 params rounded stochastically",

@@ -27,6 +27,7 @@ def _perturb(params, seed=1):
     (lambda **kw: ViT(**TINY_VIT, **kw), affine_folding.VIT_RULES, jnp.ones((2, 16, 16, 3))),
     (lambda **kw: Llama(TINY_LLAMA, **kw), affine_folding.LLAMA_RULES, jnp.arange(16).reshape(2, 8) % 64),
 ])
+@pytest.mark.slow
 def test_ms_norm_with_folded_params_computes_the_same_function(make, rules, inputs):
   plain = make()
   params = _perturb(plain.init(jax.random.key(0), inputs)["params"])
@@ -43,6 +44,7 @@ def test_ms_norm_with_folded_params_computes_the_same_function(make, rules, inpu
     (lambda **kw: ViT(**TINY_VIT, **kw), jnp.ones((2, 16, 16, 3))),
     (lambda **kw: Llama(TINY_LLAMA, **kw), jnp.arange(16).reshape(2, 8) % 64),
 ])
+@pytest.mark.slow
 def test_switches_and_remat(make, inputs):
   base = make()
   params = base.init(jax.random.key(0), inputs)["params"]
@@ -107,6 +109,7 @@ def test_workload_validates():
     models.workload("vit-b16", batch=1, loss="fused")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5),
                                         pytest.param(jnp.bfloat16, 3e-2, marks=FLAX_NORM)])
 def test_llama_fused_loss_is_the_plain_loss_without_the_logits(dtype, tol):

@@ -67,6 +67,7 @@ def by_hand(model, optimizer, batch, k, folded):
     optimizer.update(model, jax.tree.map(lambda *g: sum(g) / k, *grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_name", TXS)
 @pytest.mark.parametrize("model_cls", [DropoutMLP, BatchNormMLP])
 @OPTAX_BIAS_CORRECTION

@@ -68,6 +68,7 @@ def test_kernel_gelu_matches_erfc_gelu():
                              rtol=2e-5, atol=1e-37)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", FNS)
 def test_public_function_same_code_and_gradient(name, dtype):
@@ -84,6 +85,7 @@ def test_public_function_same_code_and_gradient(name, dtype):
       ((2, 3, (10 * FITS[name].bits + 7) // 8), np.uint8, lm.names.ACT_CODE)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FNS)
 def test_transformations(name):
   """jit, vmap, grad, checkpoint and scan over the kernel path give XLA's gradients."""

@@ -42,6 +42,7 @@ def test_a_budget_the_step_fits_needs_no_remat(workload, peaks):
   assert plan.policy is policies.everything and plan.recompute_flops == 0
 
 
+@pytest.mark.slow
 def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload, peaks):
   step, args = workload
   top, floor = peaks
@@ -67,6 +68,7 @@ def test_a_second_plan_reuses_the_compiled_candidates(workload, peaks):
   assert planner._measure.cache_info().misses == before
 
 
+@pytest.mark.slow
 def test_an_impossible_budget_names_the_smallest_peak(workload, peaks):
   step, args = workload
   floor = peaks[1]

@@ -101,6 +101,7 @@ ALL_POLICIES = [*policies.READY_MADE.values(), policies.save_only(names.QKV),
                 policies.combine(policies.minimal, policies.offload(names.BLOCK_IN))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,activation,norm,attention", [BLOCKS[0], BLOCKS[3], BLOCKS[4]])
 def test_gradients_under_every_policy_equal_those_without_remat(make, activation, norm, attention):
   params, x, f = _remat_block(make, activation, norm, attention)

@@ -29,6 +29,7 @@ def _promotion_marks(block):
   return [OPTAX_BIAS_CORRECTION] + [OPTAX_UPDATE_MOMENT, OPTAX_APPLY_UPDATES] * bf16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [pytest.param(i, marks=_promotion_marks(block))
                                    for i, block in enumerate(BLOCKS)])
 def test_readme_block_runs(index, tmp_path, monkeypatch, capfd):

@@ -300,6 +300,7 @@ def _small_wrn(density):
   return WideResNet(depth=10, widen=1, density=density)
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_sparse_training_equals_dense_training_with_the_gradient_masked():
@@ -356,6 +357,7 @@ def test_a_move_takes_o_nnz_temporaries_on_the_h100_target():
   assert stats.temp_bytes < 0.1 * 4 * 2**20, stats.temp_bytes
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_sparse_storage_lowers_the_compiled_peak_on_the_h100_target():
@@ -404,6 +406,7 @@ def test_the_workload_asks_for_positions_exactly_when_sparse():
     lm.models.workload("vit-tiny", batch=2, density=0.1)
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 @OPTAX_UPDATE_MOMENT

@@ -55,6 +55,7 @@ def test_every_shipped_gpu_compiles_a_training_step(name):
   assert memory.stats_of(compiled).temp_bytes > 0
 
 
+@pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_vit_step_on_h100_uses_cublas_and_bf16_is_smaller():

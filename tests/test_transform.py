@@ -96,6 +96,7 @@ def _perturbed(params):
                                    for p, k in zip(leaves, keys)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=FLAX_NORM)])
 @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
 def test_linen_norm_folded_into_its_matmuls(norm, dtype):
@@ -346,6 +347,7 @@ def test_loss_head_rewritten_without_the_logits(form):
   assert [r for r in _float_residuals(loss, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
 
 
+@pytest.mark.slow
 def test_loss_head_labels_out_of_range_give_the_gathers_nan():
   h, w = _normal((2, 24, WIDTH)), _normal((WIDTH, VOCAB), key=jax.random.key(1), scale=0.3)
   labels = LABELS.at[0, 0].set(-1).at[0, 1].set(VOCAB).at[1, 0].set(-VOCAB - 3)
@@ -402,6 +404,7 @@ def test_loss_head_left_where_it_saves_nothing_or_the_logits_are_used():
                    loss=None).explain(h, w).counts == {}
 
 
+@pytest.mark.slow
 def test_llama_head_rewritten_as_the_fused_loss():
   wl = lm.models.workload("llama-100m", batch=1, seq=16, dtype=jnp.float32)
   wl = dataclasses.replace(wl, model=wl.model.clone(config=dataclasses.replace(
@@ -429,6 +432,7 @@ class _Block(nnx.Module):
     return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
 
 
+@pytest.mark.slow
 def test_nnx_block_of_stock_modules():
   graphdef, state = nnx.split(_Block(nnx.Rngs(0)))
   state = _perturbed(state)
@@ -526,6 +530,7 @@ def test_attention_compiles_for_the_h100_target_where_cudnn_refuses_the_length()
   assert stats.peak_bytes > 0
 
 
+@pytest.mark.slow
 def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
   """benchmarks/plain_vit.py's model (plain JAX, written without the project)
   at width 256, batch 16 x 65 tokens, bfloat16: what one block keeps from its

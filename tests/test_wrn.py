@@ -55,6 +55,7 @@ def test_wrn_28_2_size_and_outputs():
   assert logits.shape == (4, 10) and logits.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_1bit_relu_gives_the_same_gradient_and_saves_bits(variables):
   x, y = data()
   params = variables["params"]
@@ -79,6 +80,7 @@ def test_approx_is_the_old_name_of_1bit(variables):
   assert wl.model.activation == "1bit"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conv", ["pooled", "int8"])
 def test_compressed_convs_same_forward_smaller_residuals(conv, variables):
   x, y = data(image=16)
@@ -108,6 +110,7 @@ def test_remat_same_gradient_fewer_residuals(variables):
               lambda p: train_loss(small(), p, x, y), params).activation_bytes)
 
 
+@pytest.mark.slow
 def test_micro_batches_normalise_with_their_own_statistics(variables):
   """Under micro-batching batch norm sees each micro-batch: the step is not the
   full-batch step. With the running averages (eval mode) it would be."""

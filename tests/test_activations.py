@@ -70,6 +70,7 @@ def test_forward_within_one_ulp_bfloat16(name):
   assert np.abs(np.asarray(y, np.float32) - np.asarray(exact, np.float32))[tiny].max(initial=0) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FNS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 8), (2, 1, 3, 13)])

@@ -32,6 +32,7 @@ def _value_and_grads(f, *args):
   return jax.jit(lambda *a: (f(*a), jax.grad(loss, tuple(range(len(a))))(*a)))(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hk", [4, 2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -89,6 +90,7 @@ def test_a_broadcast_bias_gets_its_own_shape_of_gradient(bias_shape):
   chex.assert_trees_all_close(got, _value_and_grads(twin, bias), atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fully_masked_rows_attend_uniformly_and_pass_no_logit_gradient(with_bias):
   """As in jax.nn: the row's output is the mean of v; q, k and the bias get nothing through it."""
@@ -122,6 +124,7 @@ def test_keys_biased_to_minus_infinity_are_masked():
                                 atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_keeps_dtype_and_stays_close_to_the_twin(dtype):
   q, k, v = _qkv(dtype, lq=13, lk=13, hk=2)

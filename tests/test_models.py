@@ -64,6 +64,7 @@ def test_switches_and_remat(make, inputs):
   assert 0 < rel < 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,inputs", [
     (lambda **kw: ViT(**TINY_VIT, **kw), jnp.ones((2, 16, 16, 3))),
     (lambda **kw: Llama(TINY_LLAMA, **kw), jnp.arange(16).reshape(2, 8) % 64),

@@ -20,6 +20,7 @@ IMPLS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 9), (2, 3, 16), (2, 0, 5), (1, 1, 5, 13)])

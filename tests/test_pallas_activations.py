@@ -30,6 +30,7 @@ def _assert_y_close(y, y_ref):
                              rtol=rtol, atol=1e-30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [INTERPRET, SMALL_BLOCKS], ids=["default", "small_blocks"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,6 +107,7 @@ def test_transformations(name):
   assert "lowmem_approx_activation_fwd" in jaxpr and "lowmem_approx_activation_bwd" in jaxpr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["h100", "a100-80gb"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", FITS)

@@ -30,6 +30,7 @@ def _assert_close(actual, expected):
   np.testing.assert_allclose(np.asarray(actual, np.float32), expected, rtol=0, atol=tol * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [INTERPRET, SMALL_BLOCKS], ids=["default", "small_blocks"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)

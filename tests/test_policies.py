@@ -42,6 +42,7 @@ def _saved_by_name(f, params, x):
   return saved.by_name()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,activation,norm,attention", BLOCKS)
 def test_each_policy_saves_exactly_the_names_it_keeps(make, activation, norm, attention):
   params, x, f = _remat_block(make, activation, norm, attention)

@@ -44,6 +44,7 @@ def test_shipped_configs_parse():
   assert targets.get("a100-40gb").memory_bytes < targets.get("a100-80gb").memory_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in targets.names() if n != "cpu"])
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION

@@ -48,6 +48,7 @@ ACTIVATIONS = {  # form: (function, the project's op it becomes)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("form", list(ACTIVATIONS))
 def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype):
@@ -231,6 +232,7 @@ ATTENTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(ATTENTIONS))
 def test_attention_rewritten_without_an_lxl_residual(form):
   q, k, v = _normal((3, 2, L, 4, 16))
@@ -263,6 +265,7 @@ GROUPED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", list(GROUPED))
 def test_grouped_query_attention_rewritten_without_an_lxl_residual(form):
   q = _normal((2, L, 8, 16))

@@ -1,6 +1,9 @@
 """Technique sets: what ``lowmem-jax report`` and ``plan`` measure, as a library.
 
-A technique set joins techniques with "+" (``"all+remat:full+adama:4"``);
+`TECHNIQUES` declares each technique once (its CLI term, the model switches it
+sets, its `lowmem_jax.lowmem` option, how it wraps the optimizer, whether its
+gradient is exact); everything below reads it. A technique set joins
+techniques with "+" (``"all+remat:full+adama:4"``);
 `parse` makes a `TechniqueSet` of it. A `Job` says what is measured: a
 reference model of `lowmem_jax.models` at a batch's shapes, or a step of the
 user's own (``make_step``). `measure` compiles one set's training step for the
@@ -26,6 +29,7 @@ import optax
 
 from lowmem_jax import memory, models, offload, planner, policies, sparse, targets, transform
 from lowmem_jax.app import code
+
 
 @dataclasses.dataclass(frozen=True)
 class Technique:

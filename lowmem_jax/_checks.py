@@ -1,5 +1,6 @@
 """Input checks shared by the public functions: errors name the argument."""
 
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -35,5 +36,12 @@ def check_out_dtype(dtype, name: str = "dtype"):
 
 
 def is_int(x: Any) -> bool:
-  """Whether ``x`` is a Python int and not a bool (a count, a seed, a static size)."""
-  return isinstance(x, int) and not isinstance(x, bool)
+  """Whether ``x`` is an integer (Python's or NumPy's) and not a bool: a count, a seed,
+  a static size."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x: Any) -> bool:
+  """Whether ``x`` is a real number (Python's or NumPy's) and not a bool: an epsilon, a
+  rate."""
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)

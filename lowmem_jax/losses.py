@@ -96,7 +96,7 @@ def linear_cross_entropy_reference(h, w, labels, *, bias=None, ignore_index=None
 def _token_weights(labels, ignore_index, reduction):
   """float32 ``[T]``: each token's weight in the reduced loss (0 where ignored)."""
   keep = (jnp.ones(labels.shape, jnp.float32) if ignore_index is None
-          else (labels != ignore_index).astype(jnp.float32))
+          else (labels != int(ignore_index)).astype(jnp.float32))  # a NumPy int, weak as Python's
   if reduction == "mean":
     return keep / jnp.maximum(jnp.sum(keep), 1.0)
   return keep
@@ -123,7 +123,7 @@ def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft
     _checks.check_float_array(bias, "bias")
     if bias.shape != (vocab,):
       raise ValueError(f"bias must be [vocab] = ({vocab},), got {bias.shape}.")
-  if ignore_index is not None and not isinstance(ignore_index, int):
+  if ignore_index is not None and not _checks.is_int(ignore_index):
     raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}.")
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}.")

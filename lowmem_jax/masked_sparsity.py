@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax._checks import is_int
+from lowmem_jax._checks import is_int, is_real
 
 
 class SparsityState(NamedTuple):
@@ -38,10 +38,6 @@ class SparsityState(NamedTuple):
   masks: Any  # the params' structure: bool, the leaf's shape, on sparse leaves; None on dense ones
   count: jax.Array  # int32 [], steps seen
   key: jax.Array  # typed PRNG key [], for the next regrowth
-
-
-def _is_number(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _leaves_or_none(masks: Any) -> list[jax.Array | None]:
@@ -155,14 +151,15 @@ def dynamic_sparsity(
   References:
     Mostafa & Wang, 2019 (https://arxiv.org/abs/1902.05967).
   """
-  if not (_is_number(density) and 0 < density <= 1):
+  if not (is_real(density) and 0 < density <= 1):
     raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
   if not (is_int(update_every) and update_every >= 1):
     raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
-  if not (_is_number(prune_fraction) and 0 <= prune_fraction < 1):
+  if not (is_real(prune_fraction) and 0 <= prune_fraction < 1):
     raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
   if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
     raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
+  density, prune_fraction = float(density), float(prune_fraction)  # NumPy scalars as Python's
   if sparse is not None and not callable(sparse):
     raise TypeError(f"`sparse` must be None or a function params -> bools, got {sparse!r}.")
 

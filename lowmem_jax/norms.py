@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import _layout, _norm_reference as reference, dispatch, names
-from lowmem_jax._checks import check_float_array, check_out_dtype
+from lowmem_jax._checks import check_float_array, check_out_dtype, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
 
 def _norm(centered: bool, x: jax.Array, eps: float, dtype, impl: str | None) -> jax.Array:
   check_float_array(x, "x")
-  if not isinstance(eps, (int, float)) or not eps > 0:
+  if not is_real(eps) or not eps > 0:
     raise ValueError(f"eps must be a number > 0, got {eps!r}.")
   x_dtype = jnp.dtype(x.dtype)
   spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)

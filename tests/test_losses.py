@@ -120,6 +120,14 @@ def test_bad_inputs_are_named():
     f(h, w, labels, vocab_chunk=0)
   with pytest.raises(TypeError, match="ignore_index"):
     f(h, w, labels, ignore_index=1.5)
+  with pytest.raises(TypeError, match="ignore_index must be an int or None, got True"):
+    f(h, w, labels, ignore_index=True)  # not read as label 1
+
+
+def test_a_numpy_ignore_index_is_the_python_one():
+  h, w, _, labels = _problem(jnp.float32, dict(ignore_index=-1))
+  f = losses.linear_cross_entropy
+  assert f(h, w, labels, ignore_index=np.int64(-1)) == f(h, w, labels, ignore_index=-1)
 
 
 def test_jit_and_vmap():

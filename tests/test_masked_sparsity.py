@@ -220,6 +220,15 @@ def test_bad_arguments_are_named(kwargs, match):
     masked_sparsity.dynamic_sparsity(**{"density": 0.5, **kwargs})
 
 
+def test_numpy_scalars_are_taken_as_python_numbers():
+  params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+  mask = lambda tx: jax.tree.leaves(tx.init(params).masks)
+  ours = masked_sparsity.dynamic_sparsity(np.float32(0.5), update_every=np.int64(2),
+                                          prune_fraction=np.float64(0.25), seed=np.int32(1))
+  chex.assert_trees_all_equal(mask(ours), mask(masked_sparsity.dynamic_sparsity(
+      0.5, update_every=2, prune_fraction=0.25, seed=1)))
+
+
 def test_bad_sparse_and_params_are_named():
   params = make_params()
   with pytest.raises(TypeError, match="sparse"):

@@ -1,6 +1,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import lowmem_jax as lm
@@ -108,6 +109,10 @@ def test_bad_input():
     lm.ms_layer_norm(jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match="eps"):
     lm.ms_rms_norm(jnp.zeros((3,)), eps=0.0)
+  with pytest.raises(ValueError, match="eps must be a number > 0, got True"):
+    lm.ms_rms_norm(jnp.zeros((3,)), eps=True)
+  x = jax.random.normal(jax.random.key(0), (2, 8))
+  assert (lm.ms_layer_norm(x, eps=np.float32(1e-5)) == lm.ms_layer_norm(x, eps=1e-5)).all()
   with pytest.raises(TypeError, match="dtype"):
     lm.ms_rms_norm(jnp.zeros((3,)), dtype=jnp.int8)
 

@@ -8,6 +8,9 @@ Three parts, each a module:
   (`scan_layers`, `LayerMoments`, `FoldInBackward`).
 - `lowmem_jax.optim.steps`: the train steps that drive them (`microbatch_step`,
   `train_step`), and the extra argument `COMPLETES_STEP` they pass.
+- `lowmem_jax.optim.streamed`: the layer-streamed step (`layer_streamed` over a
+  `LayerStack`): any leaf-by-leaf optimizer applied inside the backward, one
+  layer at a time, its state and the saved layer inputs on the device or the host.
 
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
@@ -20,9 +23,12 @@ from lowmem_jax.optim.accumulation import (NU_SCALES, AdamAState, KthMicroStepSt
 from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
 from lowmem_jax.optim.steps import (COMPLETES_STEP, microbatch_step, takes_completes_step,
                                     train_step)
+from lowmem_jax.optim.streamed import (LayerStack, LayerStreamed, StreamedState, check_per_leaf,
+                                       layer_streamed)
 
 __all__ = [
     "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",
-    "LayerMoments", "MomentFold", "adama", "adamaw", "find_adama_state", "microbatch_step",
+    "LayerMoments", "LayerStack", "LayerStreamed", "MomentFold", "StreamedState", "adama",
+    "adamaw", "check_per_leaf", "find_adama_state", "layer_streamed", "microbatch_step",
     "on_kth_micro_step", "scan_layers", "takes_completes_step", "train_step",
 ]

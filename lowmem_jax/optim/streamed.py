@@ -1,13 +1,55 @@
 """The layer-streamed train step: the optimizer runs inside the backward, one layer at a time.
 
-For a model ``head(scan(layer, embed(batch), stacked_params), batch)`` (a
-`LayerStack`).
+For a model of identical stacked layers between an embedding and a head (a
+`LayerStack`), `layer_streamed` makes a train step whose forward is a
+``lax.scan`` over the stacked layer parameters that keeps only each layer's
+input, and whose backward is a reverse scan that recomputes each layer from
+its input, takes that layer's parameter gradient (`jax.vjp`) and applies the
+optimizer to that layer's slice of the parameters and of the state right
+there. The whole-model gradient never exists, and no optimizer temporary is
+larger than one layer's. The parameters only the head reads are updated
+after the head's backward; those the embedding reads (a tied embedding: the
+sum of both gradients) after the first layer's backward, when the
+embedding's gradient is made.
+
+Any optax transformation that works leaf by leaf runs this way: Adam, AdamW,
+`lowmem_jax.scale_by_adam_8bit`, AdamA (`lowmem_jax.adama`: one call of the
+step per micro-batch, the update at the k-th), bfloat16 parameters with
+`lowmem_jax.lowbit.stochastic_rounding`. One whose update of a leaf reads
+another leaf (``optax.clip_by_global_norm``, ``optax.apply_if_finite``) is
+refused, with the equation that mixes them (`check_per_leaf`).
+
+The state is `StreamedState`: the transformation initialised on each layer
+alone (``jax.vmap`` over the stacked layers: each layer has its own step
+counter and PRNG seed, all alike, so a seeded transformation draws the same
+random bits for same-shaped leaves of different layers), on the head's
+parameters and on the embedding's. With the state on the device and float32
+throughout, a step equals ``tx`` applied to ``jax.grad`` of the whole loss to
+float tolerance (the test's exact twin); a stochastic rounding draws other
+bits than over the whole tree (the same distribution).
+
+Where they live: the parameters on the device; the state and the saved layer
+inputs on the device or in pinned host memory (``"host"``), brought over one
+layer at a time, the next layer's while the current one computes. Per step the
+host link carries the state twice and the saved inputs twice.
+
+References:
+  Lv et al., 2023, "Full Parameter Fine-tuning for Large Language Models with
+  Limited Resources" (LOMO, the update fused into the backward,
+  https://arxiv.org/abs/2306.09782); torchtune's ``optimizer_in_bwd``; Ren et
+  al., 2021, "ZeRO-Offload" (state in host memory, https://arxiv.org/abs/2101.06840).
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+PLACES = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,3 +73,248 @@ class LayerStack:
   layer: Callable[[Any, jax.Array, Any], jax.Array]
   head: Callable[[Any, jax.Array, Any], jax.Array]
   key: str = "layers"
+
+  def __post_init__(self):
+    for name in ("embed", "layer", "head"):
+      if not callable(getattr(self, name)):
+        raise TypeError(f"`LayerStack.{name}` must be callable, got {getattr(self, name)!r}.")
+    if not isinstance(self.key, str):
+      raise TypeError(f"`LayerStack.key` must be a str, got {self.key!r}.")
+
+  def loss(self, params: Any, batch: Any) -> jax.Array:
+    """The model's loss, a plain scan over the layers: the function a plain step differentiates."""
+    rest, layers = split(params, self.key)
+    h = jax.lax.scan(lambda h, p: (self.layer(p, h, batch), None),
+                     self.embed(rest, batch), layers)[0]
+    return self.head(rest, h, batch)
+
+
+class StreamedState(NamedTuple):
+  """State of a `layer_streamed` step: ``tx``'s state of each layer and of each other entry."""
+  layers: Any  # tx.init of each layer, stacked: every leaf [layers, ...]
+  rest: dict  # tx.init of each entry of params but the layers, by its name
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStreamed:
+  """A layer-streamed train step and the state it takes (`layer_streamed`).
+
+  Attributes:
+    init: ``params -> StreamedState``, placed where the step keeps it.
+    step: ``(params, state, batch) -> (params, state, {"loss": loss})``, one call
+      per (micro-)batch; jit it with ``donate_argnums=(0, 1)`` so the
+      parameters and the state are updated in place.
+  """
+  init: Callable[[Any], StreamedState]
+  step: Callable[[Any, StreamedState, Any], tuple[Any, StreamedState, dict]]
+
+
+def split(params: Any, key: str) -> tuple[dict, Any]:
+  """``(rest, params[key])``: the params dict without the stacked layers, and the layers."""
+  if not isinstance(params, dict) or key not in params:
+    raise ValueError(f"`params` must be a dict with the stacked layers at {key!r} "
+                     f"(`LayerStack.key`), got {type(params).__name__} with "
+                     f"{list(params) if isinstance(params, dict) else 'no keys'}.")
+  return {k: v for k, v in params.items() if k != key}, params[key]
+
+
+def layer_count(layers: Any) -> int:
+  """The stacked layers' leading axis, the same on every leaf (else a ValueError naming one)."""
+  paths = jax.tree_util.tree_leaves_with_path(layers)
+  if not paths:
+    raise ValueError("The stacked layers have no leaves.")
+  counts = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in paths}
+  if len(counts) != 1 or None in counts:
+    first = jnp.shape(paths[0][1])[:1]
+    odd = next(p for p, x in paths if jnp.shape(x)[:1] != first)
+    raise ValueError(
+        f"Every stacked layer leaf needs the same leading (layer) axis: "
+        f"{jax.tree_util.keystr(paths[0][0])} has {first}, {jax.tree_util.keystr(odd)} has "
+        f"{jnp.shape(next(x for p, x in paths if p == odd))[:1]}.")
+  return counts.pop()
+
+
+def _reads(fn: Callable, tree: Any, *args) -> Any:
+  """Bool pytree like ``tree``: whether ``fn(tree, *args)`` reads each leaf."""
+  closed = jax.make_jaxpr(fn)(tree, *args)
+  n = len(jax.tree.leaves(tree))
+  used = set(_used_inputs(closed.jaxpr))
+  return jax.tree.unflatten(jax.tree.structure(tree), [i in used for i in range(n)])
+
+
+def _used_inputs(jaxpr) -> list[int]:
+  needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    if any(o in needed for o in eqn.outvars) or eqn.effects:
+      needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  return [i for i, v in enumerate(jaxpr.invars) if v in needed]
+
+
+def _to(place: str, tree: Any) -> Any:
+  space = jax.memory.Space.Host if place == "host" else jax.memory.Space.Device
+  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def _check_place(name: str, value: Any) -> None:
+  if value not in PLACES:
+    raise ValueError(f"`{name}` must be one of {PLACES}, got {value!r}.")
+
+
+def check_per_leaf(tx: optax.GradientTransformation, params: Any) -> None:
+  """Raises ValueError if ``tx``'s update of one leaf reads another leaf's gradient or param.
+
+  Traces ``tx.update`` on two copies of ``params`` (a layer's) and follows each
+  output back through the jaxpr to the leaves it reads (into nested calls;
+  conservatively through loops and conditionals).
+
+  Args:
+    tx: the transformation.
+    params: one layer's parameters (arrays or ``ShapeDtypeStruct``).
+  """
+  probe = {"a": params, "b": params}
+  state = jax.eval_shape(tx.init, probe)
+  n = len(jax.tree.leaves(probe))
+  closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(probe, state, probe)
+  jaxpr = closed.jaxpr
+  n_state = len(jaxpr.invars) - 2 * n
+  groups = ([frozenset({i}) for i in range(n)] + [frozenset()] * n_state
+            + [frozenset({i}) for i in range(n)])
+  mixed = []
+  outs = _dependencies(jaxpr, groups, mixed)
+  if mixed or any(len(o) > 1 for o in outs):
+    where = mixed[0] if mixed else "its outputs"
+    raise ValueError(
+        f"The optimizer's update of one parameter leaf reads other leaves' gradients (first "
+        f"at {where}): it needs the whole gradient (a global norm, a finiteness check of the "
+        "whole tree) and cannot run inside the backward, one layer at a time. Clip per leaf "
+        "instead (optax.clip_by_block_rms, optax.clip), or per layer inside `LayerStack.layer`.")
+
+
+def _dependencies(jaxpr, groups: list[frozenset], mixed: list[str]) -> list[frozenset]:
+  """For each outvar of ``jaxpr``, the union of the input groups it depends on; appends to
+  ``mixed`` the source of each equation whose output first joins two groups."""
+  env = dict(zip(jaxpr.invars, groups))
+  read = lambda v: env.get(v, frozenset()) if isinstance(v, jcore.Var) else frozenset()
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    inner = _inner_jaxpr(eqn)
+    if inner is not None and len(inner.invars) == len(ins):
+      outs = _dependencies(inner, ins, mixed)
+    else:
+      together = frozenset().union(*ins)
+      outs = [together] * len(eqn.outvars)
+      if len(together) > 1 and all(len(i) <= 1 for i in ins) and not mixed:
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+        mixed.append(f"{eqn.primitive.name} in {frames[0].function_name} "
+                     f"({frames[0].file_name}:{frames[0].start_line})" if frames
+                     else eqn.primitive.name)
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _inner_jaxpr(eqn):
+  """The jaxpr a call-like equation runs once on its operands (pjit, remat, custom rules)."""
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    inner = eqn.params.get(name)
+    if inner is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+      return getattr(inner, "jaxpr", inner)
+  return None
+
+
+def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
+                   state: str = "device", saved_inputs: str = "device") -> LayerStreamed:
+  """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
+
+  The entries of ``params`` other than the layers each get their own state
+  and are updated once their gradient is complete: after the head's backward
+  if the embedding does not read them, else after the first layer's.
+
+  Args:
+    stack: the model (`LayerStack`).
+    tx: an optax transformation that works leaf by leaf (module docstring); its
+      ``update`` is called with the params.
+    state: where the optimizer state lives between steps, "device" or "host"
+      (pinned host memory, brought over one layer at a time).
+    saved_inputs: where the forward keeps each layer's input for the backward,
+      "device" or "host".
+
+  Returns:
+    A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, lowmem_jax as lm
+    >>> stack = lm.optim.LayerStack(
+    ...     embed=lambda rest, b: b @ rest["w_in"],
+    ...     layer=lambda p, h, b: jnp.tanh(h @ p["w"]),
+    ...     head=lambda rest, h, b: jnp.mean(h ** 2))
+    >>> params = {"w_in": jnp.ones((3, 4)), "layers": {"w": jnp.stack([jnp.eye(4)] * 2)}}
+    >>> streamed = lm.optim.layer_streamed(stack, optax.adamw(1e-3))
+    >>> params, opt_state, metrics = jax.jit(streamed.step)(
+    ...     params, streamed.init(params), jnp.ones((2, 3)))
+    >>> metrics["loss"].shape
+    ()
+  """
+  if not isinstance(stack, LayerStack):
+    raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
+  _check_place("state", state)
+  _check_place("saved_inputs", saved_inputs)
+
+  def checked(params):
+    rest, layers = split(params, stack.key)
+    layer_count(layers)
+    check_per_leaf(tx, jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype),
+                                    layers))
+    return rest, layers
+
+  def init(params):
+    rest, layers = checked(params)
+    return _to(state, StreamedState(jax.vmap(tx.init)(layers),
+                                    {name: tx.init(entry) for name, entry in rest.items()}))
+
+  def update(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, _to("device", opt_state), params)
+    return optax.apply_updates(params, updates), _to(state, opt_state)
+
+  def step(params, opt_state, batch):
+    if not isinstance(opt_state, StreamedState):
+      raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
+                      f"{type(opt_state).__name__}.")
+    rest, layers = checked(params)
+    if set(opt_state.rest) != set(rest):
+      raise ValueError(f"`opt_state` holds the state of {sorted(opt_state.rest)}, the params "
+                       f"have {sorted(rest)} beside the layers: make it with `init`.")
+    embed_reads = {name: any(jax.tree.leaves(r))
+                   for name, r in _reads(lambda r: stack.embed(r, batch), rest).items()}
+    new_rest, rest_state = {}, dict(opt_state.rest)
+
+    def update_entries(grads, names):
+      for name in names:
+        new_rest[name], rest_state[name] = update(grads[name], rest_state[name], rest[name])
+
+    h, embed_vjp = jax.vjp(lambda r: stack.embed(r, batch), rest)
+    h, saved = jax.lax.scan(lambda h, p: (stack.layer(p, h, batch), _to(saved_inputs, h)),
+                            h, layers)
+    loss, head_vjp = jax.vjp(lambda r, h: stack.head(r, h, batch), rest, h)
+    head_grads, dh = head_vjp(jnp.ones_like(loss))
+    update_entries(head_grads, [name for name in rest if not embed_reads[name]])
+
+    def backward(carry, i):
+      dh, layers, layer_states = carry
+      at = lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False)
+      _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), jax.tree.map(at, layers),
+                       _to("device", at(saved)))
+      grads, dh = vjp(dh)
+      p, s = update(grads, jax.tree.map(at, layer_states), jax.tree.map(at, layers))
+      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), i, 0)
+      return (dh, jax.tree.map(put, layers, p), jax.tree.map(put, layer_states, s)), None
+
+    (dh, layers, layer_states), _ = jax.lax.scan(
+        backward, (dh, layers, opt_state.layers), jnp.arange(layer_count(layers)), reverse=True)
+    embed_grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
+    update_entries(embed_grads, [name for name in rest if embed_reads[name]])
+    return ({**new_rest, stack.key: layers}, StreamedState(layer_states, rest_state),
+            {"loss": loss})
+
+  return LayerStreamed(init, step)

@@ -1,0 +1,179 @@
+"""The layer-streamed step against its exact twins: optax on `jax.grad` of the whole loss,
+`microbatch_step` for AdamA, `scale_by_adam_8bit` over the whole tree; the refusal of
+transformations that read the whole gradient; the state and saved inputs on the host."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowmem_jax as lm
+from lowmem_jax.optim import streamed
+from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
+
+pytestmark = OPTAX_BIAS_CORRECTION
+
+VOCAB, DIM, HIDDEN, LAYERS = 64, 16, 32, 3
+
+
+def rms(x, w):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w[None, None]
+
+
+def stack(tied: bool = False) -> streamed.LayerStack:
+  """A small pre-norm residual MLP language model, written as a user would."""
+  def embed(rest, batch):
+    return jnp.take(rest["embedding"], batch[0], axis=0)
+
+  def layer(p, h, batch):
+    del batch
+    return h + jax.nn.gelu(rms(h, p["norm"]) @ p["w1"]) @ p["w2"]
+
+  def head(rest, h, batch):
+    out = rest["embedding"].T if tied else rest["output"]
+    logits = rms(h, rest["norm"]).astype(jnp.float32) @ out.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+  return streamed.LayerStack(embed, layer, head)
+
+
+def params_of(key, tied=False, dtype=jnp.float32):
+  k = jax.random.split(key, 4)
+  params = {
+      "embedding": jax.random.normal(k[0], (VOCAB, DIM)),
+      "norm": jnp.ones(DIM),
+      "layers": {"norm": jnp.ones((LAYERS, DIM)),
+                 "w1": jax.random.normal(k[1], (LAYERS, DIM, HIDDEN)) / DIM ** 0.5,
+                 "w2": jax.random.normal(k[2], (LAYERS, HIDDEN, DIM)) / HIDDEN ** 0.5},
+  }
+  if not tied:
+    params["output"] = jax.random.normal(k[3], (DIM, VOCAB)) / DIM ** 0.5
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def batch_of(key, n=4, length=8):
+  tokens = jax.random.randint(key, (n, length + 1), 0, VOCAB)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+def plain_step(model, tx):
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(model.loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return jax.jit(step)
+
+
+def run_both(model, tx, params, batches, **places):
+  layered = streamed.layer_streamed(model, tx, **places)
+  step, state = jax.jit(layered.step), layered.init(params)
+  plain, plain_state = plain_step(model, tx), tx.init(params)
+  got, want = params, params
+  for batch in batches:
+    got, state, metrics = step(got, state, batch)
+    want, plain_state, loss = plain(want, plain_state, batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+  return got, want, state
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6):
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol), got, want)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_adamw_equals_optax_on_the_whole_gradient(tied):
+  model, params = stack(tied), params_of(jax.random.key(0), tied)
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  got, want, _ = run_both(model, optax.adamw(1e-2, weight_decay=0.1), params, batches)
+  assert_close(got, want)
+  assert not np.allclose(got["layers"]["w1"], params["layers"]["w1"])  # it trained
+
+
+def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
+  model, params = stack(), params_of(jax.random.key(1))
+  batches = [batch_of(jax.random.key(i)) for i in range(2)]
+  got, want, state = run_both(model, optax.adam(1e-2), params, batches, state="host",
+                              saved_inputs="host")
+  assert_close(got, want)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
+
+
+def test_adama_equals_microbatch_step():
+  """One call per micro-batch, AdamA applying at the k-th: `microbatch_step`'s update."""
+  k = 2
+  model, params = stack(), params_of(jax.random.key(2))
+  tx = lm.adamaw(1e-2, k, weight_decay=0.1)
+  batches = [batch_of(jax.random.key(i), n=4) for i in range(2)]
+  layered = streamed.layer_streamed(model, tx)
+  step, state, got = jax.jit(layered.step), layered.init(params), params
+  reference = jax.jit(lm.optim.microbatch_step(model.loss, tx, k))
+  want, ref_state = params, tx.init(params)
+  for batch in batches:
+    before = got
+    for i in range(k):  # microbatch_step's strided micro-batches
+      got, state, _ = step(got, state, jax.tree.map(lambda x, i=i: x[i::k], batch))
+      if i < k - 1:  # folded, not applied
+        jax.tree.map(np.testing.assert_array_equal, got, before)
+    want, ref_state, _ = reference(want, ref_state, batch)
+  assert_close(got, want)
+
+
+def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
+  """Rounding to nearest (no keys): blocks run along the last axis, so a layer's slice
+  quantises as the stacked leaf does; every leaf is past min_size in both."""
+  tx = optax.chain(lm.lowbit.scale_by_adam_8bit(block=16, min_size=16, stochastic=False),
+                   optax.scale_by_learning_rate(1e-2))
+  model, params = stack(), params_of(jax.random.key(3))
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  got, want, state = run_both(model, tx, params, batches)
+  assert_close(got, want)
+  assert lm.lowbit.is_quantized(state.layers[0].mu["w1"])
+
+
+@OPTAX_APPLY_UPDATES
+def test_bfloat16_parameters_rounded_stochastically_stay_within_a_unit_of_the_twin():
+  """Other random bits than over the whole tree (module docstring): after one step each
+  parameter is one of the two bfloat16 neighbours of the same float32 sum."""
+  tx = optax.chain(optax.adam(1e-2), lm.lowbit.stochastic_rounding(seed=0))
+  model, params = stack(), params_of(jax.random.key(4), dtype=jnp.bfloat16)
+  got, want, _ = run_both(model, tx, params, [batch_of(jax.random.key(0))])
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == jnp.bfloat16
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    unit = np.abs(b) * 2.0 ** -7 + 1e-30
+    assert np.all(np.abs(a - b) <= unit * 1.01)
+
+
+@pytest.mark.parametrize("tx", [
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+    optax.apply_if_finite(optax.adam(1e-3), 3),
+], ids=["clip_by_global_norm", "apply_if_finite"])
+def test_a_transformation_that_reads_the_whole_gradient_is_refused(tx):
+  params = params_of(jax.random.key(0))
+  with pytest.raises(ValueError, match="reads other leaves' gradients.*optax"):
+    streamed.layer_streamed(stack(), tx).init(params)
+
+
+def test_per_leaf_clipping_is_taken():
+  tx = optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-3))
+  model, params = stack(), params_of(jax.random.key(5))
+  got, want, _ = run_both(model, tx, params, [batch_of(jax.random.key(0))])
+  assert_close(got, want)
+
+
+def test_bad_input_names_what_is_wrong():
+  model, params = stack(), params_of(jax.random.key(0))
+  layered = streamed.layer_streamed(model, optax.adam(1e-3))
+  odd = {**params, "layers": {**params["layers"], "norm": jnp.ones((LAYERS + 1, DIM))}}
+  with pytest.raises(ValueError, match=r"\['norm'\] has \(4,\)|\['w1'\] has \(3,\)"):
+    layered.init(odd)
+  with pytest.raises(ValueError, match="'layers'"):
+    layered.init({"embedding": params["embedding"]})
+  with pytest.raises(ValueError, match="`state` must be one of"):
+    streamed.layer_streamed(model, optax.adam(1e-3), state="cpu")
+  with pytest.raises(TypeError, match="`stack`"):
+    streamed.layer_streamed(model.loss, optax.adam(1e-3))
+  with pytest.raises(TypeError, match="StreamedState"):
+    layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))

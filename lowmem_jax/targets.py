@@ -44,7 +44,7 @@ import os
 import pathlib
 import re
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -77,6 +77,58 @@ DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 _CONFIGS = importlib.resources.files("lowmem_jax") / "target_configs"
 
 
+def _pcie_bytes_per_s(generation: int, lanes: int = 16) -> float:
+  """One direction of a PCIe link in bytes/s: 8, 16 or 32 GT/s a lane (generations 3, 4, 5;
+  PCI-SIG's PCI Express Base Specifications) after 128b/130b line coding. Packet headers take
+  some 5-15% of it in practice."""
+  return 2**(generation - 3) * 8e9 * lanes * (128 / 130) / 8
+
+
+class _Speeds(NamedTuple):
+  """What a step-time floor needs of a GPU besides its memory bandwidth."""
+  peak_bf16_flops: float  # dense bfloat16 tensor-core peak, FP32 accumulation, FLOP/s
+  host_link_bytes_per_s: float  # the PCIe link to the host, one direction, bytes/s
+
+
+# By device kind, so that `from_devices` and `attached` on the same card find them too.
+# bfloat16 peaks are dense (NVIDIA's datasheets list twice these "with sparsity") with float32
+# accumulation, the only accumulation for bfloat16 and the one XLA's dots use: GeForce cards
+# and the A10G run it at half their FP16-accumulate rate, the datacenter and RTX pro cards at
+# the full rate.
+_SPEEDS = {
+    # h100: H100 datasheet, SXM5: BF16 1,979 TFLOPS with sparsity; PCIe Gen5 x16 to the host.
+    "NVIDIA H100 80GB HBM3": _Speeds(989.4e12, _pcie_bytes_per_s(5)),
+    # h100-pcie: H100 datasheet, PCIe: BF16 1,513 TFLOPS with sparsity; PCIe Gen5 x16.
+    "NVIDIA H100 PCIe": _Speeds(756.5e12, _pcie_bytes_per_s(5)),
+    # a100-40gb, a100-80gb: A100 datasheet, SXM4: BF16 312 TFLOPS dense; PCIe Gen4 x16.
+    "NVIDIA A100-SXM4-40GB": _Speeds(312e12, _pcie_bytes_per_s(4)),
+    "NVIDIA A100-SXM4-80GB": _Speeds(312e12, _pcie_bytes_per_s(4)),
+    # b200: Blackwell datasheet, HGX B200 (1,000 W): BF16 4.5 PFLOPS with sparsity a GPU. The
+    # GPU's own link is PCIe Gen6 x16, but HGX and DGX B200 hosts are Gen5 (DGX B200 user guide:
+    # 2 Xeon 8570, PCIe Gen5), so the link runs at Gen5 x16.
+    "NVIDIA B200": _Speeds(2.25e15, _pcie_bytes_per_s(5)),
+    # a6000: RTX A6000 datasheet: tensor 309.7 TFLOPS with sparsity (GA102 whitepaper: 154.8
+    # dense, FP32 accumulation at the full rate); PCIe Gen4 x16.
+    "NVIDIA RTX A6000": _Speeds(154.8e12, _pcie_bytes_per_s(4)),
+    # v100: no bfloat16 tensor cores (sm_70): XLA computes bfloat16 dots in float32 there, so
+    # the floor is the FP32 peak, 15.7 TFLOPS (V100 datasheet, SXM2); PCIe Gen3 x16.
+    "Tesla V100-SXM2-16GB": _Speeds(15.7e12, _pcie_bytes_per_s(3)),
+    # rtx4090: Ada whitepaper, appendix: BF16 tensor with FP32 accumulation 165.2 TFLOPS dense
+    # (330.3 is FP16 with FP16 accumulation; 82.6 is the FP32 non-tensor peak); PCIe Gen4 x16.
+    "NVIDIA GeForce RTX 4090": _Speeds(165.2e12, _pcie_bytes_per_s(4)),
+    # rtx3090: GA102 whitepaper, appendix: BF16 tensor with FP32 accumulation 71 TFLOPS dense
+    # (142 with FP16 accumulation); PCIe Gen4 x16.
+    "NVIDIA GeForce RTX 3090": _Speeds(71e12, _pcie_bytes_per_s(4)),
+    # l4: L4 datasheet: BF16 242 TFLOPS with sparsity; PCIe Gen4 x16.
+    "NVIDIA L4": _Speeds(121e12, _pcie_bytes_per_s(4)),
+    # a10g: 70 TFLOPS dense tensor (AWS's G5 figures as Baseten's "A10 vs A10G" gives them;
+    # = 80 SMs x 512 FLOP a clock at FP32 accumulation x 1.71 GHz); PCIe Gen4 x16 (A10).
+    "NVIDIA A10G": _Speeds(70e12, _pcie_bytes_per_s(4)),
+    # l40s: L40S datasheet: BF16 362.05 TFLOPS dense (733 with sparsity); PCIe Gen4 x16.
+    "NVIDIA L40S": _Speeds(362.05e12, _pcie_bytes_per_s(4)),
+}
+
+
 class TargetUnavailable(RuntimeError):
   """The packages a compile-only GPU target needs are missing or cannot load."""
 
@@ -106,6 +158,20 @@ class Target:
   def deviceless(self) -> bool:
     """True for a compile-only GPU."""
     return self.config is not None
+
+  @property
+  def peak_bf16_flops(self) -> float | None:
+    """The dense bfloat16 tensor-core peak in FLOP/s (float32 accumulation, as XLA's dots; no
+    sparsity) from NVIDIA's specifications, for a shipped GPU and any target of the same
+    device kind (`from_devices`, `attached`, `load`); None for other devices and the CPU."""
+    return getattr(_SPEEDS.get(self.device_kind), "peak_bf16_flops", None)
+
+  @property
+  def host_link_bytes_per_s(self) -> float | None:
+    """One direction of the GPU's PCIe link to the host in bytes/s (its generation and lanes
+    after line coding; the PCIe link of an SXM part, not NVLink), known as `peak_bf16_flops`
+    is; None otherwise."""
+    return getattr(_SPEEDS.get(self.device_kind), "host_link_bytes_per_s", None)
 
   @property
   def note(self) -> str:

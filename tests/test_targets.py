@@ -44,6 +44,47 @@ def test_shipped_configs_parse():
   assert targets.get("a100-40gb").memory_bytes < targets.get("a100-80gb").memory_bytes
 
 
+def test_24gb_cards_and_the_l40s_parse():
+  """The cards people fine-tune on: memory as the CUDA driver reports it (ECC on where the card
+  has it), compute capability 8.6 (Ampere) or 8.9 (Ada)."""
+  mib = {"rtx4090": (24564, "8.9"), "rtx3090": (24238, "8.6"), "l4": (22518, "8.9"),
+         "a10g": (22587, "8.6"), "l40s": (45373, "8.9")}
+  for name, (size, capability) in mib.items():
+    t = targets.get(name)
+    assert round(t.memory_bytes / 2**20) == size, name  # MiB, as deviceQuery prints it
+    major, minor = capability.split(".")
+    assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in t.config, name
+  assert targets.get("a10g").device_kind == "NVIDIA A10G"
+
+
+def test_every_shipped_gpu_has_a_peak_and_a_host_link():
+  for name in targets.names():
+    t = targets.get(name)
+    if name == "cpu":
+      assert t.peak_bf16_flops is None and t.host_link_bytes_per_s is None
+      continue
+    assert t.peak_bf16_flops > 1e13 and t.host_link_bytes_per_s > 1e10, name
+
+
+def test_peak_and_host_link_figures(tmp_path):
+  tflops = {n: targets.get(n).peak_bf16_flops / 1e12 for n in targets.names() if n != "cpu"}
+  # Dense bfloat16 with float32 accumulation: NVIDIA's datasheets give twice, with sparsity.
+  assert tflops["h100"] == pytest.approx(989.4) and tflops["a100-80gb"] == 312
+  # A GeForce card accumulates in float32 at half its FP16-accumulate rate (330.3 TFLOPS).
+  assert tflops["rtx4090"] == pytest.approx(165.2) and tflops["rtx3090"] == 71
+  assert tflops["v100"] < tflops["a10g"] < tflops["l4"] < tflops["a6000"] < tflops["l40s"]
+  gb_per_s = {n: targets.get(n).host_link_bytes_per_s / 1e9 for n in tflops}
+  assert gb_per_s["v100"] == pytest.approx(15.75, abs=0.01)  # PCIe Gen3 x16
+  assert gb_per_s["h100"] == pytest.approx(2 * gb_per_s["rtx4090"]) == pytest.approx(63.0, abs=0.1)
+  # Known by device kind: the same card saved and loaded keeps them, another card has none.
+  targets.get("l4").save(tmp_path / "mine.txtpb")
+  assert targets.load(tmp_path / "mine.txtpb").peak_bf16_flops == 121e12
+  other = targets.get("l4").config.replace('"NVIDIA L4"', '"NVIDIA L4 Engineering Sample"')
+  (tmp_path / "other.txtpb").write_text(other)
+  unknown = targets.load(tmp_path / "other.txtpb")
+  assert unknown.peak_bf16_flops is None and unknown.host_link_bytes_per_s is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in targets.names() if n != "cpu"])
 @FLAX_NORM

@@ -129,7 +129,7 @@ def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
   batches = [batch_of(jax.random.key(i)) for i in range(3)]
   got, want, state = run_both(model, tx, params, batches)
   assert_close(got, want)
-  assert lm.lowbit.is_quantized(state.layers[0].mu["w1"])
+  assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
 
 
 @OPTAX_APPLY_UPDATES

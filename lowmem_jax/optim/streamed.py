@@ -41,6 +41,7 @@ References:
 """
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -48,6 +49,8 @@ import jax.numpy as jnp
 import optax
 from jax._src import source_info_util
 from jax.extend import core as jcore
+
+from lowmem_jax._checks import is_int
 
 PLACES = ("device", "host")
 
@@ -90,9 +93,14 @@ class LayerStack:
 
 
 class StreamedState(NamedTuple):
-  """State of a `layer_streamed` step: ``tx``'s state of each layer and of each other entry."""
-  layers: Any  # tx.init of each layer, stacked: every leaf [layers, ...]
-  rest: dict  # tx.init of each entry of params but the layers, by its name
+  """State of a `layer_streamed` step: ``tx``'s state of each parameter leaf, at its place.
+
+  A leaf's state is ``tx.init`` of the leaf alone, or of each of its slices,
+  stacked, where it is updated in slices (`slices`); a layer leaf's is that of
+  each layer, stacked.
+  """
+  layers: Any  # params[key]'s structure, each leaf's place: its state, every leaf [layers, ...]
+  rest: dict  # the other params' structure, each leaf's place: its state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,22 +229,78 @@ def _inner_jaxpr(eqn):
   return None
 
 
+def slices(shape: tuple[int, ...], limit: int) -> int:
+  """How many equal slices along its first axis `layer_streamed` updates a leaf of ``shape``
+  in: the fewest of at most ``limit`` elements each (1 for a leaf within it, or one that no
+  split of its first axis brings within it)."""
+  if len(shape) < 2 or math.prod(shape) <= limit:
+    return 1
+  row = math.prod(shape[1:])
+  return next((n for n in range(2, shape[0] + 1) if shape[0] % n == 0
+               and shape[0] // n * row <= limit), 1)
+
+
+def _at(tree: Any, i: jax.Array) -> Any:
+  return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)
+
+
+def _put(tree: Any, new: Any, i: jax.Array) -> Any:
+  return jax.tree.map(
+      lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), i, 0), tree, new)
+
+
+def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
+                 reverse: bool = False) -> tuple[Any, Any, Any]:
+  """``fn(carry, params_i, state_i, xs_i) -> (carry, params_i, state_i)`` over the slices i
+  of stacked ``params`` and ``states`` (leading axis), in a ``lax.scan``. The params are
+  updated in place; the states too on the device, while from the host each slice comes
+  over as a scan input (on the device in ``fn``) and goes back as a scan output."""
+  n = jax.tree.leaves(params)[0].shape[0]
+  if place == "device":
+    def body(c, x):
+      c, params, states = c
+      i, x = x
+      c, p, s = fn(c, _at(params, i), _at(states, i), x)
+      return (c, _put(params, p, i), _put(states, s, i)), None
+    (carry, params, states), _ = jax.lax.scan(body, (carry, params, states),
+                                              (jnp.arange(n), xs), reverse=reverse)
+    return carry, params, states
+
+  def body(c, x):
+    c, params = c
+    i, s, x = x
+    c, p, s = fn(c, _at(params, i), _to("device", s), x)
+    return (c, _put(params, p, i)), _to("host", s)
+  (carry, params), states = jax.lax.scan(body, (carry, params), (jnp.arange(n), states, xs),
+                                         reverse=reverse)
+  return carry, params, states
+
+
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
-                   state: str = "device", saved_inputs: str = "device") -> LayerStreamed:
+                   state: str = "device", saved_inputs: str = "device",
+                   slice_elements: int = 2 ** 24) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
-  The entries of ``params`` other than the layers each get their own state
-  and are updated once their gradient is complete: after the head's backward
-  if the embedding does not read them, else after the first layer's.
+  The other parameters are updated once their gradient is complete: after the
+  head's backward those the embedding does not read, after the first layer's
+  the others. Each parameter leaf has its own state (``tx`` works leaf by
+  leaf: the same updates), and a leaf of more than ``slice_elements``
+  elements (a layer's, or another) is updated in equal slices along its first
+  axis, one after the other, each slice with its own state, so the
+  optimizer's float32 temporaries stay within a slice: exact for an
+  elementwise transformation and for 8-bit moments (whose blocks lie along
+  the last axis); a per-leaf statistic (``optax.clip_by_block_rms``) is then
+  taken per slice, as it is per layer.
 
   Args:
     stack: the model (`LayerStack`).
     tx: an optax transformation that works leaf by leaf (module docstring); its
       ``update`` is called with the params.
     state: where the optimizer state lives between steps, "device" or "host"
-      (pinned host memory, brought over one layer at a time).
+      (pinned host memory, brought over a layer, or a slice of another leaf, at a time).
     saved_inputs: where the forward keeps each layer's input for the backward,
       "device" or "host".
+    slice_elements: the most elements a leaf is updated in at once, a positive int.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -260,61 +324,84 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
   _check_place("state", state)
   _check_place("saved_inputs", saved_inputs)
+  if not is_int(slice_elements) or slice_elements < 1:
+    raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
 
   def checked(params):
+    """``(rest, layers, one_layer)``, the transformation checked on one layer."""
     rest, layers = split(params, stack.key)
     layer_count(layers)
-    check_per_leaf(tx, jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype),
-                                    layers))
-    return rest, layers
+    one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
+    check_per_leaf(tx, one_layer)
+    return rest, layers, one_layer
+
+  def count(x):
+    return slices(jnp.shape(x), slice_elements)
+
+  def sliced(x, n):
+    return x.reshape(n, -1, *jnp.shape(x)[1:])
+
+  def leaf_init(x):
+    n = count(x)
+    return tx.init(x) if n == 1 else jax.vmap(tx.init)(sliced(x, n))
 
   def init(params):
-    rest, layers = checked(params)
-    return _to(state, StreamedState(jax.vmap(tx.init)(layers),
-                                    {name: tx.init(entry) for name, entry in rest.items()}))
+    rest, layers, _ = checked(params)
+    return _to(state, StreamedState(jax.vmap(lambda p: jax.tree.map(leaf_init, p))(layers),
+                                    jax.tree.map(leaf_init, rest)))
 
-  def update(grads, opt_state, params):
-    updates, opt_state = tx.update(grads, _to("device", opt_state), params)
-    return optax.apply_updates(params, updates), _to(state, opt_state)
+  def update(g, s, p):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  def update_leaf(g, s, p, place):
+    """One leaf's update, its state in ``place`` before and after."""
+    n = count(p)
+    if n == 1:
+      p, s = update(g, _to("device", s), p)
+      return p, _to(place, s)
+    _, new, s = _scan_slices(lambda _, p, s, g: (None, *update(g, s, p)), None, sliced(p, n),
+                             s, sliced(g, n), place)
+    return new.reshape(jnp.shape(p)), s
+
+  def update_tree(grads, states, params, place, which=None):
+    """Each leaf's update (those ``which`` selects), the new params and states as trees."""
+    treedef = jax.tree.structure(params)
+    states = treedef.flatten_up_to(states)
+    out = [update_leaf(g, s, p, place) if which is None or which[i] else (p, s)
+           for i, (g, s, p) in enumerate(zip(treedef.flatten_up_to(grads), states,
+                                             jax.tree.leaves(params)))]
+    return (jax.tree.unflatten(treedef, [p for p, _ in out]),
+            jax.tree.unflatten(treedef, [s for _, s in out]))
 
   def step(params, opt_state, batch):
     if not isinstance(opt_state, StreamedState):
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
-    rest, layers = checked(params)
-    if set(opt_state.rest) != set(rest):
-      raise ValueError(f"`opt_state` holds the state of {sorted(opt_state.rest)}, the params "
-                       f"have {sorted(rest)} beside the layers: make it with `init`.")
-    embed_reads = {name: any(jax.tree.leaves(r))
-                   for name, r in _reads(lambda r: stack.embed(r, batch), rest).items()}
-    new_rest, rest_state = {}, dict(opt_state.rest)
-
-    def update_entries(grads, names):
-      for name in names:
-        new_rest[name], rest_state[name] = update(grads[name], rest_state[name], rest[name])
+    rest, layers, _ = checked(params)
+    embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
 
     h, embed_vjp = jax.vjp(lambda r: stack.embed(r, batch), rest)
     h, saved = jax.lax.scan(lambda h, p: (stack.layer(p, h, batch), _to(saved_inputs, h)),
                             h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(r, h, batch), rest, h)
     head_grads, dh = head_vjp(jnp.ones_like(loss))
-    update_entries(head_grads, [name for name in rest if not embed_reads[name]])
+    new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
+                                        [not r for r in embed_reads])
 
-    def backward(carry, i):
-      dh, layers, layer_states = carry
-      at = lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False)
-      _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), jax.tree.map(at, layers),
-                       _to("device", at(saved)))
+    def backward(dh, p, s, h):
+      _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), p, _to("device", h))
       grads, dh = vjp(dh)
-      p, s = update(grads, jax.tree.map(at, layer_states), jax.tree.map(at, layers))
-      put = lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), i, 0)
-      return (dh, jax.tree.map(put, layers, p), jax.tree.map(put, layer_states, s)), None
+      return dh, *update_tree(grads, s, p, "device")
 
-    (dh, layers, layer_states), _ = jax.lax.scan(
-        backward, (dh, layers, opt_state.layers), jnp.arange(layer_count(layers)), reverse=True)
-    embed_grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
-    update_entries(embed_grads, [name for name in rest if embed_reads[name]])
-    return ({**new_rest, stack.key: layers}, StreamedState(layer_states, rest_state),
+    dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
+                                            state, reverse=True)
+    grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
+    embedded, rest_states = update_tree(grads, rest_states, rest, state, embed_reads)
+    new_rest = jax.tree.map(lambda reads, old, new: new if reads else old,
+                            jax.tree.unflatten(jax.tree.structure(rest), embed_reads),
+                            new_rest, embedded)
+    return ({**new_rest, stack.key: layers}, StreamedState(layer_states, rest_states),
             {"loss": loss})
 
   return LayerStreamed(init, step)

@@ -252,28 +252,33 @@ def _put(tree: Any, new: Any, i: jax.Array) -> Any:
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
                  reverse: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, params_i, state_i, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params`` and ``states`` (leading axis), in a ``lax.scan``. The params are
-  updated in place; the states too on the device, while from the host each slice comes
-  over as a scan input (on the device in ``fn``) and goes back as a scan output."""
-  n = jax.tree.leaves(params)[0].shape[0]
-  if place == "device":
-    def body(c, x):
-      c, params, states = c
-      i, x = x
-      c, p, s = fn(c, _at(params, i), _at(states, i), x)
-      return (c, _put(params, p, i), _put(states, s, i)), None
-    (carry, params, states), _ = jax.lax.scan(body, (carry, params, states),
-                                              (jnp.arange(n), xs), reverse=reverse)
-    return carry, params, states
+  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``.
 
-  def body(c, x):
-    c, params = c
-    i, s, x = x
-    c, p, s = fn(c, _at(params, i), _to("device", s), x)
-    return (c, _put(params, p, i)), _to("host", s)
-  (carry, params), states = jax.lax.scan(body, (carry, params), (jnp.arange(n), states, xs),
-                                         reverse=reverse)
-  return carry, params, states
+  The params are updated in place; the states too where they live on the device
+  (``place``). What lives on the host (the states there, and any leaf of
+  ``xs`` in host memory) is brought over one slice ahead: the body starts the
+  copy of the next slice's before it runs ``fn`` on this one's, so the transfer
+  can overlap the compute; the new states go back to the host as the scan's
+  outputs.
+  """
+  n = jax.tree.leaves(params)[0].shape[0]
+  on_host = place == "host"
+  fetch = lambda i: _to("device", (_at(states, i) if on_host else None, _at(xs, i)))
+
+  def body(c, i):
+    c, params, device_states, current = c
+    ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
+    s = current[0] if on_host else _at(device_states, i)
+    c, p, s = fn(c, _at(params, i), s, current[1])
+    params = _put(params, p, i)
+    if on_host:
+      return (c, params, device_states, ahead), _to("host", s)
+    return (c, params, _put(device_states, s, i), ahead), None
+
+  (carry, params, device_states, _), host_states = jax.lax.scan(
+      body, (carry, params, None if on_host else states, fetch(n - 1 if reverse else 0)),
+      jnp.arange(n), reverse=reverse)
+  return carry, params, host_states if on_host else device_states
 
 
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,

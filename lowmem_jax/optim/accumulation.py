@@ -31,26 +31,15 @@ References:
 import dataclasses
 from typing import Any, NamedTuple
 
-import flax.serialization
 import jax
 import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
 from lowmem_jax import lowbit
+from lowmem_jax._static import StaticInt
 
 NU_SCALES = ("mean_sq", "mean")
-
-
-@jax.tree_util.register_static
-class StaticInt(int):
-  """An int that is part of a pytree's structure, not a leaf: read at trace time under
-  ``jit``, and taken from the template on a restore (`flax.serialization` saves nothing of it;
-  orbax sees no leaf)."""
-
-
-flax.serialization.register_serialization_state(StaticInt, lambda _: {},
-                                                lambda template, _: template)
 
 
 class AdamAState(NamedTuple):

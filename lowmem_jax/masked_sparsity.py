@@ -37,7 +37,8 @@ class SparsityState(NamedTuple):
   """State of `dynamic_sparsity`."""
   masks: Any  # the params' structure: bool, the leaf's shape, on sparse leaves; None on dense ones
   count: jax.Array  # int32 [], steps seen
-  key: jax.Array  # typed PRNG key [], for the next regrowth
+  key: jax.Array  # uint32 raw PRNG key (`jax.random.key_data`) of the next regrowth, which
+  # flax.serialization and orbax save (a typed key they cannot)
 
 
 def _leaves_or_none(masks: Any) -> list[jax.Array | None]:
@@ -183,7 +184,8 @@ def dynamic_sparsity(
       raise ValueError(
           f"`prune_fraction` {prune_fraction} moves {round(prune_fraction * budget)} entries per "
           f"update but `density` {density} leaves only {pool} inactive positions to regrow into.")
-    return SparsityState(jax.tree.unflatten(treedef, masks), jnp.zeros([], jnp.int32), keys[-1])
+    return SparsityState(jax.tree.unflatten(treedef, masks), jnp.zeros([], jnp.int32),
+                         jax.random.key_data(keys[-1]))
 
   def move(masks, weights, key):  # defined once, so that eager calls reuse its compilation
     key, sub = jax.random.split(key)
@@ -212,7 +214,7 @@ def dynamic_sparsity(
                         f"they zero them exactly), got {us[i].dtype} for {ps[i].dtype}.")
     old = [masks[i] for i in sparse_ids]
     count = optax.safe_int32_increment(state.count)
-    new, key = old, state.key
+    new, key = old, jax.random.wrap_key_data(state.key)
     if round(prune_fraction * _budget(old, density)) and stop_after != 0:
       due = count % update_every == 0
       if stop_after is not None:
@@ -224,7 +226,7 @@ def dynamic_sparsity(
       out[i] = jnp.where(m_old & m_new, us[i], -ps[i])
       new_masks[i] = m_new
     return jax.tree.unflatten(treedef, out), SparsityState(
-        jax.tree.unflatten(treedef, new_masks), count, key)
+        jax.tree.unflatten(treedef, new_masks), count, jax.random.key_data(key))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -166,13 +166,13 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
   lo, hi = 0, len(chain) - 1  # chain[hi] is full
   while lo < hi:
     mid = (lo + hi) // 2
-    if search.compiled(policies.save_only(*chain[mid])).fits:
+    if search.compiled(_keeping(chain[mid])).fits:
       hi = mid
     else:
       lo = mid + 1
   if names:
     for subset in search.predicted_best(names, tagged, refine):
-      search.compiled(policies.save_only(*subset))
+      search.compiled(_keeping(subset))
   fitting = [c for c in search.tried if c.fits]
   if not fitting:
     smallest = min(search.tried, key=lambda c: c.peak_bytes)
@@ -182,6 +182,12 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
         "or cut activations another way (approximate activations, MS norms, micro-batches).")
   best = min(fitting, key=lambda c: (c.recompute_flops, c.peak_bytes))
   return search.result(best, start)
+
+
+def _keeping(names) -> policies.SaveOnly:
+  """`policies.save_only` of names found tagged in the step: no vocabulary check, they are the
+  step's own."""
+  return policies.SaveOnly(frozenset(names))
 
 
 def _checked(names, tagged) -> tuple[str, ...]:
@@ -232,9 +238,9 @@ class _Search:
 
   def greedy_order(self, names, tagged) -> list[str]:
     """``names`` by bytes saved per FLOP recomputed, best to drop first."""
-    flops_all = _lowered_flops(self.step_fn, policies.save_only(*names), self.args, self.target)
+    flops_all = _lowered_flops(self.step_fn, _keeping(names), self.args, self.target)
     for n in names:
-      rest = policies.save_only(*(m for m in names if m != n))
+      rest = _keeping(m for m in names if m != n)
       self.extra[n] = max(_lowered_flops(self.step_fn, rest, self.args, self.target) - flops_all,
                           0.0)
     return sorted(names, key=lambda n: -tagged[n] / max(self.extra[n], 1.0))
@@ -260,7 +266,7 @@ class _Search:
       for kept in itertools.combinations(names, r):
         predicted = intercept + slope * sum(tagged[n] for n in kept)
         recompute = sum(self.extra[n] for n in names if n not in kept)
-        if predicted <= self.budget and policies.save_only(*kept) not in tried:
+        if predicted <= self.budget and _keeping(kept) not in tried:
           scored.append((recompute, -predicted, frozenset(kept)))
     scored.sort(key=lambda s: s[:2])
     return [kept for recompute, _, kept in scored[:count] if recompute < best_fit]

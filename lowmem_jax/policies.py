@@ -10,7 +10,8 @@ device), False (recompute it in the backward pass) or
 `jax.ad_checkpoint.Offloadable` (copy it to host memory and back).
 
 The policies here decide by `checkpoint_name` (the vocabulary is
-`lowmem_jax.names`); every value without a chosen name is recomputed.
+`lowmem_jax.names`, which refuses an unknown name: register a model's own with
+`lowmem_jax.names.register`); every value without a chosen name is recomputed.
 ``save_all_but`` ranges over the named values too, not over every value (it
 is JAX's ``save_any_names_but_these``): a policy sees one equation at a time,
 so refusing a name only moves the save to the input of the tag, which is the
@@ -50,13 +51,6 @@ from lowmem_jax import names as _names
 # JAX's remat places any other memory kind ("unpinned_host") in device memory:
 # an offload there would be a silent device-to-device copy.
 MEMORY_KINDS = ("device", "pinned_host")
-
-
-def _checked_names(names: tuple, fn: str) -> frozenset[str]:
-  for name in names:
-    if not isinstance(name, str) or not name:
-      raise TypeError(f"{fn}: each name must be a non-empty str, got {name!r}.")
-  return frozenset(names)
 
 
 def _listed(names: frozenset[str]) -> str:
@@ -127,7 +121,7 @@ def save_only(*names: str) -> SaveOnly:
 
   Returns JAX's ``save_only_these_names`` policy, after checking the names.
   """
-  return jax.checkpoint_policies.save_only_these_names(*_checked_names(names, "save_only"))
+  return jax.checkpoint_policies.save_only_these_names(*_names.check(names, "save_only"))
 
 
 def save_all_but(*names: str) -> SaveAllBut:
@@ -135,7 +129,7 @@ def save_all_but(*names: str) -> SaveAllBut:
 
   Returns JAX's ``save_any_names_but_these`` policy, after checking the names.
   """
-  return jax.checkpoint_policies.save_any_names_but_these(*_checked_names(names, "save_all_but"))
+  return jax.checkpoint_policies.save_any_names_but_these(*_names.check(names, "save_all_but"))
 
 
 def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offload:
@@ -155,7 +149,7 @@ def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offlo
       raise ValueError(f"offload: {arg} must be one of {MEMORY_KINDS}, got {kind!r}.")
   if src == dst:
     raise ValueError(f"offload: src and dst must differ, both are {src!r}.")
-  return Offload(_checked_names(names, "offload"), src, dst)
+  return Offload(_names.check(names, "offload"), src, dst)
 
 
 def kept_names(policy) -> frozenset[str] | None:

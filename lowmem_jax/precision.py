@@ -9,8 +9,11 @@ whose gradients overflow is skipped (parameters and optimizer state kept as
 they were) and S halved; after ``period`` finite steps in a row S doubles.
 
 Both parts are `jmp` (DeepMind's JAX mixed-precision library; 0.0.4 works
-with current JAX): a policy is a ``jmp.Policy``, a scale a
-``jmp.DynamicLossScale``. This module adds the Flax bridge and the train step.
+with current JAX): a policy is a ``jmp.Policy``, and `loss_scaled_step` scales
+with jmp's loss scales. A dynamic scale is kept in a `DynamicLossScaleState`,
+which `flax.serialization` and orbax save (jmp's ``DynamicLossScale`` neither:
+flax cannot serialise it, and orbax's restore fails in its ``__post_init__``).
+This module adds the Flax bridge and the train step.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018 (arXiv:1710.03740).
@@ -18,15 +21,32 @@ References:
   2019 (arXiv:1904.10631), section on low precision.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jmp
 import optax
 
+from lowmem_jax._static import StaticInt
+
+
+class DynamicLossScaleState(NamedTuple):
+  """A dynamic loss scale as a state (`dynamic_loss_scale`); `loss_scaled_step` adjusts it
+  with jmp's ``DynamicLossScale`` rule."""
+  loss_scale: jax.Array  # float32 [], the scale S
+  counter: jax.Array  # int32 [], finite steps in a row since S last changed
+  period: StaticInt  # finite steps in a row before S grows, static
+  factor: StaticInt  # S grows and shrinks by this factor, static
+
+  def as_jmp(self) -> jmp.DynamicLossScale:
+    """jmp's ``DynamicLossScale`` of these fields."""
+    return jmp.DynamicLossScale(self.loss_scale, self.counter, self.period, self.factor)
+
+
 Policy = jmp.Policy
-LossScale = jmp.DynamicLossScale | jmp.StaticLossScale | jmp.NoOpLossScale
+LossScale = (DynamicLossScaleState | jmp.DynamicLossScale | jmp.StaticLossScale
+             | jmp.NoOpLossScale)
 
 POLICIES = {
     "float32": "params=float32,compute=float32,output=float32",
@@ -64,16 +84,18 @@ def flax_dtypes(policy: str | Policy) -> dict[str, Any]:
 
 
 def dynamic_loss_scale(initial: float = 2.0 ** 15, *, period: int = 2000,
-                       factor: int = 2) -> jmp.DynamicLossScale:
-  """A ``jmp.DynamicLossScale`` starting at ``initial`` that grows by ``factor``
-  after ``period`` finite steps and shrinks by it on a non-finite one."""
+                       factor: int = 2) -> DynamicLossScaleState:
+  """A dynamic loss scale starting at ``initial`` that grows by ``factor`` after ``period``
+  finite steps and shrinks by it on a non-finite one (jmp's ``DynamicLossScale`` rule), as a
+  `DynamicLossScaleState` that `flax.serialization` and orbax save."""
   if not initial > 0:
     raise ValueError(f"initial must be > 0, got {initial!r}.")
   if not isinstance(period, int) or period < 1:
     raise ValueError(f"period must be an int >= 1, got {period!r}.")
   if not isinstance(factor, int) or factor < 2:
     raise ValueError(f"factor must be an int >= 2, got {factor!r}.")
-  return jmp.DynamicLossScale(jnp.float32(initial), period=period, factor=factor)
+  return DynamicLossScaleState(jnp.float32(initial), jnp.zeros([], jnp.int32), StaticInt(period),
+                               StaticInt(factor))
 
 
 def loss_scaled_step(loss_fn: Callable[[Any, Any], jax.Array],
@@ -98,18 +120,26 @@ def loss_scaled_step(loss_fn: Callable[[Any, Any], jax.Array],
     Not for `lowmem_jax.microbatch_step` with AdamA: the moments it folds at
     earlier micro-batches cannot be taken back when a later one overflows.
     Jittable and scannable: the loss scale is a pytree carried in the state.
+    ``loss_scale``: a `DynamicLossScaleState` (`dynamic_loss_scale`), or one of
+    jmp's loss scales; the step returns the same kind.
   """
   def step(params, opt_state, loss_scale: LossScale, batch):
+    ours = isinstance(loss_scale, DynamicLossScaleState)
+    scale = loss_scale.as_jmp() if ours else loss_scale
+
     def scaled_loss(params):
       loss = loss_fn(params, batch).astype(jnp.float32)
-      return loss_scale.scale(loss), loss
+      return scale.scale(loss), loss
     grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    grads = loss_scale.unscale(grads)
+    grads = scale.unscale(grads)
     finite = jmp.all_finite(grads)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state),
                                         (params, opt_state))
-    metrics = {"loss": loss, "grads_finite": finite, "loss_scale": loss_scale.loss_scale}
-    return params, opt_state, loss_scale.adjust(finite), metrics
+    metrics = {"loss": loss, "grads_finite": finite, "loss_scale": scale.loss_scale}
+    adjusted = scale.adjust(finite)
+    if ours:
+      adjusted = loss_scale._replace(loss_scale=adjusted.loss_scale, counter=adjusted.counter)
+    return params, opt_state, adjusted, metrics
   return step

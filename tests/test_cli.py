@@ -3,6 +3,8 @@
 import json
 import math
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -325,6 +327,15 @@ def args_not_a_tuple():
 
 def needs_an_argument(batch):
   return make_step()
+
+
+def raises():
+  raise RuntimeError("no data here")
+
+
+def mismatched():
+  step, (params, opt_state, x), _ = make_step()
+  return step, (params, opt_state, jax.ShapeDtypeStruct((1024, 32), jnp.float32))
 '''
 STEP_PARAMS = 4 * (64 * 256 + 256 + 256 * 64)
 
@@ -413,3 +424,47 @@ def test_cli_step_errors(capsys, step_file, argv, message):
   err = capsys.readouterr().err
   assert message.format(dir=directory) in err, err
   assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _line_of(text: str) -> int:
+  """The line of STEP_FILE that holds ``text``."""
+  return next(i for i, line in enumerate(STEP_FILE.splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--step", "{file}:raises", "--target", "cpu"],
+     ("--step {file}:raises: RuntimeError: no data here ({file}, line "
+      f"{_line_of('raise RuntimeError')}; --verbose for the traceback)")),
+    (["report", "--step", "{file}:mismatched", "--target", "cpu"],
+     f"({{file}}, line {_line_of('h = x @')}; --verbose for the traceback)"),
+    (["plan", "--model", "llama-1b", "--batch", "100000000", "--budget", "24GiB", "--target", "cpu"],
+     "--batch 100000000 and --seq 512 make 51,200,000,000 tokens a step, beyond the 2^31 - 1"),
+    (["plan", "--budget=-5GiB"], "budget '-5GiB': a budget must be positive"),
+    (["plan", "--budget", "-5GiB"], "budget '-5GiB': a budget must be positive"),
+])
+@OPTAX_BIAS_CORRECTION
+def test_cli_errors_of_input_and_of_a_step_are_one_line(capsys, step_file, argv, message):
+  """Issue 38: a step that raises, a step on mismatched shapes, a size beyond XLA's extents, a
+  negative budget: one line each, naming the argument or the user's file and line."""
+  directory = str(pathlib.Path(step_file).parent)
+  assert cli.main([a.format(file=step_file, dir=directory) for a in argv]) == 2
+  err = capsys.readouterr().err
+  assert message.format(file=step_file) in err, err
+  assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_verbose_gives_the_steps_traceback(step_file):
+  with pytest.raises(RuntimeError, match="no data here"):
+    cli.main(["report", "--step", f"{step_file}:raises", "--target", "cpu", "--verbose"])
+
+
+def test_cli_refuses_a_size_beyond_xla_before_compiling():
+  """--seq 10^11 aborted the process (SIGABRT in XLA's compile): refused in one line, in a
+  process of its own so that an abort fails the test only."""
+  run = subprocess.run(
+      [sys.executable, "-m", "lowmem_jax.app.cli", "report", "--model", "llama-100m", "--batch",
+       "1", "--seq", "100000000000", "--techniques", "baseline", "--target", "cpu"],
+      capture_output=True, text=True, timeout=300, check=False)
+  ours = [line for line in run.stderr.splitlines() if line.startswith("lowmem-jax")]
+  assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+  assert len(ours) == 1 and "--seq 100000000000" in ours[0], ours

@@ -240,6 +240,38 @@ def test_train_step_is_one_update_or_microbatch_step():
     optim.train_step(mlp_loss, tx, 0)
 
 
+@pytest.mark.parametrize("tx_k, step_k", [(4, 2), (2, 4), (1, 2), (2, 1)])
+@OPTAX_BIAS_CORRECTION
+def test_a_step_refuses_an_adama_over_another_k(tx_k, step_k):
+  """adamaw(k=4) under a 2-micro-batch step left the params unchanged, k=2 under a
+  4-micro-batch one dropped the first half-step's update, silently: the state holds its k,
+  and microbatch_step and train_step refuse another, quoting both."""
+  tx = lm.adamaw(1e-2, tx_k)
+  params, batch = mlp_init(), mlp_batch()
+  assert optim.find_adama_state(tx.init(params)).k == tx_k
+  steps_ = [optim.train_step(mlp_loss, tx, step_k)]
+  if step_k > 1:
+    steps_.append(lm.microbatch_step(mlp_loss, tx, lm.MomentFold(step_k)))
+  for step in steps_:
+    with pytest.raises(ValueError, match=f"AdamA over k={tx_k}.*k={step_k}"):
+      jax.jit(step)(params, tx.init(params), batch)
+
+
+@OPTAX_BIAS_CORRECTION
+def test_adama_state_keeps_its_k_through_serialisation_and_jit():
+  """The k is static metadata of the state: no leaf, kept by flax.serialization's restore
+  into a template and by jit."""
+  tx = lm.adamaw(1e-2, 2)
+  params = mlp_init()
+  state = tx.init(params)
+  assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
+  restored = flax.serialization.from_state_dict(
+      tx.init(params), flax.serialization.to_state_dict(state))
+  restored = flax.serialization.from_bytes(restored, flax.serialization.to_bytes(restored))
+  params, state, _ = jax.jit(optim.train_step(mlp_loss, tx, 2))(params, restored, mlp_batch())
+  assert optim.find_adama_state(state).k == 2 and int(optim.find_adama_state(state).count) == 1
+
+
 @OPTAX_BIAS_CORRECTION
 def test_on_kth_micro_step_is_conditionally_transform():
   """Its twin: the same updates and inner state to float tolerance (XLA fuses a select and a
@@ -535,11 +567,14 @@ def test_bad_arguments():
   tx = lm.adama(2)
   with pytest.raises(ValueError, match="tree structures"):
     tx.update({"w": jnp.ones(3)}, tx.init({"v": jnp.ones(3)}))
-  step = lm.microbatch_step(mlp_loss, tx, 3)
+  over_3 = lm.adama(3)
+  step = lm.microbatch_step(mlp_loss, over_3, 3)
   with pytest.raises(ValueError, match="divisible by k=3"):
-    step(mlp_init(), tx.init(mlp_init()), mlp_batch(n=16))
+    step(mlp_init(), over_3.init(mlp_init()), mlp_batch(n=16))
   with pytest.raises(ValueError, match="tree structures"):
-    step(mlp_init(), tx.init({"w": jnp.ones(3)}), mlp_batch(n=15))
+    step(mlp_init(), over_3.init({"w": jnp.ones(3)}), mlp_batch(n=15))
+  with pytest.raises(ValueError, match="an AdamA over k=3, and this one folds over k=2"):
+    tx.update(PARAMS, over_3.init(PARAMS))
   adam = optax.adam(1e-3)
   step = lm.microbatch_step(scanned_loss, adam, 2, fold_in_backward=lm.optim.FoldInBackward())
   with pytest.raises(ValueError, match="fold_in_backward"):

@@ -106,3 +106,16 @@ def test_bad_arguments_are_named(workload, peaks):
     lm.plan(step, *args, budget=peaks[0], names=("no_such_name",))
   with pytest.raises(TypeError, match="candidates"):
     lm.plan(step, *args, budget=10, candidates=("dots",))
+
+
+def test_the_steps_own_names_need_no_registering():
+  """The planner's candidates keep names it finds tagged in the step, in the vocabulary or
+  not."""
+  def step(w, x, *, policy):
+    def loss(w, x):
+      return jnp.sum(jnp.sin(jax.ad_checkpoint.checkpoint_name(jnp.sin(x @ w), "planner_own")) @ w)
+    return jax.grad(jax.checkpoint(loss, policy=policy))(w, x)
+  args = (jax.ShapeDtypeStruct((32, 32), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+  with pytest.raises(planner.BudgetError):  # after save_only({'planner_own'}) was compiled
+    lm.plan(step, *args, budget=1)
+  assert "planner_own" not in names.known()

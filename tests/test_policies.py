@@ -237,3 +237,25 @@ def test_policies_are_hashable_and_read_well():
   assert moved == policies.offload(names.QKV, names.MLP_ACT)
   assert len({moved, policies.offload(names.QKV, names.MLP_ACT), policies.offload(names.QKV)}) == 2
   assert policies.describe(moved) == "offload('qkv', 'mlp_act', src='device', dst='pinned_host')"
+
+
+@pytest.mark.parametrize("factory", [policies.save_only, policies.save_all_but, policies.offload])
+def test_unknown_names_are_refused_with_the_closest(factory):
+  """A typo kept nothing (save_only) or everything (save_all_but), silently: each name is
+  checked against the vocabulary and the names registered, the closest one suggested."""
+  with pytest.raises(ValueError, match=r"unknown checkpoint name 'mlp_hiden'\. Did you mean "
+                                       r"'mlp_hidden'\?"):
+    factory(names.QKV, "mlp_hiden")
+  own = f"own_of_{factory.__name__}"  # registered for the rest of the session
+  with pytest.raises(ValueError, match=rf"names\.register\('{own}'\)"):
+    factory(own)
+  names.register(own)
+  assert own in names.known() and own not in names.ALL
+  assert describe_names(factory(own)) == {own}
+  with pytest.raises(TypeError, match="register: each name must be a non-empty str, got 3"):
+    names.register(3)
+
+
+def describe_names(policy):
+  """The names a policy of this module's factories holds."""
+  return getattr(policy, "saveable_names", None) or policy.names

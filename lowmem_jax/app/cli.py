@@ -28,10 +28,12 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
 import sys
+import traceback
 from typing import Callable
 
 import jax
@@ -46,6 +48,11 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# JAX indexes in int32 without jax_enable_x64: a batch of more positions than this fails to
+# compile (a wrapped dimension) or aborts the process in XLA.
+MAX_POSITIONS = 2**31 - 1
+
+
 class UsageError(Exception):
   """A mistake in the command line: reported in one line, exit status 2."""
 
@@ -53,10 +60,12 @@ class UsageError(Exception):
 def parse_bytes(text: str) -> int:
   """``"24GiB"`` -> 25769803776; units B, KB, MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB,
   one of them required."""
-  m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+  m = re.fullmatch(r"\s*([-+]?\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+  if m and float(m.group(1)) <= 0:
+    raise UsageError(f"budget {text!r}: a budget must be positive, e.g. 24GiB.")
   if m and not m.group(2):
     raise UsageError(f"budget {text!r}: give a unit, e.g. {m.group(1)}GiB or {m.group(1)}B.")
-  if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+  if not m or m.group(2).lower() not in _UNITS:
     raise UsageError(f"budget {text!r}: give a positive size such as 24GiB, 500MiB or 16GB.")
   return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -97,6 +106,30 @@ def load_step(spec: str) -> Callable:
   except TypeError as e:
     raise UsageError(f"--step {spec}: {name} must be callable with no arguments ({e}).") from e
   return fn
+
+
+def check_positions(job: techniques.Job) -> None:
+  """`UsageError` naming the options where a reference model's batch holds more positions
+  (tokens, or an image model's pixels) than `MAX_POSITIONS`: before anything compiles."""
+  image = job.model in models.VIT_CONFIGS or job.conv_net
+  positions = job.batch * (job.image_side ** 2 if image else job.seq)
+  if positions > MAX_POSITIONS:
+    side = f"--image {job.image_side}" if image else f"--seq {job.seq}"
+    raise UsageError(f"--batch {job.batch} and {side} make {positions:,} "
+                     f"{'pixels' if image else 'tokens'} a step, beyond the 2^31 - 1 positions "
+                     "JAX indexes in int32 (without jax_enable_x64): lower them.")
+
+
+def _users_line(error: BaseException) -> str | None:
+  """``FILE, line N``: where ``error`` was raised in the user's code (the innermost frame
+  outside lowmem_jax and Python's installation), or None where it was not."""
+  if isinstance(error, SyntaxError) and error.filename:
+    return f"{error.filename}, line {error.lineno}"
+  installed = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # lowmem_jax
+               sys.prefix, sys.base_prefix, sys.exec_prefix)
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if not f.filename.startswith((*installed, "<"))]
+  return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else None
 
 
 def _measure_all(job: techniques.Job, sets: list[techniques.TechniqueSet],
@@ -316,6 +349,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="your own step instead of --model: FILE.py:FUNCTION or MODULE:FUNCTION, where "
                         "FUNCTION() returns (step, args) or (step, args, (loss_fn, loss_args)); "
                         "FUNCTION(lowmem=lm.lowmem) makes the lowmem step (see lowmem-jax --help)")
+    p.add_argument("--verbose", action="store_true",
+                   help="an error raised in your step (--step) with its traceback, not in one line")
     p.add_argument("--target", default=None, metavar="NAME",
                    help=f"what to compile for: {', '.join(targets.names())}, attached (this "
                         "process's devices) or a config file (.txtpb); default: this process's "
@@ -334,10 +369,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  """Runs ``lowmem-jax``; returns the exit status (2 for a usage mistake, 1 when
-  nothing fits the budget)."""
+  """Runs ``lowmem-jax``; returns the exit status (2 for a usage mistake or an error raised
+  in the user's step, said in one line, 1 when nothing fits the budget)."""
   console = Console(width=None if sys.stdout.isatty() else 200)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = None
   try:
+    for flag, value in itertools.pairwise(argv):
+      if flag == "--budget" and value.startswith("-"):  # argparse would take it for an option
+        parse_bytes(value)
     args = _parser().parse_args(argv)
     for name in ("batch", "seq", "image"):
       if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -350,6 +390,8 @@ def main(argv=None) -> int:
     job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype,
                          _target(args.target),
                          load_step(args.step) if args.step is not None else None)
+    if job.make_step is None:
+      check_positions(job)
     return (report if args.command == "report" else plan)(args, job, console)
   except UsageError as e:
     print(f"lowmem-jax: error: {e}", file=sys.stderr)
@@ -357,6 +399,14 @@ def main(argv=None) -> int:
   except techniques.TechniqueError as e:
     step = f"--step {args.step}: " if args.step is not None else ""
     print(f"lowmem-jax: error: {step}{e}", file=sys.stderr)
+    return 2
+  except Exception as e:
+    where = _users_line(e) if args is not None and args.step is not None else None
+    if where is None or args.verbose:
+      raise
+    message = str(e).strip().partition("\n")[0]
+    print(f"lowmem-jax: error: --step {args.step}: {type(e).__name__}: {message} ({where}; "
+          "--verbose for the traceback)", file=sys.stderr)
     return 2
 
 

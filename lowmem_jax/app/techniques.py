@@ -543,7 +543,7 @@ def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
   batch = (wl.inputs, wl.labels)
 
   def step(params, opt_state, batch, *, policy):
-    return wl.with_policy(policy).train_step(tx)(params, opt_state, batch)
+    return wl.with_policy(policy).train_step(tx, techniques.adama)(params, opt_state, batch)
   try:
     chosen = planner.plan(step, params, jax.eval_shape(tx.init, params), batch, budget=budget,
                           donate_argnums=(0, 1), target=job.target)

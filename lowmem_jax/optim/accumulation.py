@@ -37,6 +37,7 @@ import optax
 from optax import tree_utils as otu
 
 from lowmem_jax import lowbit
+from lowmem_jax._static import StaticInt
 
 NU_SCALES = ("mean_sq", "mean")
 
@@ -47,6 +48,7 @@ class AdamAState(NamedTuple):
   count: jax.Array  # int32 [], optimizer steps completed
   mu: optax.Updates  # first moment: the params' shapes, in mu_dtype
   nu: optax.Updates  # second moment: the params' shapes and dtypes
+  k: StaticInt  # micro-batches per optimizer step, static: what `microbatch_step` checks
 
 
 def moment_structure(moments: Any) -> Any:
@@ -237,10 +239,13 @@ def adama(
     else:
       mu, nu = otu.tree_zeros_like(params, dtype=mu_dtype), otu.tree_zeros_like(params)
     return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
-                      mu=mu, nu=nu)
+                      mu=mu, nu=nu, k=StaticInt(k))
 
   def update_fn(updates, state, params=None, *, folded=None, folded_with=None, **extra_args):
     del params, extra_args
+    if state.k != k:
+      raise ValueError(f"The AdamA state was built by an AdamA over k={state.k}, and this one "
+                       f"folds over k={k}: build the state with this one's `init`.")
     if folded_with is not None and any(isinstance(v, jax.core.Tracer) for v in (b1, b2)):
       raise ValueError(
           "This AdamA's b1 or b2 is traced (optax.inject_hyperparams), and the moments were "
@@ -278,12 +283,12 @@ def adama(
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:
-      return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu)
+      return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu, state.k)
     direction = jax.tree.map(lambda d: jnp.where(last, d, jnp.zeros_like(d)), direction)
     return direction, AdamAState(
         micro_step=jnp.where(last, 0, state.micro_step + 1).astype(jnp.int32),
         count=jnp.where(last, count_inc, state.count),
-        mu=mu, nu=nu)
+        mu=mu, nu=nu, k=state.k)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -371,13 +376,22 @@ def on_kth_micro_step(inner: optax.GradientTransformation,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def find_adama_state(opt_state: Any) -> AdamAState | None:
+def find_adama_state(opt_state: Any, k: int | None = None) -> AdamAState | None:
   """The `AdamAState` inside ``opt_state`` (e.g. of a chain), or None if there is none.
 
+  Args:
+    opt_state: an optimizer state.
+    k: the micro-batches per step of the driver that asks (None: any); an AdamA state
+      over another k is refused.
+
   Raises:
-    ValueError: if ``opt_state`` holds more than one.
+    ValueError: if ``opt_state`` holds more than one, or one over another k than ``k``.
   """
   found = [s for _, s in otu.tree_get_all_with_path(opt_state, "AdamAState")]
   if len(found) > 1:
     raise ValueError(f"`opt_state` holds {len(found)} AdamA states; expected at most one.")
+  if found and k is not None and found[0].k != k:
+    raise ValueError(
+        f"`tx` is an AdamA over k={found[0].k} micro-batches per optimizer step, and the step "
+        f"splits each batch into k={k}: give the step the `MomentFold` (or k) given to AdamA.")
   return found[0] if found else None

@@ -129,8 +129,8 @@ def microbatch_step(
     aux along a leading k axis (per-example aux ``[k, n // k, ...]``:
     ``.swapaxes(0, 1).reshape(n, ...)`` gives the batch's order back).
 
-  For AdamA, ``k`` must be the ``k`` given to `adama` (the state does not hold
-  it), and each call is one optimizer step: AdamA's state must start it at
+  For AdamA, ``k`` must be the ``k`` given to `adama` (its state holds it, and
+  another raises), and each call is one optimizer step: AdamA's state must start it at
   micro-step 0, as ``tx.init`` and every call leave it. The parameters change
   once, by the k-th micro-batch's update: the micro-batches before it only
   fold into the moments, and no parameter-sized update exists inside the
@@ -160,7 +160,7 @@ def microbatch_step(
     return loss, (aux, state)
 
   def stateful_step(params, state, opt_state, batch):
-    adama_state = find_adama_state(opt_state)
+    adama_state = find_adama_state(opt_state, k)
     if adama_state is None and fold_in_backward is not None:
       raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
                        "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
@@ -195,7 +195,7 @@ def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
   k = 1: the gradient of ``loss_fn`` on the whole batch and one ``tx.update``.
   k > 1: `microbatch_step` over k micro-batches (an AdamA ``tx`` for the same k
   folds each micro-batch gradient into its moments; with ``fold_in_backward``,
-  in the backward pass).
+  in the backward pass). An AdamA ``tx`` over another k raises.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss, float32 [].
@@ -211,6 +211,7 @@ def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
     return microbatch_step(loss_fn, tx, fold, fold_in_backward=fold_in_backward or None)
 
   def step(params, opt_state, batch):
+    find_adama_state(opt_state, 1)
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": loss}

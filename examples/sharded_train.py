@@ -29,9 +29,9 @@ kept), AdamA over k micro-batches (`lowmem_jax.microbatch_step` with
 (`lowmem_jax.precision.flax_dtypes`). Not covered: int8 compressed residuals
 (`lowmem_jax.compress.int8_dot_general`; the reference Llama takes no
 ``dot_general`` switch, and the quantisation is per row along the last axis,
-which the batch sharding keeps local), AdamA's fold-in-backward (needs stacked
-layer parameters under `lowmem_jax.optim.scan_layers`; Llama unrolls its
-layers), dynamic loss scaling (not for AdamA micro-batching, see
+which the batch sharding keeps local), AdamA's fold-in-backward (needs the
+layers run by `lowmem_jax.optim.scan_layers`; Llama stacks its layers but runs
+them with `flax.linen.scan`), dynamic loss scaling (not for AdamA micro-batching, see
 `lowmem_jax.precision.loss_scaled_step`), host offload (a no-op on CPU),
 dynamic sparsity (stored dense, saves nothing) and the Pallas kernels (CPU
 runs their XLA references).

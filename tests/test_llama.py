@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 from lowmem_jax import models
 from lowmem_jax.models import llama
 from lowmem_jax.models.llama import Llama, LlamaConfig, RopeScaling
-from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
                    rope_scaling=RopeScaling(factor=4.0, original_max_position=64))
@@ -41,8 +41,9 @@ def test_layers_are_stacked_under_meta_names():
 
 
 def test_layers_are_initialised_apart():
-  kernel = Llama(TINY).init(jax.random.key(0), _tokens())["params"]["layers"]["attention"]["wq"]
-  assert not np.allclose(kernel["kernel"][0], kernel["kernel"][1])
+  params = jax.jit(Llama(TINY).init)(jax.random.key(0), _tokens())["params"]
+  kernel = params["layers"]["attention"]["wq"]["kernel"]
+  assert not np.allclose(kernel[0], kernel[1])
 
 
 @pytest.mark.parametrize("name,published", [
@@ -76,8 +77,9 @@ def _stacked_loss(stack, params, batch):
   return stack.head(rest, h, batch)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("loss,remat", [("plain", False), ("fused", True)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tied,loss,remat", [(False, "plain", False), (True, "fused", True)],
+                         ids=["untied-plain", "tied-fused-remat"])
 def test_layer_stack_is_the_model(tied, loss, remat):
   config = dataclasses.replace(TINY, tie_embeddings=tied)
   model = Llama(config, loss=loss, remat=remat,
@@ -124,7 +126,8 @@ HF_CONFIG = {
 
 
 def _hf_weights(hf, rng):
-  d, f, hd = hf["hidden_size"], hf["intermediate_size"], hf["hidden_size"] // hf["num_attention_heads"]
+  d, f = hf["hidden_size"], hf["intermediate_size"]
+  hd = d // hf["num_attention_heads"]
   q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
   normal = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
   scale = lambda: (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
@@ -169,13 +172,13 @@ def _hf_forward(hf, w, tokens):
   freqs = np.arange(t)[:, None] * _hf_inv_freq(hf, hd)[None]
   cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
   causal = np.where(np.tril(np.ones((t, t), bool)), 0.0, -np.inf)
+  split = lambda y, n: y.reshape(b, t, n, hd).transpose(0, 2, 1, 3)  # [b, heads, t, hd]
   x = w["model.embed_tokens.weight"][tokens]
   for i in range(hf["num_hidden_layers"]):
     p = f"model.layers.{i}."
     h = rms(x, w[p + "input_layernorm.weight"])
-    proj = lambda name, n: (h @ w[p + f"self_attn.{name}_proj.weight"].T).reshape(
-        b, t, n, hd).transpose(0, 2, 1, 3)
-    q, k, v = proj("q", heads), proj("k", kv_heads), proj("v", kv_heads)
+    q, k, v = (split(h @ w[p + f"self_attn.{name}_proj.weight"].T, n)
+               for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)))
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + causal

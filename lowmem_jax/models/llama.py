@@ -296,7 +296,7 @@ class Llama(TransformerSwitches):
     embed = _embedding(self)
     x = embed(tokens)
     block = self.remat_block(TransformerBlock, prevent_cse=False)(*_block_args(self), name="layers")
-    layers = nn.scan(lambda module, x, _: (module(x), None), variable_axes={"params": 0},
+    layers = nn.scan(lambda module, h, _: (module(h), None), variable_axes={"params": 0},
                      split_rngs={"params": True}, length=cfg.n_layers)
     x, _ = layers(block, x, None)
     x = _final_norm(self)(x)
@@ -432,7 +432,8 @@ def from_hf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
                           str(root / "config.json"))
   index = root / "model.safetensors.index.json"
   if index.exists():
-    files = {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = {name: root / file for name, file in weight_map.items()}
   else:
     files = None
     single = _existing(root / "model.safetensors", f"nor {index}")

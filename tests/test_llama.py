@@ -40,10 +40,22 @@ def test_layers_are_stacked_under_meta_names():
   assert "output" not in tied and _count(tied) == _count(params) - 64 * 32
 
 
-def test_layers_are_initialised_apart():
-  params = jax.jit(Llama(TINY).init)(jax.random.key(0), _tokens())["params"]
+def test_unrolled_layers_are_the_same_model():
+  """``scan=False``: the same function of the same params, each layer's at ``layers_{i}``."""
+  scanned, unrolled = Llama(TINY), Llama(TINY, scan=False)
+  tokens = _tokens()
+  params = jax.jit(scanned.init)(jax.random.key(0), tokens)["params"]
   kernel = params["layers"]["attention"]["wq"]["kernel"]
-  assert not np.allclose(kernel[0], kernel[1])
+  assert not np.allclose(kernel[0], kernel[1])  # each layer initialised apart
+  per_layer = {k: v for k, v in params.items() if k != "layers"}
+  per_layer |= {f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], params["layers"])
+                for i in range(TINY.n_layers)}
+  shapes = jax.eval_shape(unrolled.init, jax.random.key(0), tokens)["params"]
+  assert jax.tree.structure(shapes) == jax.tree.structure(per_layer)
+  chex.assert_trees_all_close(jax.jit(unrolled.apply)({"params": per_layer}, tokens),
+                              jax.jit(scanned.apply)({"params": params}, tokens), atol=1e-5)
+  with pytest.raises(ValueError, match="model must stack its layers"):
+    llama.layer_stack(unrolled)
 
 
 @pytest.mark.parametrize("name,published", [

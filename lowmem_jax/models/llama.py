@@ -4,7 +4,8 @@ Parameter layout (``tok_embeddings``, ``layers/{attention_norm,
 attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
 ``output``) follows Meta's reference code, so `lowmem_jax.affine_folding.LLAMA_RULES`
 folds it. The layers are stacked, each leaf ``[n_layers, ...]``, and run by
-`flax.linen.scan`, so compile time does not grow with depth; `layer_stack`
+`flax.linen.scan`, so compile time does not grow with depth (``scan=False``
+unrolls them as ``layers_{i}``); `layer_stack`
 gives the same model as pure functions over those params
 (`lowmem_jax.optim.LayerStack`). With ``tie_embeddings`` the head is the
 embedding table transposed and there is no ``output``. Rotary embedding uses
@@ -274,19 +275,26 @@ class Llama(TransformerSwitches):
   Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``
   logits, or with ``labels: int32[batch, length]`` the mean cross-entropy, a
   float32 scalar. The layers' params are stacked under ``layers`` (each leaf
-  ``[n_layers, ...]``) and run by `nn.scan`, under `nn.remat` with ``remat``.
+  ``[n_layers, ...]``) and run by `nn.scan` (``scan``), each under `nn.remat`
+  with ``remat``.
 
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
       "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
     embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
+    scan: the layers stacked under ``layers`` and run by `nn.scan` (compile
+      time flat in depth; what `layer_stack` and `from_hf` take), or, False,
+      unrolled as ``layers_{i}``: `examples/sharded_train.py` keeps them so,
+      where XLA's sharding propagation in the scan's loop shards the MLP's
+      activations over FSDP and moves them between devices.
     activation, norm, attention, remat, remat_policy, dtype, param_dtype:
       `TransformerSwitches`' (keywords).
   """
   config: LlamaConfig = LlamaConfig()
   loss: str = "plain"
   embedding: str = "plain"
+  scan: bool = True
 
   @nn.compact
   def __call__(self, tokens, labels=None):
@@ -295,10 +303,14 @@ class Llama(TransformerSwitches):
     cfg = self.config
     embed = _embedding(self)
     x = embed(tokens)
-    block = self.remat_block(TransformerBlock, prevent_cse=False)(*_block_args(self), name="layers")
-    layers = nn.scan(lambda module, h, _: (module(h), None), variable_axes={"params": 0},
-                     split_rngs={"params": True}, length=cfg.n_layers)
-    x, _ = layers(block, x, None)
+    block = self.remat_block(TransformerBlock, prevent_cse=not self.scan)
+    if self.scan:
+      layers = nn.scan(lambda module, h, _: (module(h), None), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=cfg.n_layers)
+      x, _ = layers(block(*_block_args(self), name="layers"), x, None)
+    else:
+      for i in range(cfg.n_layers):
+        x = block(*_block_args(self), name=f"layers_{i}")(x)
     x = _final_norm(self)(x)
     if cfg.tie_embeddings:
       return lm_head(x, embed.embedding.T, labels, self.loss, self.dtype)
@@ -319,6 +331,8 @@ def layer_stack(model: Llama) -> LayerStack:
   """
   check_switches(model.activation, model.norm, model.attention)
   check_loss(model.loss)
+  if not model.scan:
+    raise ValueError("model must stack its layers (scan=True) for layer_stack, got scan=False.")
   cfg = model.config
   block = TransformerBlock(*_block_args(model))
   embedding, final_norm = _embedding(model), _final_norm(model)

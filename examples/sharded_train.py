@@ -30,8 +30,10 @@ kept), AdamA over k micro-batches (`lowmem_jax.microbatch_step` with
 (`lowmem_jax.compress.int8_dot_general`; the reference Llama takes no
 ``dot_general`` switch, and the quantisation is per row along the last axis,
 which the batch sharding keeps local), AdamA's fold-in-backward (needs stacked
-layer parameters under `lowmem_jax.optim.scan_layers`; Llama unrolls its
-layers), dynamic loss scaling (not for AdamA micro-batching, see
+layer parameters under `lowmem_jax.optim.scan_layers`; the Llama here unrolls its
+layers, ``scan=False``: in `flax.linen.scan`'s loop XLA's propagation shards
+the MLP's activations over "fsdp" and moves their 2-bit codes between devices
+in the backward), dynamic loss scaling (not for AdamA micro-batching, see
 `lowmem_jax.precision.loss_scaled_step`), host offload (a no-op on CPU),
 dynamic sparsity (stored dense, saves nothing) and the Pallas kernels (CPU
 runs their XLA references).
@@ -191,9 +193,9 @@ def fsdp_shardings(mesh: Mesh, tree: Any) -> Any:
 def make_model(config: LlamaConfig, policy: Callable, compute: str,
                activation: str = "approx") -> Llama:
   """The lowmem Llama: ReSiLU2 (``activation="approx"``), MS-RMSNorm, recomputed
-  attention, remat with ``policy``."""
+  attention, remat with ``policy``, layers unrolled (``scan=False``, see above)."""
   return Llama(config, activation=activation, norm="ms", attention="recompute", remat=True,
-               remat_policy=policy, **lm.precision.flax_dtypes(compute))
+               remat_policy=policy, scan=False, **lm.precision.flax_dtypes(compute))
 
 
 def make_step(model: Llama, tx: optax.GradientTransformation, k: int) -> Callable:

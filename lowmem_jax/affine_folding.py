@@ -15,6 +15,10 @@ affine of the residual path only (`lowmem_jax.models.bert.MSPostLayerNorm`).
 The new names make the folded tree differ from the unfolded one, so a model
 given the wrong one fails to load it, and a second fold finds nothing to fold.
 
+Stacked layers (params of ``nn.scan``'s layers, each leaf ``[layers, ...]``,
+as `lowmem_jax.models.Llama` has them) fold layer by layer: a norm's
+``scale``/``bias`` ``[*stack, n]`` goes into kernels ``[*stack, n, ...]``.
+
 Params are nested dicts (Flax linen) or an ``nnx.State`` (Flax NNX, e.g.
 ``nnx.state(model, nnx.Param)``), whose leaves may be ``nnx.Variable``s; NNX
 list indices are int keys, given as ints in a tuple path. For NNX, build the
@@ -42,7 +46,8 @@ VIT_RULES = {
     "Transformer/encoder_norm": ("head",),
 }
 # LLaMA with Meta's module names, Flax leaves (nn.RMSNorm "scale", nn.Dense
-# "kernel" of shape [in, out]) and an untied output layer.
+# "kernel" of shape [in, out]) and an untied output layer (with tied embeddings
+# the final norm feeds the table, which the input reads too: not foldable).
 LLAMA_RULES = {
     "attention_norm": ("attention/wq", "attention/wk", "attention/wv"),
     "ffn_norm": ("feed_forward/w1", "feed_forward/w3"),
@@ -110,6 +115,12 @@ def _like(leaf: Any, value: jnp.ndarray) -> Any:
   return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
 
 
+def _over_kernel(v: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+  """A norm's ``v: [*stack, n]`` in float32, shaped to broadcast over a kernel ``w: [*stack, n,
+  ...]``."""
+  return jnp.reshape(jnp.asarray(v, jnp.float32), v.shape + (1,) * (w.ndim - v.ndim))
+
+
 def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_affine: bool) -> None:
   """Folds the norm at ``norm`` into the layers at ``into``, in place on ``flat``."""
   node = _node(flat, norm, "norm")
@@ -124,22 +135,21 @@ def _fold(flat: dict, norm: tuple[str, ...], into: list[tuple[str, ...]], keep_a
           f"into path {name!r} is not a Dense layer: no 'kernel' among {sorted(dense)}.")
     w = _value(dense["kernel"])
     for leaf, v in (("scale", g), ("bias", b)):
-      if v is not None and v.shape != w.shape[:1]:
+      if v is not None and v.shape != w.shape[:v.ndim]:
         raise ValueError(
-            f"norm {leaf} shape {v.shape} does not match the first (feature) axis of the "
-            f"kernel at {name!r}, shape {w.shape}.")
+            f"norm {leaf} shape {v.shape} does not match the leading (stacked layers, then "
+            f"feature) axes of the kernel at {name!r}, shape {w.shape}.")
     w32 = jnp.asarray(w, jnp.float32)
     if b is not None and "bias" in dense:
       c = _value(dense["bias"])
-      c32 = jnp.asarray(c, jnp.float32) + jnp.tensordot(jnp.asarray(b, jnp.float32), w32, axes=1)
+      c32 = jnp.asarray(c, jnp.float32) + jnp.sum(_over_kernel(b, w) * w32, axis=b.ndim - 1)
       flat[path + ("bias",)] = _like(dense["bias"], c32.astype(c.dtype))
     elif b is not None and jnp.any(b != 0):
       raise ValueError(
           f"into path {name!r} has no 'bias' to take the norm's nonzero bias; "
           f"build that layer with use_bias=True and zero bias.")
     if g is not None:
-      g32 = jnp.reshape(jnp.asarray(g, jnp.float32), g.shape + (1,) * (w.ndim - 1))
-      flat[path + ("kernel",)] = _like(dense["kernel"], (g32 * w32).astype(w.dtype))
+      flat[path + ("kernel",)] = _like(dense["kernel"], (_over_kernel(g, w) * w32).astype(w.dtype))
   for leaf in ("scale", "bias"):
     value = flat.pop(norm + (leaf,), None)
     if keep_affine and value is not None:
@@ -172,8 +182,10 @@ def fold_norm_affine(params: Mapping[str, Any], norm: Path, into: Sequence[Path]
   Each kernel ``W`` of shape ``[n, ...]`` (Dense, or DenseGeneral such as
   attention's query ``[n, heads, head_dim]``) becomes ``g * W``, g broadcast
   over axis 0, and its bias ``c`` becomes ``c + tensordot(b, W, 1)``: float32
-  math, cast back to each leaf's dtype. The norm must feed nothing but
-  ``into``, unless ``keep_affine`` keeps its affine for the other consumers.
+  math, cast back to each leaf's dtype. Stacked layers fold layer by layer: g
+  and b ``[*stack, n]``, kernels ``[*stack, n, ...]``. The norm must feed
+  nothing but ``into``, unless ``keep_affine`` keeps its affine for the other
+  consumers.
 
   Args:
     params: nested dict or FrozenDict of arrays, or an ``nnx.State`` of arrays

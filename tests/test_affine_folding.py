@@ -111,6 +111,24 @@ def test_folded_model_matches_original(model, rules):
       got, jax.jit(model().apply)({"params": params}, x), atol=1e-5, rtol=1e-5)
 
 
+def test_stacked_layers_fold_layer_by_layer():
+  """Leaves ``[layers, ...]`` (nn.scan's params) fold as each layer's slice would."""
+  rng = np.random.default_rng(0)
+  layers, n = 3, 6
+  params = {"ln": {"scale": 1 + _normal(rng, (layers, n)), "bias": _normal(rng, (layers, n))},
+            "attn": {"query": {"kernel": _normal(rng, (layers, n, 2, 3)),
+                               "bias": _normal(rng, (layers, 2, 3))}}}
+  out = affine_folding.fold_norm_affine(params, "ln", ["attn/query"])
+  for i in range(layers):
+    one = affine_folding.fold_norm_affine(jax.tree.map(lambda x, i=i: x[i], params), "ln",
+                                          ["attn/query"])
+    chex.assert_trees_all_close(jax.tree.map(lambda x, i=i: x[i], out), one, atol=1e-6)
+  with pytest.raises(ValueError, match=r"shape \(3, 6\) does not match the leading"):
+    affine_folding.fold_norm_affine(
+        {**params, "attn": {"query": {"kernel": params["attn"]["query"]["kernel"][:, :4]}}},
+        "ln", ["attn/query"])
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
 @pytest.mark.parametrize(
     "leaves", [("scale",), ("bias",), ("scale", "bias")], ids=["scale", "bias", "both"])

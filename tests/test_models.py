@@ -54,7 +54,9 @@ def test_switches_and_remat(make, inputs):
   loss = lambda m: (lambda p: jnp.sum(m.apply({"params": p}, inputs) ** 2))
   g = jax.grad(loss(approx))(params)
   g_remat = jax.grad(loss(make(activation="approx", remat=True)))(params)
-  chex.assert_trees_all_close(g_remat, g, atol=1e-5)
+  # Float32 rounding apart: 1.9e-5 measured on the tiny LLaMA's scanned layers (gradients
+  # up to 13 in size), remat or not placing the sums differently.
+  chex.assert_trees_all_close(g_remat, g, atol=5e-5)
   # The approximate gradient differs from the exact one, but not wildly: the
   # relative distance measured 0.27 on the tiny LLaMA (sum-of-squares loss).
   # Whether training still converges is a convergence test's job, not this.

@@ -1,9 +1,22 @@
 """LLaMA-style decoder: pre-RMSNorm, SwiGLU MLP, rotary positions, grouped-query heads.
 
-Parameter layout (``tok_embeddings``, ``layers_{i}/{attention_norm,
+Parameter layout (``tok_embeddings``, ``layers/{attention_norm,
 attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
 ``output``) follows Meta's reference code, so `lowmem_jax.affine_folding.LLAMA_RULES`
-folds it. Rotary embedding uses the rotate-half convention (Hugging Face's).
+folds it. The layers are stacked, each leaf ``[n_layers, ...]``, and run by
+`flax.linen.scan`, so compile time does not grow with depth (``scan=False``
+unrolls them as ``layers_{i}``); `layer_stack`
+gives the same model as pure functions over those params
+(`lowmem_jax.optim.LayerStack`). With ``tie_embeddings`` the head is the
+embedding table transposed and there is no ``output``. Rotary embedding uses
+the rotate-half convention (Hugging Face's), with Llama-3.1's frequency
+scaling where the config has `RopeScaling`; `from_hf` loads a Hugging Face
+``LlamaForCausalLM`` checkpoint.
+
+`CONFIGS` names llama-100m, llama-1b and llama-7b (LLaMA-style sizes, 32k
+vocabulary) and Meta's Llama 3 family: llama-3.2-1b, llama-3.2-3b (tied
+embeddings), llama-3.1-8b and llama-3.1-70b (Meta's model cards and
+``config.json`` files; 1.24B, 3.21B, 8.03B and 70.6B parameters).
 
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
 the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
@@ -11,13 +24,19 @@ cross-entropy, or "fused", `lowmem_jax.losses.linear_cross_entropy`, which
 never holds the logits) and ``remat`` / ``remat_policy`` for the layers.
 """
 
+import contextlib
 import dataclasses
+import json
+import math
+import pathlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
@@ -25,6 +44,7 @@ from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
                                        embed_layer, norm_layer, normed, silu)
+from lowmem_jax.optim.streamed import LayerStack
 
 LOSSES = ("plain", "fused")
 
@@ -35,29 +55,94 @@ def check_loss(loss: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3.1's rotary frequency scaling (Hugging Face's ``rope_type`` "llama3").
+
+  A frequency whose wavelength ``2 pi / f`` is longer than
+  ``original_max_position / low_freq_factor`` is divided by ``factor``, one
+  shorter than ``original_max_position / high_freq_factor`` is kept, and those
+  between are interpolated (`rope_frequencies`). Source: Meta's llama-models
+  ``apply_scaling``; transformers' ``_compute_llama3_parameters``.
+
+  Attributes:
+    factor: the divisor of the low frequencies (8 in Llama 3.1, 32 in Llama 3.2).
+    low_freq_factor, high_freq_factor: the wavelength bounds' divisors.
+    original_max_position: the context the model was first trained at (8192).
+  """
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Sizes of a LLaMA-style decoder."""
+  """Sizes of a LLaMA-style decoder.
+
+  Attributes:
+    vocab_size, dim, n_layers, n_heads: the sizes; the head size is ``dim // n_heads``.
+    n_kv_heads: key/value heads (grouped-query attention); None: as many as ``n_heads``.
+    ffn_dim: the SwiGLU MLP's hidden size.
+    norm_eps: the RMSNorms' epsilon.
+    rope_theta: the rotary base.
+    rope_scaling: Llama-3.1's frequency scaling; None: none.
+    tie_embeddings: the head is ``tok_embeddings``' table transposed (no ``output`` param).
+  """
   vocab_size: int = 32000
   dim: int = 768
   n_layers: int = 12
   n_heads: int = 12
-  n_kv_heads: int | None = None  # None: as many as n_heads
+  n_kv_heads: int | None = None
   ffn_dim: int = 2048
   norm_eps: float = 1e-5
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  tie_embeddings: bool = False
 
 
+_LLAMA3 = {"vocab_size": 128256, "n_kv_heads": 8, "rope_theta": 500000.0}
 CONFIGS = {
     "llama-100m": LlamaConfig(),  # 134M parameters with its 32k vocabulary
     "llama-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
     "llama-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),
+    # Meta's Llama 3 family, as their Hugging Face config.json files give it.
+    "llama-3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192,
+                                rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+                                **_LLAMA3),
+    "llama-3.2-3b": LlamaConfig(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192,
+                                rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+                                **_LLAMA3),
+    "llama-3.1-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336,
+                                rope_scaling=RopeScaling(), **_LLAMA3),
+    "llama-3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672,
+                                 rope_scaling=RopeScaling(), **_LLAMA3),
 }
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding of ``x: [batch, length, heads, head_dim]`` (rotate-half)."""
-  length, head_dim = x.shape[1], x.shape[-1]
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+  """The rotary frequencies ``float32[head_dim // 2]``: ``theta ** (-2i / head_dim)``.
+
+  With ``scaling`` (`RopeScaling`), with ``r = original_max_position / wavelength``
+  and ``s = clip((r - low_freq_factor) / (high_freq_factor - low_freq_factor), 0, 1)``,
+  each becomes ``f * (s + (1 - s) / factor)``: ``f / factor`` for long
+  wavelengths (s = 0), ``f`` for short ones (s = 1), interpolated between.
+  """
   inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is None:
+    return inv_freq
+  ratio = scaling.original_max_position * inv_freq / (2 * math.pi)
+  smooth = (ratio - scaling.low_freq_factor) / (scaling.high_freq_factor
+                                               - scaling.low_freq_factor)
+  smooth = jnp.clip(smooth, 0.0, 1.0)
+  return inv_freq * (smooth + (1 - smooth) / scaling.factor)
+
+
+def rope(x: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """Rotary embedding of ``x: [batch, length, heads, head_dim]`` (rotate-half) at positions
+  ``0 .. length - 1``, frequencies `rope_frequencies`; same shape and dtype."""
+  length, head_dim = x.shape[1], x.shape[-1]
+  inv_freq = rope_frequencies(head_dim, theta, scaling)
   angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
   sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
@@ -84,7 +169,7 @@ class Attention(nn.Module):
     q = dense(cfg.n_heads * head_dim, "wq")(x).reshape(b, length, cfg.n_heads, head_dim)
     k = dense(kv_heads * head_dim, "wk")(x).reshape(b, length, kv_heads, head_dim)
     v = dense(kv_heads * head_dim, "wv")(x).reshape(b, length, kv_heads, head_dim)
-    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    q, k = (rope(t, cfg.rope_theta, cfg.rope_scaling) for t in (q, k))
     q, k, v = (checkpoint_name(t, names.QKV) for t in (q, k, v))
     if self.attention == "recompute":
       out = attention(q, k, v, is_causal=True)
@@ -130,14 +215,29 @@ class TransformerBlock(nn.Module):
     return x + ff(self._normed(x, "ffn_norm"))
 
 
-class Output(nn.Module):
-  """The LM head, ``nn.Dense``'s kernel ``[dim, vocab]`` without bias.
+def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str,
+            dtype: Any) -> jax.Array:
+  """The LM head: ``x: [..., dim]`` times ``kernel: [dim, vocab]``, both in ``dtype``.
 
-  ``x: [..., dim]`` gives float32 logits ``[..., vocab]``; with int ``labels:
+  Without ``labels``, float32 logits ``[..., vocab]``; with int ``labels:
   [...]`` the mean cross-entropy, a float32 scalar: from the logits
   (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
   the logits block by block and keeps none.
   """
+  vocab_size = kernel.shape[-1]
+  x, kernel = x.astype(dtype), kernel.astype(dtype)
+  if labels is not None and loss == "fused":  # labels as optax takes them:
+    labels = jnp.where(labels < 0, labels + vocab_size, labels)  # -1 is the last class
+    invalid = jnp.where((labels >= 0) & (labels < vocab_size), 0.0, jnp.nan)
+    return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)
+  logits = jnp.dot(x, kernel).astype(jnp.float32)
+  if labels is None:
+    return logits
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Output(nn.Module):
+  """The untied LM head, `lm_head` with ``nn.Dense``'s kernel ``[dim, vocab]`` without bias."""
   vocab_size: int
   loss: str
   dtype: Any
@@ -147,15 +247,26 @@ class Output(nn.Module):
   def __call__(self, x, labels=None):
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.vocab_size),
                         self.param_dtype)
-    x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-    if labels is not None and self.loss == "fused":  # labels as optax takes them:
-      labels = jnp.where(labels < 0, labels + self.vocab_size, labels)  # -1 is the last class
-      invalid = jnp.where((labels >= 0) & (labels < self.vocab_size), 0.0, jnp.nan)
-      return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)
-    logits = jnp.dot(x, kernel).astype(jnp.float32)
-    if labels is None:
-      return logits
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return lm_head(x, kernel, labels, self.loss, self.dtype)
+
+
+def _embedding(model: "Llama") -> nn.Module:
+  """``model``'s token embedding, ``tok_embeddings``."""
+  cfg = model.config
+  return embed_layer(model.embedding, cfg.vocab_size, cfg.dim, model.dtype, model.param_dtype,
+                     "tok_embeddings")
+
+
+def _block_args(model: "Llama") -> tuple:
+  """`TransformerBlock`'s fields for ``model``'s layers."""
+  return (model.config, model.activation, model.norm, model.attention, model.dtype,
+          model.param_dtype)
+
+
+def _final_norm(model: "Llama") -> nn.Module:
+  """``model``'s norm before the head, ``norm``."""
+  return norm_layer(model.norm, model.config.norm_eps, model.dtype, model.param_dtype, "norm",
+                    rms=True)
 
 
 class Llama(TransformerSwitches):
@@ -163,30 +274,216 @@ class Llama(TransformerSwitches):
 
   Input ``int32[batch, length]`` tokens; output ``float32[batch, length, vocab]``
   logits, or with ``labels: int32[batch, length]`` the mean cross-entropy, a
-  float32 scalar.
+  float32 scalar. The layers' params are stacked under ``layers`` (each leaf
+  ``[n_layers, ...]``) and run by `nn.scan` (``scan``), each under `nn.remat`
+  with ``remat``.
 
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
       "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
     embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
+    scan: the layers stacked under ``layers`` and run by `nn.scan` (compile
+      time flat in depth; what `layer_stack` and `from_hf` take), or, False,
+      unrolled as ``layers_{i}``: `examples/sharded_train.py` keeps them so,
+      where XLA's sharding propagation in the scan's loop shards the MLP's
+      activations over FSDP and moves them between devices.
     activation, norm, attention, remat, remat_policy, dtype, param_dtype:
       `TransformerSwitches`' (keywords).
   """
   config: LlamaConfig = LlamaConfig()
   loss: str = "plain"
   embedding: str = "plain"
+  scan: bool = True
 
   @nn.compact
   def __call__(self, tokens, labels=None):
     check_switches(self.activation, self.norm, self.attention)
     check_loss(self.loss)
     cfg = self.config
-    x = embed_layer(self.embedding, cfg.vocab_size, cfg.dim, self.dtype, self.param_dtype,
-                    "tok_embeddings")(tokens)
-    block = self.remat_block(TransformerBlock)
-    for i in range(cfg.n_layers):
-      x = block(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
-                name=f"layers_{i}")(x)
-    x = norm_layer(self.norm, cfg.norm_eps, self.dtype, self.param_dtype, "norm", rms=True)(x)
+    embed = _embedding(self)
+    x = embed(tokens)
+    block = self.remat_block(TransformerBlock, prevent_cse=not self.scan)
+    if self.scan:
+      layers = nn.scan(lambda module, h, _: (module(h), None), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=cfg.n_layers)
+      x, _ = layers(block(*_block_args(self), name="layers"), x, None)
+    else:
+      for i in range(cfg.n_layers):
+        x = block(*_block_args(self), name=f"layers_{i}")(x)
+    x = _final_norm(self)(x)
+    if cfg.tie_embeddings:
+      return lm_head(x, embed.embedding.T, labels, self.loss, self.dtype)
     return Output(cfg.vocab_size, self.loss, self.dtype, self.param_dtype, name="output")(x, labels)
+
+
+def layer_stack(model: Llama) -> LayerStack:
+  """``model`` as pure functions over its params, for the layer-streamed step.
+
+  With ``batch = (tokens, labels)`` (``int32[batch, length]`` each) and
+  ``rest`` the params without ``layers``, ``head(rest, scan(layer)(embed(rest,
+  batch)), batch)`` is ``model.apply({"params": params}, tokens, labels)``:
+  ``embed`` looks the tokens up (``[batch, length, dim]`` in ``model.dtype``),
+  ``layer`` runs one `TransformerBlock` on one slice of ``params["layers"]``
+  (under `jax.checkpoint` with ``model.remat_policy`` where ``model.remat``),
+  ``head`` is the final norm and `lm_head` (``model.loss``; the table
+  transposed with ``tie_embeddings``), the mean loss in float32.
+  """
+  check_switches(model.activation, model.norm, model.attention)
+  check_loss(model.loss)
+  if not model.scan:
+    raise ValueError("model must stack its layers (scan=True) for layer_stack, got scan=False.")
+  cfg = model.config
+  block = TransformerBlock(*_block_args(model))
+  embedding, final_norm = _embedding(model), _final_norm(model)
+
+  def embed(rest, batch):
+    return embedding.apply({"params": rest["tok_embeddings"]}, batch[0])
+
+  def run_block(layer_params, h):
+    return block.apply({"params": layer_params}, h)
+  if model.remat:
+    run_block = jax.checkpoint(run_block, policy=model.remat_policy, prevent_cse=False)
+
+  def layer(layer_params, h, batch):
+    del batch  # positions are 0 .. length - 1, no mask beyond the causal one
+    return run_block(layer_params, h)
+
+  def head(rest, h, batch):
+    h = final_norm.apply({"params": rest.get("norm", {})}, h)
+    if cfg.tie_embeddings:
+      kernel = rest["tok_embeddings"]["embedding"].T
+    else:
+      kernel = rest["output"]["kernel"]
+    return lm_head(h, kernel, batch[1], model.loss, model.dtype)
+
+  return LayerStack(embed, layer, head)
+
+
+# Our params' paths -> Hugging Face LlamaForCausalLM's tensor names ({} the layer index).
+# A kernel is the transposed Linear weight ([in, out] against [out, in]).
+HF_NAMES = {
+    ("tok_embeddings", "embedding"): "model.embed_tokens.weight",
+    ("layers", "attention_norm", "scale"): "model.layers.{}.input_layernorm.weight",
+    ("layers", "attention", "wq", "kernel"): "model.layers.{}.self_attn.q_proj.weight",
+    ("layers", "attention", "wk", "kernel"): "model.layers.{}.self_attn.k_proj.weight",
+    ("layers", "attention", "wv", "kernel"): "model.layers.{}.self_attn.v_proj.weight",
+    ("layers", "attention", "wo", "kernel"): "model.layers.{}.self_attn.o_proj.weight",
+    ("layers", "ffn_norm", "scale"): "model.layers.{}.post_attention_layernorm.weight",
+    ("layers", "feed_forward", "w1", "kernel"): "model.layers.{}.mlp.gate_proj.weight",
+    ("layers", "feed_forward", "w3", "kernel"): "model.layers.{}.mlp.up_proj.weight",
+    ("layers", "feed_forward", "w2", "kernel"): "model.layers.{}.mlp.down_proj.weight",
+    ("norm", "scale"): "model.norm.weight",
+    ("output", "kernel"): "lm_head.weight",
+}
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+  """The `LlamaConfig` of a Hugging Face ``LlamaConfig`` dict (a ``config.json``).
+
+  Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+  intermediate_size, vocab_size, rms_norm_eps, rope_theta, rope_scaling (None,
+  "default" or "llama3") and tie_word_embeddings. Raises ValueError naming
+  ``source`` and the key for a missing key or an architecture this model is not:
+  an activation other than SiLU, biases, a head size other than hidden_size /
+  num_attention_heads, another rope_type.
+  """
+  def get(key, default=None):
+    if key not in hf and default is None:
+      raise ValueError(f"{source} has no {key!r}.")
+    return hf.get(key, default)
+
+  heads = get("num_attention_heads")
+  for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                    ("head_dim", get("hidden_size") // heads)):
+    if hf.get(key, want) != want:
+      raise ValueError(f"{source}: {key} must be {want!r} for this model, got {hf[key]!r}.")
+  scaling = hf.get("rope_scaling")
+  rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+  if rope_type not in (None, "default", "llama3"):
+    raise ValueError(f"{source}: rope_scaling's rope_type must be 'default' or 'llama3', got "
+                     f"{rope_type!r}.")
+  if rope_type == "llama3":
+    scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                          float(scaling["high_freq_factor"]),
+                          int(scaling["original_max_position_embeddings"]))
+  else:
+    scaling = None
+  return LlamaConfig(vocab_size=get("vocab_size"), dim=get("hidden_size"),
+                     n_layers=get("num_hidden_layers"), n_heads=heads,
+                     n_kv_heads=get("num_key_value_heads", heads),
+                     ffn_dim=get("intermediate_size"), norm_eps=float(get("rms_norm_eps")),
+                     rope_theta=float(get("rope_theta", 10000.0)), rope_scaling=scaling,
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def from_hf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
+  """A Hugging Face ``LlamaForCausalLM`` checkpoint as ``(config, params)`` for `Llama`.
+
+  ``path`` is the checkpoint's folder: ``config.json`` (`config_from_hf`) and
+  ``model.safetensors``, or shards named by ``model.safetensors.index.json``'s
+  ``weight_map``. The tensors (`HF_NAMES`) are read with ``safetensors.numpy``
+  (the ``hf`` extra); each layer's are stacked under ``layers``, and Linear
+  weights ``[out, in]`` become kernels ``[in, out]``. Hugging Face's q/k
+  projections already use the rotate-half rotary convention `rope` uses. With
+  tied embeddings ``lm_head.weight`` is not read.
+
+  Returns:
+    The config and ``params``, a nested dict of NumPy arrays in the checkpoint's
+    dtype (bfloat16 for Meta's), for ``Llama(config).apply({"params": params}, ...)``.
+
+  Raises:
+    FileNotFoundError: no config.json, or neither model.safetensors nor an index.
+    ValueError: a tensor missing or of the wrong shape (naming the tensor and its
+      file), or a config `config_from_hf` refuses.
+  """
+  try:
+    from safetensors import safe_open
+  except ImportError as e:
+    raise ImportError("from_hf reads safetensors: pip install 'lowmem-jax[hf]'.") from e
+  root = pathlib.Path(path)
+  config = config_from_hf(json.loads(_existing(root / "config.json").read_text()),
+                          str(root / "config.json"))
+  index = root / "model.safetensors.index.json"
+  if index.exists():
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = {name: root / file for name, file in weight_map.items()}
+  else:
+    files = None
+    single = _existing(root / "model.safetensors", f"nor {index}")
+  with contextlib.ExitStack() as stack:
+    handles, names_in = {}, {}  # per file: the open file, its tensors' names
+
+    def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+      if files is not None and name not in files:
+        raise ValueError(f"{index}'s weight_map has no tensor {name!r}.")
+      file = single if files is None else files[name]
+      if file not in handles:
+        handles[file] = stack.enter_context(safe_open(_existing(file), framework="numpy"))
+        names_in[file] = set(handles[file].keys())
+      if name not in names_in[file]:
+        raise ValueError(f"{file} has no tensor {name!r}.")
+      tensor = handles[file].get_tensor(name)
+      want = shape[::-1] if transpose else shape
+      if tensor.shape != want:
+        raise ValueError(f"tensor {name!r} in {file} has shape {tensor.shape}; "
+                         f"{root / 'config.json'} makes it {want}.")
+      return tensor.T if transpose else tensor
+
+    shapes = jax.eval_shape(Llama(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    params = {}
+    for ours, shape in traverse_util.flatten_dict(shapes["params"]).items():
+      name, transpose = HF_NAMES[ours], ours[-1] == "kernel"
+      if ours[0] == "layers":
+        params[ours] = np.stack([read(name.format(i), shape.shape[1:], transpose)
+                                 for i in range(config.n_layers)])
+      else:
+        params[ours] = read(name, shape.shape, transpose)
+  return config, traverse_util.unflatten_dict(params)
+
+
+def _existing(file: pathlib.Path, also: str = "") -> pathlib.Path:
+  """``file``, or FileNotFoundError naming it (and ``also``, what else was looked for)."""
+  if not file.exists():
+    raise FileNotFoundError(f"no {file}{' ' + also if also else ''}.")
+  return file

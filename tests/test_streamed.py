@@ -177,3 +177,44 @@ def test_bad_input_names_what_is_wrong():
     streamed.layer_streamed(model.loss, optax.adam(1e-3))
   with pytest.raises(TypeError, match="StreamedState"):
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
+
+
+def test_llama_layer_stack_equals_adamw_on_the_model():
+  """The reference LLaMA's `layer_stack` (GQA, RoPE, tied embeddings, the fused head). Adam's
+  eps at 1e-4: with 1e-8 a near-zero gradient's float rounding (the fused head sums its blocks
+  in another order) moves its update by a fair part of the learning rate."""
+  config = lm.models.LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                                 ffn_dim=48, tie_embeddings=True)
+  model = lm.models.Llama(config, loss="fused")
+  tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+  batch = (tokens[:, :-1], tokens[:, 1:])
+  params = model.init(jax.random.key(1), batch[0])["params"]
+  stack = lm.models.llama.layer_stack(model)
+  got, want, _ = run_both(stack, optax.adamw(1e-2, eps=1e-4), params, [batch, batch])
+  assert_close(got, want, rtol=1e-4, atol=1e-5)
+  want_loss = model.apply({"params": params}, *batch)
+  np.testing.assert_allclose(stack.loss(params, batch), want_loss, rtol=1e-6)
+
+
+def test_fsdp_over_8_devices_equals_one_device():
+  """Parameters and state sharded along their last axis over an 8-device mesh (the layers'
+  axis unsharded), the batch along its first: the same step as on one device."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  model, params = stack(), params_of(jax.random.key(6))
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  layered = streamed.layer_streamed(model, tx, slice_elements=256)
+  batch = batch_of(jax.random.key(0), n=8)
+  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
+
+  def shard(x):
+    spec = [None] * x.ndim
+    if x.ndim and x.shape[-1] % 8 == 0:
+      spec[-1] = "fsdp"
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+  sharded = jax.tree.map(shard, params)
+  state = jax.tree.map(shard, layered.init(sharded))
+  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
+  assert got["layers"]["w1"].sharding.spec[-1] == "fsdp"
+  assert_close(got, one)
+  assert_close(got_state, one_state)

@@ -118,3 +118,43 @@ def test_a_set_that_does_not_suit_the_job_raises():
     techniques.measure(SMALL, lowmem)
   with pytest.raises(techniques.TechniqueError, match="the ladder is the transformers'"):
     techniques.cheapest_fit(techniques.Job("wrn-28-2"), 2**30)
+
+
+@pytest.mark.slow
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_opt():
+  job = techniques.Job("llama-100m", batch=1, seq=64, target="h100")
+  streamed = techniques.parse("fused-ce+8bit+bf16-params+stream:host+offload-opt")
+  code = streamed.python(job)
+  assert ('streamed = lm.optim.layer_streamed(wl.layer_stack(), tx, state="host", '
+          'saved_inputs="host")') in code
+  assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))" in code
+  assert "opt_state = streamed.init(params)" in code and "offload_state" not in code
+  b = techniques.measure(job, streamed, top=0)
+  row = techniques.row(b, b, streamed)
+  built = streamed.program(job).run()
+  state = jax.eval_shape(built["streamed"].init, built["wl"].abstract_params())
+  assert row["host_bytes"] >= lm.memory.tree_bytes(state) > 0
+  assert row["optimizer_state"] == 0 and row["saved_activation_bytes"] is None
+  on_device = techniques.measure(job, techniques.parse("fused-ce+8bit+bf16-params+stream:device"),
+                                 top=0)
+  assert on_device.stats.host_argument_bytes == 0
+  assert on_device.stats.peak_bytes > b.stats.peak_bytes + lm.memory.tree_bytes(state) // 2
+
+
+@pytest.mark.parametrize("text,job,message", [
+    ("stream:host", SMALL, "stream:host in 'stream:host': the layer-streamed step takes the LLaMA"),
+    ("stream:host+adama:2", techniques.Job("llama-100m", batch=2, seq=64, target="cpu"),
+     "stream does not take adama"),
+    ("stream:host+remat:full", techniques.Job("llama-100m", batch=2, seq=64, target="cpu"),
+     "stream does not take remat"),
+])
+def test_stream_refuses_what_it_does_not_take(text, job, message):
+  with pytest.raises(techniques.TechniqueError, match=message):
+    techniques.parse(text).check(job)
+
+
+def test_stream_takes_a_place():
+  with pytest.raises(techniques.TechniqueError, match="device or host"):
+    techniques.parse("stream:disk")

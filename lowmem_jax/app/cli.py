@@ -166,16 +166,19 @@ def _size(nbytes: float) -> str:
 
 def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
+  host = any(r["host_bytes"] for r in rows)
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
                 "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
                 "is live at the peak, as where XLA fuses each gradient into its update; peak: "
                 "XLA's memory analysis; saved: autodiff's residuals of the loss (- without one); "
                 "extra FLOPs: n/a for loops (micro-batches, fused-ce), whose body XLA counts once; "
-                "none found: no argument is one")
+                "none found: no argument is one"
+                + ("; host: what lives in host memory (offloaded state, saved inputs), beside "
+                   "the device's peak" if host else ""))
   for column in ("techniques", f"params {unit}", f"optimizer {unit}", f"gradients {unit}",
-                 f"activations {unit}", f"other {unit}", f"peak {unit}", "× less", "extra FLOPs",
-                 f"saved {unit}"):
+                 f"activations {unit}", f"other {unit}", f"peak {unit}",
+                 *([f"host {unit}"] if host else []), "× less", "extra FLOPs", f"saved {unit}"):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
     sizes = ["none found" if r[k] is None else "0 (none live)" if k == "gradients" and not r[k]
@@ -184,7 +187,8 @@ def _summary(rows: list[dict], title: str) -> Table:
                        "peak_bytes")]
     flops = "n/a" if r["extra_flops"] is None else f"{100 * r['extra_flops']:+.1f}%"
     saved = r["saved_activation_bytes"]
-    table.add_row(r["techniques"], *sizes, f"{r['reduction']:.2f}", flops,
+    hosted = [f"{r['host_bytes'] / scale:,.2f}"] if host else []
+    table.add_row(r["techniques"], *sizes, *hosted, f"{r['reduction']:.2f}", flops,
                   "-" if saved is None else f"{saved / scale:,.2f}")
   return table
 

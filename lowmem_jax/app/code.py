@@ -27,7 +27,8 @@ class Code:
 
 @dataclasses.dataclass(frozen=True)
 class Name:
-  """A name bound by an earlier assignment of the program, or a module (``lm``, ``optax``)."""
+  """A name bound by an earlier assignment of the program, or a module (``lm``, ``optax``),
+  with attributes after dots (``streamed.step``)."""
   name: str
 
 
@@ -48,17 +49,22 @@ _MODULES = {"lm": lowmem_jax, "jax": jax, "jnp": jnp, "optax": optax}
 IMPORTS = "import jax, jax.numpy as jnp, optax, lowmem_jax as lm"
 
 
+def _lookup(dotted: str, scope: dict) -> Any:
+  head, *attrs = dotted.split(".")
+  value = scope[head]
+  for attr in attrs:
+    value = getattr(value, attr)
+  return value
+
+
 def _run(x: Any, scope: dict) -> Any:
   if isinstance(x, Code):
     return x.value
   if isinstance(x, Name):
-    return scope[x.name]
+    return _lookup(x.name, scope)
   if isinstance(x, Call):
-    head, *attrs = x.fn.split(".")
-    fn = scope[head]
-    for attr in attrs:
-      fn = getattr(fn, attr)
-    return fn(*(_run(a, scope) for a in x.args), **{k: _run(v, scope) for k, v in x.kwargs})
+    return _lookup(x.fn, scope)(*(_run(a, scope) for a in x.args),
+                                **{k: _run(v, scope) for k, v in x.kwargs})
   if isinstance(x, tuple):
     return tuple(_run(v, scope) for v in x)
   return x

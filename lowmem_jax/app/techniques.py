@@ -95,6 +95,12 @@ def _conv(text: str) -> str:
   return text
 
 
+def _place(text: str) -> str:
+  if text not in ("device", "host"):
+    raise ValueError("the saved layer inputs' place must be device or host, e.g. stream:host")
+  return text
+
+
 def _density(text: str) -> float:
   try:
     density = float(text)
@@ -133,7 +139,7 @@ TECHNIQUES = {t.term: t for t in (
     Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.lowbit.adamw_8bit; "
               "with adama, adamaw(state_bits=8))"),
     Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
-              "(lowmem_jax.offload)",
+              "(lowmem_jax.offload); with stream, a layer at a time",
               optimizer=lambda tx: code.Call.of("lm.offload.offload_state", tx),
               excludes=(("adama", "AdamA's moments would cross to the device every micro-batch; "
                          "use 8bit for its moments"),)),
@@ -156,6 +162,14 @@ TECHNIQUES = {t.term: t for t in (
     Technique("fused-ce", "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] "
               "logits (lowmem_jax.losses.linear_cross_entropy)",
               switches={"loss": "fused"}, lowmem={"loss": "fused"}),
+    Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
+              "optimizer applied inside the backward, one layer at a time, so no whole-model "
+              "gradient; each layer's saved input on the device or the host",
+              value="<device|host>", parse=_place,
+              excludes=(("adama", "the streamed step takes one micro-batch a call: measure it "
+                         "at the micro-batch's size"),
+                        ("remat", "the streamed backward recomputes each layer from its input "
+                         "already"))),
     Technique("all", "+".join(_ALL), exact=False),
     Technique("lowmem", "a step of your own only: it differentiates lm.lowmem(loss_fn) "
               "(make_step(lowmem=lm.lowmem)): GELU/SiLU, norms, attention and the loss head "
@@ -310,6 +324,9 @@ class TechniqueSet:
           raise TechniqueError(f"{self.label!r}: {term} does not take {other}: {why}.")
     if refused is not None:
       raise TechniqueError(f"{self.label!r}: {refused}") from refused
+    if "stream" in self and not job.language_model:
+      raise TechniqueError(f"{self.text('stream')} in {self.label!r}: the layer-streamed step "
+                           f"takes the LLaMA models' stacked layers; {job.model} is not one.")
 
   def text(self, term: str) -> str:
     """How ``term`` is written in the label (``"remat:full"``), or its name where the
@@ -332,7 +349,8 @@ class TechniqueSet:
     else:
       tx = code.Call.of("optax.adamw", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     for term, _ in self.values:
-      if TECHNIQUES[term].optimizer is not None:
+      if TECHNIQUES[term].optimizer is not None and not (term == "offload-opt"
+                                                         and "stream" in self):
         tx = TECHNIQUES[term].optimizer(tx)
     return tx
 
@@ -357,16 +375,25 @@ class TechniqueSet:
       tx = code.Call.of("wl.optimizer", tx)
     fold = (code.Name("fold"),) if self.adama > 1 else ()
     in_backward = {"fold_in_backward": True} if self.fold_in_backward else {}
-    step = code.Call.of("jax.jit", code.Call.of("wl.train_step", code.Name("tx"), *fold,
-                                                **in_backward), donate_argnums=(0, 1))
+    streamed = ()
+    if "stream" in self:
+      streamed = (("streamed", code.Call.of(
+          "lm.optim.layer_streamed", code.Call.of("wl.layer_stack"), code.Name("tx"),
+          state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream")),
+          "the optimizer inside the backward, a layer at a time"),)
+      train_step = code.Name("streamed.step")
+    else:
+      train_step = code.Call.of("wl.train_step", code.Name("tx"), *fold, **in_backward)
+    step = code.Call.of("jax.jit", train_step, donate_argnums=(0, 1))
     return code.Program((("wl", code.Call.of("lm.models.workload", job.model,
                                              **self.switches(job)), ""),
-                         *self._fold(), ("tx", tx, ""), ("step", step, "")))
+                         *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
 
   def python(self, job: Job) -> str:
     """`program`'s lines, then the parameters and optimizer state it starts from."""
+    init = "streamed.init" if "stream" in self else "tx.init"
     start = (("params", code.Call.of("wl.init", code.Call.of("jax.random.key", 0)), ""),
-             ("opt_state", code.Call.of("tx.init", code.Name("params")), ""))
+             ("opt_state", code.Call.of(init, code.Name("params")), ""))
     return code.Program(self.program(job).lines + start).source()
 
 
@@ -480,11 +507,18 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   built = techniques.program(job).run()
   wl, tx, step = built["wl"], built["tx"], built["step"]
   params = wl.abstract_params()
-  opt_state = offload.abstract_state(tx, params)
+  if "stream" in techniques:
+    opt_state = jax.eval_shape(built["streamed"].init, params)
+    if "offload-opt" in techniques:
+      opt_state = targets.in_host_memory(opt_state)
+  else:
+    opt_state = offload.abstract_state(tx, params)
   batch = (wl.inputs, wl.labels)
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
-  return memory.report(step, params, opt_state, batch, loss_fn=wl.loss,
+  # The streamed step saves each layer's input, not the residuals of the loss's backward.
+  return memory.report(step, params, opt_state, batch,
+                       loss_fn=None if "stream" in techniques else wl.loss,
                        loss_args=(params, *micro, *positions), label=techniques.label,
                        top=top, target=job.target)
 
@@ -492,7 +526,8 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
 def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -> dict:
   """The summary figures of one technique set's breakdown against ``base``'s: in bytes,
   parameters and optimizer state (None where no argument is one), gradients,
-  activations, other, the live and compiled peaks and autodiff's saved
+  activations, other, the live and compiled peaks, what lives in host memory
+  (arguments and temporaries, beside the peak) and autodiff's saved
   activations (None without a loss); as ratios, the reduction and the extra
   FLOPs (None for loops, whose body XLA counts once)."""
   at = b.at_peak
@@ -506,6 +541,7 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
       "other": at["inputs"] + at["updates"] + at["temporaries"],
       "live_peak_bytes": b.live_peak_bytes,
       "peak_bytes": b.stats.peak_bytes,
+      "host_bytes": b.stats.host_argument_bytes + b.stats.host_temp_bytes,
       "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
       # A micro-batch scan's FLOPs are per micro-batch, fused-ce's per block of logits.
       "extra_flops": ((b.flops - base.flops) / base.flops

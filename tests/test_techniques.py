@@ -158,3 +158,24 @@ def test_stream_refuses_what_it_does_not_take(text, job, message):
 def test_stream_takes_a_place():
   with pytest.raises(techniques.TechniqueError, match="device or host"):
     techniques.parse("stream:disk")
+
+
+@pytest.mark.slow
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
+  """A budget under every set's arguments on the device but the one with its state on the
+  host: the others are skipped without compiling, that one compiled (and fits)."""
+  job = techniques.Job("llama-100m", batch=1, seq=64, target="h100")
+  texts = techniques.ladder(1, language_model=True)
+  last = techniques.parse(texts[-1])
+  assert "offload-opt" in last and "stream" in last
+  floor = techniques.device_argument_bytes(job, last)
+  on_device = min(techniques.device_argument_bytes(job, techniques.parse(
+      t.replace("+remat:plan", ""))) for t in texts[:-1])
+  assert floor < on_device
+  tried = []
+  fit = techniques.cheapest_fit(job, on_device - 1, tried.append)
+  assert tried == [texts[-1]] and [t for t, _ in fit.skipped] == texts[:-1]
+  assert fit.fixed_bytes == floor and fit.fits is not None
+  assert fit.fits.label == texts[-1] and fit.tried[0][0].stats.peak_bytes <= on_device - 1

@@ -246,9 +246,17 @@ def plan(args, job: techniques.Job, console: Console) -> int:
     def on_try(text):
       progress.update(task, description=f"compiling {text}", completed=sets.index(text))
     fit = techniques.cheapest_fit(job, budget, on_try)
+  if not fit.tried and fit.fixed_bytes > budget:
+    print(f"lowmem-jax: nothing fits {_size(budget)}: the parameters and optimizer state on "
+          f"the device alone take {_size(fit.fixed_bytes)} at the least (8-bit moments, "
+          "bfloat16 parameters, the state on the host).", file=sys.stderr)
+    return 1
+  for text, nbytes in fit.skipped:
+    console.print(f"skipped without compiling: {text} (its arguments on the device alone take "
+                  f"{_size(nbytes)})", highlight=False)
   if not fit.tried:
-    print(f"lowmem-jax: nothing fits {_size(budget)}: the float32 parameters and AdamW state "
-          f"alone take {_size(fit.fixed_bytes)}.", file=sys.stderr)
+    print(f"lowmem-jax: nothing fits {_size(budget)}: the sets whose arguments fit it take "
+          "remat:plan, and no remat policy fits.", file=sys.stderr)
     return 1
   if fit.fits is None:
     smallest = min((b for b, _ in fit.tried), key=lambda b: b.stats.peak_bytes)

@@ -491,6 +491,30 @@ def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Cal
   return step, tuple(step_args), loss[0][0], tuple(loss[0][1])
 
 
+def _arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple]:
+  """``(built, params, opt_state, batch)``: `TechniqueSet.program`'s names and the step's
+  abstract arguments, the offloaded state in host memory."""
+  built = techniques.program(job).run()
+  wl, tx = built["wl"], built["tx"]
+  params = wl.abstract_params()
+  if "stream" in techniques:
+    opt_state = jax.eval_shape(built["streamed"].init, params)
+    if "offload-opt" in techniques:
+      opt_state = targets.in_host_memory(opt_state)
+  else:
+    opt_state = offload.abstract_state(tx, params)
+  return built, params, opt_state, (wl.inputs, wl.labels)
+
+
+def device_argument_bytes(job: Job, techniques: TechniqueSet) -> int:
+  """The bytes of ``techniques``' step's arguments (parameters, optimizer state, batch) that
+  live on the device: a floor under its peak, found without compiling."""
+  _, *arguments = _arguments(job, techniques)
+  on_device = [x for x in jax.tree.leaves(arguments)
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) != targets.HOST]
+  return memory.tree_bytes(on_device)
+
+
 def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.Breakdown:
   """The `memory.Breakdown` of ``techniques``' training step of ``job`` compiled for
   ``job.target``, with autodiff's residuals of its loss; a reference model's
@@ -504,16 +528,8 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   if job.batch % k:
     raise TechniqueError(f"adama:{k}: the batch ({job.batch}) must split into {k} equal "
                          "micro-batches.")
-  built = techniques.program(job).run()
-  wl, tx, step = built["wl"], built["tx"], built["step"]
-  params = wl.abstract_params()
-  if "stream" in techniques:
-    opt_state = jax.eval_shape(built["streamed"].init, params)
-    if "offload-opt" in techniques:
-      opt_state = targets.in_host_memory(opt_state)
-  else:
-    opt_state = offload.abstract_state(tx, params)
-  batch = (wl.inputs, wl.labels)
+  built, params, opt_state, batch = _arguments(job, techniques)
+  wl, step = built["wl"], built["step"]
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
   # The streamed step saves each layer's input, not the residuals of the loss's backward.
@@ -552,19 +568,27 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
 
 def ladder(batch: int, language_model: bool = False) -> list[str]:
   """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
-  approximate gradient, then recompute (``remat:plan``: `lowmem_jax.plan`'s
-  policy), then micro-batches with full remat. A language model's sets all
+  approximate gradient, then the optimizer state in fewer bits (8-bit moments,
+  bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
+  policy); a language model's then the layer-streamed step (its saved inputs on
+  the device, then the host, then its state too), any other model's state on
+  the host; last, micro-batches with full remat. A language model's sets all
   take ``fused-ce`` (exact, and the largest single saving), after it alone."""
-  sets = ["bf16", "bf16+ms-norm+attention", "all", "all+remat:plan"]
+  best = "all+fused-ce" if language_model else "all"
+  state = f"{best}+8bit+bf16-params"
+  sets = (["baseline"] + (["fused-ce"] if language_model else [])
+          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", "bf16+ms-norm+attention")]
+          + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
+  if language_model:
+    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+offload-opt"]
+  else:
+    sets.append(f"{state}+offload-opt")
   k = 2
   while k <= batch:
     if batch % k == 0:
-      sets.append(f"all+remat:full+adama:{k}")
+      sets.append(f"{state}+remat:full+adama:{k}")
     k *= 2
-  if language_model:
-    return ["baseline", "fused-ce"] + [s.replace("all", "all+fused-ce") if s.startswith("all")
-                                       else f"{s}+fused-ce" for s in sets]
-  return ["baseline"] + sets
+  return sets
 
 
 def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
@@ -596,30 +620,40 @@ class Fit(NamedTuple):
   Attributes:
     tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
     fits: the first set whose compiled peak fits, or None.
-    fixed_bytes: the float32 parameters and AdamW state, which no set here cuts
-      below; nothing is measured where they alone exceed the budget.
+    fixed_bytes: the least any set of the ladder holds on the device in its arguments
+      (parameters, optimizer state, batch); nothing is measured where it exceeds the budget.
+    skipped: ``(text, bytes)`` of each set not compiled because its arguments alone on the
+      device exceed the budget, in ladder order.
   """
   tried: list
   fits: TechniqueSet | None
   fixed_bytes: int
+  skipped: list
 
 
 def cheapest_fit(job: Job, budget: int,
                  on_try: Callable[[str], None] = lambda text: None) -> Fit:
   """Measures the sets of `ladder` for ``job`` (a reference model) in order, up to
   the first whose compiled peak is at most ``budget`` bytes; ``on_try(text)``
-  is called before each. The ladder is the transformers' (ms-norm, attention): not
-  for a step of the user's own nor the WideResNet."""
+  is called before each. A set whose arguments alone on the device exceed the
+  budget (`device_argument_bytes`) is skipped without compiling. The ladder is
+  the transformers' (ms-norm, attention): not for a step of the user's own nor
+  the WideResNet."""
   if job.make_step is not None or job.conv_net:
     raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); "
                          f"{'a step of your own' if job.make_step else job.model} takes "
                          "measure() of chosen sets instead.")
-  params = parse("baseline").workload(job).abstract_params()
-  fixed = memory.tree_bytes((params, jax.eval_shape(optax.adamw(LEARNING_RATE).init, params)))
-  tried = []
-  if fixed > budget:
-    return Fit(tried, None, fixed)
-  for text in ladder(job.batch, job.language_model):
+  texts = ladder(job.batch, job.language_model)
+  arguments = {text: device_argument_bytes(job, parse(text.replace("+remat:plan", "")))
+               for text in texts}
+  floor = min(arguments.values())
+  tried, skipped = [], []
+  if floor > budget:
+    return Fit(tried, None, floor, skipped)
+  for text in texts:
+    if arguments[text] > budget:
+      skipped.append((text, arguments[text]))
+      continue
     on_try(text)
     techniques = planned(job, text, budget)
     if techniques is None:
@@ -627,5 +661,5 @@ def cheapest_fit(job: Job, budget: int,
     b = measure(job, techniques)
     tried.append((b, techniques))
     if b.stats.peak_bytes <= budget:
-      return Fit(tried, techniques, fixed)
-  return Fit(tried, None, fixed)
+      return Fit(tried, techniques, floor, skipped)
+  return Fit(tried, None, floor, skipped)

@@ -241,7 +241,11 @@ def _chunked_bwd(cfg, w_layout, res, g):
   h, w, b, labels, weights, lse = res
   eps, z = cfg[:2]
   head = _Head(h, w, b, cfg, w_layout)
-  gt = g * weights
+  # The gradients' buffers start from a zero the scheduler cannot make before the forward's
+  # log-sum-exp and the cotangent (a broadcast of a constant has no inputs, and XLA would make
+  # it at the program's start, live through the forward; as lowmem_jax.embedding.take's).
+  zero, gt, lse = lax.optimization_barrier((jnp.zeros((), jnp.float32), g * weights, lse))
+  zeros_like = lambda x: jnp.zeros_like(x) + zero.astype(x.dtype)
 
   def dlogits(hc, i_start, first_row, j, yc, whole):
     """float32 ``[tc, vc]`` d loss / d (uncapped) logits; 0 on rows before ``first_row``."""
@@ -296,9 +300,9 @@ def _chunked_bwd(cfg, w_layout, res, g):
           else lax.dynamic_update_slice(dw, dwc.T, (sv, 0)))
     return dw, None if db is None else lax.dynamic_update_slice(db, dbc, (sv,))
 
-  dh = lax.fori_loop(0, head.nt, dh_chunk, jnp.zeros_like(h))
-  db0 = None if b is None else jnp.zeros_like(b)
-  dw, db = lax.fori_loop(0, head.nv, dw_chunk, (jnp.zeros_like(w), db0))
+  dh = lax.fori_loop(0, head.nt, dh_chunk, zeros_like(h))
+  db0 = None if b is None else zeros_like(b)
+  dw, db = lax.fori_loop(0, head.nv, dw_chunk, (zeros_like(w), db0))
   return dh, dw, db, None, None
 
 

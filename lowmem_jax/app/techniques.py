@@ -164,8 +164,7 @@ TECHNIQUES = {t.term: t for t in (
               switches={"loss": "fused"}, lowmem={"loss": "fused"}),
     Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
               "optimizer applied inside the backward, one layer at a time, so no whole-model "
-              "gradient; each layer's saved input on the device or the host; the token "
-              "embedding's gradient buffer made late (embedding=\"late\", exact)",
+              "gradient; each layer's saved input on the device or the host",
               value="<device|host>", parse=_place,
               excludes=(("adama", "the streamed step takes one micro-batch a call: measure it "
                          "at the micro-batch's size"),

@@ -491,7 +491,7 @@ def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Cal
   return step, tuple(step_args), loss[0][0], tuple(loss[0][1])
 
 
-def _arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple]:
+def arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple]:
   """``(built, params, opt_state, batch)``: `TechniqueSet.program`'s names and the step's
   abstract arguments, the offloaded state in host memory."""
   built = techniques.program(job).run()
@@ -509,7 +509,7 @@ def _arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tupl
 def device_argument_bytes(job: Job, techniques: TechniqueSet) -> int:
   """The bytes of ``techniques``' step's arguments (parameters, optimizer state, batch) that
   live on the device: a floor under its peak, found without compiling."""
-  _, *arguments = _arguments(job, techniques)
+  _, *arguments = arguments(job, techniques)
   on_device = [x for x in jax.tree.leaves(arguments)
                if getattr(getattr(x, "sharding", None), "memory_kind", None) != targets.HOST]
   return memory.tree_bytes(on_device)
@@ -528,7 +528,7 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   if job.batch % k:
     raise TechniqueError(f"adama:{k}: the batch ({job.batch}) must split into {k} equal "
                          "micro-batches.")
-  built, params, opt_state, batch = _arguments(job, techniques)
+  built, params, opt_state, batch = arguments(job, techniques)
   wl, step = built["wl"], built["step"]
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()

@@ -1,0 +1,143 @@
+"""The layer-streamed step on the Llama-3 family, compiled for consumer and data-centre GPUs.
+
+Every parameter trained, an AdamW-equivalent update: 8-bit moments
+(`lowmem_jax.lowbit.adamw_8bit`), bfloat16 parameters rounded stochastically,
+the fused loss head, ReSiLU2, MS-RMSNorm, the recomputing attention
+(``all+fused-ce+8bit+bf16-params``) and `lowmem_jax.optim.layer_streamed`
+(``stream:host``: each layer's saved input in host memory; ``+offload-opt``:
+the optimizer state there too). Each row is a deviceless compile for its
+target (XLA's GPU buffer assignment): the device peak and what lives in host
+memory. Beside them:
+
+- the bytes that cross the host link a step: the offloaded state twice (to
+  the device and back) and the saved layer inputs twice (out in the forward,
+  back in the backward), and the time that takes at the target's host link
+  (`lowmem_jax.targets.Target.host_link_bytes_per_s`, one direction each way);
+- the compute floor: 8 x parameters x tokens FLOPs (the forward, the
+  backward's recompute of each layer, the backward's two matmuls a weight;
+  attention's length-squared terms left out) over the target's dense
+  bfloat16 peak (`Target.peak_bf16_flops`).
+  Where the transfer floor is below the compute floor, the streaming can
+  hide under the compute (XLA's schedule, on a real GPU, decides).
+
+``--growth`` compiles the same step with 2 and 4 of the model's layers and
+gives the growth a layer against what one layer must hold: its parameters,
+its state where it lives on the device, its saved input where it lives there.
+
+    python benchmarks/layer_streamed.py            # the rows of docs/benchmarks.md
+    python benchmarks/layer_streamed.py --growth   # the growth per layer
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+
+from lowmem_jax import memory, targets
+from lowmem_jax.app import techniques
+from lowmem_jax.optim import layer_streamed
+
+STATE = "all+fused-ce+8bit+bf16-params"
+ROWS = (  # (model, batch, seq, target, technique set)
+    ("llama-3.1-8b", 2, 2048, "rtx4090", f"{STATE}+stream:host+offload-opt"),
+    ("llama-3.1-8b", 8, 4096, "rtx4090", f"{STATE}+stream:host+offload-opt"),
+    ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host"),
+    ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+remat:full"),
+    ("llama-3.2-1b", 2, 2048, "rtx4090", f"{STATE}+stream:host"),
+    ("llama-3.2-1b", 8, 4096, "h100", f"{STATE}+stream:host"),
+    ("llama-3.2-3b", 2, 2048, "rtx4090", f"{STATE}+stream:host"),
+    ("llama-3.2-3b", 8, 4096, "h100", f"{STATE}+stream:host"),
+)
+GiB = 2 ** 30
+
+
+def floors(job: techniques.Job, text: str) -> dict:
+  """The host traffic a step and the transfer and compute floors of ``text`` on ``job``."""
+  s = techniques.parse(text)
+  built, params, opt_state, batch = techniques.arguments(job, s)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  tokens = job.batch * job.seq
+  state = memory.tree_bytes(opt_state) if "offload-opt" in s else 0
+  layers = jax.tree.leaves(params["layers"])[0].shape[0]
+  dim = built["wl"].model.config.dim
+  inputs = (layers * tokens * dim * 2) if s.get("stream") == "host" else 0  # bfloat16
+  crossing = 2 * state + 2 * inputs
+  link, peak = job.target.host_link_bytes_per_s, job.target.peak_bf16_flops
+  return {"parameters": n, "host_link_bytes": crossing,
+          "transfer_floor_s": crossing / link if link else None,
+          "compute_floor_s": 8 * n * tokens / peak if peak else None}
+
+
+def row(model: str, batch: int, seq: int, target: str, text: str) -> dict:
+  job = techniques.Job(model, batch=batch, seq=seq, target=target)
+  start = time.perf_counter()
+  b = techniques.measure(job, techniques.parse(text), top=0)
+  return {"model": model, "batch": batch, "seq": seq, "target": target, "techniques": text,
+          "peak_bytes": b.stats.peak_bytes,
+          "host_bytes": b.stats.host_argument_bytes + b.stats.host_temp_bytes,
+          "seconds": time.perf_counter() - start, **floors(job, text)}
+
+
+def growth(model: str, batch: int, seq: int, target: str, text: str) -> dict:
+  """The peak with 2 and 4 of ``model``'s layers, its growth a layer, and what a layer holds."""
+  job = techniques.Job(model, batch=batch, seq=seq, target=target)
+  s = techniques.parse(text)
+  peaks, holds = {}, None
+  for layers in (2, 4):
+    built = s.program(job).run()
+    wl = built["wl"]
+    wl = dataclasses.replace(wl, model=wl.model.clone(
+        config=dataclasses.replace(wl.model.config, n_layers=layers)))
+    state_place = "host" if "offload-opt" in s else "device"
+    ls = layer_streamed(wl.layer_stack(), built["tx"], state=state_place,
+                        saved_inputs=s.get("stream"))
+    params = wl.abstract_params()
+    opt_state = jax.eval_shape(ls.init, params)
+    if state_place == "host":
+      opt_state = targets.in_host_memory(opt_state)
+    compiled = job.target.compile(jax.jit(ls.step, donate_argnums=(0, 1)), params, opt_state,
+                                  (wl.inputs, wl.labels))
+    peaks[layers] = memory.stats_of(compiled).peak_bytes
+    first = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    one, layer_state = jax.tree.map(first, (params["layers"], opt_state.layers))
+    holds = (memory.tree_bytes(one)
+             + (memory.tree_bytes(layer_state) if state_place == "device" else 0)
+             + (batch * seq * wl.model.config.dim * 2 if s.get("stream") == "device" else 0))
+  per_layer = (peaks[4] - peaks[2]) / 2
+  return {"model": model, "batch": batch, "seq": seq, "target": target, "techniques": text,
+          "peak_2_layers": peaks[2], "peak_4_layers": peaks[4], "growth_per_layer": per_layer,
+          "one_layer_holds": holds, "ratio": per_layer / holds}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--growth", action="store_true", help="the growth per layer (2 vs 4)")
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args(argv)
+  if args.growth:
+    out = [growth("llama-3.1-8b", 2, 2048, "rtx4090", f"{STATE}+stream:host+offload-opt"),
+           growth("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host")]
+    for r in out:
+      print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['target']} | {r['techniques']} | "
+            f"{r['peak_2_layers'] / GiB:.2f} | {r['peak_4_layers'] / GiB:.2f} | "
+            f"{r['growth_per_layer'] / GiB:.3f} | {r['one_layer_holds'] / GiB:.3f} | "
+            f"{r['ratio']:.2f} |", flush=True)
+  else:
+    out = []
+    for spec in ROWS:
+      r = row(*spec)
+      out.append(r)
+      floor = lambda s: "n/a" if s is None else f"{s:.2f}"
+      print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['target']} | {r['techniques']} | "
+            f"{r['peak_bytes'] / GiB:.2f} | {r['host_bytes'] / GiB:.2f} | "
+            f"{r['host_link_bytes'] / GiB:.1f} | {floor(r['transfer_floor_s'])} | "
+            f"{floor(r['compute_floor_s'])} | {r['seconds']:.0f} |", flush=True)
+  if args.json:
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -59,6 +59,22 @@ def loss_scaled(name: str, tx: optax.GradientTransformation) -> Case:
               step)
 
 
+def streamed(name: str, tx: optax.GradientTransformation, place: str) -> Case:
+  """`optim.layer_streamed`'s state (``state=place``) on two stacked tanh layers."""
+  stack = optim.LayerStack(embed=lambda rest, x: x @ rest["w"],
+                           layer=lambda p, h, x: jnp.tanh(h @ p["w"]),
+                           head=lambda rest, h, x: jnp.mean(h ** 2))
+  params = {**PARAMS, "layers": {"w": jnp.stack([PARAMS["w"] / 8] * 2)}}
+  layered = optim.layer_streamed(stack, tx, state=place)
+  run = jax.jit(layered.step)
+
+  def step(params, state, i):
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(4), i), (4, 64))
+    params, state, _ = run(params, state, x)
+    return params, state
+  return Case(name, lambda: (params, layered.init(params)), step)
+
+
 _SPARSE_DENSE = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32), "b": jnp.zeros(64)}
 _SPARSE_PARAMS = {"w": jax.random.normal(jax.random.key(3), (1024,)), "b": jnp.zeros(64)}
 
@@ -79,6 +95,8 @@ CASES = [
     optimizer("dynamic_sparsity", optax.chain(
         optax.sgd(1e-2), masked_sparsity.dynamic_sparsity(0.5, update_every=1))),
     loss_scaled("loss_scaled_step", optax.adam(1e-2)),
+    streamed("layer_streamed", optax.adamw(1e-2), "device"),
+    streamed("layer_streamed 8-bit, on the host", lowbit.adamw_8bit(1e-2), "host"),
 ]
 
 

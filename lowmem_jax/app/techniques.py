@@ -509,8 +509,8 @@ def arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple
 def device_argument_bytes(job: Job, techniques: TechniqueSet) -> int:
   """The bytes of ``techniques``' step's arguments (parameters, optimizer state, batch) that
   live on the device: a floor under its peak, found without compiling."""
-  _, *arguments = arguments(job, techniques)
-  on_device = [x for x in jax.tree.leaves(arguments)
+  _, *args = arguments(job, techniques)
+  on_device = [x for x in jax.tree.leaves(args)
                if getattr(getattr(x, "sharding", None), "memory_kind", None) != targets.HOST]
   return memory.tree_bytes(on_device)
 

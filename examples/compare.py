@@ -3,8 +3,9 @@
 `run` builds a row's train step (Adam, or AdamA over k micro-batches through
 `lowmem_jax.microbatch_step`), compiles it once, measures it (the compiled
 peak and the activations autodiff saves for one micro-batch), trains it with
-`loop.train` and returns its figures; `memory_lines` and `write` turn the
-rows into Markdown and a plot.
+`loop.train` and returns its figures; `run_streamed` does the same for the
+layer-streamed step (`lowmem_jax.optim.layer_streamed`, called once per
+micro-batch); `memory_lines` and `write` turn the rows into Markdown and a plot.
 """
 
 import argparse
@@ -43,6 +44,15 @@ def optimizer(lr: float, k: int, nu_scale: str = "mean_sq") -> optax.GradientTra
   if k == 1:
     return optax.adam(lr)
   return optax.chain(lm.adama(k, nu_scale=nu_scale), optax.scale_by_learning_rate(lr))
+
+
+def streamed_optimizer(lr: float, k: int, nu_scale: str, seed: int) -> optax.GradientTransformation:
+  """AdamA over k micro-batches (`lowmem_jax.adamaw`, weight decay 0: `optimizer`'s Adam and
+  AdamA) with 8-bit moments, then `lowmem_jax.lowbit.stochastic_rounding` for bfloat16
+  parameters; both draw their rounding bits from ``seed``."""
+  return optax.chain(lm.adamaw(lr, k, nu_scale=nu_scale, weight_decay=0.0, state_bits=8,
+                               seed=seed),
+                     lm.lowbit.stochastic_rounding(seed))
 
 
 def train_step(loss_fn: Callable, tx: optax.GradientTransformation, k: int) -> Callable:
@@ -102,6 +112,52 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   n = jax.tree.leaves(batch)[0].shape[0]
   figures["memory_large"] = figures["memory"] if memory_batch == n else memory(
       train_step(loss_fn, tx, k), state, loss_fn, with_leading(batch, memory_batch), k)
+  return {**fit(row, step, state, batch_at, args=args, evaluate=evaluate), **figures}
+
+
+def run_streamed(row: str, stack: lm.optim.LayerStack, params: Any, k: int,
+                 batch_at: Callable[[int], Any], *, args: argparse.Namespace,
+                 evaluate: Callable, memory_batch: int) -> dict:
+  """`run` for the layer-streamed step of ``stack`` with `streamed_optimizer`.
+
+  A training step is k calls of `lowmem_jax.optim.layer_streamed`'s step, one
+  per strided micro-batch (rows i, i + k, ...: `lowmem_jax.microbatch_step`'s),
+  its loss their mean. The memory figures are one call's compiled peak (the
+  program that runs, k times a step) and no saved activations (None): the
+  step differentiates one layer at a time, keeping each layer's input, so
+  there is no whole-loss autodiff to measure.
+  """
+  tx = streamed_optimizer(args.lr, k, args.nu_scale, args.seed)
+  streamed = lm.optim.layer_streamed(stack, tx)
+  params = jax.tree.map(jnp.copy, params)  # the step donates its state
+  state = (params, streamed.init(params))
+  micro = lambda batch, i: jax.tree.map(lambda x: x[i::k], batch)
+  first = micro(batch_at(0), 0)
+  jitted = jax.jit(streamed.step, donate_argnums=(0, 1))
+  call = lm.memory.aot_compile(jitted, *state, first, target="attached")
+
+  def step(state, batch):
+    params, opt_state = state
+    losses = []
+    for i in range(k):
+      params, opt_state, metrics = call(params, opt_state, micro(batch, i))
+      losses.append(metrics["loss"])
+    return (params, opt_state), {"loss": sum(losses) / k}
+
+  figures = {"memory": {"peak": lm.memory.stats_of(call).peak_bytes, "saved": None}}
+  n = jax.tree.leaves(first)[0].shape[0] * k
+  figures["memory_large"] = figures["memory"] if memory_batch == n else {
+      "peak": lm.memory.analyze(jitted, *state, with_leading(first, memory_batch // k)).peak_bytes,
+      "saved": None}
+  return {**fit(row, step, state, batch_at, args=args, evaluate=evaluate), **figures}
+
+
+def fit(row: str, step: Callable, state: Any, batch_at: Callable[[int], Any], *,
+        args: argparse.Namespace, evaluate: Callable) -> dict:
+  """``args.steps`` of ``step`` from ``state`` with `loop.train`, resumed from
+  ``args.checkpoint_dir/row`` when given: the history, the final params and
+  state, the final training loss (mean of the last `TAIL` steps) and the last
+  evaluation's figures."""
   checkpoint = None if args.checkpoint_dir is None else str(Path(args.checkpoint_dir) / row)
   settings = {k: v for k, v in vars(args).items() if k not in RUN_ONLY}
   state, history = loop.train(step, state, batch_at, steps=args.steps, desc=row,
@@ -109,11 +165,12 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
                               checkpoint_dir=checkpoint, settings=settings)
   train_loss = float(np.mean([loss for _, loss in history["loss"][-TAIL:]]))
   return {"history": history, "params": state[0], "state": state, "train_loss": train_loss,
-          **figures, **history["eval"][-1][1]}
+          **history["eval"][-1][1]}
 
 
 def memory_lines(results: dict, batch: int, memory_batch: int, k: dict[str, int]) -> list[str]:
-  """Markdown table of each row's memory figures (`run`'s), with what they are."""
+  """Markdown table of each row's memory figures (`run`'s, `run_streamed`'s: None is n/a),
+  with what they are."""
   mib = lambda b: f"{b / 2**20:.2f}"
   base = results[next(iter(results))]
   sizes = [("memory", batch)] + ([("memory_large", memory_batch)] if memory_batch != batch else [])
@@ -124,8 +181,13 @@ def memory_lines(results: dict, batch: int, memory_batch: int, k: dict[str, int]
     cells = []
     for key, _ in sizes:
       for kind in ("peak", "saved"):
-        cells.append(mib(r[key][kind]) if r is base else
-                     f"{mib(r[key][kind])} ({base[key][kind] / r[key][kind]:.2f}x less)")
+        value, reference = r[key][kind], base[key][kind]
+        if value is None:
+          cells.append("n/a")
+        elif r is base or reference is None:
+          cells.append(mib(value))
+        else:
+          cells.append(f"{mib(value)} ({reference / value:.2f}x less)")
     lines.append(f"| {row} | " + " | ".join(cells) + " |")
   micro = "; ".join(f"{row}: " + " and ".join(str(n // k[row]) for _, n in sizes)
                     for row in results)

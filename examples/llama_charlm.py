@@ -34,13 +34,25 @@ the same fixed ``--lr``. The rows:
               v is Adam's / k, so its steps are up to sqrt(k) times Adam's; "mean" gives
               Adam's v there)
   lowmem      all four: ReSiLU2, MS-RMSNorm, the fused loss and AdamA over k micro-batches
+  streamed    the baseline's model with bfloat16 parameters (the same initial params rounded
+              to nearest), trained by lowmem_jax.optim.layer_streamed over
+              lowmem_jax.models.llama.layer_stack: the optimizer inside the backward, one
+              layer at a time, the step called once per micro-batch (k calls a step, on
+              microbatch_step's strided micro-batches), with optax.chain(lowmem_jax.adamaw(lr,
+              k, weight_decay=0, state_bits=8), lowmem_jax.lowbit.stochastic_rounding(seed)):
+              AdamA, 8-bit moments, the bfloat16 sums rounded stochastically
 
-Attention is the plain one in every row (it keeps its float32 probabilities).
+Every row has the same weight decay, none: the baseline's optax.adam is float32 AdamW at
+weight decay 0 (optax.adamw adds 0 times the weights), its fair twin, and the adama rows
+and streamed's adamaw are AdamA at weight decay 0. Attention is the plain one in every
+row (it keeps its float32 probabilities).
 Reported per run: validation loss and its difference from the baseline's
 (relative), the final training loss (mean of the last 20 steps), and memory:
 the compiled peak of the jitted train step (XLA on CPU in float32, a proxy)
 and the activations autodiff saves for one micro-batch, at the training batch
-and at ``--memory-batch`` windows (abstract shapes).
+and at ``--memory-batch`` windows (abstract shapes). The streamed row's peak is that of
+one of its k calls; it has no saved-activations figure (n/a): it differentiates one layer
+at a time, keeping each layer's input, so there is no whole-loss autodiff to measure.
 
     pip install -e ".[examples]"
     python examples/llama_charlm.py --out docs/results   # full: every row, results and plot
@@ -54,12 +66,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lowmem_jax.models import Llama, LlamaConfig
+from lowmem_jax.models.llama import layer_stack
 from lowmem_jax.optim import NU_SCALES
 from compare import (TAIL, check_multiple_of_k, check_positive, check_shared, command,
-                     memory_lines, run, write)
+                     memory_lines, run, run_streamed, write)
 
 ROWS = {
     "baseline": {},
@@ -68,12 +82,20 @@ ROWS = {
     "fused-ce": dict(loss="fused"),
     "adama": dict(adama=True),
     "lowmem": dict(activation="approx", norm="ms", loss="fused", adama=True),
+    "streamed": dict(adama=True, streamed=True),
 }
+STEP_KEYS = ("adama", "streamed")  # the keys of ROWS that pick the train step, not Llama's
+STREAMED = "layer_streamed, 8-bit moments, bfloat16 params rounded stochastically"
 QUICK_ROWS = ("baseline", "lowmem")
 CONFIG = LlamaConfig(vocab_size=128, dim=128, n_layers=4, n_heads=4, ffn_dim=384)
 QUICK_CONFIG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=2, ffn_dim=192)
 SKIP = frozenset({"site-packages", "test", "tests", "idle_test"})
 NON_ASCII = 0  # the token of every character outside ASCII
+
+
+def switches(row: str) -> dict:
+  """The `Llama` switches of ``row``: its entries in `ROWS` but `STEP_KEYS`."""
+  return {key: value for key, value in ROWS[row].items() if key not in STEP_KEYS}
 
 
 def source_files() -> list[Path]:
@@ -162,22 +184,28 @@ def main(argv: list[str] | None = None) -> dict:
   def batch_at(i):
     return windows(train, args.batch, args.seq + 1, np.random.default_rng([args.seed, i]))
 
+  def pair_at(i):  # `layer_stack`'s batch: the inputs and the next-character labels
+    tokens = batch_at(i)
+    return tokens[:, :-1], tokens[:, 1:]
+
   def loss_fn(params, tokens, net):  # the model's own head: its loss switch
     return net.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
 
   nets, init = {}, {}
-  for row in args.rows:
-    switches = {key: value for key, value in ROWS[row].items() if key != "adama"}
-    nets[row] = Llama(config, **switches)
-    key = tuple(sorted(switches.items()))
+  for row in args.rows:  # float32 initial params, rounded for the streamed row
+    key = tuple(sorted(switches(row).items()))
     if key not in init:
-      init[key] = jax.jit(nets[row].init)(jax.random.key(args.seed), val[:1, :-1])["params"]
+      init[key] = jax.jit(Llama(config, **switches(row)).init)(
+          jax.random.key(args.seed), val[:1, :-1])["params"]
+    nets[row] = Llama(config, **switches(row), param_dtype=(
+        jnp.bfloat16 if ROWS[row].get("streamed") else jnp.float32))
   first = next(iter(init.values()))
   shared = min(check_shared(params, first) for params in init.values())
   results = {}
   for row in args.rows:
     net = nets[row]
-    params = init[tuple(sorted((k, v) for k, v in ROWS[row].items() if k != "adama"))]
+    params = jax.tree.map(lambda p, net=net: p.astype(net.param_dtype),
+                          init[tuple(sorted(switches(row).items()))])
     batch_loss = jax.jit(lambda params, tokens, net=net: loss_fn(params, tokens, net))
 
     def evaluate(state, batch_loss=batch_loss):
@@ -186,8 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
       return {"val_loss": float(sum(chunks)) / len(val)}
 
     k = args.k if ROWS[row].get("adama") else 1
-    results[row] = run(row, lambda params, tokens, net=net: loss_fn(params, tokens, net), params,
-                       k, batch_at, args=args, evaluate=evaluate, memory_batch=args.memory_batch)
+    common = dict(args=args, evaluate=evaluate, memory_batch=args.memory_batch)
+    if ROWS[row].get("streamed"):
+      results[row] = run_streamed(row, layer_stack(net), params, k, pair_at, **common)
+    else:
+      results[row] = run(row, lambda params, tokens, net=net: loss_fn(params, tokens, net),
+                         params, k, batch_at, **common)
   seconds = time.time() - start
   reference = args.rows[0]
   base = results[reference]["val_loss"]
@@ -205,17 +237,26 @@ def main(argv: list[str] | None = None) -> dict:
       f"{args.batch // args.k} in the adama rows) and initial params (init key {args.seed}; the "
       f"{shared} tensors the trees share are equal) for every run. Validation: "
       f"{args.val_windows} fixed windows, {args.val_windows * args.seq:,} predicted characters. "
-      f"JAX {jax.__version__} on {jax.default_backend()}, {seconds:.0f} s in all.", "",
+      f"JAX {jax.__version__} on {jax.default_backend()}, {seconds:.0f} s in all."
+      + (f" The streamed row: bfloat16 parameters (the initial ones rounded to nearest), "
+         f"adamaw (AdamA) at weight decay 0 as Adam's, 8-bit moments, stochastic rounding "
+         f"seed {args.seed}, the layer-streamed step called once per micro-batch."
+         if "streamed" in results else ""), "",
       f"| run | switches | validation loss (nats/char) | vs {reference} (relative) | "
       f"final training loss (mean of last {TAIL} steps) |", "|---|---|---:|---:|---:|"]
+  names = {"adama": f"AdamA k={args.k}", "streamed": STREAMED}
   for row, r in results.items():
-    switches = ", ".join(f"{k}={v}" if k != "adama" else f"AdamA k={args.k}"
-                         for k, v in ROWS[row].items()) or "exact SiLU, RMSNorm, Adam"
-    lines.append(f"| {row} | {switches} | {r['val_loss']:.4f} | "
+    described = ", ".join(names.get(k, f"{k}={v}")
+                          for k, v in ROWS[row].items()) or "exact SiLU, RMSNorm, Adam"
+    lines.append(f"| {row} | {described} | {r['val_loss']:.4f} | "
                  f"{(r['val_loss'] - base) / base:+.2%} | {r['train_loss']:.4f} |")
   lines += ["", "The parity target: validation loss within 1% of the baseline's.", ""]
   lines += memory_lines(results, args.batch, args.memory_batch,
                         {row: args.k if ROWS[row].get("adama") else 1 for row in args.rows})
+  if "streamed" in results:
+    lines.append("The streamed row's peak is one of its k calls of the layer-streamed step; it "
+                 "differentiates one layer at a time, keeping each layer's input, so there is "
+                 "no whole-loss autodiff to measure saved activations of (n/a).")
   lines += ["", "    " + command("llama_charlm.py", argv)]
   text = "\n".join(lines)
   print(text)

@@ -1,11 +1,14 @@
-"""examples/llama_charlm.py: the quick mode learns, the lowmem run holds less, a run resumes."""
+"""examples/llama_charlm.py: the quick mode learns, the lowmem run holds less, a run resumes,
+the streamed row learns near the baseline."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import llama_charlm
 from example_checks import assert_lowmem_holds_less, assert_resumes
-from third_party_promotion import OPTAX_BIAS_CORRECTION
+from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
 
 pytestmark = [OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps optax's Adam
               pytest.mark.slow]
@@ -35,6 +38,21 @@ def test_both_runs_learn(quick):
     assert np.isfinite(r["val_loss"]) and r["val_loss"] < np.log(128), row
   assert abs(quick["relative_diff"]["lowmem"]) < 0.15  # 20 steps: loose, not the parity target
   assert quick["shared_params"] > 0
+
+
+@OPTAX_APPLY_UPDATES
+def test_the_streamed_row_learns_near_the_baseline_and_compiles_to_a_lower_peak(quick):
+  """The layer-streamed step, AdamA over 4 micro-batches with 8-bit moments, bfloat16
+  parameters rounded stochastically: from the quick baseline's initial params, on its batches."""
+  streamed = llama_charlm.main(["--quick", "--rows", "streamed"])["results"]["streamed"]
+  base = quick["results"]["baseline"]
+  losses = np.array([loss for _, loss in streamed["history"]["loss"]])
+  assert len(losses) == 20 and np.all(np.isfinite(losses))
+  assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+  assert abs(streamed["val_loss"] - base["val_loss"]) / base["val_loss"] < 0.15  # 20 steps
+  assert {x.dtype for x in jax.tree.leaves(streamed["params"])} == {jnp.dtype(jnp.bfloat16)}
+  assert 0 < streamed["memory"]["peak"] < base["memory"]["peak"]
+  assert streamed["memory"]["saved"] is None  # shown as n/a
 
 
 def test_lowmem_saves_fewer_activations_and_compiles_to_a_lower_peak(quick):

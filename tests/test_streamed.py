@@ -218,3 +218,17 @@ def test_fsdp_over_8_devices_equals_one_device():
   assert got["layers"]["w1"].sharding.spec[-1] == "fsdp"
   assert_close(got, one)
   assert_close(got_state, one_state)
+
+
+def test_it_composes_with_lm_lowmem_and_a_remat_policy_in_the_layer():
+  """The layer rewritten by `lm.lowmem` (its norm memory-sharing, exact; ReGELU2's backward,
+  approximate: the twin differentiates the same rewritten layer) under a remat policy."""
+  plain = stack()
+  layer = jax.checkpoint(lm.lowmem(plain.layer), policy=jax.checkpoint_policies.dots_saveable)
+  model = streamed.LayerStack(plain.embed, layer, plain.head)
+  params = params_of(jax.random.key(7))
+  got, want, _ = run_both(model, optax.adam(1e-2), params, [batch_of(jax.random.key(0))] * 2)
+  assert_close(got, want)
+  rewritten = lm.lowmem(plain.layer).explain(jax.tree.map(lambda x: x[0], params["layers"]),
+                                              jnp.ones((4, 8, DIM)), None)
+  assert rewritten.counts == {"norm": 1, "activation": 1}

@@ -81,6 +81,7 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol), got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_adamw_equals_optax_on_the_whole_gradient(tied):
   model, params = stack(tied), params_of(jax.random.key(0), tied)
@@ -120,6 +121,7 @@ def test_adama_equals_microbatch_step():
   assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
   """Rounding to nearest (no keys): blocks run along the last axis, so a layer's slice
   quantises as the stacked leaf does; every leaf is past min_size in both."""
@@ -132,6 +134,7 @@ def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
   assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
 
 
+@pytest.mark.slow
 @OPTAX_APPLY_UPDATES
 def test_bfloat16_parameters_rounded_stochastically_stay_within_a_unit_of_the_twin():
   """Other random bits than over the whole tree (module docstring): after one step each
@@ -179,6 +182,7 @@ def test_bad_input_names_what_is_wrong():
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_llama_layer_stack_equals_adamw_on_the_model():
   """The reference LLaMA's `layer_stack` (GQA, RoPE, tied embeddings, the fused head). Adam's
   eps at 1e-4: with 1e-8 a near-zero gradient's float rounding (the fused head sums its blocks
@@ -196,6 +200,7 @@ def test_llama_layer_stack_equals_adamw_on_the_model():
   np.testing.assert_allclose(stack.loss(params, batch), want_loss, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_over_8_devices_equals_one_device():
   """Parameters and state sharded along their last axis over an 8-device mesh (the layers'
   axis unsharded), the batch along its first: the same step as on one device."""

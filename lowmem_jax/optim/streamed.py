@@ -19,14 +19,17 @@ step per micro-batch, the update at the k-th), bfloat16 parameters with
 another leaf (``optax.clip_by_global_norm``, ``optax.apply_if_finite``) is
 refused, with the equation that mixes them (`check_per_leaf`).
 
-The state is `StreamedState`: the transformation initialised on each layer
-alone (``jax.vmap`` over the stacked layers: each layer has its own step
-counter and PRNG seed, all alike, so a seeded transformation draws the same
-random bits for same-shaped leaves of different layers), on the head's
-parameters and on the embedding's. With the state on the device and float32
-throughout, a step equals ``tx`` applied to ``jax.grad`` of the whole loss to
-float tolerance (the test's exact twin); a stochastic rounding draws other
-bits than over the whole tree (the same distribution).
+The state is `StreamedState`: the transformation initialised on each
+parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
+stacked layers; a leaf updated in slices, `slices`, on each slice), so each
+has its own step counter and PRNG seed, all alike: a seeded transformation
+draws the same random bits for same-shaped leaves. For a transformation that
+works leaf by leaf (the check above) that is its own update; with the state
+on the device and float32 throughout, a step equals ``tx`` applied to
+``jax.grad`` of the whole loss to float tolerance (the tests' exact twin); a
+stochastic rounding draws other bits than over the whole tree (the same
+distribution). A leaf's 8-bit moments stay float32 below ``min_size``
+elements counted per layer, where the stacked leaf's count may pass it.
 
 Where they live: the parameters on the device; the state and the saved layer
 inputs on the device or in pinned host memory (``"host"``), brought over one

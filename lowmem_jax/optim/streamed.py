@@ -215,12 +215,17 @@ def _dependencies(jaxpr, groups: list[frozenset], mixed: list[str]) -> list[froz
       together = frozenset().union(*ins)
       outs = [together] * len(eqn.outvars)
       if len(together) > 1 and all(len(i) <= 1 for i in ins) and not mixed:
-        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
-        mixed.append(f"{eqn.primitive.name} in {frames[0].function_name} "
-                     f"({frames[0].file_name}:{frames[0].start_line})" if frames
-                     else eqn.primitive.name)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:3]
+        mixed.append(" <- ".join(
+            [eqn.primitive.name] + [f"{f.function_name} ({_short(f.file_name)}:{f.start_line})"
+                                    for f in frames]))
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _short(path: str) -> str:
+  """``path`` from its package on (``optax/_src/clipping.py``) where it is installed."""
+  return path.rsplit("site-packages/", 1)[-1]
 
 
 def _inner_jaxpr(eqn):

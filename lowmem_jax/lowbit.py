@@ -19,10 +19,11 @@ One quantise/dequantise of ``x`` in a block of scale ``s`` errs by at most
 ``2^-3 |x|``, a whole unit, rounding stochastically) where ``|x| >= 2^-14 s``
 (signed) or ``2^-30 s`` (unsigned); below that, signed values err by at most
 ``2^-14 s`` and unsigned ones by at most ``2^-30 s`` (`error_bound`), for finite values below 2^126 in magnitude (moments are).
-A non-finite value makes its block's scale non-finite, so its 255 neighbours
-decode as NaN too, for good: put `optax.apply_if_finite` around the
-optimizer where gradients may overflow. Stochastic rounding is unbiased a
-step, but its noise adds up in ``v`` over about ``1 / (1 - b2^2)`` steps.
+A non-finite value makes its block's scale non-finite (NaN over infinity, on
+every backend), so its 255 neighbours decode as NaN too, for good: put
+`optax.apply_if_finite` around the optimizer where gradients may overflow.
+Stochastic rounding is unbiased a step, but its noise adds up in ``v`` over
+about ``1 / (1 - b2^2)`` steps.
 Storage: 1 byte an element plus 4 bytes a block, 1.016
 bytes at the default block of 256, against 4 for float32. Blocks lie along
 the last axis, so codes and scales shard with the parameter along its
@@ -68,6 +69,15 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
   return padded.reshape(*x.shape[:-1], padded.shape[-1] // block, block)
 
 
+def _abs_max(blocks: jax.Array) -> jax.Array:
+  """float32 ``blocks [..., block]``'s absolute maximum along the last axis, NaN where a block
+  holds a NaN on every backend (XLA:CPU's float max may drop one). One integer max reduction
+  over the bits with the sign cleared: they order as the magnitudes do, and NaN's above
+  infinity's."""
+  magnitudes = jax.lax.bitcast_convert_type(blocks, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+  return jax.lax.bitcast_convert_type(jnp.max(magnitudes, axis=-1), jnp.float32)
+
+
 def _unblocked(blocks: jax.Array, shape: tuple) -> jax.Array:
   """`_blocks` undone: ``[..., blocks, block]`` as ``shape``."""
   n = shape[-1] if shape else 1
@@ -97,7 +107,7 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK,
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes a float array, got {x.dtype}.")
   blocks = _blocks(x.astype(jnp.float32), block)
-  scales = jnp.max(jnp.abs(blocks), axis=-1)
+  scales = _abs_max(blocks)
   unit = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
   bits = _rounded(jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32), 23 - _MANTISSA, key)
   exp_bits = _EXP_BITS[signed]

@@ -80,6 +80,46 @@ def _grads(params, steps, seed=0):
 PARAMS = {"big": jnp.linspace(-1, 1, 64 * 80).reshape(64, 80), "small": jnp.ones((3, 5))}
 
 
+def _non_finite_poisons_its_block():
+  """quantize, and the 8-bit update (where XLA fuses the scale's reduction), on the default
+  device: a NaN or an infinity makes its block's scale non-finite, and the whole block
+  decodes as non-finite; the other blocks stay finite."""
+  quantize = jax.jit(lowbit.quantize, static_argnames="signed")
+  for shape, (row, col) in [((8, 1024), (0, 0)), ((8, 1024), (3, 111)), ((3, 300), (2, 299))]:
+    for bad in (jnp.nan, jnp.inf):
+      x = jnp.ones(shape).at[row, col].set(bad)
+      for signed in (True, False):
+        q = quantize(x, signed=signed)
+        decoded = lowbit.dequantize(q, signed=signed)
+        start = col // lowbit.BLOCK * lowbit.BLOCK
+        assert not bool(jnp.isfinite(q.scales[row, col // lowbit.BLOCK])), (shape, col, bad)
+        assert not bool(jnp.any(jnp.isfinite(decoded[row, start:start + lowbit.BLOCK])))
+        assert int(jnp.sum(~jnp.isfinite(decoded))) == min(lowbit.BLOCK, shape[-1] - start)
+  tx = lowbit.scale_by_adam_8bit()
+  params = {"w": jnp.ones((64, 512))}
+  grads = {"w": jax.random.normal(jax.random.key(0), (64, 512)).at[10, 255].set(jnp.nan)}
+  _, state = jax.jit(tx.update)(grads, tx.init(params))
+  for moment, signed in ((state.mu["w"], True), (state.nu["w"], False)):
+    decoded = lowbit.dequantize(moment, signed=signed)
+    assert int(jnp.sum(jnp.isnan(decoded))) == lowbit.BLOCK
+    assert bool(jnp.all(jnp.isnan(decoded[10, :lowbit.BLOCK])))
+
+
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_non_finite_poisons_its_block_on_cpu():
+  """XLA:CPU's float max may drop a NaN: the scale must not."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    _non_finite_poisons_its_block()
+
+
+@pytest.mark.gpu
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_non_finite_poisons_its_block_on_gpu():
+  _non_finite_poisons_its_block()
+
+
 @OPTAX_BIAS_CORRECTION
 def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
   tx, ref = lowbit.scale_by_adam_8bit(), optax.scale_by_adam()

@@ -544,6 +544,29 @@ def test_fold_in_backward_with_state_takes_moments_last():
   assert int(calls) == k
 
 
+@pytest.mark.parametrize("options", [optim.FoldInBackward(key=None), optim.FoldInBackward("layers")],
+                         ids=["any pytree", "scan_layers"])
+@OPTAX_BIAS_CORRECTION
+def test_fold_in_backward_apply_if_finite_skips_a_non_finite_micro_batch(options):
+  """As without fold_in_backward: the NaN micro-batch is skipped (moments and params kept)
+  and counted in total_notfinite. Every leaf folds in backward, so no gradient that reaches
+  ``tx.update`` is computed as usual."""
+  k = 4
+  tx = optax.apply_if_finite(lm.adamaw(1e-2, k), max_consecutive_errors=3)
+  params = {"layers": scanned_init()["layers"]}
+  loss = lambda p, b, moments=None: jnp.mean(
+      (lm.optim.scan_layers(layer, b[0], p["layers"], moments) - b[1]) ** 2)
+  x, y = mlp_batch()
+  poisoned = (x.at[1].set(jnp.nan), y)  # row 1: micro-batch 1 (strided)
+  runs = [(params, tx.init(params))] * 2
+  for batch in (poisoned, mlp_batch(seed=2)):
+    runs = [jax.jit(lm.microbatch_step(loss, tx, k, fold_in_backward=f))(p, s, batch)
+            for f, (p, s, *_) in zip((None, options), runs)]
+  chex.assert_trees_all_close(runs[0][:2], runs[1][:2], rtol=1e-5, atol=1e-7)
+  assert int(runs[1][1].total_notfinite) == 1
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(runs[1][:2]))
+
+
 def test_scan_layers_gradient_of_input_matches_plain_scan():
   params, (x, _) = scanned_init(), mlp_batch()
   moments = optim.LayerMoments(*(jax.tree.map(jnp.zeros_like, params["layers"]),) * 2,

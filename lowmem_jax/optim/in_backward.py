@@ -5,8 +5,9 @@ each selected parameter behind an identity whose backward rule folds the
 parameter's gradient into its moments (`MomentFold.apply`), or, for stacked
 layers, through `scan_layers`, whose backward is a reverse scan that folds
 each layer's gradient as soon as it is complete. The gradient that reaches
-``tx.update`` is zero there, and ``adama`` takes the folded moments as its
-extra argument ``folded``.
+``tx.update`` is zero there (NaN on a leaf whose folded gradient was not
+finite, so `optax.apply_if_finite` still skips that micro-batch), and
+``adama`` takes the folded moments as its extra argument ``folded``.
 
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
@@ -97,7 +98,7 @@ def _folding_scan_bwd(layer_fn, fold, residuals, dy):
   n_layers = jax.tree.leaves(stacked_params)[0].shape[0]
 
   def layer_backward(carry, xs):
-    dh, mu, nu = carry
+    dh, mu, nu, finite = carry
     h, p, i = xs
     _, vjp = jax.vjp(layer_fn, p, h)
     dp, dh = vjp(dh)
@@ -106,15 +107,23 @@ def _folding_scan_bwd(layer_fn, fold, residuals, dy):
     put = lambda t, pair, j: jax.lax.dynamic_update_index_in_dim(t, pair[j].astype(t.dtype), i, 0)
     mu = jax.tree.map(lambda t, _, pair: put(t, pair, 0), mu, dp, folded)
     nu = jax.tree.map(lambda t, _, pair: put(t, pair, 1), nu, dp, folded)
-    return (dh, mu, nu), None
+    finite = jax.tree.map(lambda f, g: f & jnp.all(jnp.isfinite(g)), finite, dp)
+    return (dh, mu, nu, finite), None
 
-  (dx, mu, nu), _ = jax.lax.scan(
-      layer_backward, (dy, mu, nu),
+  (dx, mu, nu, finite), _ = jax.lax.scan(
+      layer_backward, (dy, mu, nu, jax.tree.map(lambda _: jnp.asarray(True), stacked_params)),
       (layer_inputs, stacked_params, jnp.arange(n_layers)), reverse=True)
-  return dx, jax.tree.map(jnp.zeros_like, stacked_params), mu, nu, None
+  return dx, jax.tree.map(_zero_or_nan, stacked_params, finite), mu, nu, None
 
 
 _folding_scan.defvjp(_folding_scan_fwd, _folding_scan_bwd)
+
+
+def _zero_or_nan(like: jax.Array, finite: jax.Array) -> jax.Array:
+  """The cotangent of a leaf folded in backward, like ``like``: zeros, or NaN where its
+  gradient held a non-finite value, so that a finiteness check on the gradient
+  (`optax.apply_if_finite`) sees it: a broadcast scalar, no gradient-sized buffer."""
+  return jnp.broadcast_to(jnp.where(finite, 0, jnp.nan).astype(like.dtype), like.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +144,12 @@ class FoldInBackward:
   ``k``, the one given to `adama` (an int ``k`` means ``MomentFold(k)``, whose
   rates `adama` checks against its own: an optax chain does not expose its
   members' hyperparameters). The folded leaves' gradients never reach
-  ``tx.update`` (it sees zeros there), so transformations that read the
-  gradient before `adama` (global-norm clipping, `optax.apply_if_finite`'s
-  finiteness check) do not see them.
+  ``tx.update``: it sees zeros there, so transformations that read the
+  gradient's values before `adama` (global-norm clipping) do not see them. A
+  leaf whose gradient held a NaN or an infinity reaches it as NaN instead, so
+  `optax.apply_if_finite` around `adama` skips that micro-batch (moments and
+  parameters kept, ``total_notfinite`` counting it) as without
+  ``fold_in_backward``.
 
   Attributes:
     key: None (fold the leaves ``where`` selects), or the entry of the params
@@ -172,7 +184,8 @@ def _folding_leaf_fwd(fold, p, mu, nu, first):
 def _folding_leaf_bwd(fold, residuals, g):
   mu, nu, first = residuals
   new_mu, new_nu = fold.apply(g, mu, nu, first)
-  return jnp.zeros_like(g), new_mu.astype(mu.dtype), new_nu.astype(nu.dtype), None
+  return (_zero_or_nan(g, jnp.all(jnp.isfinite(g))), new_mu.astype(mu.dtype),
+          new_nu.astype(nu.dtype), None)
 
 
 _folding_leaf.defvjp(_folding_leaf_fwd, _folding_leaf_bwd)

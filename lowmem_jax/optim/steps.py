@@ -119,7 +119,8 @@ def microbatch_step(
       backward pass, so it dies there (AdamA only): True for every leaf of
       any params pytree (`FoldInBackward` with ``key=None``; its ``where``
       selects leaves), or a `FoldInBackward` with ``key`` for stacked layers
-      folded layer by layer by `scan_layers`.
+      folded layer by layer by `scan_layers`. `optax.apply_if_finite` around
+      `adama` skips a non-finite micro-batch as without it (`FoldInBackward`).
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, metrics)``, with

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import lowbit, optim
-from lowmem_jax._checks import is_int
+from lowmem_jax._checks import is_int, is_real
 
 
 @optim.takes_completes_step  # `microbatch_step` tells update where no step completes
@@ -261,8 +261,7 @@ def sparse_storage(
   """
   if not (is_int(update_every) and update_every >= 1):
     raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
-  if not (isinstance(prune_fraction, (int, float)) and not isinstance(prune_fraction, bool)
-          and 0 <= prune_fraction < 1):
+  if not (is_real(prune_fraction) and 0 <= prune_fraction < 1):
     raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
   if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
     raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")

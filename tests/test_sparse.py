@@ -252,12 +252,19 @@ def test_state_round_trips_through_flax_serialization():
     (dict(seed=0.5), "`seed` must be an int"),
     (dict(update_every=0), "`update_every` must be a positive int"),
     (dict(prune_fraction=1.0), r"`prune_fraction` must be a number in \[0, 1\)"),
+    (dict(prune_fraction=True), r"`prune_fraction` must be a number in \[0, 1\)"),
     (dict(stop_after=-1), "`stop_after` must be None or an int >= 0"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
   dense, _ = _sgd_setup()
   with pytest.raises(ValueError, match=match):
     sparse.sparse_storage(optax.sgd(0.1), dense, **kwargs)
+
+
+def test_numpy_scalars_are_taken_as_pythons():
+  dense, _ = _sgd_setup()
+  sparse.sparse_storage(optax.sgd(0.1), dense, update_every=np.int32(2),
+                        prune_fraction=np.float32(0.25), seed=np.int64(3))
 
 
 @pytest.mark.parametrize("params, match", [

@@ -19,8 +19,16 @@ def barrier_rows(*arrays: jax.Array) -> tuple[jax.Array, ...]:
 
   Under SPMD, merging the leading axes keeps a sharding of the first axis
   (data parallelism, FSDP); an array sharded along a later leading axis
-  (sequence or heads) would be gathered.
+  (sequence or heads) would be gathered under automatic mesh axes, and passes
+  unflattened under explicit ones, whose types show that sharding.
   """
-  flat = lax.optimization_barrier(tuple(
-      x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.ndim > 1 else x for x in arrays))
+  flat = lax.optimization_barrier(tuple(_rows(x) for x in arrays))
   return tuple(f.reshape(x.shape) for f, x in zip(flat, arrays))
+
+
+def _rows(x):
+  """``x`` as ``[rows, last axis]``, or as it is where that merges no axes or would merge an
+  axis after the first that its type says is sharded (no sharding of the rows says that)."""
+  if x.ndim < 2 or any(jax.typeof(x).sharding.spec[1:x.ndim - 1]):
+    return x
+  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

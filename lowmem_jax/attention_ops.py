@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, dispatch, names
+from lowmem_jax import _layout, _sharding, dispatch, names
 from lowmem_jax._checks import check_float_array
 
 IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`lowmem_jax.dispatch`)
@@ -145,10 +145,7 @@ def _chunked(q, k, v, mask, bias, scale, causal, chunk):
 
 def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
   """Online softmax over key chunks: a running max m, sum l and output acc per row."""
-  batch, q_len, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
-  qg = _grouped(q, kv_heads)
-  rows = (batch, kv_heads, heads // kv_heads, q_len)
+  qg = _grouped(q, k.shape[2])
 
   def step(i, carry):
     m, l, acc = carry
@@ -159,10 +156,13 @@ def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
     corr = jnp.exp(m - m_new)
     acc = acc * _per_row(corr) + jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), vc,
                                             preferred_element_type=jnp.float32)
-    return m_new, l * corr + p.sum(-1), acc
+    return jax.tree.map(_sharding.like, (m_new, l * corr + p.sum(-1), acc), carry)
 
-  init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-          jnp.zeros(qg.shape, jnp.float32))
+  # The carries are made like q, so they take its sharding under explicit mesh axes too
+  # (and keep it, whatever sharding of key, value, mask or bias a step reads); a row's are
+  # [batch, kv_heads, groups, q_length].
+  row = jnp.zeros_like(qg[..., 0], jnp.float32).transpose(0, 2, 3, 1)
+  init = (jnp.full_like(row, -jnp.inf), row, jnp.zeros_like(qg, jnp.float32))
   m, l, acc = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
   # acc is laid out like q, so the output needs no transpose. The barrier
   # keeps XLA from fusing the division into each of out's users, which would
@@ -214,11 +214,12 @@ def _chunked_bwd(scale, causal, chunk, res, dout):
       dbias = _add_bias_grad(dbias, ds, bias.shape, start, chunk)
     # Chunks clamped at the end overlap the one before; p is zero on the
     # overlap, so adding (not writing) each chunk's gradient is exact.
-    return dq, _add_at(dk, dk_c, start), _add_at(dv, dv_c, start), dbias
+    return jax.tree.map(_sharding.like,
+                        (dq, _add_at(dk, dk_c, start), _add_at(dv, dv_c, start), dbias), carry)
 
-  init = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-          jnp.zeros(v.shape, jnp.float32),
-          None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+  init = (jnp.zeros_like(qg, jnp.float32), jnp.zeros_like(k, jnp.float32),
+          jnp.zeros_like(v, jnp.float32),
+          None if bias is None else jnp.zeros_like(bias, jnp.float32))
   dq, dk, dv, dbias = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   dq = (scale * dq).reshape(q.shape).astype(q.dtype)
@@ -298,6 +299,7 @@ def _add_bias_grad(dbias, ds, bias_shape, start, chunk):
 
 
 def _add_at(x, update, start, axis=1):
+  update = _sharding.like(update, x)
   return lax.dynamic_update_slice_in_dim(
       x, lax.dynamic_slice_in_dim(x, start, update.shape[axis], axis) + update, start, axis)
 

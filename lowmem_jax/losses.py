@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowmem_jax import _checks
+from lowmem_jax import _checks, _sharding
 
 REDUCTIONS = ("mean", "sum", "none")
 W_LAYOUTS = ("dv", "vd")
@@ -138,14 +138,6 @@ def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
   return (float(label_smoothing), float(z_loss),
           None if logit_soft_cap is None else float(logit_soft_cap), token_chunk, vocab_chunk)
-
-
-def _explicit_sharding(x):
-  """``x``'s sharding where its mesh has explicit axes, else None: a matmul contracting a
-  sharded axis must be told its output's sharding there."""
-  sharding = jax.typeof(x).sharding
-  types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
-  return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
 
 
 def _chunks(n: int, size: int) -> tuple[int, int]:
@@ -270,7 +262,7 @@ def _chunked_bwd(cfg, w_layout, res, g):
       wc = head.w_chunk(_start(j, head.vc, head.vocab))
       return acc + lax.dot_general(dl.astype(wc.dtype), wc, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32,
-                                   out_sharding=_explicit_sharding(acc))
+                                   out_sharding=_sharding.explicit(acc))
 
     acc = lax.fori_loop(0, head.nv, vocab_chunk, jnp.zeros_like(hc, jnp.float32))
     return lax.dynamic_update_slice(dh, acc.astype(h.dtype), (s, 0))
@@ -288,7 +280,7 @@ def _chunked_bwd(cfg, w_layout, res, g):
       dwc, dbc = acc
       dwc = dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32,
-                                  out_sharding=_explicit_sharding(dwc))
+                                  out_sharding=_sharding.explicit(dwc))
       return dwc, None if dbc is None else dbc + jnp.sum(dl, 0)
 
     dwc, dbc = lax.fori_loop(0, head.nt, token_chunk,

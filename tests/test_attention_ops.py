@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
 
@@ -65,6 +67,73 @@ def test_attention_matches_plain_attention_and_its_gradient(hk, causal, lq, lk, 
   got = _value_and_grads(ours, q, k, v, bias)
   chex.assert_trees_all_close(got, _value_and_grads(theirs, q, k, v, bias), atol=2e-5)
   chex.assert_trees_all_close(got, _value_and_grads(twin, q, k, v, bias), atol=2e-5)
+
+
+def _mesh(axis_type):
+  """4 x 2 CPU devices ("data", "model") of automatic or explicit axes."""
+  assert jax.device_count() == 8, "conftest forces 8 CPU devices"
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, axis_type),) * 2)
+
+
+SHARDINGS = {  # layout: the specs of query, key and value, of the mask and of the bias
+    "batch": (P("data"), P("data"), P()),
+    "heads": (P(None, None, "model"), P(), P()),
+    "batch and heads": (P("data", None, "model"), P("data"), P(None, "model")),
+    "batch, bias over heads": (P("data"), P(), P(None, "model")),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("layout", list(SHARDINGS))
+def test_sharded_inputs_give_jax_attentions_output_and_gradient(axis_type, layout):
+  """Query, key, value, mask and bias sharded over the batch, the heads or both, on a mesh
+  of automatic or explicit axes: jax.nn's output, sharded as its, and gradients."""
+  mesh = _mesh(axis_type)
+  q, k, v = _qkv(b=8, lq=13, lk=13, hk=2)
+  mask = _mask(13, 13, shape=(8, 1, 13, 13))
+  bias = jax.random.normal(jax.random.key(4), (1, 4, 13, 13))
+  qkv_spec, mask_spec, bias_spec = SHARDINGS[layout]
+  ours = lambda q, k, v, bias, mask: lm.attention(q, k, v, bias, mask, is_causal=True,
+                                                  chunk_size=4)
+  theirs = lambda q, k, v, bias, mask: jax.nn.dot_product_attention(q, k, v, bias, mask,
+                                                                    is_causal=True)
+
+  def value_and_grads(f, *args):
+    loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, (0, 1, 2, 3))(*a)))(*args)
+
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  with jax.set_mesh(mesh):
+    args = (*(put(x, qkv_spec) for x in (q, k, v)), put(bias, bias_spec), put(mask, mask_spec))
+    got, want = value_and_grads(ours, *args), value_and_grads(theirs, *args)
+  assert jax.typeof(got[0]).sharding.spec == jax.typeof(want[0]).sharding.spec
+  chex.assert_trees_all_close(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_fsdp_sharded_projections_give_jax_attentions_output_and_gradient(axis_type):
+  """Inputs over "data" and the projections' weights too (FSDP: gathered where used), on a
+  mesh of automatic or explicit axes: jax.nn's output and gradients, sharded as the weights."""
+  mesh = _mesh(axis_type)
+  x = jax.random.normal(jax.random.key(0), (8, 13, 16))
+  ws = [0.3 * jax.random.normal(jax.random.key(i), (16, 8 * heads))
+        for i, heads in ((1, 4), (2, 2), (3, 2))]
+
+  def loss_of(attention):
+    def loss(x, ws):
+      q, k, v = (jnp.einsum("bld,de->ble", x, jax.sharding.reshard(w, P()))
+                 .reshape(*x.shape[:2], -1, 8) for w in ws)
+      return jnp.sum(jnp.sin(attention(q, k, v, is_causal=True)))
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    args = (put(x), [put(w) for w in ws])
+    got = loss_of(functools.partial(lm.attention, chunk_size=4))(*args)
+    want = loss_of(jax.nn.dot_product_attention)(*args)
+  assert [jax.typeof(g).sharding.spec for g in got[1][1]] == [
+      jax.typeof(g).sharding.spec for g in want[1][1]]
+  chex.assert_trees_all_close(got, want, atol=2e-5)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
 from lowmem_jax import losses
@@ -137,11 +139,18 @@ def test_jit_and_vmap():
   np.testing.assert_allclose(jax.jit(jax.vmap(f))(h, labels), want, rtol=1e-6)
 
 
+SHARDINGS = {  # layout: the specs of the tokens (and labels), of the weight and of the bias
+    "tokens and vocabulary": (P("data"), P(None, "model"), P("model")),
+    # over "data", the bias would clash with the tokens in the logits, as in plain h @ w + b
+    "fsdp": (P("data"), P("data"), P()),
+}
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-def test_sharded_jit_on_8_devices(axis_type):
-  """Tokens over "data", the vocabulary over "model", on a mesh of automatic or explicit
-  axes: the same loss and gradients."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+@pytest.mark.parametrize("layout", list(SHARDINGS))
+def test_sharded_jit_on_8_devices(axis_type, layout):
+  """Tokens over "data" and the vocabulary over "model", or the parameters over "data" too
+  (FSDP), on a mesh of automatic or explicit axes: the same loss and gradients."""
   assert jax.device_count() == 8, "conftest forces 8 CPU devices"
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, axis_type),) * 2)
   h, w, bias, labels = _problem(jnp.float32, {}, lead=(8, 6))
@@ -151,8 +160,8 @@ def test_sharded_jit_on_8_devices(axis_type):
                                                      vocab_chunk=8)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   with jax.set_mesh(mesh):
-    args = (put(h, P("data")), put(w, P(None, "model")), put(bias, P("model")),
-            put(labels, P("data")))
+    h_spec, w_spec, bias_spec = SHARDINGS[layout]
+    args = (put(h, h_spec), put(w, w_spec), put(bias, bias_spec), put(labels, h_spec))
     value, grads = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(*args)
   ref = lambda h, w, b: losses.linear_cross_entropy_reference(h, w, labels, bias=b)
   want, want_grads = jax.value_and_grad(ref, (0, 1, 2))(h, w, bias)

@@ -10,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
 import plain_vit  # benchmarks/, on sys.path in conftest.py
@@ -480,6 +482,53 @@ def test_composes_with_vmap_and_jit():
   fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn))))
   twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.activations.regelu2_tanh(x) ** 2)))
   _close(fast(x), twin(x), 1e-6)
+
+
+def _block_loss(p, x, labels, keep):
+  """A pre-norm block (a hand-written layer norm, attention over the keys ``keep`` marks, a
+  ReLU MLP: its rewrite is exact) and its LM head's loss."""
+  h = _hand_ln(p["ln"], x)
+  q, k, v = (jnp.einsum("bld,de->ble", h, p[n]).reshape(*x.shape[:2], 4, 8) for n in "qkv")
+  o = jax.nn.dot_product_attention(q, k, v, mask=keep, is_causal=True)
+  x = x + o.reshape(x.shape) @ p["o"]
+  x = x + jax.nn.relu(x @ p["up"]) @ p["down"]
+  return jnp.mean(_log_softmax_at(x @ p["head"], labels))
+
+
+BLOCK_SHARDINGS = {  # layout: the specs of the inputs and of the parameters
+    "batch": (P("data"), P()),
+    "fsdp": (P("data"), P("data")),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("layout", list(BLOCK_SHARDINGS))
+def test_sharded_block_is_rewritten_and_explained_as_unsharded(axis_type, layout):
+  """On 4 x 2 devices of automatic or explicit axes, with the batch over "data" and the
+  parameters replicated or over "data" too: the rewrites of the unsharded trace, the
+  function's loss and gradients."""
+  shapes = {"ln": {"g": (32,), "b": (32,)}, "q": (32, 32), "k": (32, 32), "v": (32, 32),
+            "o": (32, 32), "up": (32, 64), "down": (64, 32), "head": (32, VOCAB)}
+  keys = iter(jax.random.split(KEY, 9))
+  params = jax.tree.map(lambda s: _normal(s, key=next(keys), scale=0.3), shapes,
+                        is_leaf=lambda s: isinstance(s, tuple))
+  x, labels = _normal((8, 16, 32), key=jax.random.key(1)), LABELS[:, :16].repeat(4, 0)
+  keep = (jnp.arange(16)[None] < jnp.arange(8, 16)[:, None])[:, None, None]  # padded keys
+  want = lm.lowmem(_block_loss).explain(params, x, labels, keep)
+  assert want.counts == {"loss": 1, "attention": 1, "layout": 1, "norm": 1, "activation": 1}
+  # the parameters gathered where used, as FSDP gathers them
+  loss = lambda p, *batch: _block_loss(
+      jax.tree.map(lambda w: jax.sharding.reshard(w, P()), p), *batch)
+  fast = lm.lowmem(loss)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, axis_type),) * 2)
+  batch_spec, param_spec = BLOCK_SHARDINGS[layout]
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  with jax.set_mesh(mesh):
+    args = (jax.tree.map(lambda w: put(w, param_spec), params),
+            *(put(a, batch_spec) for a in (x, labels, keep)))
+    assert fast.explain(*args) == want
+    got, ref = (jax.jit(jax.value_and_grad(f))(*args) for f in (fast, loss))
+  _close(got, ref, 1e-4)
 
 
 def test_nothing_to_rewrite_gives_the_same_jaxpr():

@@ -161,5 +161,7 @@ def feature_vector(g, v, n):
 
 
 def aval(v):
-  """``v``'s shape and dtype as a `jax.ShapeDtypeStruct`."""
-  return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+  """``v``'s type as a `jax.ShapeDtypeStruct`: shape, dtype, weak type and sharding (which
+  explicit mesh axes make part of it)."""
+  a = v.aval
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=a.sharding)

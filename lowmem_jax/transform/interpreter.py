@@ -17,7 +17,7 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from lowmem_jax.transform.graph import Graph, live
+from lowmem_jax.transform.graph import Graph, aval, live
 
 
 @dataclasses.dataclass
@@ -90,9 +90,8 @@ def inline_jit(jaxpr, consts):
   """``(jaxpr, consts)`` with the ``jit`` calls of ``jaxpr`` inlined, recursively."""
   if not any(e.primitive.name in ("jit", "pjit") for e in jaxpr.eqns):
     return jaxpr, list(consts)
-  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-           for v in jaxpr.invars]
-  closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, _bind_inlining))(*avals)
+  closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, _bind_inlining))(
+      *map(aval, jaxpr.invars))
   return closed.jaxpr, list(closed.consts)
 
 

@@ -124,7 +124,7 @@ def _residual_bytes(fn, avals) -> int:
   diff = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.floating)]
 
   def f(*d):
-    full = [jnp.zeros(a.shape, a.dtype) for a in avals]
+    full = [jnp.zeros(a.shape, a.dtype, out_sharding=a.sharding) for a in avals]  # explicit axes
     for i, x in zip(diff, d):
       full[i] = x
     return fn(*full)

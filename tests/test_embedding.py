@@ -105,7 +105,9 @@ def test_late_embedding_buffer_leaves_adama_peak():
   table = cfg.vocab_size * cfg.dim * 4
   # Since microbatch_step slices each micro-batch in the loop (session 10) the plain
   # embedding's step reaches the same peak here (534.66 MB both; 0.9 table apart before).
-  assert peaks["late"] <= peaks["plain"], (peaks, table)
+  # Since the LLaMA's layers are scanned (nn.scan, session 13) the late lookup's peak is 256
+  # bytes of 558 MB above the plain one's (bisected to that change); a table is 32 MiB.
+  assert peaks["late"] <= peaks["plain"] + 4096, (peaks, table)
 
 
 def test_take_of_a_tied_table_matches():

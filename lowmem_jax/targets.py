@@ -113,8 +113,9 @@ _SPEEDS = {
     # v100: no bfloat16 tensor cores (sm_70): XLA computes bfloat16 dots in float32 there, so
     # the floor is the FP32 peak, 15.7 TFLOPS (V100 datasheet, SXM2); PCIe Gen3 x16.
     "Tesla V100-SXM2-16GB": _Speeds(15.7e12, _pcie_bytes_per_s(3)),
-    # rtx4090: Ada whitepaper, appendix: BF16 tensor with FP32 accumulation 165.2 TFLOPS dense
-    # (330.3 is FP16 with FP16 accumulation; 82.6 is the FP32 non-tensor peak); PCIe Gen4 x16.
+    # rtx4090: BF16 tensor with FP32 accumulation 165.2 TFLOPS dense, the Ada whitepaper's
+    # appendix figure as third-party tables quote it (330.3 is FP16 with FP16 accumulation;
+    # 82.6 the FP32 non-tensor peak); PCIe Gen4 x16.
     "NVIDIA GeForce RTX 4090": _Speeds(165.2e12, _pcie_bytes_per_s(4)),
     # rtx3090: GA102 whitepaper, appendix: BF16 tensor with FP32 accumulation 71 TFLOPS dense
     # (142 with FP16 accumulation); PCIe Gen4 x16.

@@ -85,8 +85,8 @@ def growth(model: str, batch: int, seq: int, target: str, text: str) -> dict:
   job = techniques.Job(model, batch=batch, seq=seq, target=target)
   s = techniques.parse(text)
   peaks, holds = {}, None
+  built = s.program(job).run()
   for layers in (2, 4):
-    built = s.program(job).run()
     wl = built["wl"]
     wl = dataclasses.replace(wl, model=wl.model.clone(
         config=dataclasses.replace(wl.model.config, n_layers=layers)))

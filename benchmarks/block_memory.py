@@ -21,6 +21,7 @@ baseline (median of --repeats runs after one warm-up).
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -42,12 +43,16 @@ VARIANTS = {  # the technique set of each (lowmem_jax.app.techniques)
     "all three": "approx+ms-norm+attention",
     "all three + fused loss": "approx+ms-norm+attention+fused-ce",  # LLaMA only
     "lm.lowmem(baseline)": "baseline",
+    "lm.lowmem(baseline, approx)": "baseline",
 }
-TRANSFORMED = "lm.lowmem(baseline)"  # the baseline model's loss through `lm.lowmem`
+TRANSFORMED = {  # the baseline model's loss through `lm.lowmem`: its default (exact), approx
+    "lm.lowmem(baseline)": lm.lowmem,
+    "lm.lowmem(baseline, approx)": functools.partial(lm.lowmem, activations="approx"),
+}
 
 
 def loss_of(wl, variant):
-  return lm.lowmem(wl.loss) if variant == TRANSFORMED else wl.loss
+  return TRANSFORMED[variant](wl.loss) if variant in TRANSFORMED else wl.loss
 
 
 def with_depth(wl, depth):

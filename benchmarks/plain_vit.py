@@ -20,6 +20,7 @@ with the same step through `lm.lowmem`:
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -187,7 +188,8 @@ def main(argv=None):
   console.print(target.note, highlight=False)
   fn, full = problem(args.model, args.batch, 224, args.depth, dtype)
   fn_half, half = problem(args.model, args.batch, 224, args.depth // 2, dtype)
-  variants = {"plain": lambda f: f, "lm.lowmem(plain)": lm.lowmem}
+  variants = {"plain": lambda f: f, "lm.lowmem(plain)": lm.lowmem,
+              "lm.lowmem(plain, approx)": functools.partial(lm.lowmem, activations="approx")}
   title = "plain-JAX ViT-B/16" if args.model == "plain" else "ViT-B/16 of stock NNX modules"
 
   table = Table(title=f"{title}, batch {args.batch}, {args.dtype} compute, float32 params, "

@@ -33,7 +33,7 @@ def test_lowmem_rewrites_every_gelu_norm_and_attention_of_the_stock_model():
   tensors, config, tokenizer = finetune_minilm.load()
   graphdef, params = finetune_minilm.pretrained(tensors, config, 3, 0)
   tokens, mask = finetune_minilm.tokenize(tokenizer, finetune_minilm.SENTENCES[:2], 16)
-  counts = finetune_minilm.lm.lowmem(finetune_minilm.embedding_fn(graphdef)).explain(
+  counts = finetune_minilm.approx_lowmem(finetune_minilm.embedding_fn(graphdef)).explain(
       params, tokens, mask).counts
   n = config.n_layers
   assert counts == {"attention": n, "norm": 2 * n + 1, "activation": n}

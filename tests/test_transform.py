@@ -57,7 +57,7 @@ def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype
   fn, op = ACTIVATIONS[form]
   x = _normal((4, 8, 64), dtype, scale=3.0)
   loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) * jnp.arange(64.0)[None, None])
-  fast = lm.lowmem(loss)
+  fast = lm.lowmem(loss, activations="approx")
   assert fast.explain(x).counts == {"activation": 1}
   _close(fast(x), loss(x), TOL[dtype] * 10)
   if op == "tanh":  # the tanh GELU keeps its forward and takes ReGELU2's backward
@@ -443,11 +443,12 @@ def test_nnx_block_of_stock_modules():
   state = _perturbed(state)
   x = _normal((2, 16, 32))
   loss = lambda state, x: jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
-  rewrites = lm.lowmem(loss).explain(state, x)
+  rewrites = lm.lowmem(loss, activations="approx").explain(state, x)
   assert rewrites.counts == {"attention": 1, "norm": 2, "activation": 1}
   # each source is the user's call of the stock module, not a line inside Flax
   assert {r.source.split(":")[0] for r in rewrites} == {"test_transform.py"}, rewrites
-  exact = lm.lowmem(loss, activations=None)  # every other rewrite is exact
+  exact = lm.lowmem(loss)  # the default: every rewrite but the GELU's, which is left
+  assert exact.explain(state, x).counts == {"attention": 1, "norm": 2}
   _close(jax.jit(exact)(state, x), jax.jit(loss)(state, x), 1e-5)
   _close(*(jax.jit(jax.grad(f))(state, x) for f in (exact, loss)), 1e-4)
 
@@ -467,7 +468,7 @@ def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
       return jax.lax.cond(h.sum() > 0, jax.nn.relu, jax.nn.silu, h), None
     return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
 
-  fast = lm.lowmem(loss)
+  fast = lm.lowmem(loss, activations="approx")
   assert fast.explain(ws, x).counts == {"activation": 3}
   _close(fast(ws, x), loss(ws, x), 1e-5)
   jaxpr = str(jax.make_jaxpr(fast)(ws, x))
@@ -479,7 +480,7 @@ def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
 def test_composes_with_vmap_and_jit():
   x = _normal((3, 8, 64))
   fn = lambda x: jnp.sum(jax.nn.gelu(x) ** 2)
-  fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn))))
+  fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn, activations="approx"))))
   twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.activations.regelu2_tanh(x) ** 2)))
   _close(fast(x), twin(x), 1e-6)
 
@@ -541,8 +542,10 @@ def test_options_turn_rewrites_off_and_bad_options_raise():
   x = _normal((4, 16, 32))
   fn = lambda x: jnp.sum(jax.nn.gelu(nn.LayerNorm().apply({"params": {"scale": jnp.ones(32),
                                                                       "bias": jnp.zeros(32)}}, x)))
-  assert lm.lowmem(fn, norms=None).explain(x).counts == {"activation": 1}
+  assert lm.lowmem(fn, norms=None, activations="approx").explain(x).counts == {"activation": 1}
   assert lm.lowmem(fn, activations=None, norms=None).explain(x).counts == {}
+  with pytest.raises(ValueError, match="activations"):
+    lm.lowmem(fn, activations=True)
   with pytest.raises(ValueError, match="norms"):
     lm.lowmem(fn, norms="fast")
   with pytest.raises(TypeError, match="remat"):
@@ -564,7 +567,7 @@ def test_explain_counts_the_bytes_and_prints_a_table():
 
 def test_rewrites_is_a_frozen_sequence():
   x = _normal((4, 8, 64))
-  rewrites = lm.lowmem(lambda x: jnp.sum(jax.nn.gelu(x) ** 2)).explain(x)
+  rewrites = lm.lowmem(lambda x: jnp.sum(jax.nn.gelu(x) ** 2), activations="approx").explain(x)
   assert isinstance(rewrites, lm.Rewrites) and dataclasses.is_dataclass(rewrites)
   assert len(rewrites) == 1 and rewrites[0] == rewrites.rewrites[0] == next(iter(rewrites))
   assert rewrites[0].op == "tanh-gelu → regelu2 backward" and rewrites[:1] == rewrites.rewrites
@@ -606,7 +609,7 @@ def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
 
   loss = lambda p, images, labels: plain_vit.loss(p, images, labels, heads=4)
   unit = 16 * 65 * 256 * 2
-  plain, lowmem = per_block(loss), per_block(lm.lowmem(loss))
+  plain, lowmem = per_block(loss), per_block(lm.lowmem(loss, activations="approx"))
   assert lowmem <= 11 * unit
   assert lowmem <= 0.5 * plain
 
@@ -616,8 +619,34 @@ def test_memory_report_names_the_rewritten_residuals():
             "w2": _normal((256, 64))}
   x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
   fast = lm.lowmem(lambda p, x: jnp.mean(
-      jax.nn.gelu(_hand_ln(p, x) @ p["w1"], approximate=False) @ p["w2"]))
+      jax.nn.gelu(_hand_ln(p, x) @ p["w1"], approximate=False) @ p["w2"]), activations="approx")
   b = lm.memory.report(jax.grad(fast), params, x, loss_fn=fast, loss_args=(params, x), target="cpu")
   names = b.saved.by_name()
   assert {lm.names.NORM_OUT, lm.names.NORM_RSTD, lm.names.ACT_CODE} <= set(names)
   assert lm.names.NORM_OUT in str(b)
+
+
+def test_default_keeps_the_gradient_and_lists_what_approx_would_change():
+  """The default rewrites only what keeps the gradient: the GELU and SiLU are left, named,
+  with the option that rewrites them; ReLU's 1-bit rewrite is exact and taken."""
+  p = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": _normal((64, 256), scale=0.1),
+       "w2": _normal((256, 64), scale=0.1)}
+  x = _normal((32, 64))
+  loss = lambda p, x: jnp.mean(jax.nn.relu(jax.nn.silu(jax.nn.gelu(
+      _hand_ln(p, x) @ p["w1"]) @ p["w2"]) @ p["w1"]))
+  exact, approx = lm.lowmem(loss), lm.lowmem(loss, activations="approx")
+  rewrites = exact.explain(p, x)
+  assert rewrites.counts == {"norm": 1, "activation": 1} and rewrites.exact
+  left = [r for r in rewrites if r.left]
+  assert [r.kind for r in left] == ["activation"] * 2
+  assert all('activations="approx"' in r.left for r in left)
+  assert [r.op for r in rewrites if r.kind == "activation" and not r.left] == ["relu"]
+  assert "exact gradient" in str(rewrites)
+  _close(jax.grad(exact)(p, x), jax.grad(loss)(p, x), 1e-5)
+  assert abs(exact.gradient_cosine(p, x) - 1.0) < 1e-5
+  marked = approx.explain(p, x)
+  assert marked.counts == {"norm": 1, "activation": 3} and not marked.exact
+  assert sorted(r.exact for r in marked if r.kind == "activation") == [False, False, True]
+  assert approx.gradient_cosine(p, x) < 0.9999
+  with pytest.raises(ValueError, match="float array"):
+    exact.gradient_cosine(jnp.arange(3))

@@ -29,3 +29,7 @@ JMP_LOSS_SCALE = pytest.mark.standard_promotion(
 JAX_DOT_PRODUCT_ATTENTION = pytest.mark.standard_promotion(
     "jax.nn.dot_product_attention (jax/_src/nn/functions.py:928): "
     "jnp.promote_types(bfloat16, float32) for its float32 logits")
+TRANSFORMERS_FLAX = pytest.mark.standard_promotion(
+    "transformers' Flax GPT-2 and BERT (transformers/models/gpt2/modeling_flax_gpt2.py:235-236, "
+    "models/bert/modeling_flax_bert.py): the int32 attention_mask meets the boolean causal mask "
+    "in flax.linen.combine_masks (jnp.logical_and), and float arrays elsewhere")

@@ -1,6 +1,10 @@
 """The activation matcher: an elementwise function of one array equal, on test points, to
 GELU, SiLU or ReLU becomes `regelu2`, `regelu2_tanh`, `resilu2` or `relu` (Approx-BP,
-LowMemoryBP, arXiv:2406.16282)."""
+LowMemoryBP, arXiv:2406.16282).
+
+`relu` (a 1-bit mask) keeps ReLU's gradient exactly; the other three change the gradient
+(a 2-bit step function for the derivative) and run only when asked (``approx``): otherwise
+they are logged as left, with the option that turns them on."""
 
 import jax
 import jax.numpy as jnp
@@ -22,19 +26,21 @@ _ELEMENTWISE = frozenset({
 
 _TEST_X = np.concatenate([np.linspace(-8.0, 8.0, 321), [-30.0, -12.0, 12.0, 30.0]])
 
-_ACTIVATIONS = {  # name: (primitive hint, exact twin, replacement)
+_ACTIVATIONS = {  # name: (primitive hint, exact twin, replacement, gradient exact)
     "regelu2": ({"erf", "erfc"}, lambda x: jax.nn.gelu(x, approximate=False),
-                activation_ops.regelu2),
-    "tanh-gelu → regelu2 backward": ({"tanh"}, jax.nn.gelu, activation_ops.regelu2_tanh),
-    "resilu2": ({"logistic", "exp"}, jax.nn.silu, activation_ops.resilu2),
-    "relu": ({"max", "custom_jvp_call"}, jax.nn.relu, activation_ops.relu),
+                activation_ops.regelu2, False),
+    "tanh-gelu → regelu2 backward": ({"tanh"}, jax.nn.gelu, activation_ops.regelu2_tanh,
+                                     False),
+    "resilu2": ({"logistic", "exp"}, jax.nn.silu, activation_ops.resilu2, False),
+    "relu": ({"max", "custom_jvp_call"}, jax.nn.relu, activation_ops.relu, True),
 }
 _TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2,
         jnp.dtype(jnp.float16): 3e-3}
 
 
-def match(g, actions, pass_):
-  """Replaces each activation region of ``g`` that is not a norm's statistics."""
+def match(g, actions, pass_, approx=False):
+  """Replaces each activation region of ``g`` that is not a norm's statistics: ReLU, and
+  with ``approx`` GELU and SiLU too (their backward approximate)."""
   root = _regions(g)
   reduced = _reduced(g)
   for z, (x, idx) in root.items():
@@ -45,7 +51,11 @@ def match(g, actions, pass_):
     if name is None:
       continue
     anchor = g.index(z)
-    replacement = _ACTIVATIONS[name][2]
+    _, _, replacement, exact = _ACTIVATIONS[name]
+    if not (exact or approx):
+      pass_.left(g, "activation", anchor, f"its rewrite ({name}) has an approximate "
+                 "backward: lowmem(..., activations=\"approx\") applies it")
+      continue
     out_dtype = z.aval.dtype
 
     def fn(xv, replacement=replacement, out_dtype=out_dtype):
@@ -53,7 +63,8 @@ def match(g, actions, pass_):
 
     actions[anchor] = Action([x], [z], fn)
     g.taken |= idx
-    pass_.rewrote(g, "activation", name, anchor, [x], eqns_fn(g, idx, [x], [z]), fn)
+    pass_.rewrote(g, "activation", name, anchor, [x], eqns_fn(g, idx, [x], [z]), fn,
+                  exact=exact)
 
 
 def _bind_pointwise(eqn, invals):
@@ -119,7 +130,7 @@ def _identify(region, x, z, prims):
   xs = jnp.asarray(_TEST_X, dtype)
   with jax_core.eval_context():
     got = np.asarray(region(xs)[0], np.float32)
-    for name, (hint, twin, _) in _ACTIVATIONS.items():
+    for name, (hint, twin, _, _) in _ACTIVATIONS.items():
       if not prims & hint:
         continue
       want = np.asarray(twin(xs.astype(jnp.float32)).astype(z.aval.dtype), np.float32)

@@ -25,12 +25,15 @@ class Rewrite:
     saved_bytes: bytes it removes from autodiff's residuals, counted on the
       pattern alone (its inputs to its outputs); 0 for a pattern left.
     left: the reason it was left, or None.
+    exact: whether the rewritten function's gradient equals the original's to float
+      tolerance; False for ReGELU2/ReSiLU2's approximate backward (LowMemoryBP).
   """
   kind: str
   op: str
   source: str
   saved_bytes: int = 0
   left: str | None = None
+  exact: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +65,25 @@ class Rewrites:
   def saved_bytes(self) -> int:
     return sum(r.saved_bytes for r in self)
 
+  @property
+  def exact(self) -> bool:
+    """Whether every replacement keeps the gradient (to float tolerance)."""
+    return all(r.exact for r in self if r.left is None)
+
   def __str__(self) -> str:
     import rich.table  # only to print: `import lowmem_jax` does not load rich
 
     from lowmem_jax import _text
 
+    gradient = "exact gradient" if self.exact else "gradient approximate"
     table = rich.table.Table(title=f"lm.lowmem: {sum(self.counts.values())} rewrites, "
-                             f"{self.saved_bytes / 2**20:.1f} MiB fewer residuals")
-    for col in ("kind", "became", "source", "MiB saved", "left because"):
+                             f"{self.saved_bytes / 2**20:.1f} MiB fewer residuals, {gradient}")
+    for col in ("kind", "became", "gradient", "source", "MiB saved", "left because"):
       table.add_column(col)
     for r in self:
-      table.add_row(r.kind, r.op if r.left is None else "-", r.source,
+      replaced = r.left is None
+      table.add_row(r.kind, r.op if replaced else "-",
+                    ("exact" if r.exact else "approximate") if replaced else "-", r.source,
                     f"{r.saved_bytes / 2**20:.2f}", r.left or "")
     return _text.render(table)
 
@@ -94,14 +105,15 @@ class Pass:
   log: list = dataclasses.field(default_factory=list)
   count: bool = False
 
-  def rewrote(self, g, kind, op, anchor, inputs=(), before=None, after=None):
-    """Logs a replacement at equation ``anchor``; when counting, the residual bytes of
-    ``before`` less those of ``after``, two functions of the vars ``inputs``."""
+  def rewrote(self, g, kind, op, anchor, inputs=(), before=None, after=None, exact=True):
+    """Logs a replacement at equation ``anchor``, its gradient ``exact`` or not; when
+    counting, the residual bytes of ``before`` less those of ``after``, two functions of
+    the vars ``inputs``."""
     saved = 0
     if self.count and before is not None:
       avals = [aval(v) for v in inputs]
       saved = _residual_bytes(before, avals) - _residual_bytes(after, avals)
-    self.log.append(Rewrite(kind, op, g.source(anchor), saved))
+    self.log.append(Rewrite(kind, op, g.source(anchor), saved, exact=exact))
 
   def left(self, g, kind, anchor, why):
     """Logs a pattern recognised at equation ``anchor`` and left, for the reason ``why``."""

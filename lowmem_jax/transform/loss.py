@@ -16,7 +16,13 @@ from jax import lax
 from jax.extend import core as jcore
 
 from lowmem_jax import losses
-from lowmem_jax.transform.graph import feature_vector, fill_value, scalar, upstream
+from lowmem_jax.transform.graph import (
+  constant,
+  feature_vector,
+  fill_value,
+  scalar,
+  upstream,
+)
 from lowmem_jax.transform.interpreter import Action, eqns_fn
 from lowmem_jax.transform.rewrites import Left
 
@@ -37,10 +43,10 @@ def _match_at(g, gi, actions, pass_):
   if found is None:
     return
   l, out, sign, via_lse = found
-  h, w, layout, bias = _head(g, l)
+  h, w, layout, bias, lead_ops = _head(g, l)
   inputs = [h, w, g.eqns[gi].invars[1]] + ([] if bias is None else [bias])
   indices = _pattern(g, out, inputs)
-  fn = _replacement(g.eqns[gi].params["mode"], l, h, w, layout, out, sign, via_lse)
+  fn = _replacement(g.eqns[gi].params["mode"], l, h, w, layout, lead_ops, out, sign, via_lse)
   actions[g.index(out)] = Action(inputs, [out], fn)
   g.taken |= indices
   op = "linear_cross_entropy" + (" (tied embedding)" if layout == "vd" else "")
@@ -49,12 +55,10 @@ def _match_at(g, gi, actions, pass_):
 
 
 def _head(g, l):
-  """``(h, w, w_layout, bias)`` of the logits ``l`` (`_head_matmul`), in a dtype
+  """``(h, w, w_layout, bias, lead_ops)`` of the logits ``l`` (`_head_matmul`), in a dtype
   `linear_cross_entropy` takes and wider than ``h``."""
   head = _head_matmul(g, l)
-  if head is None:
-    raise Left("the logits are not a matmul of the hidden states (+ a bias)")
-  h, w, _, _ = head
+  h, w = head[:2]
   if not {h.aval.dtype, w.aval.dtype} <= _DTYPES:
     raise Left(f"the matmul's inputs are {h.aval.dtype} and {w.aval.dtype}: "
                "linear_cross_entropy takes float32, bfloat16 and float16")
@@ -75,9 +79,10 @@ def _pattern(g, out, inputs):
   return indices
 
 
-def _replacement(mode, l, h, w, layout, out, sign, via_lse):
+def _replacement(mode, l, h, w, layout, lead_ops, out, sign, via_lse):
   """The function of ``(h, w, labels, *bias)`` that computes ``out`` with
-  `linear_cross_entropy`, the gather's ``mode`` kept for labels out of range."""
+  `linear_cross_entropy` on ``h`` sliced and reshaped as the logits were (``lead_ops``),
+  the gather's ``mode`` kept for labels out of range."""
   lead, vocab, d = l.aval.shape[:-1], l.aval.shape[-1], h.aval.shape[-1]
   dtype = jnp.result_type(h.aval.dtype, w.aval.dtype)
 
@@ -85,6 +90,8 @@ def _replacement(mode, l, h, w, layout, out, sign, via_lse):
     labels = iv.reshape(lead)
     if mode == lax.GatherScatterMode.CLIP:
       labels = jnp.clip(labels, 0, vocab - 1)
+    for op in lead_ops:
+      hv = op(hv)
     ce = losses.linear_cross_entropy(hv.reshape(lead + (d,)).astype(dtype), wv.astype(dtype),
                                      labels, bias=bv[0] if bv else None, reduction="none",
                                      w_layout=layout)
@@ -229,27 +236,73 @@ def _log_prob_at_label(g, gi):
 
 
 def _head_matmul(g, l):
-  """``(h, w, w_layout, bias)`` if ``l`` is ``h @ w`` (+ a ``[V]`` bias) through casts and
-  reshapes that keep the last axis, ``w`` ``[d, V]`` ("dv") or ``[V, d]`` ("vd"); else None."""
-  vocab, bias, v = l.aval.shape[-1], None, l
+  """``(h, w, w_layout, bias, lead_ops)`` if ``l`` is ``h @ w`` (+ a ``[V]`` bias) through
+  casts, and slices and reshapes of the leading (token) axes that keep the vocabulary axis
+  whole (`_lead_op`: ``lead_ops`` does them to ``h``, in order), ``w`` ``[d, V]`` ("dv") or
+  ``[V, d]`` ("vd", also as ``table.T``); else raises `Left` naming the op that is not."""
+  vocab, bias, v, ops = l.aval.shape[-1], None, l, []
   while (e := g.prod(v)) is not None:
     name = e.primitive.name
-    if name in ("convert_element_type", "copy") or (
-        name == "reshape" and e.invars[0].aval.shape[-1:] == (vocab,)):
+    if name in ("convert_element_type", "copy"):
       v = e.invars[0]
     elif name == "add" and bias is None:
       side = next((k for k in (0, 1) if feature_vector(g, e.invars[1 - k], vocab) is not None),
                   None)
       if side is None:
-        return None
+        raise Left(f"the logits are an `add` ({g.source(g.index(v))}) of no [{vocab}] bias, "
+                   "not a matmul of the hidden states (+ a bias)")
       bias, v = feature_vector(g, e.invars[1 - side], vocab), e.invars[side]
+    elif (op := _lead_op(g, e, vocab)) is not None:
+      ops.append(op)
+      v = e.invars[0]
     else:
       break
-  if e is None or e.primitive.name != "dot_general":
-    return None
+  if e is None:
+    raise Left("the logits are an input of the function, not a matmul of the hidden states")
+  where = f"`{e.primitive.name}` ({g.source(g.index(v))})"
+  if e.primitive.name != "dot_general":
+    axis = (" over the vocabulary axis" if e.primitive.name in _LEAD_OPS
+            and e.invars[0].aval.shape[-1:] != (vocab,) else "")
+    raise Left(f"the logits are a {where}{axis}, not a matmul of the hidden states (+ a bias)")
   (ca, cb), (ba, bb) = e.params["dimension_numbers"]
   h, w = e.invars
   if ba or bb or w.aval.ndim != 2 or h.aval.ndim < 1 or tuple(ca) != (h.aval.ndim - 1,) or (
       tuple(cb) not in ((0,), (1,))) or w.aval.shape[1 - cb[0]] != vocab:
+    raise Left(f"the logits are a {where} that is not ``h @ w`` with a 2-D w contracting "
+               "h's last axis")
+  layout = "dv" if tuple(cb) == (0,) else "vd"
+  t = g.prod(w)
+  if (t is not None and t.primitive.name == "transpose" and g.only_consumer(w) is not None
+      and isinstance(t.invars[0], jcore.Var)):  # a tied table as ``table.T``
+    w, layout = t.invars[0], {"dv": "vd", "vd": "dv"}[layout]
+  return h, w, layout, bias, ops[::-1]
+
+
+_LEAD_OPS = frozenset({"slice", "dynamic_slice", "reshape", "squeeze"})
+
+
+def _lead_op(g, e, vocab):
+  """The function of ``h`` ``[..., d]`` that does to h's leading axes what ``e`` (a slice,
+  a ``dynamic_slice`` at constant starts, a reshape or squeeze) does to the logits'
+  ``[..., V]``, if ``e`` keeps their last axis whole; else None."""
+  name, x, y = e.primitive.name, e.invars[0].aval.shape, e.outvars[0].aval.shape
+  if name not in _LEAD_OPS or x[-1:] != (vocab,) or y[-1:] != (vocab,):
     return None
-  return h, w, "dv" if tuple(cb) == (0,) else "vd", bias
+  if name == "squeeze" or name == "reshape" and e.params["dimensions"] is None:
+    return lambda h: h.reshape(y[:-1] + h.shape[-1:])
+  if name == "slice":
+    start, limit = e.params["start_indices"], e.params["limit_indices"]
+    strides = e.params["strides"] or (1,) * len(x)
+    if start[-1] != 0 or limit[-1] != vocab or strides[-1] != 1:
+      return None
+    return lambda h: lax.slice(h, start[:-1] + (0,), limit[:-1] + h.shape[-1:],
+                               strides[:-1] + (1,))
+  if name == "dynamic_slice":
+    starts = [constant(g, s) for s in e.invars[1:]]
+    if None in starts:
+      return None
+    sizes = e.params["slice_sizes"]  # the last is V: its start clamps to 0
+    start = tuple(min(max(int(s), 0), n - k) for s, n, k in zip(starts[:-1], x, sizes))
+    limit = tuple(s + k for s, k in zip(start, sizes))
+    return lambda h: lax.slice(h, start + (0,), limit + h.shape[-1:])
+  return None

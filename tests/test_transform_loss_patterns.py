@@ -58,6 +58,12 @@ SHIFTS = {  # form: (the mean loss of (h, w, tokens), w's shape)
         optax.softmax_cross_entropy_with_integer_labels(
             jax.lax.dynamic_slice_in_dim(h @ w, 1, SEQ - 1, axis=1), y[:, :-1])),
         (WIDTH, VOCAB)),
+    "optax one-hot, as run_clm_flax.py writes it": (lambda h, w, y: jnp.mean(
+        optax.softmax_cross_entropy((h @ w)[:, :-1], jax.nn.one_hot(y[:, 1:], VOCAB))),
+        (WIDTH, VOCAB)),
+    "one-hot by hand": (lambda h, w, y: -jnp.mean(jnp.sum(
+        jax.nn.log_softmax((h @ w)[:, :-1]) * jax.nn.one_hot(y[:, 1:], VOCAB), -1)),
+        (WIDTH, VOCAB)),
     "strided slice, then the last position": (lambda h, w, y: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels((h @ w)[:, ::2][:, -1], y[:, 0])),
         (WIDTH, VOCAB)),
@@ -113,6 +119,34 @@ def test_shifted_loss_head_under_jit_and_value_and_grad():
   got, want = (jax.jit(jax.value_and_grad(f, (0, 1)))(h, w, TOKENS)
                for f in (jax.jit(lm.lowmem(loss)), loss))
   _close(got, want)
+
+
+def test_one_hot_labels_out_of_range_are_rows_of_zeros():
+  """``jax.nn.one_hot`` of a label outside ``[0, V)`` is zeros: that token's loss and its
+  gradient are 0, in the plain loss and the rewritten one."""
+  labels = TOKENS.at[0, 3].set(-1).at[1, 5].set(VOCAB + 2)
+  h, w = _normal((BATCH, SEQ, WIDTH), 0), _normal((WIDTH, VOCAB), 1, scale=0.3)
+  per_token = lambda h, w: optax.softmax_cross_entropy(h @ w, jax.nn.one_hot(labels, VOCAB))
+  assert lm.lowmem(per_token).explain(h, w).counts == {"loss": 1}
+  got = lm.lowmem(per_token)(h, w)
+  assert got[0, 3] == 0.0 and got[1, 5] == 0.0
+  _close(got, per_token(h, w))
+  total = lambda f: lambda h, w: jnp.sum(f(h, w))
+  _close(jax.grad(total(lm.lowmem(per_token)), (0, 1))(h, w),
+         jax.grad(total(per_token), (0, 1))(h, w))
+
+
+def test_one_hot_smoothed_or_reused_is_not_rewritten():
+  h, w = _normal((BATCH, SEQ, WIDTH), 0), _normal((WIDTH, VOCAB), 1, scale=0.3)
+  smoothed = lambda h, w: jnp.mean(optax.softmax_cross_entropy(
+      h @ w, optax.smooth_labels(jax.nn.one_hot(TOKENS, VOCAB), 0.1)))
+  assert len(lm.lowmem(smoothed).explain(h, w)) == 0
+
+  def reused(h, w):
+    one_hot = jax.nn.one_hot(TOKENS, VOCAB)
+    return jnp.mean(optax.softmax_cross_entropy(h @ w, one_hot)) + jnp.mean(one_hot)
+  (left,) = lm.lowmem(reused).explain(h, w)
+  assert "used elsewhere" in left.left and left.source.startswith("test_transform_loss_")
 
 
 def test_slice_of_the_vocabulary_axis_is_left_with_its_reason():

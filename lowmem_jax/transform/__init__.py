@@ -31,7 +31,9 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   a ``dynamic_slice`` at constant starts), its log-softmax over the last axis
   (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit as
   ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at
-  integer labels (``take_along_axis``) → `losses.linear_cross_entropy` on ``h``
+  integer labels (``take_along_axis``), or summed against their one-hot
+  (``optax.softmax_cross_entropy(l, jax.nn.one_hot(labels, V))``, as Hugging
+  Face's ``run_clm_flax.py`` writes it) → `losses.linear_cross_entropy` on ``h``
   sliced as the logits were, where the vocabulary is wider than ``h``, so the
   logits are the larger array. A slice of the vocabulary axis is left.
 - ``"layout"`` (with attention): a matmul whose input is the attention output

@@ -24,11 +24,18 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   that transposes and unit axes reach, grouped-query heads included (a group
   axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
   writes them) → `lowmem_jax.attention`.
-- ``loss``: ``h @ w`` (optionally ``+ bias``), its log-softmax over the last
-  axis (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit
-  as ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at
-  integer labels (``take_along_axis``) → `losses.linear_cross_entropy`, where
-  the vocabulary is wider than ``h``, so the logits are the larger array.
+- ``loss``: ``h @ w`` (optionally ``+ bias``; ``w`` ``[d, V]``, or a tied
+  ``[V, d]`` table contracted on its second axis or written ``table.T``), then
+  slices and reshapes of the token axes that keep the vocabulary axis whole
+  (Hugging Face's shift after the head, ``logits[:, :-1]``, ``.reshape(-1, V)``,
+  a ``dynamic_slice`` at constant starts), its log-softmax over the last axis
+  (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit as
+  ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at
+  integer labels (``take_along_axis``), or summed against their one-hot
+  (``optax.softmax_cross_entropy(l, jax.nn.one_hot(labels, V))``, as Hugging
+  Face's ``run_clm_flax.py`` writes it) → `losses.linear_cross_entropy` on ``h``
+  sliced as the logits were, where the vocabulary is wider than ``h``, so the
+  logits are the larger array. A slice of the vocabulary axis is left.
 - ``"layout"`` (with attention): a matmul whose input is the attention output
   ``[.., h, d]`` only reshaped to ``[.., h * d]`` contracts over ``(h, d)``
   instead, so autodiff saves one array, not two.

@@ -1,7 +1,7 @@
 """The public face of `lowmem`: its options, the matchers they turn on, and `lowmem` itself."""
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,9 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
     norms: "ms" (memory-sharing norms, affine folded into the matmuls they
       feed) or None.
     attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
-    loss: "fused" (a matmul's logits wider than its input, their log-softmax
-      taken at integer labels → `lowmem_jax.losses.linear_cross_entropy`: no
+    loss: "fused" (a matmul's logits wider than its input, sliced along the
+      tokens or not, their log-softmax taken at integer labels or their
+      one-hot → `lowmem_jax.losses.linear_cross_entropy`: no
       ``[tokens, vocab]`` logits) or None.
 
   Returns:

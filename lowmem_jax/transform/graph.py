@@ -7,14 +7,22 @@ underscore); each matcher module keeps its own helpers private.
 import collections
 import importlib.util
 import os
+import sysconfig
 
 import jax
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-# Flax's frames are skipped in a rewrite's source line; found without importing Flax.
+# Frames of Flax and of installed libraries are skipped in a rewrite's source line while
+# the user's own are there; Flax found without importing it.
 _FLAX_DIR = os.path.dirname(importlib.util.find_spec("flax").origin) + os.sep
+_SITE_DIRS = tuple({sysconfig.get_path(k) + os.sep for k in ("purelib", "platlib")})
+_LIBRARY_DIRS = (_FLAX_DIR, *_SITE_DIRS)
+# Frames never named: JAX's own and the standard library's (whose directory may hold
+# the site-packages).
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_path("stdlib") + os.sep
 
 # Equations that only lay an array out again (or cast it).
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "copy"})
@@ -76,11 +84,32 @@ class Graph:
     return True
 
   def source(self, i) -> str:
-    """``file:line`` of equation i's first frame outside JAX and Flax: the user's call."""
-    frames = list(source_info_util.user_frames(self.eqns[i].source_info.traceback))
-    frame = next((f for f in frames if not f.file_name.startswith(_FLAX_DIR)), None)
-    frame = frame or (frames[0] if frames else None)
-    return "?" if frame is None else f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+    """``file:line`` of equation i's first frame outside JAX, Flax and other installed
+    libraries: the user's call.
+
+    Else its first frame that JAX counts as the user's (in a library); else, where
+    every frame is in libraries that JAX skips, the innermost outside JAX and the
+    standard library; where there is none, the primitive's name.
+    """
+    tb = self.eqns[i].source_info.traceback
+    frames = list(source_info_util.user_frames(tb))
+    frame = next((f for f in frames if not f.file_name.startswith(_LIBRARY_DIRS)), None)
+    frame = frame or (frames[0] if frames else None) or _library_frame(tb)
+    if frame is None:
+      return self.eqns[i].primitive.name
+    return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+
+
+def _library_frame(tb):
+  """The innermost frame of traceback ``tb`` outside JAX and the standard library, or None."""
+  code, lasti = tb.raw_frames() if tb else ([], [])
+  return next((source_info_util.raw_frame_to_frame(c, k) for c, k in zip(code, lasti)
+               if _nameable(c.co_filename)), None)
+
+
+def _nameable(file_name) -> bool:
+  return not file_name.startswith(_JAX_DIR) and (
+      file_name.startswith(_SITE_DIRS) or not file_name.startswith(_STDLIB_DIR))
 
 
 def upstream(g, outputs, stops):

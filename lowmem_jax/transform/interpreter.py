@@ -10,7 +10,7 @@ rewritten bodies.
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax import lax
@@ -98,8 +98,19 @@ def inline_jit(jaxpr, consts):
 def _bind_inlining(eqn, invals):
   if eqn.primitive.name in ("jit", "pjit"):
     inner = eqn.params["jaxpr"]
-    return eval_jaxpr(inner.jaxpr, inner.consts, invals, {}, _bind_inlining)
+    return eval_jaxpr(_called_from(inner.jaxpr, eqn.source_info), inner.consts, invals, {},
+                      _bind_inlining)
   return bind(eqn, invals)
+
+
+def _called_from(jaxpr, call):
+  """``jaxpr``, a ``jit``'s body, with the traceback of ``call`` (the jit equation's source
+  info) on each equation that has no user frame: a body's tracebacks stop where its trace
+  began (inside ``take_along_axis``, say), so the call's frames hold the user's line."""
+  eqns = [e if source_info_util.user_frame(e.source_info.traceback) is not None
+          else e.replace(source_info=e.source_info.replace(traceback=call.traceback))
+          for e in jaxpr.eqns]
+  return jaxpr.replace(eqns=eqns)
 
 
 def evaluate(jaxpr, consts, args, pass_):

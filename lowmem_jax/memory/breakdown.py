@@ -20,8 +20,8 @@ import numpy as np
 
 from lowmem_jax import _plots, _text, names as _names, targets
 from lowmem_jax.memory import _xla_dump
-from lowmem_jax.memory.analysis import (MemoryStats, Residuals, loop_flops, saved_residuals, stats_of,
-                                        step_flops)
+from lowmem_jax.memory.analysis import (MemoryStats, Residuals, loop_flops, saved_residuals,
+                                        stats_of, step_flops)
 
 
 COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",

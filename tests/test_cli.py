@@ -487,6 +487,11 @@ def test_cli_plan_step(capsys, step_file):
   assert _errors(captured.err) == ("lowmem-jax: nothing fits 1.0 MiB: the smallest compiled peak "
                                    f"is {peaks['baseline'] / 2**20:,.1f} MiB, with baseline. "
                                    "Lower the step's batch.\n")
+  # its report: the baseline, and what was left out, in the JSON too
+  assert cli.main(["report", "--step", f"{step_file}:no_lowmem", "--target", "cpu", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert [r["techniques"] for r in out["rows"]] == ["baseline"]
+  assert out["left_out"] == ["lowmem", "approx"]
 
 
 @pytest.mark.parametrize("argv, message", [

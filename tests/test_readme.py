@@ -1,12 +1,15 @@
 """Every Python block of the README runs as written, and the figures it quotes for the
 ``--step`` example are the compiled ones."""
 
+import json
 import pathlib
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-import lowmem_jax as lm
+from lowmem_jax.app import cli, techniques
 from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -38,10 +41,34 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, capfd):
   exec(compile(BLOCKS[index], f"README.md, Python block {index + 1}", "exec"), namespace)
   err = capfd.readouterr().err  # XLA's C++ log, too: its slow-compile alarms are noise to a reader
   assert "Constant folding an instruction is taking" not in err and "slow_operation_alarm" not in err
-  if "make_step" in namespace:  # the --step example: its two rows' peaks as the README says
-    quoted = re.search(r"prints both rows \((\d+) and (\d+) MiB on the H100 target\)",
-                       README.replace("\n", " "))
-    peaks = [lm.memory.analyze(*(lambda s, a: (s, *a))(*namespace["make_step"](lowmem)),
-                               target="h100").peak_bytes / 2**20
-             for lowmem in (lambda f: f, lm.lowmem)]
-    assert [round(p) for p in peaks] == [int(quoted[1]), int(quoted[2])]
+  if "make_step" in namespace:  # the --step example: its rows' peaks as the README says
+    _check_the_step_example(tmp_path, capfd)
+
+
+def _check_the_step_example(tmp_path, capfd):
+  """`lowmem-jax report --step` gives the peaks the README quotes, and `plan --step` with the
+  README's budget tries at least five rows, cheapest recompute first, and picks the first
+  that fits; the Python it prints makes that step."""
+  text = README.replace("\n", " ")
+  quoted = re.search(r"prints `baseline`, `lowmem` and `lowmem\+approx` \((\d+), (\d+) and "
+                     r"(\d+) MiB on the H100 target", text)
+  budget = re.search(r"lowmem-jax plan --step train.py:make_step --budget (\d+)MiB`", text)
+  source = next(b for b in BLOCKS if "def make_step" in b)
+  (tmp_path / "train.py").write_text(source)
+  spec = f"{tmp_path / 'train.py'}:make_step"
+  assert cli.main(["report", "--step", spec, "--target", "h100", "--json"]) == 0
+  rows = json.loads(capfd.readouterr().out)["rows"]
+  assert [r["techniques"] for r in rows] == ["baseline", "lowmem", "lowmem+approx"]
+  assert [round(r["peak_bytes"] / 2**20) for r in rows] == [int(q) for q in quoted.groups()]
+  job = techniques.Job(make_step=cli.load_step(spec), target="h100")
+  fit = techniques.cheapest_fit(job, int(budget[1]) * 2**20)
+  texts, left_out = techniques.ladder_of(job)
+  assert not left_out and len(fit.tried) >= 5
+  assert [s.label for _, s in fit.tried] == texts[:len(fit.tried)]
+  assert all(b.stats.peak_bytes > int(budget[1]) * 2**20 for b, _ in fit.tried[:-1])
+  assert fit.tried[-1][0].stats.peak_bytes <= int(budget[1]) * 2**20
+  # the Python printed for the fit makes the step measured
+  namespace = {"make_step": job.make_step}
+  exec(fit.fits.python(job), namespace)
+  shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
+  assert shapes(namespace["args"]) == shapes(techniques._user_step(job, fit.fits)[1])

@@ -1,12 +1,14 @@
 """lowmem_jax.app.techniques: technique sets parsed, checked and measured without the CLI."""
 
 import dataclasses
+import inspect
 
 import jax
+import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax.app import techniques
+from lowmem_jax.app import code, techniques
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 SMALL = techniques.Job("vit-tiny", batch=4, image=32, target="cpu")
@@ -28,9 +30,86 @@ def test_parse_errors_name_the_term(text, message):
 
 def test_parse_step_techniques():
   assert "lowmem" in techniques.parse("lowmem", step=True)
+  assert techniques.parse("lowmem+approx+adama:4+8bit", step=True).values == (
+      ("approx", True), ("adama", 4), ("8bit", True), ("lowmem", True))
+  with pytest.raises(techniques.TechniqueError, match="'fused-ce' in 'lowmem\\+fused-ce' applies "
+                     "only to the reference models"):
+    techniques.parse("lowmem+fused-ce", step=True)
   with pytest.raises(techniques.TechniqueError, match="'sparse:0.1' in 'sparse:0.1' applies only "
                      "to the reference models"):
     techniques.parse("sparse:0.1", step=True)
+
+
+def _all_options(lowmem=lambda f: f, dtype=None, policy=None, adamw=None, micro_batches=1,
+                 param_dtype=None, optimizer=lambda tx: tx):
+  raise AssertionError("not called")
+
+
+def _lowmem_and_params(lowmem=lambda f: f, param_dtype=None, optimizer=lambda tx: tx, **unused):
+  raise AssertionError("not called")
+
+
+def _lowmem_only(lowmem=lambda f: f):
+  raise AssertionError("not called")
+
+
+def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
+  state = "bf16+lowmem+approx+8bit+bf16-params"
+  assert techniques.ladder(None, step=True) == [
+      "baseline", "bf16", "bf16+lowmem", "bf16+lowmem+approx", "bf16+lowmem+approx+8bit", state,
+      f"{state}+remat:plan", f"{state}+offload-opt", f"{state}+remat:full+adama:2",
+      f"{state}+remat:full+adama:4", f"{state}+remat:full+adama:8"]
+  full = techniques.Job(make_step=_all_options, target="cpu")
+  assert techniques.ladder_of(full) == (techniques.ladder(None, step=True), ())
+  only = techniques.Job(make_step=_lowmem_only, target="cpu")
+  assert techniques.ladder_of(only) == (["baseline", "lowmem", "lowmem+approx"], (
+      "bf16", "8bit", "bf16-params", "remat:plan", "offload-opt", "remat:full", "adama:2",
+      "adama:4", "adama:8"))
+  assert only.default_sets() == ["baseline", "lowmem", "lowmem+approx"]
+
+
+def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():
+  """**unused takes every option: bf16-params stays; without 8bit's (adamw) it goes too."""
+  job = techniques.Job(make_step=_lowmem_and_params, target="cpu")
+  assert job.step_keywords() == frozenset(techniques.STEP_OPTIONS)
+  job = techniques.Job(make_step=_all_options, target="cpu")
+  assert job.without_missing("bf16+lowmem+8bit+bf16-params") == (
+      "bf16+lowmem+8bit+bf16-params", ())
+  job = techniques.Job(make_step=lambda lowmem=None, param_dtype=None, optimizer=None: None,
+                       target="cpu")
+  assert job.without_missing("bf16+lowmem+approx+8bit+bf16-params") == (
+      "lowmem+approx", ("bf16", "8bit", "bf16-params"))
+  assert job.without_missing("bf16") == ("baseline", ("bf16",))
+
+
+def test_a_steps_options_are_printed_as_they_are_passed():
+  """What `python` prints is what make_step is called with (`code.value` of each)."""
+  job = techniques.Job(make_step=_all_options, target="cpu")
+  s = techniques.parse("lowmem+approx+bf16+remat:dots+adama:2+8bit+bf16-params", step=True)
+  options = s.step_options()
+  assert s.python(job).splitlines()[-1] == (
+      "step, args, *loss = _all_options(lowmem=functools.partial(lm.lowmem, activations=\"approx\","
+      " norms=\"ms\", attention=\"recompute\", loss=\"fused\"), dtype=jnp.bfloat16, "
+      "policy=lm.policies.dots, adamw=functools.partial(lm.adamaw, k=2, state_bits=8), "
+      "micro_batches=2, param_dtype=jnp.bfloat16, optimizer=lambda tx: optax.chain(tx, "
+      "lm.lowbit.stochastic_rounding()))".replace(', norms="ms", attention="recompute", '
+                                                 'loss="fused"', _lowmem_defaults()))
+  values = {k: code.value(v) for k, v in options.items()}
+  assert values["lowmem"].keywords["activations"] == "approx"
+  assert values["policy"] is lm.policies.dots and values["micro_batches"] == 2
+  assert values["adamw"].func is lm.adamaw and values["adamw"].keywords == {"k": 2, "state_bits": 8}
+  assert isinstance(values["optimizer"](optax.sgd(0.1)), optax.GradientTransformation)
+  exact = techniques.parse("lowmem+offload-opt", step=True).step_options()
+  assert code.value(exact["lowmem"]).keywords["activations"] is None
+  assert code.source(exact["optimizer"]) == "lambda tx: lm.offload.offload_state(tx)"
+
+
+def _lowmem_defaults() -> str:
+  """The lowmem options the printed call gives beside activations: those lm.lowmem's
+  defaults differ from the lowmem row's (none while they agree)."""
+  row = {"norms": "ms", "attention": "recompute", "loss": "fused"}
+  defaults = {k: p.default for k, p in inspect.signature(lm.lowmem).parameters.items()}
+  return "".join(f', {k}="{v}"' for k, v in row.items() if defaults[k] != v)
 
 
 @pytest.mark.parametrize("fields, message", [

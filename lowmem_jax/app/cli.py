@@ -3,7 +3,8 @@
     lowmem-jax report                          # ViT-B/16 at batch 64: baseline, each technique, all
     lowmem-jax report --model llama-1b --batch 8 --seq 2048 --techniques baseline,all,all+remat:full
     lowmem-jax plan --model llama-7b --batch 8 --seq 2048 --budget 24GiB
-    lowmem-jax report --step train.py:make_step  # your own step: baseline and lowmem
+    lowmem-jax report --step train.py:make_step  # your own step: baseline, lowmem, lowmem+approx
+    lowmem-jax plan --step train.py:make_step --budget 190MiB
 
 A technique set joins techniques with "+"; ``--techniques`` takes a comma list
 of sets, one table row each. Every figure comes from XLA's compilation of the
@@ -17,14 +18,18 @@ allocated, so a 7B model is reported on a laptop CPU (see docs/report.md).
 own: ``FUNCTION()`` returns ``(step, args)`` or ``(step, args, (loss_fn,
 loss_args))``: the training step (jitted or not, ``nnx.jit`` too), a tuple of
 its arguments (arrays or `jax.ShapeDtypeStruct` pytrees) and, optionally, the
-function it differentiates with its arguments, for autodiff's residuals. Its
-techniques are ``baseline`` and ``lowmem``: for ``lowmem`` the CLI calls
-``FUNCTION(lowmem=lm.lowmem)``, and the step differentiates ``lowmem(loss_fn)``
-(a ``lowmem`` argument defaulting to ``lambda f: f``). ``lm.lowmem`` of a
-whole step would not do: the step's jaxpr already holds the backward pass.
+function it differentiates with its arguments, for autodiff's residuals. Each
+technique calls ``FUNCTION`` with keyword arguments, its options (listed by
+``lowmem-jax report --help``), e.g. ``FUNCTION(lowmem=lm.lowmem)`` for a step
+that differentiates ``lowmem(loss_fn)``: ``lm.lowmem`` of a whole step would
+not do, the step's jaxpr already holds the backward pass. A technique whose
+options ``FUNCTION`` does not take is not measured, and the output says so;
+``plan`` walks the reference models' ladder in the step's terms and prints the
+call of ``FUNCTION`` that fits.
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -33,6 +38,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import traceback
 from typing import Callable
 
@@ -134,20 +140,30 @@ def _users_line(error: BaseException) -> str | None:
 
 def _measure_all(job: techniques.Job, sets: list[techniques.TechniqueSet],
                  top: int | None = 10) -> list[memory.Breakdown]:
-  """`techniques.measure` of each set, with a progress bar."""
+  """`techniques.measure` of each set, showing its progress."""
   breakdowns = []
-  with _progress(Console(stderr=True)) as progress:
-    task = progress.add_task("compiling", total=len(sets))
-    for s in sets:
-      progress.update(task, description=f"compiling {s.label}")
+  with _progress(len(sets)) as show:
+    for i, s in enumerate(sets):
+      show(s.label, i)
       breakdowns.append(techniques.measure(job, s, top=top))
-      progress.advance(task)
   return breakdowns
 
 
-def _progress(console: Console) -> Progress:
-  return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+@contextlib.contextmanager
+def _progress(total: int):
+  """``show(text, done)`` before each set compiles: a progress bar on a terminal, else a line
+  ``[N/TOTAL] compiling TEXT`` on stderr (a line that starts ``lowmem-jax:`` is an error)."""
+  console = Console(stderr=True)
+  if not console.is_terminal:
+    yield lambda text, done: print(f"[{done + 1}/{total}] compiling {text}", file=sys.stderr,
+                                   flush=True)
+    return
+  with Progress(TextColumn("{task.description}"), BarColumn(),
+                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
+                transient=True) as progress:
+    task = progress.add_task("compiling", total=total)
+    yield lambda text, done: progress.update(task, description=f"compiling {text}",
+                                             completed=done)
 
 
 def _workload_title(args, job: techniques.Job) -> str:
@@ -170,15 +186,19 @@ def _summary(rows: list[dict], title: str) -> Table:
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
                 "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
-                "is live at the peak, as where XLA fuses each gradient into its update; peak: "
-                "XLA's memory analysis; saved: autodiff's residuals of the loss (- without one); "
-                "extra FLOPs: n/a for loops (micro-batches, fused-ce), whose body XLA counts once; "
-                "none found: no argument is one"
+                "is live at the peak, as where XLA fuses each gradient into its update; none "
+                "found: no argument of the step is parameters or optimizer state (found by "
+                "name, params and opt_state, or by type); peak: XLA's memory analysis; × less "
+                "and saved: the reference peak over this row's, and the reference peak "
+                "less this row's (negative: more), against the baseline (else the first row); "
+                "extra FLOPs: likewise, each loop's body counted as many times as the loop runs "
+                "(micro-batches, chunks), n/a where a loop runs a number of times not known "
+                "when compiling"
                 + ("; host: what lives in host memory (offloaded state, saved inputs), beside "
                    "the device's peak" if host else ""))
   for column in ("techniques", f"params {unit}", f"optimizer {unit}", f"gradients {unit}",
                  f"activations {unit}", f"other {unit}", f"peak {unit}",
-                 *([f"host {unit}"] if host else []), "× less", "extra FLOPs", f"saved {unit}"):
+                 *([f"host {unit}"] if host else []), "× less", f"saved {unit}", "extra FLOPs"):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
     sizes = ["none found" if r[k] is None else "0 (none live)" if k == "gradients" and not r[k]
@@ -186,16 +206,17 @@ def _summary(rows: list[dict], title: str) -> Table:
              for k in ("parameters", "optimizer_state", "gradients", "activations", "other",
                        "peak_bytes")]
     flops = "n/a" if r["extra_flops"] is None else f"{100 * r['extra_flops']:+.1f}%"
-    saved = r["saved_activation_bytes"]
     hosted = [f"{r['host_bytes'] / scale:,.2f}"] if host else []
-    table.add_row(r["techniques"], *sizes, *hosted, f"{r['reduction']:.2f}", flops,
-                  "-" if saved is None else f"{saved / scale:,.2f}")
+    table.add_row(r["techniques"], *sizes, *hosted, f"{r['reduction']:.2f}",
+                  f"{r['peak_saved_bytes'] / scale:,.2f}", flops)
   return table
 
 
 def report(args, job: techniques.Job, console: Console) -> int:
   texts = args.techniques.split(",") if args.techniques is not None else job.default_sets()
   sets = [techniques.parse(t, step=job.make_step is not None) for t in texts]
+  left_out = [] if job.make_step is None or args.techniques is not None else _left_out(
+      job, [term for t in techniques.STEP_DEFAULT.split(",") for term in job.without_missing(t)[1]])
   for s in sets:
     techniques.check(job, s)
   if args.plot:
@@ -219,10 +240,13 @@ def report(args, job: techniques.Job, console: Console) -> int:
                  "dtype": job.dtype})
     out = {**workload, "target": target.name, "device_kind": target.device_kind,
            "target_note": target.note, "jax": jax.__version__,
+           **({"left_out": left_out[0]} if left_out else {}),
            "rows": [{**r, "breakdown": b.to_dict()} for r, b in zip(rows, breakdowns)]}
     console.print_json(json.dumps(out))
     return 0
   console.print(_summary(rows, _workload_title(args, job)))
+  if left_out:
+    console.print(left_out[1], highlight=False, soft_wrap=True)
   if target.platform == "cpu" and job.make_step is None and (
       job.dtype != "float32" or any("bf16" in s for s in sets)):
     console.print("On CPU, XLA computes 16-bit dots in float32 and keeps float32 copies of "
@@ -235,17 +259,24 @@ def report(args, job: techniques.Job, console: Console) -> int:
   return 0
 
 
+def _left_out(job: techniques.Job, terms: list[str]) -> tuple[list[str], str] | tuple[()]:
+  """``(techniques, one line saying so)`` of the techniques ``terms`` names that were left
+  out because ``make_step`` takes not their options; ``()`` where none was."""
+  names = list(dict.fromkeys(t.partition(":")[0] for t in terms))
+  if not names:
+    return ()
+  name = getattr(job.make_step, "__name__", "make_step")
+  missing = job.missing_keywords(techniques.TechniqueSet("+".join(names), tuple(
+      (n, True) for n in names)))
+  return names, (f"left out: {', '.join(names)} ({name} takes no {', '.join(missing)} "
+                 "argument; see lowmem-jax report --help)")
+
+
 def plan(args, job: techniques.Job, console: Console) -> int:
   budget = parse_bytes(args.budget)
-  if job.make_step is not None:
-    return _plan_step(args, job, budget, console)
-  with _progress(Console(stderr=True)) as progress:
-    sets = techniques.ladder(job.batch, job.language_model)
-    task = progress.add_task("compiling", total=len(sets))
-
-    def on_try(text):
-      progress.update(task, description=f"compiling {text}", completed=sets.index(text))
-    fit = techniques.cheapest_fit(job, budget, on_try)
+  sets, _ = techniques.ladder_of(job)
+  with _progress(len(sets)) as show:
+    fit = techniques.cheapest_fit(job, budget, lambda text: show(text, sets.index(text)))
   if not fit.tried and fit.fixed_bytes > budget:
     print(f"lowmem-jax: nothing fits {_size(budget)}: the parameters and optimizer state on "
           f"the device alone take {_size(fit.fixed_bytes)} at the least (8-bit moments, "
@@ -254,14 +285,18 @@ def plan(args, job: techniques.Job, console: Console) -> int:
   for text, nbytes in fit.skipped:
     console.print(f"skipped without compiling: {text} (its arguments on the device alone take "
                   f"{_size(nbytes)})", highlight=False)
+  left_out = _left_out(job, list(fit.not_taken))
+  if left_out:
+    console.print(left_out[1], highlight=False, soft_wrap=True)
   if not fit.tried:
     print(f"lowmem-jax: nothing fits {_size(budget)}: the sets whose arguments fit it take "
           "remat:plan, and no remat policy fits.", file=sys.stderr)
     return 1
   if fit.fits is None:
     smallest = min((b for b, _ in fit.tried), key=lambda b: b.stats.peak_bytes)
+    lower = "Lower the step's batch" if job.make_step is not None else "Lower --batch or --seq"
     print(f"lowmem-jax: nothing fits {_size(budget)}: the smallest compiled peak is "
-          f"{_size(smallest.stats.peak_bytes)}, with {smallest.label}. Lower --batch or --seq.",
+          f"{_size(smallest.stats.peak_bytes)}, with {smallest.label}. {lower}.",
           file=sys.stderr)
     return 1
   base = fit.tried[0][0]
@@ -271,36 +306,39 @@ def plan(args, job: techniques.Job, console: Console) -> int:
   console.print(f"Fits {_size(budget)}: {fit.fits.label} "
                 f"({_size(fit.tried[-1][0].stats.peak_bytes)} compiled peak). In Python:",
                 highlight=False)
-  console.print(fit.fits.python(job), highlight=False, markup=False)
+  console.print(fit.fits.python(job), highlight=False, markup=False, soft_wrap=True)
   return 0
 
 
-def _plan_step(args, job: techniques.Job, budget: int, console: Console) -> int:
-  """`plan` for ``--step``: whether its baseline and its lowmem step fit ``budget``."""
-  texts = job.step_techniques()
-  sets = [techniques.parse(text, step=True) for text in texts]
-  measured = list(zip(_measure_all(job, sets), sets))
-  base = measured[0][0]
-  console.print(_summary([techniques.row(b, base, s) for b, s in measured],
-                         f"{_workload_title(args, job)}: against {_size(budget)}"))
-  console.print(job.target.note, highlight=False)
-  for b, _ in measured:
-    peak = b.stats.peak_bytes
-    verdict = (f"fits with {_size(budget - peak)} to spare" if peak <= budget
-               else f"over by {_size(peak - budget)}")
-    console.print(f"{b.label}: {_size(peak)} compiled peak, {verdict}.", highlight=False)
-  if len(texts) == 1:
-    console.print("lowmem: not tried: make_step takes no lowmem argument (see lowmem-jax "
-                  "report --help).", highlight=False)
-  fits = [b for b, _ in measured if b.stats.peak_bytes <= budget]
-  if not fits:
-    smallest = min((b for b, _ in measured), key=lambda b: b.stats.peak_bytes)
-    print(f"lowmem-jax: nothing fits {_size(budget)}: the smallest compiled peak is "
-          f"{_size(smallest.stats.peak_bytes)}, with {smallest.label}.", file=sys.stderr)
-    return 1
-  console.print(f"Fits {_size(budget)}: {fits[0].label} ({_size(fits[0].stats.peak_bytes)} "
-                "compiled peak).", highlight=False)
-  return 0
+_CUDA_NOTE = "Could not find cuda drivers on your machine, GPU will not be used."
+_ABSL_NOTE = ("WARNING: All log messages before absl::InitializeLog() is called are written to "
+              "STDERR")
+
+
+@contextlib.contextmanager
+def _without_cuda_notes():
+  """Drops the lines `_CUDA_NOTE` (each after `_ABSL_NOTE`) that CUDA's stub libraries write
+  to file descriptor 2 when JAX's CUDA plugin loads on a machine without a GPU, as it does
+  to compile for a GPU target: C++ logging (absl ``LOG(INFO)`` in XLA's
+  ``tsl/cuda/cudart_stub.cc``, inside ``xla_cuda_plugin.so``), which neither Python's
+  logging nor ``TF_CPP_MIN_LOG_LEVEL`` reaches. Every other line written meanwhile is
+  written on, in order, when the block ends."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as caught:
+    os.dup2(caught.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      caught.seek(0)
+      lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+      kept = [line for i, line in enumerate(lines) if _CUDA_NOTE not in line and not (
+          line.startswith(_ABSL_NOTE) and i + 1 < len(lines) and _CUDA_NOTE in lines[i + 1])]
+      sys.stderr.write("".join(kept))
+      sys.stderr.flush()
 
 
 def _target(text: str | None) -> targets.Target:
@@ -337,12 +375,17 @@ def _parser() -> argparse.ArgumentParser:
   rep = sub.add_parser("report", help="memory of a training step (a reference model's or yours: "
                        "--step), per technique set",
                        description=f"techniques:\n{described}\n\nwith --step: "
-                       f"{', '.join(techniques.STEP_TECHNIQUES)} (default: both, or baseline where make_step "
-                       "takes no lowmem argument)",
+                       f"{', '.join(techniques.STEP_TECHNIQUES)} (default "
+                       f"{techniques.STEP_DEFAULT}, each where make_step takes its options). "
+                       "Each technique calls make_step with its options, these keyword "
+                       "arguments, which make_step must give the defaults shown; one it does "
+                       f"not take leaves its techniques unmeasured:\n{techniques.step_help()}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
-                      description=f"Tries, cheapest first: {', '.join(techniques.ladder(8))}, ...; with --step: "
-                      f"whether its {' and '.join(techniques.STEP_TECHNIQUES)} steps fit")
+                      description=f"Tries, cheapest first: {', '.join(techniques.ladder(8))}, "
+                      "...; with --step: "
+                      f"{', '.join(techniques.ladder(None, step=True))} (see lowmem-jax report "
+                      "--help for make_step's options)")
   for p in (rep, pl):
     p.set_defaults(given=())
     # The plan's ladder is the transformers' (ms-norm, attention).
@@ -360,7 +403,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", metavar="SPEC",
                    help="your own step instead of --model: FILE.py:FUNCTION or MODULE:FUNCTION, where "
                         "FUNCTION() returns (step, args) or (step, args, (loss_fn, loss_args)); "
-                        "FUNCTION(lowmem=lm.lowmem) makes the lowmem step (see lowmem-jax --help)")
+                        "each technique calls FUNCTION with its options, e.g. FUNCTION(lowmem="
+                        "...) for lowmem (see lowmem-jax report --help)")
     p.add_argument("--verbose", action="store_true",
                    help="an error raised in your step (--step) with its traceback, not in one line")
     p.add_argument("--target", default=None, metavar="NAME",
@@ -369,7 +413,7 @@ def _parser() -> argparse.ArgumentParser:
                         "GPU, else h100 where the target packages are installed, else cpu")
   rep.add_argument("--techniques",
                    help=f"comma list of technique sets (default {techniques.DEFAULT}; with --step "
-                        f"{','.join(techniques.STEP_TECHNIQUES)})")
+                        f"{techniques.STEP_DEFAULT})")
   rep.add_argument("--top", type=int, default=10, help="largest live buffers to list (default 10)")
   rep.add_argument("--details", action="store_true",
                    help="the full breakdown of every technique set, not only the last")
@@ -399,8 +443,9 @@ def main(argv=None) -> int:
     if args.step is not None and args.given:
       raise UsageError(f"{args.given[0]} is for the reference models; --step {args.step} gives its "
                        "own step and shapes.")
-    job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype,
-                         _target(args.target),
+    with _without_cuda_notes():  # the GPU target's plugin loads here
+      target = _target(args.target)
+    job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype, target,
                          load_step(args.step) if args.step is not None else None)
     if job.make_step is None:
       check_positions(job)

@@ -2,13 +2,15 @@
 
 A `Program` is a list of assignments ``name = expression``; an expression is a
 `Call` of a dotted name (``lm.adamaw``, ``optax.chain``, ``wl.train_step``) or
-a `Name` bound earlier, or a plain value (an int, float, str, tuple) or a
-`Code` (a value that prints as written, e.g. ``jnp.bfloat16``).
+a `Name` bound earlier, a `Lambda` of one argument, or a plain value (an int,
+float, str, tuple, None) or a `Code` (a value that prints as written, e.g.
+``jnp.bfloat16``).
 `Program.run` makes the values; `Program.source` prints the same lines, so the
 code a report shows cannot disagree with the step it measured.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -44,9 +46,16 @@ class Call:
     return cls(fn, args, tuple(kwargs.items()))
 
 
-_MODULES = {"lm": lowmem_jax, "jax": jax, "jnp": jnp, "optax": optax}
+@dataclasses.dataclass(frozen=True)
+class Lambda:
+  """``lambda arg: body``, ``body`` an expression that may use `Name` ``arg``."""
+  arg: str
+  body: Any
+
+
+_MODULES = {"functools": functools, "lm": lowmem_jax, "jax": jax, "jnp": jnp, "optax": optax}
 """The modules a program's names may start with: the printed code imports them."""
-IMPORTS = "import jax, jax.numpy as jnp, optax, lowmem_jax as lm"
+IMPORTS = "import functools, jax, jax.numpy as jnp, optax, lowmem_jax as lm"
 
 
 def _lookup(dotted: str, scope: dict) -> Any:
@@ -65,9 +74,16 @@ def _run(x: Any, scope: dict) -> Any:
   if isinstance(x, Call):
     return _lookup(x.fn, scope)(*(_run(a, scope) for a in x.args),
                                 **{k: _run(v, scope) for k, v in x.kwargs})
+  if isinstance(x, Lambda):
+    return lambda value: _run(x.body, {**scope, x.arg: value})
   if isinstance(x, tuple):
     return tuple(_run(v, scope) for v in x)
   return x
+
+
+def value(x: Any) -> Any:
+  """What expression ``x`` makes, its names the modules' (`IMPORTS`)."""
+  return _run(x, dict(_MODULES))
 
 
 def _source(x: Any) -> str:
@@ -78,9 +94,16 @@ def _source(x: Any) -> str:
   if isinstance(x, Call):
     args = [_source(a) for a in x.args] + [f"{k}={_source(v)}" for k, v in x.kwargs]
     return f"{x.fn}({', '.join(args)})"
+  if isinstance(x, Lambda):
+    return f"lambda {x.arg}: {_source(x.body)}"
   if isinstance(x, str):
     return f'"{x}"'
   return repr(x)
+
+
+def source(x: Any) -> str:
+  """The Python of expression ``x``."""
+  return _source(x)
 
 
 @dataclasses.dataclass(frozen=True)

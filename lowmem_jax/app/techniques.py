@@ -18,7 +18,6 @@ is the code that builds that step.
 """
 
 import dataclasses
-import functools
 import inspect
 import re
 from typing import Any, Callable, Mapping, NamedTuple
@@ -171,9 +170,10 @@ TECHNIQUES = {t.term: t for t in (
                         ("remat", "the streamed backward recomputes each layer from its input "
                          "already"))),
     Technique("all", "+".join(_ALL), exact=False),
-    Technique("lowmem", "a step of your own only: it differentiates lm.lowmem(loss_fn) "
-              "(make_step(lowmem=lm.lowmem)): GELU/SiLU, norms, attention and the loss head "
-              "rewritten", exact=False),
+    Technique("lowmem", "a step of your own only: the exact rewrites of lm.lowmem(loss_fn): "
+              "memory-sharing norms, attention keeping no L×L residual and the loss head "
+              "block by block (add approx for ReGELU2/ReSiLU2)",
+              lowmem={"norms": "ms", "attention": "recompute", "loss": "fused"}),
 )}
 """Every technique by its CLI term."""
 DEFAULT = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
@@ -182,10 +182,52 @@ LANGUAGE_MODEL_EXTRA = ",fused-ce,all+fused-ce"
 """Added to `DEFAULT` for the language models (``fused-ce``)."""
 CONV_NET_DEFAULT = "baseline,approx,conv:pooled,conv:int8,bf16,approx+conv:int8+bf16"
 """The default technique sets of the WideResNet (batch norm, no attention)."""
-STEP_TECHNIQUES = ("baseline", "lowmem")
-"""The techniques of a user's step; the others change a reference model."""
-LOWMEM_OPTIONS = {k: v for t in TECHNIQUES.values() for k, v in t.lowmem.items()}
-"""The `lowmem_jax.lowmem` options of the ``lowmem`` step: each technique's own."""
+STEP_TECHNIQUES = ("baseline", "lowmem", "approx", "bf16", "remat", "adama", "8bit",
+                   "bf16-params", "offload-opt")
+"""The techniques of a user's step, each given to ``make_step`` as `STEP_OPTIONS`."""
+STEP_DEFAULT = "baseline,lowmem,lowmem+approx"
+"""The default technique sets of a user's step."""
+class StepOption(NamedTuple):
+  """A keyword argument of a user's ``make_step``: ``default`` its default's Python, ``what``
+  it is and what each technique of ``terms`` passes."""
+  default: str
+  what: str
+  terms: tuple[str, ...]
+
+
+STEP_OPTIONS = {
+    "lowmem": StepOption("lambda f: f", "the step differentiates lowmem(loss_fn); lowmem: "
+                         "functools.partial(lm.lowmem, ...) with the exact rewrites (norms, "
+                         "attention, loss head), approx: with activations=\"approx\"",
+                         ("lowmem", "approx")),
+    "dtype": StepOption("jnp.float32", "the compute dtype; bf16: jnp.bfloat16", ("bf16",)),
+    "policy": StepOption("None", "a remat policy, for jax.checkpoint(loss_fn, policy=policy); "
+                         "remat:<policy>: lm.policies.<policy> (plan's remat:plan: lm.plan's)",
+                         ("remat",)),
+    "adamw": StepOption("optax.adamw", "the AdamW, called adamw(learning_rate); 8bit: "
+                        "lm.lowbit.adamw_8bit; adama:<k>: functools.partial(lm.adamaw, k=<k>), "
+                        "with 8bit state_bits=8", ("8bit", "adama")),
+    "micro_batches": StepOption("1", "micro-batches a step, as lm.microbatch_step(loss_fn, tx, "
+                                "micro_batches); adama:<k>: <k>", ("adama",)),
+    "param_dtype": StepOption("jnp.float32", "the parameters' dtype; bf16-params: jnp.bfloat16",
+                              ("bf16-params",)),
+    "optimizer": StepOption("lambda tx: tx", "wraps the optimizer; bf16-params: optax.chain(tx, "
+                            "lm.lowbit.stochastic_rounding()); offload-opt: "
+                            "lm.offload.offload_state(tx), whose state the step's arguments hold "
+                            "in host memory (lm.offload.abstract_state(tx, params))",
+                            ("bf16-params", "offload-opt")),
+}
+"""``make_step``'s keyword arguments, by keyword, the one place they are declared (``lowmem-jax
+report --help`` prints them). A technique whose keywords ``make_step`` does not take is left
+out of the default sets and the ladder (`Job.without_missing`), and refused where a set names
+it (`check`)."""
+
+
+def step_help() -> str:
+  """The ``--help`` lines of `STEP_OPTIONS`."""
+  return "\n".join(f"  {k}={o.default}: {o.what}" for k, o in STEP_OPTIONS.items())
+
+
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4  # optax.adamw's default
 
@@ -207,8 +249,10 @@ class Job:
     target: what to compile for: a `lowmem_jax.targets.Target`, its name, or None for
       `lowmem_jax.targets.default`; the `Target` once the job is made.
     make_step: a step of the user's own instead of ``model``: ``make_step()`` returns
-      ``(step, args)`` or ``(step, args, (loss_fn, loss_args))``, and
-      ``make_step(lowmem=lm.lowmem)`` the step that differentiates ``lowmem(loss_fn)``.
+      ``(step, args)`` or ``(step, args, (loss_fn, loss_args))``, and ``make_step`` with
+      a technique set's `STEP_OPTIONS` (`TechniqueSet.step_options`) the step with those
+      techniques, e.g. ``make_step(lowmem=lm.lowmem)`` the step that differentiates
+      ``lowmem(loss_fn)``.
   """
   model: str = "vit-b16"
   batch: int = 64
@@ -247,18 +291,37 @@ class Job:
     """``image``, or the model's default side."""
     return self.image if self.image is not None else 32 if self.conv_net else 224
 
-  def step_techniques(self) -> tuple[str, ...]:
-    """The techniques ``make_step`` allows: lowmem only where it takes ``lowmem``."""
-    try:
-      inspect.signature(self.make_step).bind(lowmem=transform.lowmem)
-    except TypeError:
-      return STEP_TECHNIQUES[:1]
-    return STEP_TECHNIQUES
+  def step_keywords(self) -> frozenset[str]:
+    """The `STEP_OPTIONS` ``make_step`` takes as keywords (all with ``**kwargs``)."""
+    parameters = inspect.signature(self.make_step).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+      return frozenset(STEP_OPTIONS)
+    return frozenset(p.name for p in parameters if p.name in STEP_OPTIONS
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+  def without_missing(self, text: str) -> tuple[str, tuple[str, ...]]:
+    """``(text less the techniques whose `STEP_OPTIONS` make_step does not take and those
+    that need them, those left out)``; ``"baseline"`` where none is left."""
+    taken = self.step_keywords()
+    terms = [t.strip() for t in text.split("+")]
+    kept = [t for t in terms if all(k in taken for k, option in STEP_OPTIONS.items()
+                                    if t.partition(":")[0] in option.terms)]
+    names = {t.partition(":")[0] for t in kept}
+    kept = [t for t in kept if t == "baseline" or TECHNIQUES[t.partition(":")[0]].needs is None
+            or TECHNIQUES[t.partition(":")[0]].needs[0] in names]
+    return ("+".join(t for t in kept if t != "baseline") or "baseline",
+            tuple(t for t in terms if t not in kept))
+
+  def missing_keywords(self, techniques: "TechniqueSet") -> list[str]:
+    """The `STEP_OPTIONS` ``techniques`` passes that ``make_step`` does not take."""
+    taken = self.step_keywords()
+    return [k for k, option in STEP_OPTIONS.items()
+            if k not in taken and any(t in techniques for t in option.terms)]
 
   def default_sets(self) -> list[str]:
     """The technique sets a report of this job shows by default."""
     if self.make_step is not None:
-      return list(self.step_techniques())
+      return list(dict.fromkeys(self.without_missing(t)[0] for t in STEP_DEFAULT.split(",")))
     if self.conv_net:
       return CONV_NET_DEFAULT.split(",")
     return (DEFAULT + (LANGUAGE_MODEL_EXTRA if self.language_model else "")).split(",")
@@ -314,6 +377,16 @@ class TechniqueSet:
         _workload(job.model, {**_shapes(job), **TECHNIQUES[term].model_switches(value, job)})
       except ValueError as e:
         raise TechniqueError(f"{self.text(term)} in {self.label!r}: {e}") from e
+    self.check_together()
+    if refused is not None:
+      raise TechniqueError(f"{self.label!r}: {refused}") from refused
+    if "stream" in self and not job.language_model:
+      raise TechniqueError(f"{self.text('stream')} in {self.label!r}: the layer-streamed step "
+                           f"takes the LLaMA models' stacked layers; {job.model} is not one.")
+
+  def check_together(self) -> None:
+    """Raises `TechniqueError` where the set lacks a technique one needs or holds one
+    another excludes."""
     for term, _ in self.values:
       technique = TECHNIQUES[term]
       if technique.needs is not None and technique.needs[0] not in self:
@@ -322,11 +395,49 @@ class TechniqueSet:
       for other, why in technique.excludes:
         if other in self:
           raise TechniqueError(f"{self.label!r}: {term} does not take {other}: {why}.")
-    if refused is not None:
-      raise TechniqueError(f"{self.label!r}: {refused}") from refused
-    if "stream" in self and not job.language_model:
-      raise TechniqueError(f"{self.text('stream')} in {self.label!r}: the layer-streamed step "
-                           f"takes the LLaMA models' stacked layers; {job.model} is not one.")
+
+  def with_value(self, term: str, value: Any) -> "TechniqueSet":
+    """The set with ``term`` at ``value``, its label saying so (``...+remat:dots``)."""
+    values = dict(self.values, **{term: value})
+    label = "+".join(t for t in self.label.split("+") if t.partition(":")[0] != term
+                     and t != "baseline")
+    shown = policies.describe(value) if term == "remat" else value
+    return TechniqueSet("+".join(filter(None, (label, f"{term}:{shown}"))),
+                        tuple((t, values[t]) for t in TECHNIQUES if t in values))
+
+  def step_options(self) -> dict[str, Any]:
+    """The `STEP_OPTIONS` this set passes to a user's ``make_step``, as `code`
+    expressions (the defaults left out); `code.value` makes each."""
+    out = {}
+    lowmem = {k: v for t, _ in self.values for k, v in TECHNIQUES[t].lowmem.items()}
+    if lowmem:
+      defaults = {k: p.default for k, p in inspect.signature(transform.lowmem).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY}
+      # activations always: whether lm.lowmem approximates by default has changed
+      given = {k: lowmem.get(k) for k in defaults
+               if lowmem.get(k) != defaults[k] or k == "activations"}
+      out["lowmem"] = code.Call.of("functools.partial", code.Name("lm.lowmem"), **given)
+    if "bf16" in self:
+      out["dtype"] = code.Code(jnp.bfloat16, "jnp.bfloat16")
+    if "remat" in self:
+      policy = self.get("remat")
+      out["policy"] = code.Code(policy, f"lm.policies.{policies.describe(policy)}")
+    if self.adama > 1:
+      bits = {"state_bits": 8} if "8bit" in self else {}
+      out["adamw"] = code.Call.of("functools.partial", code.Name("lm.adamaw"), k=self.adama,
+                                  **bits)
+      out["micro_batches"] = self.adama
+    elif "8bit" in self:
+      out["adamw"] = code.Name("lm.lowbit.adamw_8bit")
+    if "bf16-params" in self:
+      out["param_dtype"] = code.Code(jnp.bfloat16, "jnp.bfloat16")
+    tx = code.Name("tx")
+    for term, _ in self.values:
+      if TECHNIQUES[term].optimizer is not None:
+        tx = TECHNIQUES[term].optimizer(tx)
+    if tx != code.Name("tx"):
+      out["optimizer"] = code.Lambda("tx", tx)
+    return out
 
   def text(self, term: str) -> str:
     """How ``term`` is written in the label (``"remat:full"``), or its name where the
@@ -390,7 +501,12 @@ class TechniqueSet:
                          *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
 
   def python(self, job: Job) -> str:
-    """`program`'s lines, then the parameters and optimizer state it starts from."""
+    """`program`'s lines, then the parameters and optimizer state it starts from; for a
+    step of the user's own, the call of ``make_step`` with `step_options`."""
+    if job.make_step is not None:
+      name = getattr(job.make_step, "__name__", "make_step")
+      return code.Program((("step, args, *loss", code.Call(name, (), tuple(
+          self.step_options().items())), ""),)).source()
     init = "streamed.init" if "stream" in self else "tx.init"
     start = (("params", code.Call.of("wl.init", code.Call.of("jax.random.key", 0)), ""),
              ("opt_state", code.Call.of(init, code.Name("params")), ""))
@@ -411,13 +527,13 @@ def _workload(model: str, switches: dict) -> models.Workload:
 
 def parse(text: str, step: bool = False) -> TechniqueSet:
   """The `TechniqueSet` of ``"all+remat:full+adama:4"``, or for a user's step
-  (``step``) of ``"baseline"`` or ``"lowmem"``; `TechniqueError` naming the
-  term on a mistake."""
+  (``step``) of `STEP_TECHNIQUES` (``"lowmem+approx+8bit"``); `TechniqueError`
+  naming the term on a mistake."""
   values = {}
   for term in text.strip().split("+"):
     name, colon, value = term.strip().partition(":")
     technique = TECHNIQUES.get(name)
-    if step and term.strip() not in STEP_TECHNIQUES:
+    if step and name not in STEP_TECHNIQUES:
       what = "applies only to the reference models (--model)" if technique else "is unknown"
       raise TechniqueError(f"technique {term.strip()!r} in {text!r} {what}; with a step of your "
                            f"own (--step), choose from {', '.join(STEP_TECHNIQUES)}.")
@@ -449,29 +565,31 @@ def _what(x: Any) -> str:
 
 def check(job: Job, techniques: TechniqueSet) -> None:
   """Raises `TechniqueError` where ``techniques`` does not apply to ``job``: a step of
-  the user's own takes baseline and lowmem only (lowmem where ``make_step`` takes
-  it), a reference model every technique but lowmem."""
+  the user's own takes `STEP_TECHNIQUES` only, each where ``make_step`` takes its
+  `STEP_OPTIONS`; a reference model every technique but lowmem."""
   if job.make_step is None:
     if "lowmem" in techniques:
       raise TechniqueError(f"technique 'lowmem' in {techniques.label!r} applies only to a step "
                            "of your own (make_step, --step).")
     return
-  if any(term != "lowmem" for term, _ in techniques.values):
+  if any(term not in STEP_TECHNIQUES for term, _ in techniques.values):
     raise TechniqueError(f"{techniques.label!r} changes a reference model; a step of your own "
-                         f"takes {' or '.join(STEP_TECHNIQUES)}.")
-  if "lowmem" in techniques and job.step_techniques() != STEP_TECHNIQUES:
+                         f"takes {', '.join(STEP_TECHNIQUES)}.")
+  techniques.check_together()
+  missing = job.missing_keywords(techniques)
+  if missing:
     name = getattr(job.make_step, "__name__", "make_step")
-    raise TechniqueError(f"lowmem calls {name}(lowmem=lm.lowmem), and {name} takes no lowmem "
-                         f"argument: define {name}(lowmem=lambda f: f) and differentiate "
-                         "lowmem(loss_fn) in the step.")
+    default = STEP_OPTIONS[missing[0]].default
+    raise TechniqueError(f"{techniques.label!r} calls {name}({missing[0]}=...), and {name} takes "
+                         f"no {missing[0]} argument: define {name}({missing[0]}={default}) (see "
+                         "lowmem-jax report --help: the options of make_step).")
 
 
 def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
   """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``, which
   `check` has passed (``loss_fn`` None where make_step gives none)."""
   name = getattr(job.make_step, "__name__", "make_step")
-  made = (job.make_step(lowmem=functools.partial(transform.lowmem, **LOWMEM_OPTIONS))
-          if "lowmem" in techniques else job.make_step())
+  made = job.make_step(**{k: code.value(v) for k, v in techniques.step_options().items()})
   said = f"{name}() returned"
   if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
     raise TechniqueError(f"{said} {_what(made)}; expected (step, args) or "
@@ -544,8 +662,10 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
   parameters and optimizer state (None where no argument is one), gradients,
   activations, other, the live and compiled peaks, what lives in host memory
   (arguments and temporaries, beside the peak) and autodiff's saved
-  activations (None without a loss); as ratios, the reduction and the extra
-  FLOPs (None for loops, whose body XLA counts once)."""
+  activations (None without a loss: autodiff's count, which XLA's reuse and fusion can
+  put above the peak) and the peak's saving (base's less this one's); as ratios, the
+  reduction and the extra FLOPs, each loop's body counted as many times as it runs (None
+  where a loop's trip count is unknown, `lowmem_jax.memory.loop_flops`)."""
   at = b.at_peak
   found = b.argument_components
   return {
@@ -559,59 +679,79 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
       "peak_bytes": b.stats.peak_bytes,
       "host_bytes": b.stats.host_argument_bytes + b.stats.host_temp_bytes,
       "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
-      # A micro-batch scan's FLOPs are per micro-batch, fused-ce's per block of logits.
-      "extra_flops": ((b.flops - base.flops) / base.flops
-                      if techniques.adama == 1 and "fused-ce" not in techniques else None),
+      "peak_saved_bytes": base.stats.peak_bytes - b.stats.peak_bytes,
+      "extra_flops": (None if b.loop_flops is None or not base.loop_flops
+                      else (b.loop_flops - base.loop_flops) / base.loop_flops),
       "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
   }
 
 
-def ladder(batch: int, language_model: bool = False) -> list[str]:
+def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
   """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
   approximate gradient, then the optimizer state in fewer bits (8-bit moments,
   bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
   policy); a language model's then the layer-streamed step (its saved inputs on
   the device, then the host, then its state too), any other model's state on
-  the host; last, micro-batches with full remat. A language model's sets all
-  take ``fused-ce`` (exact, and the largest single saving), after it alone."""
-  best = "all+fused-ce" if language_model else "all"
+  the host; last, micro-batches with full remat (k a power of 2 dividing
+  ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its
+  own). A language model's sets all take ``fused-ce`` (exact, and the largest
+  single saving), after it alone. A user's ``step`` has the same ladder in its
+  terms: ``lowmem`` for the exact rewrites, ``lowmem+approx`` for ``all``."""
+  exact = "lowmem" if step else "ms-norm+attention"
+  best = "bf16+lowmem+approx" if step else "all+fused-ce" if language_model else "all"
   state = f"{best}+8bit+bf16-params"
   sets = (["baseline"] + (["fused-ce"] if language_model else [])
-          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", "bf16+ms-norm+attention")]
+          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", f"bf16+{exact}")]
           + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
   if language_model:
     sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+offload-opt"]
   else:
     sets.append(f"{state}+offload-opt")
-  k = 2
-  while k <= batch:
-    if batch % k == 0:
-      sets.append(f"{state}+remat:full+adama:{k}")
-    k *= 2
-  return sets
+  ks = (2, 4, 8) if step else [2**i for i in range(1, batch.bit_length()) if batch % 2**i == 0]
+  return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
+
+
+def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
+  """``(sets, left out)``: `ladder` for ``job``; for a user's step, each set without the
+  techniques whose options ``make_step`` does not take (`Job.without_missing`), once,
+  and those techniques."""
+  texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
+  if job.make_step is None:
+    return texts, ()
+  reduced = [job.without_missing(t) for t in texts]
+  return (list(dict.fromkeys(t for t, _ in reduced)),
+          tuple(dict.fromkeys(term for _, left in reduced for term in left)))
 
 
 def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
   """The set ``text``; for ``remat:plan`` with the policy `lowmem_jax.plan` picks
-  for ``budget`` bytes, or None where no policy fits."""
+  for ``budget`` bytes, or None where no policy fits. A user's step is compiled
+  donating its first two arguments (the parameters and optimizer state) as the
+  planner weighs the policies."""
+  step = job.make_step is not None
   if "remat:plan" not in text:
-    return parse(text)
-  techniques = parse(text.replace("+remat:plan", ""))
-  wl = techniques.workload(job)
-  params = wl.abstract_params()
-  tx = techniques.adamw()
-  batch = (wl.inputs, wl.labels)
+    return parse(text, step=step)
+  techniques = parse(text.replace("+remat:plan", ""), step=step)
+  if step:
+    _, args, _, _ = _user_step(job, techniques)
+    donated = (0, 1)[:len(args)]
 
-  def step(params, opt_state, batch, *, policy):
-    return wl.with_policy(policy).train_step(tx, techniques.adama)(params, opt_state, batch)
+    def train_step(*args, policy):
+      return _user_step(job, techniques.with_value("remat", policy))[0](*args)
+  else:
+    wl = techniques.workload(job)
+    params = wl.abstract_params()
+    tx = techniques.adamw()
+    args, donated = (params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels)), (0, 1)
+
+    def train_step(params, opt_state, batch, *, policy):
+      return wl.with_policy(policy).train_step(tx, techniques.adama)(params, opt_state, batch)
   try:
-    chosen = planner.plan(step, params, jax.eval_shape(tx.init, params), batch, budget=budget,
-                          donate_argnums=(0, 1), target=job.target)
+    chosen = planner.plan(train_step, *args, budget=budget, donate_argnums=donated,
+                          target=job.target)
   except planner.BudgetError:
     return None
-  values = dict(techniques.values, remat=chosen.policy)
-  return TechniqueSet(f"{techniques.label}+remat:{policies.describe(chosen.policy)}",
-                      tuple((t, values[t]) for t in TECHNIQUES if t in values))
+  return techniques.with_value("remat", chosen.policy)
 
 
 class Fit(NamedTuple):
@@ -624,34 +764,39 @@ class Fit(NamedTuple):
       (parameters, optimizer state, batch); nothing is measured where it exceeds the budget.
     skipped: ``(text, bytes)`` of each set not compiled because its arguments alone on the
       device exceed the budget, in ladder order.
+    not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
+      as its sets write them.
   """
   tried: list
   fits: TechniqueSet | None
   fixed_bytes: int
   skipped: list
+  not_taken: tuple = ()
 
 
 def cheapest_fit(job: Job, budget: int,
                  on_try: Callable[[str], None] = lambda text: None) -> Fit:
-  """Measures the sets of `ladder` for ``job`` (a reference model) in order, up to
-  the first whose compiled peak is at most ``budget`` bytes; ``on_try(text)``
-  is called before each. A set whose arguments alone on the device exceed the
-  budget (`device_argument_bytes`) is skipped without compiling. The ladder is
-  the transformers' (ms-norm, attention): not for a step of the user's own nor
-  the WideResNet."""
-  if job.make_step is not None or job.conv_net:
-    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); "
-                         f"{'a step of your own' if job.make_step else job.model} takes "
-                         "measure() of chosen sets instead.")
-  texts = ladder(job.batch, job.language_model)
-  arguments = {text: device_argument_bytes(job, parse(text.replace("+remat:plan", "")))
-               for text in texts}
-  floor = min(arguments.values())
+  """Measures the sets of `ladder` for ``job`` in order, up to the first whose
+  compiled peak is at most ``budget`` bytes; ``on_try(text)`` is called before
+  each. A set whose arguments alone on the device exceed the budget
+  (`device_argument_bytes`, a reference model's) is skipped without compiling; a
+  user's step's sets go without the techniques whose options ``make_step`` does not
+  take (`Job.without_missing`), each set once. The
+  ladder is the transformers' (ms-norm, attention), or a user's step's: not the
+  WideResNet's."""
+  if job.conv_net:
+    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); {job.model} "
+                         "takes measure() of chosen sets instead.")
+  step = job.make_step is not None
+  texts, not_taken = ladder_of(job)
+  arguments = {} if step else {
+      text: device_argument_bytes(job, parse(text.replace("+remat:plan", ""))) for text in texts}
+  floor = min(arguments.values(), default=0)
   tried, skipped = [], []
   if floor > budget:
-    return Fit(tried, None, floor, skipped)
+    return Fit(tried, None, floor, skipped, not_taken)
   for text in texts:
-    if arguments[text] > budget:
+    if arguments.get(text, 0) > budget:
       skipped.append((text, arguments[text]))
       continue
     on_try(text)
@@ -661,5 +806,5 @@ def cheapest_fit(job: Job, budget: int,
     b = measure(job, techniques)
     tried.append((b, techniques))
     if b.stats.peak_bytes <= budget:
-      return Fit(tried, techniques, floor, skipped)
-  return Fit(tried, None, floor, skipped)
+      return Fit(tried, techniques, floor, skipped, not_taken)
+  return Fit(tried, None, floor, skipped, not_taken)

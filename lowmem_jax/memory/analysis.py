@@ -11,13 +11,15 @@
 """
 
 import dataclasses
+import functools
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 from jax._src import ad_checkpoint as _ad_checkpoint  # saved_residuals: jax only prints them publicly
+from jax._src.lib import hlo as _hlo  # HLO text parsed, for loop_flops
 from jax._src.lib import _jax  # XLA's HLO cost analysis, as jax.stages.Lowered calls it
 
 from lowmem_jax import targets
@@ -230,6 +232,121 @@ def step_flops(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> fl
     return flops_of(compiled)
   except RuntimeError:
     return flops_of(lowered)
+
+
+_HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+).*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? %?([a-z][\w\-]*)\(([^)]*)\)(.*)$")
+_CALLED = re.compile(r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+class _Instruction(NamedTuple):
+  op: str
+  operands: tuple[str, ...]
+  attributes: str
+
+
+def _computations(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[str, str], str]:
+  """``(computations, roots, entry)`` of an HLO module's text: each computation's
+  instructions by name, each one's root instruction, the entry computation's name."""
+  computations, roots, entry, current = {}, {}, "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = computations.setdefault(header.group(2), {})
+      entry = header.group(2) if header.group(1) else entry
+      name = header.group(2)
+    elif current is not None and (m := _INSTRUCTION.match(line)):
+      operands = tuple(o.strip().lstrip("%") for o in m.group(3).split(",") if o.strip())
+      current[m.group(1)] = _Instruction(m.group(2), operands, m.group(4))
+      if line.lstrip().startswith("ROOT "):
+        roots[name] = m.group(1)
+  return computations, roots, entry
+
+
+def _trip_count(instruction: _Instruction, caller: dict[str, _Instruction],
+                computations: dict, roots: dict) -> int | None:
+  """The times a ``while`` runs: XLA's known trip count, else the pattern a JAX loop lowers
+  to (a counter from a constant, +1 a trip, below a constant); None where neither holds."""
+  known = _KNOWN_TRIP_COUNT.search(instruction.attributes)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", instruction.attributes).group(1)
+  body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+  c, b = computations[cond], computations[body]
+
+  def index(name: str, where: dict) -> int | None:  # the tuple element a get-tuple-element reads
+    i = where.get(name)
+    m = re.search(r"index=(\d+)", i.attributes) if i and i.op == "get-tuple-element" else None
+    return int(m.group(1)) if m else None
+
+  def constant(name: str, where: dict) -> int | None:
+    i = where.get(name)
+    return int(i.operands[0]) if i and i.op == "constant" and i.operands[0].lstrip("-").isdigit() \
+        else None
+  compare, init = c[roots[cond]], caller.get(instruction.operands[0])
+  if compare.op != "compare" or "direction=LT" not in compare.attributes or init is None \
+      or init.op != "tuple":
+    return None
+  i, limit = index(compare.operands[0], c), constant(compare.operands[1], c)
+  new = b[roots[body]]
+  step = b.get(new.operands[i]) if i is not None and new.op == "tuple" else None
+  start = constant(init.operands[i], caller) if i is not None else None
+  if step is None or step.op != "add" or start is None or limit is None or sorted(
+      (index(o, b) == i, constant(o, b) == 1) for o in step.operands) != [(False, True),
+                                                                         (True, False)]:
+    return None
+  return max(limit - start, 0)
+
+
+def loop_flops(lowered: jax.stages.Lowered) -> float | None:
+  """FLOPs of a lowered program with each ``while`` loop's body counted as many times
+  as the loop runs (XLA's cost analysis counts a body once), nested loops
+  multiplied; None where a loop's trip count is not known at compile time (a
+  ``lax.while_loop`` on a traced bound). XLA's HLO cost analysis on the host, of
+  the program before optimisation, as `flops_of` a lowered program."""
+  text = lowered.compiler_ir("hlo").as_hlo_text()
+  computations, roots, entry = _computations(text)
+  host = jax.devices("cpu")[0].client
+  lines = text.splitlines()
+
+  @functools.cache
+  def once(name: str) -> float:  # XLA's count of the computation as an entry: loops once
+    out = ["HloModule loop_body"]
+    for line in lines[1:]:
+      header = _HEADER.match(line)
+      if header and not line.startswith(" "):
+        line = ("ENTRY " if header.group(2) == name else "") + line.removeprefix("ENTRY ")
+      out.append(line)
+    module = _hlo.hlo_module_from_text("\n".join(out))
+    return float(_jax.hlo_module_cost_analysis(host, module).get("flops", 0.0))
+
+  def whiles(name: str, seen: set) -> list[tuple[_Instruction, dict]]:
+    """The loops ``name`` runs itself or through the computations it calls."""
+    found = []
+    for i in computations[name].values():
+      if i.op == "while":
+        found.append((i, computations[name]))
+      for m in _CALLED.finditer(i.attributes):
+        for called in (m.group(1),) if m.group(1) else m.group(2).split(","):
+          called = called.strip().lstrip("%")
+          if called not in seen:
+            seen.add(called)
+            found += whiles(called, seen)
+    return found
+
+  def full(name: str) -> float | None:  # XLA's count holds each loop's body once
+    total = once(name)
+    for i, caller in whiles(name, {name}):
+      trips = _trip_count(i, caller, computations, roots)
+      body = re.search(r"body=%?([\w.\-]+)", i.attributes).group(1)
+      body_flops = full(body)
+      if trips is None or body_flops is None:
+        return None
+      total += trips * body_flops - once(body)
+    return total
+  return full(entry)
 
 
 def tree_bytes(tree: Any) -> int:

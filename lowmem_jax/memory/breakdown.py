@@ -20,7 +20,8 @@ import numpy as np
 
 from lowmem_jax import _plots, _text, names as _names, targets
 from lowmem_jax.memory import _xla_dump
-from lowmem_jax.memory.analysis import MemoryStats, Residuals, saved_residuals, stats_of, step_flops
+from lowmem_jax.memory.analysis import (MemoryStats, Residuals, loop_flops, saved_residuals,
+                                        stats_of, step_flops)
 
 
 COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",
@@ -136,6 +137,8 @@ class Breakdown:
       step's arguments hold; parameters or optimizer state missing here are
       rendered as "none found".
     saved: the residuals autodiff saves for ``loss_fn``, or None.
+    loop_flops: FLOPs of the step with each loop's body counted as many times as it runs
+      (`loop_flops`, of the lowered program), or None where a loop's trip count is unknown.
   """
   label: str
   target: targets.Target
@@ -149,6 +152,7 @@ class Breakdown:
   activations_by_layer: dict[str, int]
   argument_components: frozenset[str]
   saved: Residuals | None = None
+  loop_flops: float | None = None
 
   @property
   def live_peak_bytes(self) -> int:
@@ -175,6 +179,7 @@ class Breakdown:
         "target_note": self.target.note,
         "compiled": dataclasses.asdict(self.stats),
         "flops": self.flops,
+        "loop_flops": self.loop_flops,
         "at_peak": dict(self.at_peak),
         "estimated": sorted(ESTIMATED),
         "live_peak_bytes": self.live_peak_bytes,
@@ -294,7 +299,8 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       live_bytes=tuple(int(b) for b in live_bytes),
       buffers=tuple(buffers[:top] if top is not None else buffers),
       activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])),
-      argument_components=frozenset(arguments.values()), saved=saved)
+      argument_components=frozenset(arguments.values()), saved=saved,
+      loop_flops=loop_flops(lowered))
 
 
 def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,

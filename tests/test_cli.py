@@ -16,6 +16,7 @@ import pytest
 import lowmem_jax as lm
 from lowmem_jax import memory, names
 from lowmem_jax.app import cli, techniques
+import lowmem_jax_cli
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
@@ -148,10 +149,21 @@ def test_loop_flops_of_nested_loops_and_of_an_unknown_trip_count():
 def test_cuda_driver_notes_are_dropped_and_every_other_line_kept(capfd):
   """CUDA's stubs write their note to file descriptor 2 from C++ (as jax's CUDA plugin loads
   without a GPU): the CLI drops it and the absl line before it, nothing else."""
-  with cli._without_cuda_notes():
-    os.write(2, f"{cli._ABSL_NOTE}\nI0000 cudart_stub.cc:31] {cli._CUDA_NOTE}\nkept\n"
-                f"{cli._ABSL_NOTE}\nkept too\n".encode())
-  assert capfd.readouterr().err == f"kept\n{cli._ABSL_NOTE}\nkept too\n"
+  absl, note = lowmem_jax_cli._ABSL_NOTE, lowmem_jax_cli._CUDA_NOTE
+  with lowmem_jax_cli.without_cuda_notes():
+    os.write(2, f"{absl}\nI0000 cudart_stub.cc:31] {note}\nkept\n{absl}\nkept too\n".encode())
+  assert capfd.readouterr().err == f"kept\n{absl}\nkept too\n"
+
+
+def test_console_script_prints_no_cuda_driver_note():
+  """``lowmem-jax`` (`lowmem_jax_cli.main`, the console script) in a process of its own: the
+  notes ``import jax`` prints where JAX's CUDA plugin is installed (the target extra) are
+  dropped; the report's lines and its error come through."""
+  run = subprocess.run(
+      [sys.executable, "-c", "import sys, lowmem_jax_cli; sys.exit(lowmem_jax_cli.main())",
+       "report", "--model", "nope"], capture_output=True, text=True, timeout=300, check=False)
+  assert run.returncode == 2 and "nope" in run.stderr, run.stderr[-2000:]
+  assert lowmem_jax_cli._CUDA_NOTE not in run.stderr + run.stdout
 
 
 def test_report_help_lists_the_lowmem_rewrites_and_the_options_of_make_step(capsys):

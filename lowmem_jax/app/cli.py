@@ -38,7 +38,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import traceback
 from typing import Callable
 
@@ -49,6 +48,7 @@ from rich.table import Table
 
 from lowmem_jax import memory, models, targets
 from lowmem_jax.app import techniques
+from lowmem_jax_cli import without_cuda_notes
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -310,37 +310,6 @@ def plan(args, job: techniques.Job, console: Console) -> int:
   return 0
 
 
-_CUDA_NOTE = "Could not find cuda drivers on your machine, GPU will not be used."
-_ABSL_NOTE = ("WARNING: All log messages before absl::InitializeLog() is called are written to "
-              "STDERR")
-
-
-@contextlib.contextmanager
-def _without_cuda_notes():
-  """Drops the lines `_CUDA_NOTE` (each after `_ABSL_NOTE`) that CUDA's stub libraries write
-  to file descriptor 2 when JAX's CUDA plugin loads on a machine without a GPU, as it does
-  to compile for a GPU target: C++ logging (absl ``LOG(INFO)`` in XLA's
-  ``tsl/cuda/cudart_stub.cc``, inside ``xla_cuda_plugin.so``), which neither Python's
-  logging nor ``TF_CPP_MIN_LOG_LEVEL`` reaches. Every other line written meanwhile is
-  written on, in order, when the block ends."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as caught:
-    os.dup2(caught.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      caught.seek(0)
-      lines = caught.read().decode(errors="replace").splitlines(keepends=True)
-      kept = [line for i, line in enumerate(lines) if _CUDA_NOTE not in line and not (
-          line.startswith(_ABSL_NOTE) and i + 1 < len(lines) and _CUDA_NOTE in lines[i + 1])]
-      sys.stderr.write("".join(kept))
-      sys.stderr.flush()
-
-
 def _target(text: str | None) -> targets.Target:
   """The `targets.Target` of ``--target``: a name, a config file, or None for the default."""
   try:
@@ -443,7 +412,7 @@ def main(argv=None) -> int:
     if args.step is not None and args.given:
       raise UsageError(f"{args.given[0]} is for the reference models; --step {args.step} gives its "
                        "own step and shapes.")
-    with _without_cuda_notes():  # the GPU target's plugin loads here
+    with without_cuda_notes():  # the GPU target's plugin loads here
       target = _target(args.target)
     job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype, target,
                          load_step(args.step) if args.step is not None else None)

@@ -12,8 +12,13 @@ keeps no L×L residual: its backward recomputes ``p`` chunk by chunk from
 query, key, value and the float32 log-sum-exp of each row (Rabe & Staats
 2021, arXiv:2112.05682; the backward of FlashAttention-2, Dao 2023,
 arXiv:2307.08691). Its saved residuals are query, key, value, the mask and
-bias as given, the output (`names.ATTN_OUT`) and the log-sum-exp
-(`names.ATTN_LSE`).
+bias as given (a ``[B, 1, 1, L]`` padding mask stays that size; for a causal
+mask pass ``is_causal``), the output (`names.ATTN_OUT`) and the log-sum-exp
+(`names.ATTN_LSE`). Dropout on the probabilities (``dropout_rate``,
+``dropout_rng``, ``broadcast_dropout``: flax's names and draw) saves only the
+key: the backward draws the keep-mask again from it, as FlashAttention does
+(`attention_with_dropout` takes any function of a key that draws one, which
+is how `lowmem_jax.lowmem` replays a model's own draw).
 
 `attention_reference` is its exact twin, plain attention: autodiff keeps the
 float32 probabilities, tagged `names.ATTN_PROBS`. Both name their output

@@ -20,10 +20,20 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   backward, and the parameter tree does not change. Other consumers get
   ``y * g + b`` (the models' ``keep_affine``).
 - ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
-  ``where`` mask → softmax over keys → ``dot_general(p, v)``, in any layout
-  that transposes and unit axes reach, grouped-query heads included (a group
-  axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
-  writes them) → `lowmem_jax.attention`.
+  ``where`` mask → softmax over keys → optional dropout (``p * keep / keep_prob``
+  as flax's ``dot_product_attention_weights`` writes it, or ``where(keep, p /
+  keep_prob, 0)`` as ``flax.linen.Dropout`` does, ``keep`` drawn from a key by
+  ``random_bits``) → ``dot_general(p, v)``, in any layout that transposes and
+  unit axes reach, grouped-query heads included (a group axis right after the
+  kv-head axis, as ``jax.nn.dot_product_attention`` writes them) →
+  `lowmem_jax.attention`, whose backward draws the keep-mask again from the key.
+  A mask that is an ``and`` of parts (through casts, ``x > 0`` and broadcasts,
+  as Hugging Face's Flax models combine theirs) is not saved whole: its constant
+  parts (iotas, comparisons), evaluated at trace time, become ``is_causal``
+  where they are the causal mask; each other part is passed at its own size (a
+  ``[B, L]`` padding mask as ``[B, 1, 1, L]``). A mask the function is given
+  whole (a ``[B, 1, L, L]`` argument) cannot be seen to be causal at trace time:
+  it is kept once, as given, not per layer.
 - ``loss``: ``h @ w`` (optionally ``+ bias``), its log-softmax over the last
   axis (``jax.nn.log_softmax``, or ``jax.nn.logsumexp`` less the label's logit
   as ``optax.softmax_cross_entropy_with_integer_labels`` writes it) taken at

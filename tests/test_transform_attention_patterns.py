@@ -203,3 +203,37 @@ def test_hugging_faces_flax_gpt2_in_training_keeps_no_square_array():
                                 atol=1e-5, rtol=1e-5)
     assert not _square(lm.memory.saved_residuals(lambda p: fast(p, rng), model.params))
     assert _square(lm.memory.saved_residuals(lambda p: loss(p, rng), model.params))
+
+
+def _grouped_with_dropout(q, k, v, rng):
+  """Grouped-query attention by hand, a keep-mask per group head, ``jnp.where`` dropout."""
+  b, t, n, d = q.shape
+  kv_heads = k.shape[2]
+  s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv_heads, n // kv_heads, d), k)
+  p = jax.nn.softmax(s * d ** -0.5, -1)
+  p = jnp.where(jax.random.bernoulli(rng, 0.8, p.shape), p / 0.8, 0.0)
+  return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, n, d)
+
+
+def test_grouped_query_attention_with_dropout_is_rewritten_exactly():
+  q = jax.random.normal(jax.random.key(5), (B, L, 4, D))
+  k, v = _qkv(2)
+  rng = jax.random.key(6)
+  loss = lambda q, k, v: jnp.sum(_grouped_with_dropout(q, k, v, rng) ** 2)
+  fast = lm.lowmem(loss)
+  assert fast.explain(q, k, v).counts == {"attention": 1}
+  chex.assert_trees_all_close(_value_and_grads(fast, q, k, v), _value_and_grads(loss, q, k, v),
+                              atol=1e-5, rtol=1e-5)
+  assert not _square(lm.memory.saved_residuals(fast, q, k, v))
+
+
+def test_probabilities_used_twice_are_left_naming_both_uses():
+  q, k, v = _qkv()
+
+  def loss(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+    return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v) ** 2) + jnp.sum(jnp.log(p))
+
+  reason = lm.lowmem(loss).explain(q, k, v)[0].left
+  assert "they feed dot_general (test_transform_attention_patterns.py:" in reason, reason
+  assert ", log (test_transform_attention_patterns.py:" in reason, reason

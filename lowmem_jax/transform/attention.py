@@ -73,14 +73,18 @@ def _values_matmul(g, p):
       continue
     found = None if e is None or drop is not None else _dropout_at(g, e, p)
     if found is None:
-      where = "is returned" if c is None and p in g.outvars else (
-          "feed more than one op" if c is None else f"feed {_op_at(g, c)}")
-      raise Left("the probabilities feed something other than one matmul (dropout on them, "
-                 f"or returned): they {where}")
+      ops = [_op_at(g, i) for i in g.consumers.get(p, [])]
+      raise _other_than_one_matmul(
+          "are returned" if p in g.outvars else "feed " + ", ".join(ops))
     drop, p = found, e.outvars[0]
   if drop is None and factor != 1.0:
-    raise Left(f"the probabilities are scaled before {_op_at(g, c)}, with no dropout")
+    raise _other_than_one_matmul(f"are scaled, with no dropout, before {_op_at(g, c)}")
   return p, c, None if drop is None else dataclasses.replace(drop, factor=factor * drop.factor)
+
+
+def _other_than_one_matmul(where) -> Left:
+  return Left("the probabilities feed something other than one matmul (dropout on them, or "
+              f"returned): they {where}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,7 +115,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       (``deterministic=False``) with the same key. The mask is drawn again in
       the backward from the key, not saved: once per call in the forward and
       once in the backward it is a transient of 1 byte an element of
-      ``shape``, sliced per key chunk. Dropout always takes "xla".
+      ``shape``, sliced per key chunk; drawing it takes what
+      `jax.random.bernoulli` takes (on XLA:CPU 16 bytes an element of
+      ``shape`` while it draws). Dropout always takes "xla".
     broadcast_dropout: as flax's: the mask's ``shape`` is ``[1, 1, q_length,
       kv_length]``, shared by the batch and heads; False draws ``[batch,
       heads, q_length, kv_length]``.

@@ -237,3 +237,17 @@ def test_probabilities_used_twice_are_left_naming_both_uses():
   reason = lm.lowmem(loss).explain(q, k, v)[0].left
   assert "they feed dot_general (test_transform_attention_patterns.py:" in reason, reason
   assert ", log (test_transform_attention_patterns.py:" in reason, reason
+
+
+def test_linen_multi_head_attention_with_dropout_is_rewritten_exactly():
+  """flax.linen's MultiHeadDotProductAttention in training (broadcast dropout, its default)."""
+  x = jax.random.normal(jax.random.key(7), (B, L, 32))
+  module = nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=False)
+  params = module.init({"params": jax.random.key(8), "dropout": jax.random.key(9)}, x)
+  loss = lambda params, x: jnp.sum(module.apply(
+      params, x, rngs={"dropout": jax.random.key(10)}) ** 2)
+  fast = lm.lowmem(loss)
+  assert fast.explain(params, x).counts == {"attention": 1}
+  grads = [jax.jit(jax.value_and_grad(f, (0, 1)))(params, x) for f in (fast, loss)]
+  chex.assert_trees_all_close(*grads, atol=1e-4, rtol=1e-5)
+  assert not _square(lm.memory.saved_residuals(fast, params, x))

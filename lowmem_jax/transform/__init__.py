@@ -48,7 +48,10 @@ span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
 rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
 functions keep their own derivative rules and are left as they are, except
 `jax.nn.relu`. What the matchers miss: layout redundancies other than the
-attention output's, and grouped queries laid out group-major (``[.., G, K, ..]``). A jaxpr
+attention output's, grouped queries laid out group-major (``[.., G, K, ..]``),
+a dropout whose keep-mask is not drawn by ``random_bits`` from a key, and
+masks combined by ``or`` or negated, or captured as a constant of the traced
+function (kept as given, not seen to be causal). A jaxpr
 rewrite sees hand-written code as well as framework modules; Qwix's approach
 (intercepting framework calls by module path) sees only the modules it knows.
 

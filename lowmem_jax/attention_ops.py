@@ -12,8 +12,13 @@ keeps no L×L residual: its backward recomputes ``p`` chunk by chunk from
 query, key, value and the float32 log-sum-exp of each row (Rabe & Staats
 2021, arXiv:2112.05682; the backward of FlashAttention-2, Dao 2023,
 arXiv:2307.08691). Its saved residuals are query, key, value, the mask and
-bias as given, the output (`names.ATTN_OUT`) and the log-sum-exp
-(`names.ATTN_LSE`).
+bias as given (a ``[B, 1, 1, L]`` padding mask stays that size; for a causal
+mask pass ``is_causal``), the output (`names.ATTN_OUT`) and the log-sum-exp
+(`names.ATTN_LSE`). Dropout on the probabilities (``dropout_rate``,
+``dropout_rng``, ``broadcast_dropout``: flax's names and draw) saves only the
+key: the backward draws the keep-mask again from it, as FlashAttention does
+(`attention_with_dropout` takes any function of a key that draws one, which
+is how `lowmem_jax.lowmem` replays a model's own draw).
 
 `attention_reference` is its exact twin, plain attention: autodiff keeps the
 float32 probabilities, tagged `names.ATTN_PROBS`. Both name their output
@@ -29,9 +34,11 @@ and the bias get no gradient through it. So does a row with every key
 biased to -inf (NaN in `jax.nn`).
 """
 
+import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +58,15 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
               is_causal: bool = False, query_seq_lengths: jax.Array | None = None,
               key_value_seq_lengths: jax.Array | None = None,
               local_window_size: int | tuple[int, int] | None = None,
-              implementation: str | None = None, chunk_size: int = 512) -> jax.Array:
+              implementation: str | None = None, chunk_size: int = 512,
+              dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+              broadcast_dropout: bool = True) -> jax.Array:
   """Exact attention whose backward recomputes the probabilities.
 
   `jax.nn.dot_product_attention`'s arguments, less ``query_seq_lengths``,
   ``key_value_seq_lengths``, ``local_window_size`` and ``return_residual``
-  (the first three raise where given), plus ``chunk_size``.
+  (the first three raise where given), plus ``chunk_size`` and dropout on the
+  probabilities under `flax.linen.dot_product_attention`'s names.
 
   The output is named `names.ATTN_OUT` for `jax.checkpoint` policies. Under
   "xla" the saved residuals are query, key, value, the output, the float32
@@ -96,6 +106,21 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       memory, forward and backward, is a few float32 arrays of ``[batch,
       heads, q_length, min(chunk_size, kv_length)]``; a kv_length that is
       not a multiple is fine.
+    dropout_rate: the probability of dropping a probability, a Python float in
+      [0, 1); 0 is no dropout.
+    dropout_rng: the key of the draw, needed where ``dropout_rate`` > 0. The
+      keep-mask is flax's draw, ``jax.random.bernoulli(dropout_rng, 1 -
+      dropout_rate, shape)``, and the kept probabilities are divided by ``1 -
+      dropout_rate``, so the output equals `flax.linen.dot_product_attention`
+      (``deterministic=False``) with the same key. The mask is drawn again in
+      the backward from the key, not saved: once per call in the forward and
+      once in the backward it is a transient of 1 byte an element of
+      ``shape``, sliced per key chunk; drawing it takes what
+      `jax.random.bernoulli` takes (on XLA:CPU 16 bytes an element of
+      ``shape`` while it draws). Dropout always takes "xla".
+    broadcast_dropout: as flax's: the mask's ``shape`` is ``[1, 1, q_length,
+      kv_length]``, shared by the batch and heads; False draws ``[batch,
+      heads, q_length, kv_length]``.
 
   Returns:
     ``[batch, q_length, heads, head_dim]`` in query's dtype. The logits,
@@ -104,7 +129,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
 
   Raises:
     NotImplementedError: ``query_seq_lengths``, ``key_value_seq_lengths``
-      or ``local_window_size`` given.
+      or ``local_window_size`` given, or dropout with ``implementation="cudnn"``.
   """
   _check_qkv(query, key, value)
   _refuse_unsupported(query_seq_lengths=query_seq_lengths,
@@ -118,6 +143,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
   if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
   causal = bool(is_causal)
+  drop = _check_dropout(dropout_rate, dropout_rng, broadcast_dropout, shape)
+  if drop is not None:
+    if impl == "cudnn":
+      raise NotImplementedError("lowmem_jax.attention has no dropout under implementation="
+                                "'cudnn'; pass implementation='xla'.")
+    return attention_with_dropout(query, key, value, *drop, bias=bias, mask=mask, scale=scale,
+                                  is_causal=causal, chunk_size=chunk_size)
   if impl == "cudnn":
     return _cudnn(query, key, value, mask, bias, scale, causal)
   # cuDNN refuses odd lengths with a bias in training, and only in the backward, too late
@@ -128,8 +160,61 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       return _cudnn(query, key, value, mask, bias, scale, causal)
     except (NotImplementedError, ValueError, RuntimeError):
       pass  # cuDNN's refusals: dtype, head size, mask shape; RuntimeError: no cuDNN (ROCm)
-  return _chunked(query, key, value, mask, bias, scale, causal,
-                  min(int(chunk_size), key.shape[1]))
+  return _chunked(query, key, value, mask, bias, (), scale, causal,
+                  min(int(chunk_size), key.shape[1]), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """Dropout on the probabilities: ``p * keep(*args) * factor`` (flax's ``factor`` is
+  ``1 / (1 - rate)``).
+
+  Attributes:
+    keep: a function of the dropout's arrays that draws the boolean keep-mask,
+      broadcastable to ``[batch, heads, q_length, kv_length]``; called once in
+      the forward and once in the backward, so it must draw the same mask each
+      time (a function of a key).
+    factor: the kept probabilities' factor, a Python float.
+  """
+  keep: Callable[..., jax.Array]
+  factor: float
+
+
+def attention_with_dropout(query: jax.Array, key: jax.Array, value: jax.Array,
+                           dropout: Dropout, dropout_args: tuple, *,
+                           bias: jax.Array | None = None, mask: jax.Array | None = None,
+                           scale: float | None = None, is_causal: bool = False,
+                           chunk_size: int = 512) -> jax.Array:
+  """`attention` ("xla") with ``dropout`` applied to the probabilities, its keep-mask
+  drawn from ``dropout_args`` (e.g. ``(key,)``) in the forward and again in the backward.
+
+  What `attention` runs for ``dropout_rate`` > 0, and what `lowmem_jax.lowmem`'s
+  attention rewrite runs for a dropout the function draws itself. The
+  arguments are `attention`'s; ``dropout_args`` get no gradient.
+  """
+  _check_qkv(query, key, value)
+  shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+  mask = _check_mask(mask, shape)
+  bias = _check_bias(bias, shape)
+  scale = _check_scale(scale, query.shape[-1])
+  if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+  # Typed keys travel as their uint32 data: a residual of a plain dtype, with no cotangent.
+  impls = tuple(jax.random.key_impl(a) if _is_key(a) else None for a in dropout_args)
+  raw = tuple(a if i is None else jax.random.key_data(a) for a, i in zip(dropout_args, impls))
+  dropout = Dropout(functools.partial(_keep_of_data, dropout.keep, impls), dropout.factor)
+  return _chunked(query, key, value, mask, bias, raw, scale, bool(is_causal),
+                  min(int(chunk_size), key.shape[1]), dropout)
+
+
+def _is_key(x):
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _keep_of_data(keep, impls, *raw):
+  """``keep`` of the arguments ``raw``, each key among them (``impls``) wrapped again."""
+  return keep(*(a if i is None else jax.random.wrap_key_data(a, impl=i)
+                for a, i in zip(raw, impls)))
 
 
 def _cudnn(q, k, v, mask, bias, scale, causal):
@@ -138,14 +223,15 @@ def _cudnn(q, k, v, mask, bias, scale, causal):
   return checkpoint_name(out, names.ATTN_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _chunked(q, k, v, mask, bias, scale, causal, chunk):
-  return _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _chunked(q, k, v, mask, bias, drop_args, scale, causal, chunk, dropout):
+  return _chunked_fwd(q, k, v, mask, bias, drop_args, scale, causal, chunk, dropout)[0]
 
 
-def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
+def _chunked_fwd(q, k, v, mask, bias, drop_args, scale, causal, chunk, dropout):
   """Online softmax over key chunks: a running max m, sum l and output acc per row."""
   qg = _grouped(q, k.shape[2])
+  keep = _draw(dropout, drop_args)
 
   def step(i, carry):
     m, l, acc = carry
@@ -154,7 +240,8 @@ def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
     m_new = jnp.maximum(m, s.max(-1))  # finite: each chunk has a key of its own
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    acc = acc * _per_row(corr) + jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), vc,
+    kept = _dropped(p, keep, dropout, start, chunk, k.shape[2])
+    acc = acc * _per_row(corr) + jnp.einsum("bhgqk,bkhd->bqhgd", kept.astype(v.dtype), vc,
                                             preferred_element_type=jnp.float32)
     return jax.tree.map(_sharding.like, (m_new, l * corr + p.sum(-1), acc), carry)
 
@@ -170,16 +257,34 @@ def _chunked_fwd(q, k, v, mask, bias, scale, causal, chunk):
   out, = _layout.barrier_rows((acc / _per_row(l)).reshape(q.shape).astype(q.dtype))
   out = checkpoint_name(out, names.ATTN_OUT)
   lse = checkpoint_name(m + jnp.log(l), names.ATTN_LSE)
-  return out, (q, k, v, mask, bias, out, lse)
+  return out, (q, k, v, mask, bias, drop_args, out, lse)
 
 
-def _chunked_bwd(scale, causal, chunk, res, dout):
+def _draw(dropout, drop_args):
+  """The whole keep-mask, rank 4, or None without dropout."""
+  if dropout is None:
+    return None
+  keep = dropout.keep(*drop_args)
+  return keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
+
+
+def _dropped(p, keep, dropout, start, chunk, kv_heads):
+  """Chunk probabilities ``p`` ``[b, kv_heads, groups, q, chunk]`` with the dropout applied."""
+  if dropout is None:
+    return p
+  keep_c = _grouped_heads(_slice_keys(keep, start, chunk), kv_heads)
+  return jnp.where(keep_c, p * jnp.float32(dropout.factor), 0.0)
+
+
+def _chunked_bwd(scale, causal, chunk, dropout, res, dout):
   """FlashAttention-2's backward: p = exp(s - lse) again, one key chunk at a time."""
   # Tying the residuals to the cotangent keeps XLA from computing the
   # probabilities again before this backward runs (they depend on residuals
   # only) or from merging them with the forward's: either keeps them alive.
-  q, k, v, mask, bias, out, lse = res
-  (q, k, v, mask, bias, lse), dout = lax.optimization_barrier(((q, k, v, mask, bias, lse), dout))
+  q, k, v, mask, bias, drop_args, out, lse = res
+  (q, k, v, mask, bias, drop_args, lse), dout = lax.optimization_barrier(
+      ((q, k, v, mask, bias, drop_args, lse), dout))
+  keep = _draw(dropout, drop_args)  # drawn again from the key, after the barrier
   kv_heads = k.shape[2]
   qg, dog = _grouped(q, kv_heads), _grouped(dout, kv_heads)
   # sum_k p * dp per row, from the output: D = rowsum(dout * out). A
@@ -200,9 +305,10 @@ def _chunked_bwd(scale, causal, chunk, res, dout):
       # A row with every key masked attends uniformly; its log-sum-exp,
       # _MASKED + log(kv_length), rounds to _MASKED in float32.
       p = jnp.where((lse[..., None] <= 0.5 * _MASKED) & (s > -jnp.inf), 1 / k.shape[1], p)
-    dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(v.dtype), dog,
-                      preferred_element_type=jnp.float32)
+    dv_c = jnp.einsum("bhgqk,bqhgd->bkhd", _dropped(p, keep, dropout, start, chunk, kv_heads)
+                      .astype(v.dtype), dog, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vc, preferred_element_type=jnp.float32)
+    dp = _dropped(dp, keep, dropout, start, chunk, kv_heads)  # d p, through the dropout
     ds = p * (dp - delta[..., None])  # d logits; d(q k^T) is ds * scale, applied to dq and dk
     if maskable:
       ds = jnp.where(s > _MASKED, ds, 0.0)  # a replaced logit passes no gradient back
@@ -223,7 +329,8 @@ def _chunked_bwd(scale, causal, chunk, res, dout):
   dq, dk, dv, dbias = lax.fori_loop(0, _num_chunks(k.shape[1], chunk), step, init)
   dbias = None if bias is None else dbias.astype(bias.dtype)
   dq = (scale * dq).reshape(q.shape).astype(q.dtype)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dbias
+  drop_ct = jax.tree.map(lambda _: None, drop_args)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dbias, drop_ct
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -307,11 +414,14 @@ def _add_at(x, update, start, axis=1):
 @jax.named_scope("lowmem/attention_reference")
 def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
                         bias: jax.Array | None = None, mask: jax.Array | None = None, *,
-                        scale: float | None = None, is_causal: bool = False) -> jax.Array:
+                        scale: float | None = None, is_causal: bool = False,
+                        dropout_rate: float = 0.0, dropout_rng: jax.Array | None = None,
+                        broadcast_dropout: bool = True) -> jax.Array:
   """Plain attention, the exact twin of `attention`: keeps the float32 probabilities.
 
   Args:
-    query, key, value, bias, mask, scale, is_causal: as in `attention`.
+    query, key, value, bias, mask, scale, is_causal, dropout_rate, dropout_rng,
+      broadcast_dropout: as in `attention`; autodiff keeps the dropout's mask.
 
   Returns:
     ``[batch, q_length, heads, head_dim]`` in query's dtype, named
@@ -326,6 +436,8 @@ def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
   mask = _check_mask(mask, (batch, heads, q_len, kv_len))
   bias = _check_bias(bias, (batch, heads, q_len, kv_len))
   scale = _check_scale(scale, head_dim)
+  drop = _check_dropout(dropout_rate, dropout_rng, broadcast_dropout,
+                        (batch, heads, q_len, kv_len))
   groups = heads // kv_heads
   # Grouped heads split query's head axis; without groups it stays as it is,
   # so autodiff keeps query itself rather than a reshaped copy.
@@ -346,6 +458,9 @@ def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array,
     # An additive bias, not a select: its derivative needs no saved mask.
     logits = logits + jnp.where(per_head(keep), 0.0, _MASKED).astype(jnp.float32)
   probs = _softmax(logits, keep is not None or bias is not None, bias is not None)
+  if drop is not None:
+    (dropout, args) = drop
+    probs = jnp.where(per_head(_draw(dropout, args)), probs * jnp.float32(dropout.factor), 0.0)
   out = jnp.einsum(f"{p_spec},bkhd->{q_spec}", probs.astype(value.dtype), value,
                    preferred_element_type=jnp.float32)
   return checkpoint_name(out.reshape(query.shape).astype(query.dtype), names.ATTN_OUT)
@@ -421,6 +536,25 @@ def _refuse_unsupported(**options):
   for name, value in options.items():
     if value is not None:
       raise NotImplementedError(f"lowmem_jax.attention does not support {name}; {fixes[name]}.")
+
+
+def _check_dropout(rate, rng, broadcast, shape):
+  """``(Dropout, (rng,))`` for flax's dropout draw on probabilities of ``shape``; None
+  where ``rate`` is 0."""
+  if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {rate!r}.")
+  if rate == 0:
+    return None
+  if rng is None:
+    raise ValueError(f"dropout_rng must be a key where dropout_rate > 0, got None "
+                     f"(dropout_rate={rate!r}).")
+  keep_prob = 1.0 - float(rate)
+  draw = (1, 1) + shape[2:] if broadcast else shape
+  return Dropout(functools.partial(_bernoulli, keep_prob, draw), 1 / keep_prob), (rng,)
+
+
+def _bernoulli(keep_prob, shape, rng):
+  return jax.random.bernoulli(rng, keep_prob, shape)
 
 
 def _check_scale(scale, head_dim):

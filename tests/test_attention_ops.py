@@ -312,8 +312,9 @@ def test_the_signatures_are_jax_attentions():
   """Same names in the same order as jax.nn.dot_product_attention, for what each takes."""
   theirs = list(inspect.signature(jax.nn.dot_product_attention).parameters)
   ours = list(inspect.signature(lm.attention).parameters)
-  assert ours == [n for n in theirs if n != "return_residual"] + ["chunk_size"]
-  assert list(inspect.signature(lm.attention_reference).parameters) == theirs[:7]
+  dropout = ["dropout_rate", "dropout_rng", "broadcast_dropout"]  # flax's names
+  assert ours == [n for n in theirs if n != "return_residual"] + ["chunk_size"] + dropout
+  assert list(inspect.signature(lm.attention_reference).parameters) == theirs[:7] + dropout
   assert lm.attention_ops.IMPLS == tuple(i for i in lm.dispatch.IMPLS if "pallas" not in i)
 
 

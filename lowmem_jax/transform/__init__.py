@@ -8,8 +8,10 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
 2021 for attention):
 
 - ``activations``: an elementwise function of one array that equals, on a grid
-  of test points, the erf GELU (→ `regelu2`), the tanh GELU (exact forward,
-  ReGELU2's 2-bit backward), SiLU (→ `resilu2`) or ReLU (→ `relu`, exact).
+  of test points, ReLU (→ `relu`, a 1-bit mask, exact) and, only with
+  ``activations="approx"``, the erf GELU (→ `regelu2`), the tanh GELU (exact
+  forward, ReGELU2's 2-bit backward) or SiLU (→ `resilu2`): the one rewrite
+  that changes the gradient. Every other rewrite keeps it, to float tolerance.
 - ``norms``: LayerNorm / RMSNorm (mean and variance, ``jnp.var`` with
   ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
   `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the
@@ -20,10 +22,20 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   backward, and the parameter tree does not change. Other consumers get
   ``y * g + b`` (the models' ``keep_affine``).
 - ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
-  ``where`` mask → softmax over keys → ``dot_general(p, v)``, in any layout
-  that transposes and unit axes reach, grouped-query heads included (a group
-  axis right after the kv-head axis, as ``jax.nn.dot_product_attention``
-  writes them) → `lowmem_jax.attention`.
+  ``where`` mask → softmax over keys → optional dropout (``p * keep / keep_prob``
+  as flax's ``dot_product_attention_weights`` writes it, or ``where(keep, p /
+  keep_prob, 0)`` as ``flax.linen.Dropout`` does, ``keep`` drawn from a key by
+  ``random_bits``) → ``dot_general(p, v)``, in any layout that transposes and
+  unit axes reach, grouped-query heads included (a group axis right after the
+  kv-head axis, as ``jax.nn.dot_product_attention`` writes them) →
+  `lowmem_jax.attention`, whose backward draws the keep-mask again from the key.
+  A mask that is an ``and`` of parts (through casts, ``x > 0`` and broadcasts,
+  as Hugging Face's Flax models combine theirs) is not saved whole: its constant
+  parts (iotas, comparisons), evaluated at trace time, become ``is_causal``
+  where they are the causal mask; each other part is passed at its own size (a
+  ``[B, L]`` padding mask as ``[B, 1, 1, L]``). A mask the function is given
+  whole (a ``[B, 1, L, L]`` argument) cannot be seen to be causal at trace time:
+  it is kept once, as given, not per layer.
 - ``loss``: ``h @ w`` (optionally ``+ bias``; ``w`` ``[d, V]``, or a tied
   ``[V, d]`` table contracted on its second axis or written ``table.T``), then
   slices and reshapes of the token axes that keep the vocabulary axis whole
@@ -45,7 +57,10 @@ span them), ``scan``, ``cond`` and ``jax.checkpoint`` are rebuilt around their
 rewritten bodies (policies keep working). ``custom_jvp`` and ``custom_vjp``
 functions keep their own derivative rules and are left as they are, except
 `jax.nn.relu`. What the matchers miss: layout redundancies other than the
-attention output's, and grouped queries laid out group-major (``[.., G, K, ..]``). A jaxpr
+attention output's, grouped queries laid out group-major (``[.., G, K, ..]``),
+a dropout whose keep-mask is not drawn by ``random_bits`` from a key, and
+masks combined by ``or`` or negated, or captured as a constant of the traced
+function (kept as given, not seen to be causal). A jaxpr
 rewrite sees hand-written code as well as framework modules; Qwix's approach
 (intercepting framework calls by module path) sees only the modules it knows.
 

@@ -3,23 +3,33 @@
 
 Steps: the softmax (`_softmax_of`), the scores back to ``dot_general(q, k)``
 with their scale, bias and mask (`_scores_chain`), the probabilities' matmul
-with ``v`` (`_values_matmul`); then each operand's axes labelled in one
-canonical layout (`_layout`), the operands read (`_operands`), the output
-followed to its last layout op (`_output`), and the replacement installed
-(`_install`). A pattern left raises `Left` with the reason.
+with ``v``, through a dropout (`_values_matmul`, `_dropout_at`: the equations
+that draw its keep-mask from a key become a function the op calls again in the
+backward); then each operand's axes labelled in one canonical layout
+(`_layout`), the operands read (`_operands`; a mask made of parts split into a
+causal flag and small parts, `_mask_parts`), the output followed to its last
+layout op (`_output`), and the replacement installed (`_install`). A pattern
+left raises `Left` with the reason, naming the op that broke it and its line.
 """
 
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
 from lowmem_jax import attention_ops, names
-from lowmem_jax.transform.graph import Graph, fill_value, scalar, upstream
-from lowmem_jax.transform.interpreter import Action, apply_layout, eqns_fn, inline_jit
+from lowmem_jax.transform.graph import Graph, constant, fill_value, scalar, upstream
+from lowmem_jax.transform.interpreter import (
+  Action,
+  apply_layout,
+  bind,
+  eqns_fn,
+  inline_jit,
+)
 from lowmem_jax.transform.rewrites import Left
 
 
@@ -35,23 +45,124 @@ def _match_at(g, i, actions, pass_):
   if s is None:
     return
   qk_i, steps = _scores_chain(g, s)
-  pp, pv_i = _values_matmul(g, g.eqns[i].outvars[0])
-  layout = _layout(g.eqns[qk_i], steps, g.eqns[pv_i], pp)
-  ops = _operands(g, g.eqns[qk_i], g.eqns[pv_i], pp, layout)
+  pp, pv_i, drop = _values_matmul(g, g.eqns[i].outvars[0])
+  layout = _layout(g, g.eqns[qk_i], steps, g.eqns[pv_i], pp, i)
+  ops = _operands(g, g.eqns[qk_i], g.eqns[pv_i], pp, layout, drop)
   out, out_labels, tags = _output(g, g.eqns[pv_i].outvars[0], layout.out_labels)
   layout = dataclasses.replace(layout, out_labels=out_labels)
   _install(g, i, layout, ops, out, tags, actions, pass_)
 
 
 def _values_matmul(g, p):
-  """``(p, index)``: the probabilities ``p`` (through casts) and the one matmul they feed."""
-  while (c := g.only_consumer(p)) is not None and g.eqns[c].primitive.name == (
-      "convert_element_type"):
-    p = g.eqns[c].outvars[0]
-  if c is None or g.eqns[c].primitive.name != "dot_general":
-    raise Left("the probabilities feed something other than one matmul (dropout on them, "
-               "or returned)")
-  return p, c
+  """``(p, index, dropout)``: the probabilities ``p`` as the one matmul they feed reads them
+  (through casts, and a dropout: `_dropout_at`), that matmul, and the `_Dropout` or None."""
+  factor, drop = 1.0, None
+  while True:
+    c = g.only_consumer(p)
+    e = None if c is None else g.eqns[c]
+    if e is not None and e.primitive.name == "dot_general":
+      break
+    if e is not None and e.primitive.name == "convert_element_type":
+      p = e.outvars[0]
+      continue
+    k = _scalar_operand(e) if e is not None and e.primitive.name in ("mul", "div") else None
+    f = None if k is None or e.invars[1 - k] is not p else constant(g, e.invars[k])
+    if f is not None and f != 0.0:
+      factor = factor * f if e.primitive.name == "mul" else factor / f
+      p = e.outvars[0]
+      continue
+    found = None if e is None or drop is not None else _dropout_at(g, e, p)
+    if found is None:
+      ops = [_op_at(g, i) for i in g.consumers.get(p, [])]
+      raise _other_than_one_matmul(
+          "are returned" if p in g.outvars else "feed " + ", ".join(ops))
+    drop, p = found, e.outvars[0]
+  if drop is None and factor != 1.0:
+    raise _other_than_one_matmul(f"are scaled, with no dropout, before {_op_at(g, c)}")
+  return p, c, None if drop is None else dataclasses.replace(drop, factor=factor * drop.factor)
+
+
+def _other_than_one_matmul(where) -> Left:
+  return Left("the probabilities feed something other than one matmul (dropout on them, or "
+              f"returned): they {where}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dropout:
+  """A dropout on the probabilities: ``p * keep * factor``, ``keep`` (``not keep`` where
+  ``negated``) the boolean made by equations ``indices`` from the vars ``inputs`` (a key)."""
+  keep: jcore.Var
+  shape: tuple  # keep's shape with a 1 on each axis it is broadcast along, in p's rank
+  negated: bool
+  factor: float
+  indices: frozenset
+  inputs: list
+
+
+def _dropout_at(g, e, p):
+  """The `_Dropout` equation ``e`` applies to ``p``: ``p * (keep.astype(dtype) / keep_prob)``
+  (flax's `dot_product_attention_weights`) or ``select(keep, p, 0)`` (`flax.linen.Dropout`,
+  ``jnp.where``; the division by keep_prob before it); else None."""
+  name = e.primitive.name
+  if name == "mul" and e.invars[0] is not e.invars[1]:
+    other = e.invars[1 - e.invars.index(p)]
+    keep, dims, factor = _multiplier(g, other, list(range(p.aval.ndim)))
+    negated = False
+  elif name == "select_n" and len(e.invars) == 3 and e.invars[0] is not p:
+    zero = e.invars[1] if e.invars[2] is p else e.invars[2]
+    if fill_value(g, zero) != 0.0:
+      return None
+    keep, dims = _bool_source(g, e.invars[0], list(range(p.aval.ndim)))
+    negated, factor = e.invars[1] is p, 1.0
+  else:
+    return None
+  if keep is None or dims != sorted(dims):
+    return None
+  made = upstream(g, [keep], set())
+  keys = {g.eqns[i].invars[0] for i in made if g.eqns[i].primitive.name == "random_bits"}
+  if not keys:
+    return None
+  made = upstream(g, [keep], keys)
+  return _Dropout(keep, _shape_in(keep, dims, p.aval.ndim), negated, factor, frozenset(made),
+                  _free_vars(g, made))
+
+
+def _multiplier(g, v, dims):
+  """``(keep, dims, factor)``: ``v`` is ``keep``, a boolean, cast, times ``factor`` and
+  broadcast (``dims``: the axes of ``p`` keep's axes are); ``(None, dims, 1.0)`` if not."""
+  factor = 1.0
+  while (e := g.prod(v)) is not None:
+    name = e.primitive.name
+    k = _scalar_operand(e) if name in ("mul", "div") else None
+    if k is not None and (f := constant(g, e.invars[k])) is not None and f != 0.0:
+      factor = factor * f if name == "mul" else factor / f
+      v = e.invars[1 - k]
+    elif name == "broadcast_in_dim":
+      dims, v = [dims[d] for d in e.params["broadcast_dimensions"]], e.invars[0]
+    elif name == "convert_element_type" and e.invars[0].aval.dtype == jnp.bool_:
+      keep, dims = _bool_source(g, e.invars[0], dims)
+      return keep, dims, factor
+    else:
+      break
+  return None, dims, 1.0
+
+
+def _bool_source(g, v, dims):
+  """``(keep, dims)``: boolean ``v`` followed back through broadcasts."""
+  while (e := g.prod(v)) is not None and e.primitive.name == "broadcast_in_dim":
+    dims, v = [dims[d] for d in e.params["broadcast_dimensions"]], e.invars[0]
+  return (v if isinstance(v, jcore.Var) else None), dims
+
+
+def _op_at(g, e) -> str:
+  """Equation ``e`` (or its index) for a reason: its primitive and source line."""
+  i = e if isinstance(e, int) else g.index(e.outvars[0])
+  return f"{g.eqns[i].primitive.name} ({g.source(i)})"
+
+
+def _left(g, why, e, sep=": ") -> Left:
+  """`Left` for the reason ``why``, naming equation ``e`` (or its index) and its line."""
+  return Left(f"{why}{sep}{_op_at(g, e)}")
 
 
 # --- the layout: every operand's axes named in one canonical order ---------------
@@ -77,25 +188,26 @@ class _Layout:
   k_labels: list
   v_labels: list
   out_labels: list
+  p_labels: list  # the probabilities' labels (before the canonical ones)
 
   @property
   def grouped(self) -> bool:
     return "G" in self.order_q
 
 
-def _score_labels(qk):
+def _score_labels(g, qk):
   """``(lhs, rhs, out)``: labels of the query-key matmul's operands and output."""
   lhs = _operand_labels(qk, 0, "L")
   rhs = _operand_labels(qk, 1, "R")
   if lhs is None or rhs is None:
-    raise Left("the query-key matmul has more than one query or key axis (and no group axis "
-               "right after the kv heads)")
+    raise _left(g, "the query-key matmul has more than one query or key axis (and no group "
+                "axis right after the kv heads)", qk)
   if len(qk.params["dimension_numbers"][1][0]) > 2:
-    raise Left("more than two batch axes in the scores")
+    raise _left(g, "more than two batch axes in the scores", qk)
   return lhs, rhs, _out_labels(qk, lhs, rhs)
 
 
-def _stages(steps, labels):
+def _stages(g, steps, labels, sm_i):
   """``(labels, stage)``: the scores' labels at the softmax, and each scale, bias and mask
   with the labels at its op; one scale, before any bias or mask; one bias; one mask."""
   stage = []
@@ -103,22 +215,22 @@ def _stages(steps, labels):
     if kind == "layout":
       labels = _relabel(e, labels)
       if labels is None:
-        raise Left("a reshape of the scores merges or splits axes")
+        raise _left(g, "a reshape of the scores merges or splits axes", e)
     else:
       stage.append((kind, e, k, list(labels)))
   if labels[-1] not in ("L", "R"):
-    raise Left("the softmax is not over the keys")
+    raise _left(g, "the softmax is not over the keys", sm_i)
   kinds = [st[0] for st in stage]
   if "scale" in kinds and any(kd in ("bias", "mask", "mask_not") for kd in
                               kinds[:kinds.index("scale")]):
-    raise Left("the scores are scaled after a bias or mask")
-  if kinds.count("scale") > 1 or kinds.count("bias") > 1 or len(
-      [kd for kd in kinds if kd.startswith("mask")]) > 1:
-    raise Left("more than one scale, bias or mask")
+    raise _left(g, "the scores are scaled after a bias or mask", stage[kinds.index("scale")][1])
+  for n, kind in enumerate(kinds):
+    if kind.split("_")[0] in [kd.split("_")[0] for kd in kinds[:n]]:  # mask_not is a mask
+      raise _left(g, "more than one scale, bias or mask", stage[n][1])
   return labels, stage
 
 
-def _value_labels(pv, pp, p_labels, nb):
+def _value_labels(g, pv, pp, p_labels, nb):
   """``(v_labels, out_labels)`` of the probabilities' matmul ``pv``, which contracts the
   keys of ``pp`` (canonical labels ``p_labels``) with one axis of the values."""
   p_side = pv.invars.index(pp)
@@ -127,7 +239,7 @@ def _value_labels(pv, pp, p_labels, nb):
   v_contract, v_batch = (rc, rb) if p_side == 0 else (lc, lb)
   if [p_labels[d] for d in p_contract] != ["S"] or sorted(
       p_labels[d] for d in p_batch) != [f"B{j}" for j in range(nb)]:
-    raise Left("the probabilities' matmul does not contract the keys")
+    raise _left(g, "the probabilities' matmul does not contract the keys", pv)
   v_var = pv.invars[1 - p_side]
   v_labels = [None] * v_var.aval.ndim
   for dp, dv in zip(p_batch, v_batch):
@@ -136,7 +248,7 @@ def _value_labels(pv, pp, p_labels, nb):
   free_v = [d for d in range(v_var.aval.ndim) if v_labels[d] is None]
   big = [d for d in free_v if v_var.aval.shape[d] != 1]
   if len(big) != 1 or len(v_contract) != 1:
-    raise Left("the values have more than one feature axis")
+    raise _left(g, "the values have more than one feature axis", pv)
   for d in free_v:
     v_labels[d] = "D" if d == big[0] else "U"
   p_free = [p_labels[d] for d in range(len(p_labels)) if d not in p_contract and d not in p_batch]
@@ -145,25 +257,26 @@ def _value_labels(pv, pp, p_labels, nb):
   return v_labels, out_labels
 
 
-def _layout(qk, steps, pv, pp) -> _Layout:
-  """The canonical layout of the attention of query-key matmul ``qk`` and ``pv``."""
-  lhs, rhs, labels = _score_labels(qk)
-  labels, stage = _stages(steps, labels)
+def _layout(g, qk, steps, pv, pp, sm_i) -> _Layout:
+  """The canonical layout of the attention of query-key matmul ``qk``, ``pv`` and the
+  softmax at equation ``sm_i``."""
+  lhs, rhs, labels = _score_labels(g, qk)
+  labels, stage = _stages(g, steps, labels, sm_i)
   k_side = 0 if labels[-1] == "L" else 1
   to_canon = {"L" if k_side == 1 else "R": "T", "L" if k_side == 0 else "R": "S", "D": "D",
               "U": "U", "B0": "B0", "B1": "B1", "G": "G"}
   order_q, order_mask = list(_ORDER_QKV), ["B0", "B1", "T", "S"]
   if "G" in labels:  # grouped-query attention: q's heads are (B1, G), k's and v's B1
     if "G" in (lhs if k_side == 0 else rhs):
-      raise Left("the keys, not the queries, have the group axis")
+      raise _left(g, "the keys, not the queries, have the group axis", qk)
     order_q, order_mask = ["B0", "T", "B1", "G", "D"], ["B0", "B1", "G", "T", "S"]
   nb = len(qk.params["dimension_numbers"][1][0])
-  v_labels, out_labels = _value_labels(pv, pp, [to_canon[lab] for lab in labels], nb)
+  v_labels, out_labels = _value_labels(g, pv, pp, [to_canon[lab] for lab in labels], nb)
   q_labels = [to_canon[lab] for lab in (lhs if k_side == 1 else rhs)]
   k_labels = [to_canon[lab] for lab in (rhs if k_side == 1 else lhs)]
   k_labels = ["T" if lab == "S" else lab for lab in k_labels]
   return _Layout(k_side, stage, to_canon, order_q, order_mask, q_labels, k_labels, v_labels,
-                 out_labels)
+                 out_labels, labels)
 
 
 # --- the operands, the output, and the replacement --------------------------------
@@ -179,25 +292,55 @@ class _Operands:
   extras: list  # vars or literals, one per stage
   shapes: list  # None or the shape with unit new axes, one per stage
   head_dim: int
+  drop: _Dropout | None
 
   @property
   def dynamic(self) -> list:
-    return [v for v in self.extras if isinstance(v, jcore.Var)]
+    """The vars the replacement reads beyond q, k and v: the extras', the dropout's."""
+    out = []
+    for x in self.extras:
+      out += x.inputs if isinstance(x, _MaskParts) else [x] if isinstance(x, jcore.Var) else []
+    return out + (self.drop.inputs if self.drop else [])
+
+  @property
+  def causal(self) -> bool:
+    return any(isinstance(x, _MaskParts) and x.causal for x in self.extras)
+
+  @property
+  def stops(self) -> set:
+    """The masks made in parts: the replacement reads their parts instead."""
+    return {x.mask for x in self.extras if isinstance(x, _MaskParts)}
+
+  def values(self, vals):
+    """Each extra's value from ``vals``, the values of `dynamic` (less the dropout's)."""
+    it, out = iter(vals), []
+    for x in self.extras:
+      if isinstance(x, _MaskParts):
+        out.append(x(*[next(it) for _ in x.inputs]))
+      else:
+        out.append(next(it) if isinstance(x, jcore.Var) else x.val)
+    return out, list(it)
 
 
-def _operands(g, qk, pv, pp, layout) -> _Operands:
+def _operands(g, qk, pv, pp, layout, drop) -> _Operands:
   q, k = qk.invars[1 - layout.k_side], qk.invars[layout.k_side]
   v = pv.invars[1 - pv.invars.index(pp)]
   if q.aval.dtype != k.aval.dtype or q.aval.dtype != v.aval.dtype:
-    raise Left("q, k and v differ in dtype")
+    raise _left(g, "q, k and v differ in dtype", pv)
   extras, shapes = [], []
   for kind, e, var, lab in layout.stage:
+    parts = (_mask_parts(g, var, [layout.to_canon[t] for t in lab], layout.order_mask)
+             if kind == "mask" else None)
+    if parts is not None:
+      extras.append(parts)
+      shapes.append(None)
+      continue
     var, shape = (var, None) if kind == "scale" else _unbroadcast(g, var)
     if kind != "scale" and len(shape or var.aval.shape) != len(lab):
-      raise Left("a mask or bias of another rank than the scores")
+      raise _left(g, "a mask or bias of another rank than the scores", e)
     extras.append(var)
     shapes.append(shape)
-  return _Operands(q, k, v, extras, shapes, q.aval.shape[layout.q_labels.index("D")])
+  return _Operands(q, k, v, extras, shapes, q.aval.shape[layout.q_labels.index("D")], drop)
 
 
 def _output(g, out, out_labels):
@@ -218,11 +361,13 @@ def _output(g, out, out_labels):
 def _modifiers(layout, ops, ev):
   """``(factor, bias, mask)`` in the canonical layout from the stage's values ``ev``."""
   factor, bias, mask = math.sqrt(ops.head_dim), None, None
-  for (kind, e, _, lab), x, shape in zip(layout.stage, ev, ops.shapes):
+  for (kind, e, _, lab), x, shape, extra in zip(layout.stage, ev, ops.shapes, ops.extras):
     lab = [layout.to_canon[t] for t in lab]
     if shape is not None:
       x = x.reshape(shape)
-    if kind == "scale":
+    if isinstance(extra, _MaskParts):  # already canonical; None if causal and nothing else
+      mask = x
+    elif kind == "scale":
       factor = (factor * x) if e.primitive.name == "mul" else (factor / x)
     elif kind == "bias":
       bias = _to_canonical(x, lab, layout.order_mask)
@@ -232,15 +377,24 @@ def _modifiers(layout, ops, ev):
   return factor, bias, mask
 
 
-def _grouped_as_heads(layout, qc, bias, mask, kv_heads, groups):
-  """Grouped queries, bias and mask with the group axis merged into the heads."""
-  qc = _merge_groups(qc, layout.order_q)
+def _grouped(layout, x, kv_heads, groups):
+  """A grouped bias or mask (or None) with the group axis merged into the heads."""
+  if x is not None and x.shape[1:3] not in ((1, 1), (kv_heads, groups)):
+    x = jnp.broadcast_to(x, x.shape[:1] + (kv_heads, groups) + x.shape[3:])
+  return None if x is None else _merge_groups(x, layout.order_mask)
 
-  def grouped(x):
-    if x is not None and x.shape[1:3] not in ((1, 1), (kv_heads, groups)):
-      x = jnp.broadcast_to(x, x.shape[:1] + (kv_heads, groups) + x.shape[3:])
-    return None if x is None else _merge_groups(x, layout.order_mask)
-  return qc, grouped(bias), grouped(mask)
+
+def _keep_fn(g, layout, drop, grouping):
+  """The dropout's keep-mask as a function of its inputs, in the canonical layout
+  (``grouping``: ``(kv_heads, groups)`` of grouped queries, else None)."""
+  draw = eqns_fn(g, drop.indices, drop.inputs, [drop.keep])
+  labels = [layout.to_canon[t] for t in layout.p_labels]
+
+  def keep(*vals):
+    x = _to_canonical(draw(*vals)[0].reshape(drop.shape), labels, layout.order_mask)
+    x = jnp.logical_not(x) if drop.negated else x
+    return x if grouping is None else _grouped(layout, x, *grouping)
+  return keep
 
 
 def _replacement(g, layout, ops, out, tags, merged):
@@ -249,20 +403,25 @@ def _replacement(g, layout, ops, out, tags, merged):
   def fn(qv, kv, vv, *dv):
     if merged is not None:
       *dv, wv = dv
-    it = iter(dv)
-    ev = [next(it) if isinstance(v, jcore.Var) else v.val for v in ops.extras]
+    ev, drop_vals = ops.values(dv)
     qc = _to_canonical(qv, layout.q_labels, layout.order_q)
     kc = _to_canonical(kv, layout.k_labels, _ORDER_QKV)
     vc = _to_canonical(vv, layout.v_labels, _ORDER_QKV)
     factor, bias, mask = _modifiers(layout, ops, ev)
-    if layout.grouped:
-      kv_heads, groups = qc.shape[2], qc.shape[3]
-      qc, bias, mask = _grouped_as_heads(layout, qc, bias, mask, kv_heads, groups)
+    grouping = (qc.shape[2], qc.shape[3]) if layout.grouped else None
+    if grouping:
+      qc = _merge_groups(qc, layout.order_q)
+      bias, mask = _grouped(layout, bias, *grouping), _grouped(layout, mask, *grouping)
     if not (isinstance(factor, (float, np.generic)) and float(factor) == 1.0):
       qc = (qc.astype(jnp.float32) * factor).astype(qc.dtype)
-    o = attention_ops.attention(qc, kc, vc, mask=mask, bias=bias)
-    if layout.grouped:
-      o = o.reshape(o.shape[:2] + (kv_heads, groups) + o.shape[3:])
+    if ops.drop is None:
+      o = attention_ops.attention(qc, kc, vc, mask=mask, bias=bias, is_causal=ops.causal)
+    else:
+      dropout = attention_ops.Dropout(_keep_fn(g, layout, ops.drop, grouping), ops.drop.factor)
+      o = attention_ops.attention_with_dropout(qc, kc, vc, dropout, tuple(drop_vals), mask=mask,
+                                               bias=bias, is_causal=ops.causal)
+    if grouping:
+      o = o.reshape(o.shape[:2] + grouping + o.shape[3:])
     o = _from_canonical(o, layout.order_q, layout.out_labels, out.aval.shape).astype(
         out.aval.dtype)
     for tag in tags:
@@ -281,16 +440,179 @@ def _install(g, sm_i, layout, ops, out, tags, actions, pass_):
   final = out if merged is None else g.eqns[merged[1]].outvars[0]
   fn = _replacement(g, layout, ops, out, tags, merged)
   inputs = [ops.q, ops.k, ops.v] + ops.dynamic + ([] if merged is None else [merged[0]])
-  indices = upstream(g, [final], set(inputs))
-  if not g.closed(indices, {final}):
-    raise Left("the scores or probabilities are used elsewhere")
+  indices = upstream(g, [final], set(inputs) | ops.stops)  # a mask in parts stays for others
+  if (used := _used_outside(g, indices, {final})) is not None:
+    raise Left(f"the scores or probabilities are used elsewhere: by {used}")
   actions[g.index(final)] = Action(inputs, [final], fn)
   g.taken |= indices
   op = "lm.attention" + ("" if merged is None else " + output projection on its layout")
-  pass_.rewrote(g, "attention", op, sm_i, inputs, eqns_fn(g, indices, inputs, [final]), fn)
+  op += " (causal)" if ops.causal else ""
+  before = eqns_fn(g, upstream(g, [final], set(inputs)), inputs, [final])
+  pass_.rewrote(g, "attention", op, sm_i, inputs, before, fn)
   if merged is not None:
     pass_.rewrote(g, "layout", "matmul over the attention output's heads and features",
                   merged[1])
+
+
+def _used_outside(g, indices, outputs):
+  """The first use, outside ``indices``, of a var they make (less ``outputs``), as
+  `_op_at` names it ("returned" for an output of the jaxpr); None if there is none."""
+  for i in sorted(indices):
+    for v in g.eqns[i].outvars:
+      if v in outputs:
+        continue
+      if v in g.outvars:
+        return f"the function's outputs ({g.source(i)})"
+      outside = [c for c in g.consumers.get(v, []) if c not in indices]
+      if outside:
+        return _op_at(g, outside[0])
+  return None
+
+
+# --- a mask made of a causal part and per-key parts ---------------------------------
+
+# Elementwise ops of one array (other operands literal scalars) a part of a mask may pass
+# through after its broadcast: replayed on the part before the broadcast.
+_PART_OPS = frozenset({"convert_element_type", "ne", "eq", "gt", "ge", "lt", "le", "not",
+                          "copy"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaskParts:
+  """A boolean mask as ``causal and part_1 and ...``: its constant parts a causal mask
+  (evaluated at trace time), each other part an array of the function's broadcast to
+  the scores (a ``[B, L]`` padding mask, a mask it is given).
+
+  Called with the parts' ``inputs``, gives their ``and`` in the canonical layout, each
+  at its own size (``[B, 1, 1, L]`` for a ``[B, L]`` padding mask; a ``[B, 1, L, L]``
+  argument as it is, no reshape of it), or None where there is none.
+  """
+  mask: jcore.Var  # the whole mask, as the function makes it
+  causal: bool
+  inputs: list  # one var per part, before its broadcast
+  chains: list  # the elementwise equations after each input's broadcast, in order
+  labels: list  # each input's canonical axis labels
+  order: list  # the canonical order of a mask's axes
+
+  def __call__(self, *vals):
+    mask = None
+    for x, chain, labels in zip(vals, self.chains, self.labels):
+      for e in chain:
+        x = bind(e, [x] + [w.val for w in e.invars[1:]])[0]
+      present = [lab for lab in labels if lab != "U"]
+      if present == sorted(present, key=self.order.index):  # one reshape; none if no change
+        x = x.reshape([x.shape[labels.index(lab)] if lab in labels else 1 for lab in self.order])
+      else:
+        x = _to_canonical(x, labels, self.order)
+      mask = x if mask is None else mask & x
+    return mask
+
+
+def _mask_parts(g, m, labels, order):
+  """``m`` (canonical ``labels``) as `_MaskParts`, or None where its constant parts are
+  neither causal nor all true: ``and`` of parts, through ``gt(x.astype(..), 0)``,
+  broadcasts and transposes."""
+  constant_parts, inputs, chains, labels_of = [], [], [], []
+  for v, dims in _conjuncts(g, m, list(range(m.aval.ndim))):
+    made = upstream(g, [v], set())
+    if not _free_vars(g, made) and g.index(v) is not None:
+      constant_parts.append((v, made, dims))
+      continue
+    src, chain, dims = _broadcast_source(g, v, dims)
+    inputs.append(src)
+    chains.append(chain)
+    labels_of.append([labels[d] if src.aval.shape[j] != 1 else "U" for j, d in enumerate(dims)])
+  causal = _is_causal(g, constant_parts, labels, m.aval.ndim)
+  return None if causal is None else _MaskParts(m, causal, inputs, chains, labels_of, order)
+
+
+def _conjuncts(g, v, dims):
+  """``(part, dims)`` of boolean ``v``'s ``and``s, through broadcasts and transposes
+  (``dims``: the axes of ``m`` a part's axes are) and ``x != 0``, ``x > 0`` of a boolean
+  cast."""
+  e = g.prod(v)
+  name = None if e is None else e.primitive.name
+  if name == "and" and all(isinstance(w, jcore.Var) for w in e.invars):
+    return [c for w in e.invars for c in _conjuncts(g, w, dims)]
+  if name in ("broadcast_in_dim", "transpose") and isinstance(e.invars[0], jcore.Var):
+    return _conjuncts(g, e.invars[0], _dims_before(e, dims))
+  if name in ("ne", "gt") and scalar(e.invars[1]) == 0.0:
+    c = g.prod(e.invars[0])
+    if c is not None and c.primitive.name == "convert_element_type" and (
+        c.invars[0].aval.dtype == jnp.bool_):
+      return _conjuncts(g, c.invars[0], dims)
+  return [(v, dims)]
+
+
+def _dims_before(e, dims):
+  """``dims`` of a broadcast's or transpose's operand, from those of its output."""
+  if e.primitive.name == "broadcast_in_dim":
+    return [dims[d] for d in e.params["broadcast_dimensions"]]
+  before = [None] * len(dims)
+  for i, j in enumerate(e.params["permutation"]):
+    before[j] = dims[i]
+  return before
+
+
+def _broadcast_source(g, v, dims):
+  """``(source, chain, dims)``: ``v`` is ``source`` broadcast and transposed (``dims``),
+  passed through the elementwise equations ``chain``."""
+  chain = []
+  while (e := g.prod(v)) is not None:
+    name = e.primitive.name
+    if name in ("broadcast_in_dim", "transpose"):
+      dims = _dims_before(e, dims)
+    elif name not in _PART_OPS or not all(isinstance(w, jcore.Literal) and np.ndim(w.val) == 0
+                                              for w in e.invars[1:]):
+      break
+    else:
+      chain.append(e)
+    v = e.invars[0]
+    if not isinstance(v, jcore.Var):
+      break
+  return v, chain[::-1], dims
+
+
+def _into_rank(x, dims, ndim):
+  """``x``, whose axes are the axes ``dims`` of a rank ``ndim`` array, in that rank with
+  1 on the other axes."""
+  order = sorted(range(len(dims)), key=dims.__getitem__)
+  if order != list(range(len(dims))):
+    x = jnp.transpose(x, order)
+  return x.reshape(_shape_in(x, sorted(dims), ndim))
+
+
+def _free_vars(g, indices):
+  """The vars equations ``indices`` read that none of them makes, in order."""
+  return list(dict.fromkeys(v for i in sorted(indices) for v in g.eqns[i].invars
+                            if isinstance(v, jcore.Var) and g.index(v) not in indices))
+
+
+def _shape_in(v, dims, ndim):
+  """The shape of ``v`` (a var or an array), whose axes are the axes ``dims`` (in order)
+  of a rank ``ndim`` array, in that rank with 1 on the other axes."""
+  shape = [1] * ndim
+  for j, d in enumerate(dims):
+    shape[d] = (v.aval if isinstance(v, jcore.Var) else v).shape[j]
+  return tuple(shape)
+
+
+def _is_causal(g, parts, labels, ndim):
+  """True if the constant ``parts`` (anded) are the causal mask of the queries and keys
+  (query i keeps keys 0..i), False if there are none or they keep every key, else None."""
+  if not parts:
+    return False
+  with jax.ensure_compile_time_eval():
+    mask = np.ones((), bool)
+    for v, made, dims in parts:
+      mask = mask & np.asarray(_into_rank(eqns_fn(g, made, [], [v])()[0], dims, ndim))
+  if mask.all():
+    return False
+  t, s = labels.index("T"), labels.index("S")
+  if mask.shape[t] == 1 or mask.shape[s] == 1:
+    return None
+  pair = np.moveaxis(mask, (t, s), (-2, -1))
+  return True if (pair == np.tril(np.ones(pair.shape[-2:], bool))).all() else None
 
 
 # --- the softmax and the scores -------------------------------------------------
@@ -360,7 +682,8 @@ def _scores_chain(g, s):
   while True:
     i = g.index(v)
     if i is None:
-      raise Left("the scores are not a matmul of queries and keys")
+      at = steps[-1][1] if steps else g.consumers[s][0]  # the op that reads the input
+      raise _left(g, "the scores are not a matmul of queries and keys (an input reaches)", at)
     e = g.eqns[i]
     name = e.primitive.name
     if name == "dot_general":
@@ -381,11 +704,11 @@ def _scores_chain(g, s):
     elif name == "select_n" and len(e.invars) == 3:
       kind = _mask_kind(g, e.invars[1], e.invars[2])
       if kind is None:
-        raise Left("a select in the scores that is not a mask")
+        raise _left(g, "a select in the scores that is not a mask", e)
       steps.append((kind, e, e.invars[0]))
       v = e.invars[2] if kind == "mask" else e.invars[1]
     else:
-      raise Left(f"the scores pass through {name}")
+      raise _left(g, "the scores pass through", e, sep=" ")
 
 
 def _mask_kind(g, on_false, on_true):

@@ -12,6 +12,7 @@ cross-entropy. Residual and embedding dropout are left out: they drop
 ``[B, L, D]`` activations, not the patterns this checks.
 
     python benchmarks/hf_style_gpt2.py           # GPT-2 small, batch 8 x 1,024, bfloat16, h100
+    python benchmarks/hf_style_gpt2.py --model transformers   # FlaxGPT2LMHeadModel itself
 
 prints the compiled peak of the plain gradient and of ``lm.lowmem``'s (its
 default, exact) for the target, deviceless, and what ``explain`` found.
@@ -106,22 +107,45 @@ def arguments(config, batch, length, dtype):
   return params, ints, ints, jax.eval_shape(lambda: jax.random.key(0))
 
 
+def transformers_gpt2(batch, length, dtype):
+  """``(loss, args)`` of transformers' ``FlaxGPT2LMHeadModel`` (GPT-2 small, random weights,
+  ``dtype`` compute and parameters, dropout on), its loss shifted after the head."""
+  import transformers  # the test extra's; only for this row
+
+  model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(), dtype=dtype,
+                                           _do_init=False)
+
+  def hf_loss(params, tokens, attention_mask, rng):
+    out = model(tokens, attention_mask=attention_mask, params=params, dropout_rng=rng,
+                train=True).logits
+    return optax.softmax_cross_entropy_with_integer_labels(
+        out[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
+
+  ints = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+  params = jax.eval_shape(lambda k: model.init_weights(k, (batch, length)), jax.random.key(0))
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params)
+  return hf_loss, (params, ints, ints, jax.eval_shape(lambda: jax.random.key(0)))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=1024)
   parser.add_argument("--target", default="h100")
+  parser.add_argument("--model", default="hf-style", choices=("hf-style", "transformers"))
   args = parser.parse_args()
-  config = GPT2_SMALL
-  fn = lambda *a: loss(*a, heads=config["heads"])
-  shapes = arguments(config, args.batch, args.seq, jnp.bfloat16)
+  if args.model == "transformers":
+    fn, shapes = transformers_gpt2(args.batch, args.seq, jnp.bfloat16)
+  else:
+    fn = lambda *a: loss(*a, heads=GPT2_SMALL["heads"])
+    shapes = arguments(GPT2_SMALL, args.batch, args.seq, jnp.bfloat16)
   fast = lm.lowmem(fn)
   print(fast.explain(*shapes))
   peaks = {name: lm.memory.analyze(jax.grad(f), *shapes, target=args.target).peak_bytes
            for name, f in (("plain", fn), ("lm.lowmem", fast))}
   for name, peak in peaks.items():
     print(f"{name}: gradient's compiled peak {peak / 2**20:,.0f} MiB ({args.target}, "
-          f"GPT-2 small, batch {args.batch} x {args.seq}, bfloat16)")
+          f"{args.model} GPT-2 small, batch {args.batch} x {args.seq}, bfloat16)")
   print(f"ratio {peaks['lm.lowmem'] / peaks['plain']:.3f}")
 
 

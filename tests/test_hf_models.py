@@ -53,7 +53,8 @@ def test_plain_jax_gpt2_written_as_hugging_face_writes_it():
                               positions=64)
   fn = lambda *a: hf_style_gpt2.loss(*a, heads=H)
   _check(fn, params, *_tokens_and_mask(), jax.random.key(2),
-         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 1})
+         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 1,
+                 "activation": LAYERS})
 
 
 @TRANSFORMERS_FLAX
@@ -67,7 +68,8 @@ def test_transformers_flax_gpt2_lm_head_model_shifted_after_the_head():
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
   _check(loss, model.params, *_tokens_and_mask(), jax.random.key(2),
-         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 1})
+         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 1,
+                 "activation": LAYERS})
 
 
 @TRANSFORMERS_FLAX
@@ -84,4 +86,5 @@ def test_transformers_flax_bert_masked_lm_with_padding():
 
   # the norms: the embeddings', two a layer, the prediction head's transform
   _check(loss, model.params, *_tokens_and_mask(), jax.random.key(2),
-         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 2})
+         counts={"loss": 1, "attention": LAYERS, "layout": LAYERS, "norm": 2 * LAYERS + 2,
+                 "activation": LAYERS + 1})

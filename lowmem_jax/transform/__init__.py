@@ -8,10 +8,12 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
 2021 for attention):
 
 - ``activations``: an elementwise function of one array that equals, on a grid
-  of test points, ReLU (→ `relu`, a 1-bit mask, exact) and, only with
-  ``activations="approx"``, the erf GELU (→ `regelu2`), the tanh GELU (exact
-  forward, ReGELU2's 2-bit backward) or SiLU (→ `resilu2`): the one rewrite
-  that changes the gradient. Every other rewrite keeps it, to float tolerance.
+  of test points, ReLU (→ `relu`, a 1-bit mask, exact), and GELU (erf or
+  tanh) or SiLU: by default its own ops under `jax.checkpoint` (their input
+  kept, the rest recomputed: exact); with ``activations="approx"`` `regelu2`
+  (the tanh GELU with its exact forward) or `resilu2`, whose 2-bit backward
+  is the one rewrite that changes the gradient. Every other rewrite keeps it,
+  to float tolerance.
 - ``norms``: LayerNorm / RMSNorm (mean and variance, ``jnp.var`` with
   ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
   `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the

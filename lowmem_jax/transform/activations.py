@@ -3,8 +3,10 @@ GELU, SiLU or ReLU becomes `regelu2`, `regelu2_tanh`, `resilu2` or `relu` (Appro
 LowMemoryBP, arXiv:2406.16282).
 
 `relu` (a 1-bit mask) keeps ReLU's gradient exactly; the other three change the gradient
-(a 2-bit step function for the derivative) and run only when asked (``approx``): otherwise
-they are logged as left, with the option that turns them on."""
+(a 2-bit step function for the derivative) and run only when asked (``approx``). Otherwise
+GELU and SiLU keep their gradient: the user's own ops run under `jax.checkpoint`, so the
+backward keeps their input alone and recomputes the rest (the next matmul keeps the
+output), where autodiff kept up to five more arrays of its size."""
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,11 @@ _ACTIVATIONS = {  # name: (primitive hint, exact twin, replacement, gradient exa
     "resilu2": ({"logistic", "exp"}, jax.nn.silu, activation_ops.resilu2, False),
     "relu": ({"max", "custom_jvp_call"}, jax.nn.relu, activation_ops.relu, True),
 }
+# Without ``approx``, what an activation of an approximate rewrite becomes instead: the user's
+# own ops under `jax.checkpoint`, which keeps their input alone (the tanh GELU's autodiff keeps
+# five arrays of its size beside it, SiLU's three).
+_RECOMPUTED = {"regelu2": "erf GELU", "tanh-gelu → regelu2 backward": "tanh GELU",
+               "resilu2": "SiLU"}
 _TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2,
         jnp.dtype(jnp.float16): 3e-3}
 
@@ -53,8 +60,7 @@ def match(g, actions, pass_, approx=False):
     anchor = g.index(z)
     _, _, replacement, exact = _ACTIVATIONS[name]
     if not (exact or approx):
-      pass_.left(g, "activation", anchor, f"its rewrite ({name}) has an approximate "
-                 "backward: lowmem(..., activations=\"approx\") applies it")
+      _recompute(g, actions, pass_, x, z, idx, _RECOMPUTED[name])
       continue
     out_dtype = z.aval.dtype
 
@@ -65,6 +71,30 @@ def match(g, actions, pass_, approx=False):
     g.taken |= idx
     pass_.rewrote(g, "activation", name, anchor, [x], eqns_fn(g, idx, [x], [z]), fn,
                   exact=exact)
+
+
+def _recompute(g, actions, pass_, x, z, idx, label):
+  """The activation region ``idx`` (``x`` to ``z``) as its own ops under `jax.checkpoint`:
+  its input kept, the rest recomputed in the backward, so its gradient is exact. Where
+  ``z`` feeds one matmul alone (through layout ops), the matmul joins the region: the
+  backward makes ``z`` again for the weight's gradient, and no ``z``-sized array is kept."""
+  indices, out, inputs = set(idx), z, [x]
+  while (c := g.only_consumer(out)) is not None and c not in g.taken and (
+      g.eqns[c].primitive.name in LAYOUT) and len(g.eqns[c].invars) == 1:
+    indices.add(c)
+    out = g.eqns[c].outvars[0]
+  e = g.eqns[c] if c is not None and c not in g.taken else None
+  if e is not None and e.primitive.name == "dot_general" and e.invars.count(out) == 1:
+    indices.add(c)
+    inputs = [x] + [v for v in e.invars if v is not out]
+    out, label = e.outvars[0], f"{label} and the matmul it feeds, recomputed from its input"
+  else:
+    indices, out, label = set(idx), z, f"{label}, recomputed from its input"
+  region = eqns_fn(g, indices, inputs, [out])
+  fn = jax.checkpoint(region)
+  actions[g.index(out)] = Action(inputs, [out], fn)
+  g.taken |= indices
+  pass_.rewrote(g, "activation", label, g.index(z), inputs, region, fn)
 
 
 def _bind_pointwise(eqn, invals):

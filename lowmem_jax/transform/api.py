@@ -60,9 +60,10 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
       the function the step differentiates (``jax.grad(lowmem(loss))``,
       ``nnx.value_and_grad(lowmem(loss))``), not the step: a step's jaxpr
       already holds its backward, which the rewrites do not reach.
-    activations: "exact" (ReLU keeps a 1-bit mask, its gradient exact; GELU and
-      SiLU are left and listed by ``explain``), "approx" (also GELU and SiLU, with
-      a 2-bit approximate backward) or None to leave them all.
+    activations: "exact" (ReLU keeps a 1-bit mask; GELU and SiLU keep their
+      input alone, the rest recomputed in the backward under `jax.checkpoint`:
+      gradients exact), "approx" (GELU and SiLU with ReGELU2/ReSiLU2's 2-bit
+      approximate backward instead) or None to leave them all.
     norms: "ms" (memory-sharing norms, affine folded into the matmuls they
       feed) or None.
     attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.

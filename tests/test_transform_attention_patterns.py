@@ -16,8 +16,8 @@ B, L, H, D, MAX_POSITIONS = 2, 16, 2, 8, 32
 PADDING = jnp.ones((B, L), jnp.int32).at[1, -5:].set(0)  # right-padded: no row fully masked
 
 
-def _qkv(n=3):
-  return [jax.random.normal(k, (B, L, H, D)) for k in jax.random.split(jax.random.key(0), n)]
+def _qkv(n=3, heads=H):
+  return [jax.random.normal(k, (B, L, heads, D)) for k in jax.random.split(jax.random.key(0), n)]
 
 
 def _gpt2_bias(attention_mask):
@@ -74,6 +74,38 @@ def test_gpt2_attention_with_dropout_and_masks_is_rewritten_exactly(dropout, rng
       "...hqk,...khd->...qhd", dot_product_attention_weights(q, k, bias=_gpt2_bias(PADDING)),
       v) ** 2)
   assert abs(float(fast(q, k, v)) - float(undropped(q, k, v))) > 1e-2  # it does drop
+
+
+def _bert_attention(q, k, v, head_mask, rng, form):
+  """FlaxBertSelfAttention's: a padding bias, dropout on the probabilities (``rng`` None:
+  none), then Hugging Face's head mask on them, as its einsum or as a broadcast product."""
+  padding = jnp.expand_dims(PADDING, axis=(-3, -2))
+  bias = lax.select(padding > 0, jnp.full(padding.shape, 0.0),
+                    jnp.full(padding.shape, jnp.finfo(jnp.float32).min))
+  w = dot_product_attention_weights(q, k, bias=bias, dropout_rng=rng, dropout_rate=0.1,
+                                    broadcast_dropout=True, deterministic=rng is None)
+  if form == "einsum":
+    w = jnp.einsum("...hqk,h->...hqk", w, head_mask)
+  else:
+    w = w * head_mask[None, :, None, None]
+  return jnp.einsum("...hqk,...khd->...qhd", w, v)
+
+
+@pytest.mark.parametrize("form", ["einsum", "broadcast"])
+@pytest.mark.parametrize("rng", [None, jax.random.key(5)], ids=["no dropout", "dropout"])
+@pytest.mark.parametrize("head_mask", [[1.0] * 4, [1.0, 0.0, 0.5, 1.0]], ids=["ones", "mask"])
+def test_a_head_mask_on_the_probabilities_multiplies_the_output_exactly(head_mask, rng, form):
+  """``(p * m_h) @ v == m_h * (p @ v)``: values and gradients, the head mask's too, are the
+  plain function's; no [B, H, L, L] residual."""
+  q, k, v = _qkv(heads=4)
+  head_mask = jnp.array(head_mask)
+  loss = lambda q, k, v, m: jnp.sum(_bert_attention(q, k, v, m, rng, form) ** 2)
+  fast = lm.lowmem(loss)
+  assert [r.op for r in fast.explain(q, k, v, head_mask)] == ["lm.attention"]
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(f, (0, 1, 2, 3))(*a)))(q, k, v, head_mask)
+  chex.assert_trees_all_close(both(fast), both(loss), atol=1e-5, rtol=1e-5)
+  assert not _square(lm.memory.saved_residuals(fast, q, k, v, head_mask))
+  assert _square(lm.memory.saved_residuals(loss, q, k, v, head_mask))
 
 
 @pytest.mark.standard_promotion("flax.linen.combine_masks: logical_and of int and bool")

@@ -15,19 +15,22 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   is the one rewrite that changes the gradient. Every other rewrite keeps it,
   to float tolerance.
 - ``norms``: LayerNorm / RMSNorm (mean and variance, ``jnp.var`` with
-  ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` /
-  `ms_rms_norm`. Each linear map it feeds (a ``dot_general`` contracting the
-  feature axis, through reshapes and casts) gets the affine folded in inside
-  the step: ``y @ (g[:, None] * W) + b @ W`` forward, and a backward that
-  recomputes the activation-sized ``y * g + b`` from ``y``, so the norm and the
-  matmul save one array, no weight-sized product is kept or made in the
-  backward, and the parameter tree does not change. Other consumers get
-  ``y * g + b`` (the models' ``keep_affine``).
+  ``ddof=0``, or E[x²] − E[x]²; times ``rsqrt`` or over ``sqrt``; optional scale
+  ``g`` and bias ``b`` on the last axis) → `ms_layer_norm` / `ms_rms_norm`. Each
+  linear map it feeds (a ``dot_general`` contracting the feature axis, through
+  reshapes and casts) gets the affine folded in inside the step:
+  ``y @ (g[:, None] * W) + b @ W`` forward, and a backward that recomputes the
+  activation-sized ``y * g + b`` from ``y``, so the norm and the matmul save one
+  array, no weight-sized product is kept or made in the backward, and the
+  parameter tree does not change. Other consumers get ``y * g + b`` (the models'
+  ``keep_affine``).
 - ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
   ``where`` mask → softmax over keys → optional dropout (``p * keep / keep_prob``
   as flax's ``dot_product_attention_weights`` writes it, or ``where(keep, p /
   keep_prob, 0)`` as ``flax.linen.Dropout`` does, ``keep`` drawn from a key by
-  ``random_bits``) → ``dot_general(p, v)``, in any layout that transposes and
+  ``random_bits``) → optional per-head factor (Hugging Face's head mask, as
+  ``einsum("...hqk,h->...hqk", p, m)`` or ``p * m[:, None, None]``: it multiplies
+  the output instead) → ``dot_general(p, v)``, in any layout that transposes and
   unit axes reach, grouped-query heads included (a group axis right after the
   kv-head axis, as ``jax.nn.dot_product_attention`` writes them) →
   `lowmem_jax.attention`, whose backward draws the keep-mask again from the key.

@@ -5,11 +5,12 @@ Steps: the softmax (`_softmax_of`), the scores back to ``dot_general(q, k)``
 with their scale, bias and mask (`_scores_chain`), the probabilities' matmul
 with ``v``, through a dropout (`_values_matmul`, `_dropout_at`: the equations
 that draw its keep-mask from a key become a function the op calls again in the
-backward); then each operand's axes labelled in one canonical layout
-(`_layout`), the operands read (`_operands`; a mask made of parts split into a
-causal flag and small parts, `_mask_parts`), the output followed to its last
-layout op (`_output`), and the replacement installed (`_install`). A pattern
-left raises `Left` with the reason, naming the op that broke it and its line.
+backward) and per-head factors (`_per_head`, applied to the output); then each
+operand's axes labelled in one canonical layout (`_layout`), the operands read
+(`_operands`; a mask made of parts split into a causal flag and small parts,
+`_mask_parts`), the output followed to its last layout op (`_output`), and the
+replacement installed (`_install`). A pattern left raises `Left` with the reason,
+naming the op that broke it and its line.
 """
 
 import dataclasses
@@ -45,22 +46,24 @@ def _match_at(g, i, actions, pass_):
   if s is None:
     return
   qk_i, steps = _scores_chain(g, s)
-  pp, pv_i, drop = _values_matmul(g, g.eqns[i].outvars[0])
+  pp, pv_i, drop, heads = _values_matmul(g, g.eqns[i].outvars[0])
   layout = _layout(g, g.eqns[qk_i], steps, g.eqns[pv_i], pp, i)
-  ops = _operands(g, g.eqns[qk_i], g.eqns[pv_i], pp, layout, drop)
+  ops = _operands(g, g.eqns[qk_i], g.eqns[pv_i], pp, layout, drop, heads)
   out, out_labels, tags = _output(g, g.eqns[pv_i].outvars[0], layout.out_labels)
   layout = dataclasses.replace(layout, out_labels=out_labels)
   _install(g, i, layout, ops, out, tags, actions, pass_)
 
 
 def _values_matmul(g, p):
-  """``(p, index, dropout)``: the probabilities ``p`` as the one matmul they feed reads them
-  (through casts, and a dropout: `_dropout_at`), that matmul, and the `_Dropout` or None."""
-  factor, drop = 1.0, None
+  """``(p, index, dropout, heads)``: the probabilities ``p`` as the one matmul they feed reads
+  them (through casts, a dropout: `_dropout_at`, and per-head factors: `_per_head`), that
+  matmul, the `_Dropout` or None, and the `_PerHead` factors."""
+  factor, drop, heads = 1.0, None, []
   while True:
     c = g.only_consumer(p)
     e = None if c is None else g.eqns[c]
-    if e is not None and e.primitive.name == "dot_general":
+    if e is not None and e.primitive.name == "dot_general" and (
+        e.params["dimension_numbers"][0][e.invars.index(p)]):  # it contracts p: p @ v
       break
     if e is not None and e.primitive.name == "convert_element_type":
       p = e.outvars[0]
@@ -72,14 +75,20 @@ def _values_matmul(g, p):
       p = e.outvars[0]
       continue
     found = None if e is None or drop is not None else _dropout_at(g, e, p)
+    if found is not None:
+      drop, p = found, e.outvars[0]
+      continue
+    found = None if e is None else _per_head(g, e, p)
     if found is None:
       ops = [_op_at(g, i) for i in g.consumers.get(p, [])]
       raise _other_than_one_matmul(
           "are returned" if p in g.outvars else "feed " + ", ".join(ops))
-    drop, p = found, e.outvars[0]
+    heads.append(found[0])
+    p = found[1]
   if drop is None and factor != 1.0:
     raise _other_than_one_matmul(f"are scaled, with no dropout, before {_op_at(g, c)}")
-  return p, c, None if drop is None else dataclasses.replace(drop, factor=factor * drop.factor)
+  drop = None if drop is None else dataclasses.replace(drop, factor=factor * drop.factor)
+  return p, c, drop, heads
 
 
 def _other_than_one_matmul(where) -> Left:
@@ -112,7 +121,7 @@ def _dropout_at(g, e, p):
     zero = e.invars[1] if e.invars[2] is p else e.invars[2]
     if fill_value(g, zero) != 0.0:
       return None
-    keep, dims = _bool_source(g, e.invars[0], list(range(p.aval.ndim)))
+    keep, dims = _through_broadcasts(g, e.invars[0], list(range(p.aval.ndim)))
     negated, factor = e.invars[1] is p, 1.0
   else:
     return None
@@ -125,6 +134,47 @@ def _dropout_at(g, e, p):
   made = upstream(g, [keep], keys)
   return _Dropout(keep, _shape_in(keep, dims, p.aval.ndim), negated, factor, frozenset(made),
                   _free_vars(g, made))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerHead:
+  """A factor of the probabilities constant along the keys (Hugging Face's head mask):
+  ``var``, whose axes are the axes ``dims`` of ``p``. As ``(p * f) @ v == f * (p @ v)``,
+  it multiplies the attention output instead."""
+  var: jcore.Var
+  dims: list
+
+
+def _per_head(g, e, p):
+  """``(factor, p)``: equation ``e`` multiplies ``p`` by a `_PerHead` factor, as
+  ``jnp.einsum("...hqk,h->...hqk", p, m)`` (a ``dot_general`` that batches every axis of
+  ``m`` and contracts none, transposed back to ``p``'s layout) or as ``p * m[:, None, None]``
+  writes it; ``p`` after it. Else None."""
+  name, ndim = e.primitive.name, p.aval.ndim
+  if name == "mul" and e.invars[0] is not e.invars[1]:
+    m, dims = _through_broadcasts(g, e.invars[1 - e.invars.index(p)], list(range(ndim)))
+    out = e.outvars[0]
+  elif name == "dot_general" and e.invars[0] is not e.invars[1]:
+    side = e.invars.index(p)
+    m = e.invars[1 - side]
+    p_batch, m_batch = (e.params["dimension_numbers"][1][j] for j in (side, 1 - side))
+    if len(m_batch) != m.aval.ndim:
+      return None
+    dims = [p_batch[list(m_batch).index(j)] for j in range(m.aval.ndim)]
+    order = list(p_batch) + [d for d in range(ndim) if d not in p_batch]  # p's axes of out
+    out = e.outvars[0]
+    while order != list(range(ndim)) and (c := g.only_consumer(out)) is not None and (
+        g.eqns[c].primitive.name == "transpose"):
+      order = [order[j] for j in g.eqns[c].params["permutation"]]
+      out = g.eqns[c].outvars[0]
+    if order != list(range(ndim)):
+      return None
+  else:
+    return None
+  if not isinstance(m, jcore.Var) or not jnp.issubdtype(m.aval.dtype, jnp.number) or any(
+      d == ndim - 1 and m.aval.shape[j] != 1 for j, d in enumerate(dims)):  # keys: last axis
+    return None
+  return _PerHead(m, dims), out
 
 
 def _multiplier(g, v, dims):
@@ -140,15 +190,15 @@ def _multiplier(g, v, dims):
     elif name == "broadcast_in_dim":
       dims, v = [dims[d] for d in e.params["broadcast_dimensions"]], e.invars[0]
     elif name == "convert_element_type" and e.invars[0].aval.dtype == jnp.bool_:
-      keep, dims = _bool_source(g, e.invars[0], dims)
+      keep, dims = _through_broadcasts(g, e.invars[0], dims)
       return keep, dims, factor
     else:
       break
   return None, dims, 1.0
 
 
-def _bool_source(g, v, dims):
-  """``(keep, dims)``: boolean ``v`` followed back through broadcasts."""
+def _through_broadcasts(g, v, dims):
+  """``(source, dims)``: ``v`` followed back through broadcasts (None if not a var)."""
   while (e := g.prod(v)) is not None and e.primitive.name == "broadcast_in_dim":
     dims, v = [dims[d] for d in e.params["broadcast_dimensions"]], e.invars[0]
   return (v if isinstance(v, jcore.Var) else None), dims
@@ -293,14 +343,16 @@ class _Operands:
   shapes: list  # None or the shape with unit new axes, one per stage
   head_dim: int
   drop: _Dropout | None
+  heads: list  # the `_PerHead` factors
 
   @property
   def dynamic(self) -> list:
-    """The vars the replacement reads beyond q, k and v: the extras', the dropout's."""
+    """The vars the replacement reads beyond q, k and v: the extras', the per-head
+    factors', the dropout's."""
     out = []
     for x in self.extras:
       out += x.inputs if isinstance(x, _MaskParts) else [x] if isinstance(x, jcore.Var) else []
-    return out + (self.drop.inputs if self.drop else [])
+    return out + [h.var for h in self.heads] + (self.drop.inputs if self.drop else [])
 
   @property
   def causal(self) -> bool:
@@ -312,17 +364,18 @@ class _Operands:
     return {x.mask for x in self.extras if isinstance(x, _MaskParts)}
 
   def values(self, vals):
-    """Each extra's value from ``vals``, the values of `dynamic` (less the dropout's)."""
+    """``(extras, heads, dropout)``: the values of `dynamic`, ``vals``, each extra's, each
+    per-head factor's and the dropout's inputs'."""
     it, out = iter(vals), []
     for x in self.extras:
       if isinstance(x, _MaskParts):
         out.append(x(*[next(it) for _ in x.inputs]))
       else:
         out.append(next(it) if isinstance(x, jcore.Var) else x.val)
-    return out, list(it)
+    return out, [next(it) for _ in self.heads], list(it)
 
 
-def _operands(g, qk, pv, pp, layout, drop) -> _Operands:
+def _operands(g, qk, pv, pp, layout, drop, heads) -> _Operands:
   q, k = qk.invars[1 - layout.k_side], qk.invars[layout.k_side]
   v = pv.invars[1 - pv.invars.index(pp)]
   if q.aval.dtype != k.aval.dtype or q.aval.dtype != v.aval.dtype:
@@ -340,7 +393,8 @@ def _operands(g, qk, pv, pp, layout, drop) -> _Operands:
       raise _left(g, "a mask or bias of another rank than the scores", e)
     extras.append(var)
     shapes.append(shape)
-  return _Operands(q, k, v, extras, shapes, q.aval.shape[layout.q_labels.index("D")], drop)
+  return _Operands(q, k, v, extras, shapes, q.aval.shape[layout.q_labels.index("D")], drop,
+                   heads)
 
 
 def _output(g, out, out_labels):
@@ -403,7 +457,7 @@ def _replacement(g, layout, ops, out, tags, merged):
   def fn(qv, kv, vv, *dv):
     if merged is not None:
       *dv, wv = dv
-    ev, drop_vals = ops.values(dv)
+    ev, head_vals, drop_vals = ops.values(dv)
     qc = _to_canonical(qv, layout.q_labels, layout.order_q)
     kc = _to_canonical(kv, layout.k_labels, _ORDER_QKV)
     vc = _to_canonical(vv, layout.v_labels, _ORDER_QKV)
@@ -422,6 +476,8 @@ def _replacement(g, layout, ops, out, tags, merged):
                                                bias=bias, is_causal=ops.causal)
     if grouping:
       o = o.reshape(o.shape[:2] + grouping + o.shape[3:])
+    for head, x in zip(ops.heads, head_vals):
+      o = o * _head_factor(layout, head, x).astype(o.dtype)
     o = _from_canonical(o, layout.order_q, layout.out_labels, out.aval.shape).astype(
         out.aval.dtype)
     for tag in tags:
@@ -431,6 +487,13 @@ def _replacement(g, layout, ops, out, tags, merged):
     return [o]
 
   return fn
+
+
+def _head_factor(layout, head, x):
+  """The value ``x`` of `_PerHead` ``head`` on the output's canonical axes."""
+  x = _into_rank(x, head.dims, len(layout.p_labels))
+  labels = [layout.to_canon[t] if n != 1 else "U" for t, n in zip(layout.p_labels, x.shape)]
+  return _to_canonical(x, labels, layout.order_q)
 
 
 def _install(g, sm_i, layout, ops, out, tags, actions, pass_):
@@ -641,8 +704,8 @@ def _softmax_of(g, i):
   if ex is None or ex.primitive.name != "exp" or red is None:
     return None
   last = (num.aval.ndim - 1,)
-  if red.primitive.name != "reduce_sum" or g.back(red.invars[0], {"convert_element_type"}) is not num or tuple(
-      red.params["axes"]) != last:
+  if red.primitive.name != "reduce_sum" or g.back(red.invars[0], {"convert_element_type"}) is not (
+      num) or tuple(red.params["axes"]) != last:
     return None
   sub = g.prod(ex.invars[0])
   if sub is None or sub.primitive.name != "sub":

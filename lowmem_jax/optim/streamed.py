@@ -401,6 +401,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     head_grads, dh = head_vjp(jnp.ones_like(loss))
     new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
                                         [not r for r in embed_reads])
+    # The head's own update before the layers' backward, so its gradient is gone by then.
+    dh, new_rest = jax.lax.optimization_barrier((dh, new_rest))
 
     def backward(dh, p, s, h):
       _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), p, _to("device", h))

@@ -58,6 +58,38 @@ def test_unrolled_layers_are_the_same_model():
     llama.layer_stack(unrolled)
 
 
+@pytest.mark.parametrize("tied,chunk", [(False, 4), (True, 3)], ids=["untied-4", "tied-3"])
+def test_mlp_in_token_chunks_is_the_same_model(tied, chunk):
+  """``mlp_chunk_tokens``: the same params, loss and gradient (float32), and no
+  ``[tokens, ffn_dim]`` tensor in the gradient's program, which the whole MLP makes."""
+  config = dataclasses.replace(TINY, tie_embeddings=tied)
+  whole, chunked = Llama(config, loss="fused"), Llama(config, loss="fused", mlp_chunk_tokens=chunk)
+  tokens = _tokens()
+  labels = jnp.roll(tokens, -1, axis=1)
+  params = whole.init(jax.random.key(1), tokens)["params"]
+  chex.assert_trees_all_equal(chunked.init(jax.random.key(1), tokens)["params"], params)
+  grad = lambda m: jax.value_and_grad(lambda p: m.apply({"params": p}, tokens, labels))
+  got, want = jax.jit(grad(chunked))(params), jax.jit(grad(whole))(params)
+  chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)
+  assert abs(float(got[0]) - float(want[0])) < 1e-6
+  hidden = ("[2,8,48]", "[16,48]")  # the whole MLP's hidden, batched or flattened
+  assert any(h in str(jax.make_jaxpr(grad(whole))(params)) for h in hidden)
+  assert not any(h in str(jax.make_jaxpr(grad(chunked))(params)) for h in hidden)
+
+
+def test_mlp_chunks_are_equal_and_within_the_limit():
+  assert llama.mlp_chunks(32768, 4096) == 8
+  assert llama.mlp_chunks(4096, 4096) == llama.mlp_chunks(4096, None) == 1
+  assert llama.mlp_chunks(16, 3) == 8  # 2 tokens each: 16 has no divisor in 6 .. 7
+  assert llama.mlp_chunks(10, 4) == 5  # 2 tokens each
+  assert llama.mlp_chunks(7, 2) == 7  # prime: a token each
+  for bad in (0, 2.0):
+    with pytest.raises(ValueError, match="mlp_chunk_tokens must be a positive int"):
+      Llama(TINY, mlp_chunk_tokens=bad).init(jax.random.key(0), _tokens())
+  with pytest.raises(ValueError, match="mlp_chunk_tokens applies to the LLaMA models only"):
+    models.workload("vit-tiny", batch=1, mlp_chunk_tokens=4)
+
+
 @pytest.mark.parametrize("name,published", [
     ("llama-3.2-1b", 1_235_814_400), ("llama-3.2-3b", 3_212_749_824),
     ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496)])

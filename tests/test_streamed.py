@@ -67,10 +67,11 @@ def plain_step(model, tx):
   return jax.jit(step)
 
 
-def run_both(model, tx, params, batches, **places):
+def run_both(model, tx, params, batches, twin=None, **places):
+  """The streamed step of ``model`` and the plain step of ``twin`` (default ``model``)."""
   layered = streamed.layer_streamed(model, tx, **places)
   step, state = jax.jit(layered.step), layered.init(params)
-  plain, plain_state = plain_step(model, tx), tx.init(params)
+  plain, plain_state = plain_step(model if twin is None else twin, tx), tx.init(params)
   got, want = params, params
   for batch in batches:
     got, state, metrics = step(got, state, batch)
@@ -200,6 +201,22 @@ def test_llama_layer_stack_equals_adamw_on_the_model():
   assert_close(got, want, rtol=1e-4, atol=1e-5)
   want_loss = model.apply({"params": params}, *batch)
   np.testing.assert_allclose(stack.loss(params, batch), want_loss, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_llama_mlp_in_token_chunks_equals_adamw_on_the_whole_mlp():
+  """The `stream` technique's ``mlp_chunk_tokens``: the streamed step of the model whose MLP
+  runs in 4 token chunks equals AdamW on the gradient of the model whose MLP runs whole."""
+  config = lm.models.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 ffn_dim=48)
+  whole = lm.models.Llama(config, loss="fused")
+  tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+  batch = (tokens[:, :-1], tokens[:, 1:])
+  params = whole.init(jax.random.key(1), batch[0])["params"]
+  chunked = lm.models.llama.layer_stack(whole.clone(mlp_chunk_tokens=4))
+  got, want, _ = run_both(chunked, optax.adamw(1e-2, eps=1e-4), params, [batch, batch],
+                          twin=lm.models.llama.layer_stack(whole))
+  assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -146,7 +146,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
              dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
              activation: str = "exact", norm: str = "plain", attention: str = "plain",
              conv: str = "plain", loss: str = "plain", embedding: str = "plain",
-             density: float | None = None, remat: bool = False, remat_policy: Callable | None = None) -> Workload:
+             density: float | None = None, remat: bool = False,
+             remat_policy: Callable | None = None, mlp_chunk_tokens: int | None = None) -> Workload:
   """The reference workload ``name`` (one of `NAMES`).
 
   Args:
@@ -168,6 +169,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
       (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
     embedding: the LLaMA models' token embedding, "plain" or "late" (its
       gradient buffer made when needed: for AdamA's micro-batch loop).
+    mlp_chunk_tokens: the LLaMA models' MLP over token chunks of at most this
+      many tokens (`lowmem_jax.models.llama.TransformerBlock`); None: whole.
     density: the WideResNet's blocks' convs stored sparse at this density (a
       float in (0, 1)); None: dense. Train with `Workload.optimizer`'s ``tx``.
   """
@@ -188,6 +191,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   if embedding != "plain" and name not in llama.CONFIGS:
     raise ValueError(f"embedding={embedding!r} applies to the LLaMA models only; {name} takes "
                      "embedding='plain'.")
+  if mlp_chunk_tokens is not None and name not in llama.CONFIGS:
+    raise ValueError(f"mlp_chunk_tokens applies to the LLaMA models only; {name} takes None, "
+                     f"got {mlp_chunk_tokens!r}.")
   if name in WRN_CONFIGS:
     if (norm, attention) != ("plain", "plain"):
       raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
@@ -221,7 +227,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:
-    model = Llama(llama.CONFIGS[name], loss=loss, embedding=embedding, **switches)
+    model = Llama(llama.CONFIGS[name], loss=loss, embedding=embedding,
+                  mlp_chunk_tokens=mlp_chunk_tokens, **switches)
     inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     labels = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return Workload(name, model, inputs, labels)

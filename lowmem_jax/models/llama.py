@@ -21,7 +21,9 @@ embeddings), llama-3.1-8b and llama-3.1-70b (Meta's model cards and
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
 the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
 cross-entropy, or "fused", `lowmem_jax.losses.linear_cross_entropy`, which
-never holds the logits) and ``remat`` / ``remat_policy`` for the layers.
+never holds the logits), ``mlp_chunk_tokens`` (each layer's MLP over token
+chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
+``remat`` / ``remat_policy`` for the layers.
 """
 
 import contextlib
@@ -40,11 +42,12 @@ from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
+from lowmem_jax._checks import is_int
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
                                        embed_layer, norm_layer, normed, silu)
-from lowmem_jax.optim.streamed import LayerStack
+from lowmem_jax.optim.streamed import LayerStack, slices
 
 LOSSES = ("plain", "fused")
 
@@ -52,6 +55,11 @@ LOSSES = ("plain", "fused")
 def check_loss(loss: str) -> None:
   if loss not in LOSSES:
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+
+
+def check_mlp_chunk_tokens(mlp_chunk_tokens: int | None) -> None:
+  if mlp_chunk_tokens is not None and (not is_int(mlp_chunk_tokens) or mlp_chunk_tokens < 1):
+    raise ValueError(f"mlp_chunk_tokens must be a positive int or None, got {mlp_chunk_tokens!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +202,30 @@ class FeedForward(nn.Module):
     return dense(self.config.dim, "w2")(checkpoint_name(gate * up, names.MLP_ACT))
 
 
+def mlp_chunks(tokens: int, chunk_tokens: int | None) -> int:
+  """How many equal token chunks `TransformerBlock` runs its MLP in: the fewest of at most
+  ``chunk_tokens`` tokens each (`lowmem_jax.optim.streamed.slices`; 1 without
+  ``chunk_tokens`` or within it; ``tokens`` chunks of one where ``tokens`` is prime)."""
+  return 1 if chunk_tokens is None else slices((tokens, 1), chunk_tokens)
+
+
 class TransformerBlock(nn.Module):
+  """One pre-norm decoder layer: attention, then the SwiGLU MLP, each added to the stream.
+
+  With ``mlp_chunk_tokens`` the MLP runs over the flattened tokens in
+  `mlp_chunks` equal chunks, a ``lax.scan`` whose body is under `nn.remat`:
+  the backward keeps each chunk's input and recomputes its ``[chunk, ffn_dim]``
+  hidden, so no ``[tokens, ffn_dim]`` tensor is made. The same function (the MLP
+  works token by token); the weights' gradient is summed over the chunks in
+  their dtype.
+  """
   config: LlamaConfig
   activation: str
   norm: str
   attention: str
   dtype: Any
   param_dtype: Any
+  mlp_chunk_tokens: int | None = None
 
   def _normed(self, x, name):
     return normed(x, self.norm, self.config.norm_eps, self.dtype, self.param_dtype, name,
@@ -211,8 +236,16 @@ class TransformerBlock(nn.Module):
     x = checkpoint_name(x, names.BLOCK_IN)
     x = x + Attention(self.config, self.attention, self.dtype, self.param_dtype, name="attention")(
         self._normed(x, "attention_norm"))
-    ff = FeedForward(self.config, self.activation, self.dtype, self.param_dtype, name="feed_forward")
-    return x + ff(self._normed(x, "ffn_norm"))
+    h = self._normed(x, "ffn_norm")
+    ff_args = (self.config, self.activation, self.dtype, self.param_dtype)
+    n = mlp_chunks(math.prod(h.shape[:-1]), self.mlp_chunk_tokens)
+    if n == 1:
+      return x + FeedForward(*ff_args, name="feed_forward")(h)
+    chunked = nn.scan(lambda module, _, chunk: (None, module(chunk)),
+                      variable_broadcast="params", split_rngs={"params": False}, length=n)
+    _, out = chunked(nn.remat(FeedForward, prevent_cse=False)(*ff_args, name="feed_forward"),
+                     None, h.reshape(n, -1, h.shape[-1]))
+    return x + out.reshape(x.shape)
 
 
 def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str,
@@ -260,7 +293,7 @@ def _embedding(model: "Llama") -> nn.Module:
 def _block_args(model: "Llama") -> tuple:
   """`TransformerBlock`'s fields for ``model``'s layers."""
   return (model.config, model.activation, model.norm, model.attention, model.dtype,
-          model.param_dtype)
+          model.param_dtype, model.mlp_chunk_tokens)
 
 
 def _final_norm(model: "Llama") -> nn.Module:
@@ -283,6 +316,8 @@ class Llama(TransformerSwitches):
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
       "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
     embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
+    mlp_chunk_tokens: each layer's MLP over token chunks of at most this many
+      tokens, recomputed chunk by chunk in the backward (`TransformerBlock`); None: whole.
     scan: the layers stacked under ``layers`` and run by `nn.scan` (compile
       time flat in depth; what `layer_stack` and `from_hf` take), or, False,
       unrolled as ``layers_{i}``: `examples/sharded_train.py` keeps them so,
@@ -294,12 +329,14 @@ class Llama(TransformerSwitches):
   config: LlamaConfig = LlamaConfig()
   loss: str = "plain"
   embedding: str = "plain"
+  mlp_chunk_tokens: int | None = None
   scan: bool = True
 
   @nn.compact
   def __call__(self, tokens, labels=None):
     check_switches(self.activation, self.norm, self.attention)
     check_loss(self.loss)
+    check_mlp_chunk_tokens(self.mlp_chunk_tokens)
     cfg = self.config
     embed = _embedding(self)
     x = embed(tokens)
@@ -331,6 +368,7 @@ def layer_stack(model: Llama) -> LayerStack:
   """
   check_switches(model.activation, model.norm, model.attention)
   check_loss(model.loss)
+  check_mlp_chunk_tokens(model.mlp_chunk_tokens)
   if not model.scan:
     raise ValueError("model must stack its layers (scan=True) for layer_stack, got scan=False.")
   cfg = model.config

@@ -259,8 +259,10 @@ def _put(tree: Any, new: Any, i: jax.Array) -> Any:
 
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
                  reverse: bool = False) -> tuple[Any, Any, Any]:
-  """``fn(carry, params_i, state_i, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``.
+  """``fn(carry, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
+  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
+  ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
+  gradient) is made, so the slice is not held while the gradient is computed.
 
   The params are updated in place; the states too where they live on the device
   (``place``). What lives on the host (the states there, and any leaf of
@@ -276,8 +278,11 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
   def body(c, i):
     c, params, device_states, current = c
     ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
-    s = current[0] if on_host else _at(device_states, i)
-    c, p, s = fn(c, _at(params, i), s, current[1])
+    if on_host:
+      state_of = lambda after: current[0]
+    else:
+      state_of = lambda after: _at(device_states, jax.lax.optimization_barrier((after, i))[1])
+    c, p, s = fn(c, _at(params, i), state_of, current[1])
     params = _put(params, p, i)
     if on_host:
       return (c, params, device_states, ahead), _to("host", s)
@@ -373,8 +378,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     if n == 1:
       p, s = update(g, _to("device", s), p)
       return p, _to(place, s)
-    _, new, s = _scan_slices(lambda _, p, s, g: (None, *update(g, s, p)), None, sliced(p, n),
-                             s, sliced(g, n), place)
+    _, new, s = _scan_slices(lambda _, p, s, g: (None, *update(g, s(g), p)), None,
+                             sliced(p, n), s, sliced(g, n), place)
     return new.reshape(jnp.shape(p)), s
 
   def update_tree(grads, states, params, place, which=None):
@@ -401,11 +406,18 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     head_grads, dh = head_vjp(jnp.ones_like(loss))
     new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
                                         [not r for r in embed_reads])
+    if state == "device":
+      # The head's own update before the layers' backward, so the head's gradient (the output
+      # kernel's, vocab x dim) is gone by then: dh waits on the new states. Compiled for the
+      # GPU targets, with the state on the host XLA's own order peaks lower.
+      done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(rest_states),
+                                embed_reads) if not r]
+      dh, _ = jax.lax.optimization_barrier((dh, done))
 
     def backward(dh, p, s, h):
       _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), p, _to("device", h))
       grads, dh = vjp(dh)
-      return dh, *update_tree(grads, s, p, "device")
+      return dh, *update_tree(grads, s(grads), p, "device")
 
     dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
                                             state, reverse=True)

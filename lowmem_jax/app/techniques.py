@@ -173,9 +173,11 @@ TECHNIQUES = {t.term: t for t in (
                          "already"))),
     Technique("all", "+".join(_ALL), exact=False),
     Technique("lowmem", "a step of your own only: the exact rewrites of lm.lowmem(loss_fn): "
-              "memory-sharing norms, attention keeping no L×L residual and the loss head "
-              "block by block (add approx for ReGELU2/ReSiLU2)",
-              lowmem={"norms": "ms", "attention": "recompute", "loss": "fused"}),
+              "memory-sharing norms, attention keeping no L×L residual, the loss head "
+              "block by block, GELU/SiLU keeping their input alone (add approx for "
+              "ReGELU2/ReSiLU2)",
+              lowmem={"activations": "exact", "norms": "ms", "attention": "recompute",
+                      "loss": "fused"}),
 )}
 """Every technique by its CLI term."""
 DEFAULT = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
@@ -199,8 +201,8 @@ class StepOption(NamedTuple):
 
 STEP_OPTIONS = {
     "lowmem": StepOption("lambda f: f", "the step differentiates lowmem(loss_fn); lowmem: "
-                         "functools.partial(lm.lowmem, ...) with the exact rewrites (norms, "
-                         "attention, loss head), approx: with activations=\"approx\"",
+                         "lm.lowmem, its exact rewrites (norms, attention, loss head, GELU/SiLU "
+                         "recomputed), approx: with activations=\"approx\"",
                          ("lowmem", "approx")),
     "dtype": StepOption("jnp.float32", "the compute dtype; bf16: jnp.bfloat16", ("bf16",)),
     "policy": StepOption("None", "a remat policy, for jax.checkpoint(loss_fn, policy=policy); "
@@ -411,14 +413,16 @@ class TechniqueSet:
     """The `STEP_OPTIONS` this set passes to a user's ``make_step``, as `code`
     expressions (the defaults left out); `code.value` makes each."""
     out = {}
-    lowmem = {k: v for t, _ in self.values for k, v in TECHNIQUES[t].lowmem.items()}
+    lowmem = {}
+    for t, _ in self.values:  # the first technique to set an option wins: approx over lowmem's
+      for k, v in TECHNIQUES[t].lowmem.items():
+        lowmem.setdefault(k, v)
     if lowmem:
       defaults = {k: p.default for k, p in inspect.signature(transform.lowmem).parameters.items()
                   if p.kind is p.KEYWORD_ONLY}
-      # activations always: whether lm.lowmem approximates by default has changed
-      given = {k: lowmem.get(k) for k in defaults
-               if lowmem.get(k) != defaults[k] or k == "activations"}
-      out["lowmem"] = code.Call.of("functools.partial", code.Name("lm.lowmem"), **given)
+      given = {k: lowmem.get(k) for k in defaults if lowmem.get(k) != defaults[k]}
+      out["lowmem"] = (code.Call.of("functools.partial", code.Name("lm.lowmem"), **given)
+                       if given else code.Name("lm.lowmem"))
     if "bf16" in self:
       out["dtype"] = code.Code(jnp.bfloat16, "jnp.bfloat16")
     if "remat" in self:

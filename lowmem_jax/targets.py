@@ -88,6 +88,8 @@ class _Speeds(NamedTuple):
   """What a step-time floor needs of a GPU besides its memory bandwidth."""
   peak_bf16_flops: float  # dense bfloat16 tensor-core peak, FP32 accumulation, FLOP/s
   host_link_bytes_per_s: float  # the PCIe link to the host, one direction, bytes/s
+  # NVLink to the other GPUs, one direction, bytes/s; None: no NVLink, the peers over PCIe
+  nvlink_bytes_per_s: float | None = None
 
 
 # By device kind, so that `from_devices` and `attached` on the same card find them too.
@@ -96,23 +98,28 @@ class _Speeds(NamedTuple):
 # and the A10G run it at half their FP16-accumulate rate, the datacenter and RTX pro cards at
 # the full rate.
 _SPEEDS = {
-    # h100: H100 datasheet, SXM5: BF16 1,979 TFLOPS with sparsity; PCIe Gen5 x16 to the host.
-    "NVIDIA H100 80GB HBM3": _Speeds(989.4e12, _pcie_bytes_per_s(5)),
-    # h100-pcie: H100 datasheet, PCIe: BF16 1,513 TFLOPS with sparsity; PCIe Gen5 x16.
+    # h100: H100 datasheet, SXM5: BF16 1,979 TFLOPS with sparsity; PCIe Gen5 x16 to the host;
+    # NVLink 4 900 GB/s a GPU, both directions together (18 links of 25 GB/s each way).
+    "NVIDIA H100 80GB HBM3": _Speeds(989.4e12, _pcie_bytes_per_s(5), 450e9),
+    # h100-pcie: H100 datasheet, PCIe: BF16 1,513 TFLOPS with sparsity; PCIe Gen5 x16 (its
+    # NVLink bridge joins two cards only, so 8 cards talk over PCIe).
     "NVIDIA H100 PCIe": _Speeds(756.5e12, _pcie_bytes_per_s(5)),
-    # a100-40gb, a100-80gb: A100 datasheet, SXM4: BF16 312 TFLOPS dense; PCIe Gen4 x16.
-    "NVIDIA A100-SXM4-40GB": _Speeds(312e12, _pcie_bytes_per_s(4)),
-    "NVIDIA A100-SXM4-80GB": _Speeds(312e12, _pcie_bytes_per_s(4)),
+    # a100-40gb, a100-80gb: A100 datasheet, SXM4: BF16 312 TFLOPS dense; PCIe Gen4 x16; NVLink
+    # 3 600 GB/s, both directions together.
+    "NVIDIA A100-SXM4-40GB": _Speeds(312e12, _pcie_bytes_per_s(4), 300e9),
+    "NVIDIA A100-SXM4-80GB": _Speeds(312e12, _pcie_bytes_per_s(4), 300e9),
     # b200: Blackwell datasheet, HGX B200 (1,000 W): BF16 4.5 PFLOPS with sparsity a GPU. The
     # GPU's own link is PCIe Gen6 x16, but HGX and DGX B200 hosts are Gen5 (DGX B200 user guide:
-    # 2 Xeon 8570, PCIe Gen5), so the link runs at Gen5 x16.
-    "NVIDIA B200": _Speeds(2.25e15, _pcie_bytes_per_s(5)),
+    # 2 Xeon 8570, PCIe Gen5), so the link runs at Gen5 x16. NVLink 5: 1.8 TB/s a GPU, both
+    # directions together.
+    "NVIDIA B200": _Speeds(2.25e15, _pcie_bytes_per_s(5), 900e9),
     # a6000: RTX A6000 datasheet: tensor 309.7 TFLOPS with sparsity (GA102 whitepaper: 154.8
     # dense, FP32 accumulation at the full rate); PCIe Gen4 x16.
     "NVIDIA RTX A6000": _Speeds(154.8e12, _pcie_bytes_per_s(4)),
     # v100: no bfloat16 tensor cores (sm_70): XLA computes bfloat16 dots in float32 there, so
-    # the floor is the FP32 peak, 15.7 TFLOPS (V100 datasheet, SXM2); PCIe Gen3 x16.
-    "Tesla V100-SXM2-16GB": _Speeds(15.7e12, _pcie_bytes_per_s(3)),
+    # the floor is the FP32 peak, 15.7 TFLOPS (V100 datasheet, SXM2); PCIe Gen3 x16; NVLink 2
+    # 300 GB/s, both directions together.
+    "Tesla V100-SXM2-16GB": _Speeds(15.7e12, _pcie_bytes_per_s(3), 150e9),
     # rtx4090: BF16 tensor with FP32 accumulation 165.2 TFLOPS dense, the Ada whitepaper's
     # appendix figure as third-party tables quote it (330.3 is FP16 with FP16 accumulation;
     # 82.6 the FP32 non-tensor peak); PCIe Gen4 x16.
@@ -173,6 +180,14 @@ class Target:
     after line coding; the PCIe link of an SXM part, not NVLink), known as `peak_bf16_flops`
     is; None otherwise."""
     return getattr(_SPEEDS.get(self.device_kind), "host_link_bytes_per_s", None)
+
+  @property
+  def interconnect_bytes_per_s(self) -> float | None:
+    """One direction of the GPU's link to the other GPUs in bytes/s: NVLink's where the part
+    has it to all its peers (SXM: H100 NVLink 4, 900 GB/s both ways together, so 450 GB/s; the
+    H100 datasheet), else `host_link_bytes_per_s` (PCIe); known as `peak_bf16_flops` is."""
+    speeds = _SPEEDS.get(self.device_kind)
+    return None if speeds is None else speeds.nvlink_bytes_per_s or speeds.host_link_bytes_per_s
 
   @property
   def note(self) -> str:

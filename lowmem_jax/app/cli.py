@@ -172,8 +172,10 @@ def _workload_title(args, job: techniques.Job) -> str:
     return f"{args.step} training step (target {target}, jax {jax.__version__})"
   size = (f"{job.image_side}px images" if job.model in models.VIT_CONFIGS or job.conv_net
           else f"{job.seq} tokens")
+  where = (f"FSDP over {job.devices} × {target}, figures per device" if job.devices > 1
+           else f"target {target}")
   return (f"{job.model} training step, batch {job.batch} of {size}, {job.dtype} compute "
-          f"unless bf16, AdamW unless adama or 8bit (target {target}, jax {jax.__version__})")
+          f"unless bf16, AdamW unless adama or 8bit ({where}, jax {jax.__version__})")
 
 
 def _size(nbytes: float) -> str:
@@ -183,6 +185,7 @@ def _size(nbytes: float) -> str:
 def _summary(rows: list[dict], title: str) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   host = any(r["host_bytes"] for r in rows)
+  shared = any(r["collective_bytes"] for r in rows)
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
                 "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
@@ -195,10 +198,15 @@ def _summary(rows: list[dict], title: str) -> Table:
                 "(micro-batches, chunks), n/a where a loop runs a number of times not known "
                 "when compiling"
                 + ("; host: what lives in host memory (offloaded state, saved inputs), beside "
-                   "the device's peak" if host else ""))
+                   "the device's peak" if host else "")
+                + ("; collectives: the bytes a device's all-gathers, reduce-scatters, "
+                   "all-reduces, all-to-alls and collective-permutes produce in a step (each "
+                   "loop's body as many times as it runs), floor: their time at the target's "
+                   "interconnect bandwidth one way" if shared else ""))
   for column in ("techniques", f"params {unit}", f"optimizer {unit}", f"gradients {unit}",
                  f"activations {unit}", f"other {unit}", f"peak {unit}",
-                 *([f"host {unit}"] if host else []), "× less", f"saved {unit}", "extra FLOPs"):
+                 *([f"host {unit}"] if host else []), "× less", f"saved {unit}", "extra FLOPs",
+                 *(["collectives GiB", "floor ms"] if shared else [])):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
     sizes = ["none found" if r[k] is None else "0 (none live)" if k == "gradients" and not r[k]
@@ -207,8 +215,11 @@ def _summary(rows: list[dict], title: str) -> Table:
                        "peak_bytes")]
     flops = "n/a" if r["extra_flops"] is None else f"{100 * r['extra_flops']:+.1f}%"
     hosted = [f"{r['host_bytes'] / scale:,.2f}"] if host else []
+    moved = [] if not shared else ["n/a", "n/a"] if r["collective_bytes"] is None else [
+        f"{r['collective_bytes'] / 2**30:,.2f}",
+        "n/a" if r["transfer_floor_s"] is None else f"{1e3 * r['transfer_floor_s']:,.1f}"]
     table.add_row(r["techniques"], *sizes, *hosted, f"{r['reduction']:.2f}",
-                  f"{r['peak_saved_bytes'] / scale:,.2f}", flops)
+                  f"{r['peak_saved_bytes'] / scale:,.2f}", flops, *moved)
   return table
 
 
@@ -237,7 +248,7 @@ def report(args, job: techniques.Job, console: Console) -> int:
   if args.json:
     workload = ({"step": args.step} if job.make_step is not None else
                 {"model": job.model, "batch": job.batch, "seq": job.seq, "image": job.image_side,
-                 "dtype": job.dtype})
+                 "dtype": job.dtype, "devices": job.devices})
     out = {**workload, "target": target.name, "device_kind": target.device_kind,
            "target_note": target.note, "jax": jax.__version__,
            **({"left_out": left_out[0]} if left_out else {}),
@@ -323,6 +334,22 @@ def _target(text: str | None) -> targets.Target:
     raise UsageError(f"--target {text}: {e}") from e
 
 
+def _check_devices(args, target: targets.Target) -> None:
+  """`UsageError` naming ``--devices`` where several devices do not apply."""
+  if args.devices == 1:
+    return
+  if target.platform != "cuda":
+    raise UsageError(f"--devices {args.devices}: FSDP over several devices compiles for a GPU "
+                     f"target (--target h100, ...); target {target.name} is the CPU proxy.")
+  if args.batch % args.devices:
+    raise UsageError(f"--batch {args.batch} does not split over --devices {args.devices}: give "
+                     "a batch divisible by the devices.")
+  try:
+    target.devices(args.devices)
+  except ValueError as e:
+    raise UsageError(f"--devices {args.devices}: {e}") from e
+
+
 class _Parser(argparse.ArgumentParser):
   def error(self, message):
     raise UsageError(message)
@@ -376,6 +403,10 @@ def _parser() -> argparse.ArgumentParser:
                         "...) for lowmem (see lowmem-jax report --help)")
     p.add_argument("--verbose", action="store_true",
                    help="an error raised in your step (--step) with its traceback, not in one line")
+    p.add_argument("--devices", type=int, default=1, action=_Given,
+                   help="GPUs of the target the step runs on (default 1): parameters and "
+                        "optimizer state FSDP-sharded over them, the batch split; every figure "
+                        "is one device's")
     p.add_argument("--target", default=None, metavar="NAME",
                    help=f"what to compile for: {', '.join(targets.names())}, attached (this "
                         "process's devices) or a config file (.txtpb); default: this process's "
@@ -404,7 +435,7 @@ def main(argv=None) -> int:
       if flag == "--budget" and value.startswith("-"):  # argparse would take it for an option
         parse_bytes(value)
     args = _parser().parse_args(argv)
-    for name in ("batch", "seq", "image"):
+    for name in ("batch", "seq", "image", "devices"):
       if getattr(args, name) is not None and getattr(args, name) < 1:
         raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if getattr(args, "top", 0) < 0:
@@ -414,8 +445,9 @@ def main(argv=None) -> int:
                        "own step and shapes.")
     with without_cuda_notes():  # the GPU target's plugin loads here
       target = _target(args.target)
+    _check_devices(args, target)
     job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype, target,
-                         load_step(args.step) if args.step is not None else None)
+                         load_step(args.step) if args.step is not None else None, args.devices)
     if job.make_step is None:
       check_positions(job)
     return (report if args.command == "report" else plan)(args, job, console)

@@ -240,6 +240,22 @@ class TechniqueError(ValueError):
   """A technique set or a job that cannot be measured, said in one line."""
 
 
+FSDP = "fsdp"
+"""The mesh axis `Job.shard` splits over."""
+
+
+def fsdp_spec(shape: tuple[int, ...], devices: int) -> jax.sharding.PartitionSpec:
+  """The `PartitionSpec` splitting an array of ``shape`` on its largest axis divisible by
+  ``devices`` (the last of equal ones: a stacked layer's weight ``[layers, d_in, d_out]``
+  splits a feature axis, as the FSDP test of tests/test_streamed.py does), over `FSDP`;
+  replicated where no axis divides."""
+  axes = [i for i, n in enumerate(shape) if n % devices == 0]
+  if not axes:
+    return jax.sharding.PartitionSpec()
+  axis = max(axes, key=lambda i: (shape[i], i))
+  return jax.sharding.PartitionSpec(*(FSDP if i == axis else None for i in range(len(shape))))
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
   """What a technique set is measured on.
@@ -257,6 +273,9 @@ class Job:
       a technique set's `STEP_OPTIONS` (`TechniqueSet.step_options`) the step with those
       techniques, e.g. ``make_step(lowmem=lm.lowmem)`` the step that differentiates
       ``lowmem(loss_fn)``.
+    devices: GPUs of the target the step runs on, FSDP over a 1-D mesh of them (`shard`):
+      each parameter and optimizer state leaf split on an axis, the batch on its first; every
+      figure is then one device's. A reference model on a GPU target only.
   """
   model: str = "vit-b16"
   batch: int = 64
@@ -265,11 +284,12 @@ class Job:
   dtype: str = "float32"
   target: "targets.Target | str | None" = None
   make_step: Callable | None = None
+  devices: int = 1
 
   def __post_init__(self):
     if self.make_step is None and self.model not in models.NAMES:
       raise TechniqueError(f"model must be one of {', '.join(models.NAMES)}, got {self.model!r}.")
-    for name in ("batch", "seq", "image"):
+    for name in ("batch", "seq", "image", "devices"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise TechniqueError(f"{name} must be an int >= 1, got {value!r}.")
@@ -279,6 +299,37 @@ class Job:
       object.__setattr__(self, "target", targets.resolve(self.target))
     except (ValueError, TypeError, targets.TargetUnavailable) as e:
       raise TechniqueError(f"target: {e}") from e
+    if self.devices > 1:
+      if self.make_step is not None or self.target.platform != "cuda":
+        raise TechniqueError(f"devices={self.devices}: FSDP over several devices is for a "
+                             "reference model on a GPU target (a step of your own shards "
+                             "itself; the CPU proxy has no multi-GPU figure).")
+      if self.batch % self.devices:
+        raise TechniqueError(f"batch {self.batch} does not split over devices={self.devices}: "
+                             "give a batch divisible by the devices.")
+
+  def mesh(self) -> jax.sharding.Mesh:
+    """The 1-D mesh (axis `FSDP`) of ``devices`` of the target's devices."""
+    return self.target.mesh((self.devices,), (FSDP,))
+
+  def shard(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+    """The step's abstract arguments FSDP-sharded over `mesh`: each parameter and optimizer
+    state leaf on `fsdp_spec`'s axis, the batch's leaves on their first axis (``batch`` is
+    divisible by ``devices``); unchanged on one device. State in host memory raises
+    `TechniqueError`: a step with host arguments compiles for one device."""
+    if self.devices == 1:
+      return params, opt_state, batch
+    mesh = self.mesh()
+
+    def place(x, spec):
+      if getattr(getattr(x, "sharding", None), "memory_kind", None) == targets.HOST:
+        raise TechniqueError(f"devices={self.devices}: state in host memory (offload-opt) "
+                             "compiles for one device; leave it out.")
+      return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  sharding=jax.sharding.NamedSharding(mesh, spec))
+    state = lambda x: place(x, fsdp_spec(x.shape, self.devices))
+    return (jax.tree.map(state, params), jax.tree.map(state, opt_state),
+            jax.tree.map(lambda x: place(x, jax.sharding.PartitionSpec(FSDP)), batch))
 
   @property
   def language_model(self) -> bool:
@@ -617,7 +668,8 @@ def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Cal
 
 def arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple]:
   """``(built, params, opt_state, batch)``: `TechniqueSet.program`'s names and the step's
-  abstract arguments, the offloaded state in host memory."""
+  abstract arguments, the offloaded state in host memory, sharded over ``job.devices``
+  (`Job.shard`)."""
   built = techniques.program(job).run()
   wl, tx = built["wl"], built["tx"]
   params = wl.abstract_params()
@@ -627,14 +679,17 @@ def arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple
       opt_state = targets.in_host_memory(opt_state)
   else:
     opt_state = offload.abstract_state(tx, params)
-  return built, params, opt_state, (wl.inputs, wl.labels)
+  return built, *job.shard(params, opt_state, (wl.inputs, wl.labels))
 
 
 def device_argument_bytes(job: Job, techniques: TechniqueSet) -> int:
   """The bytes of ``techniques``' step's arguments (parameters, optimizer state, batch) that
-  live on the device: a floor under its peak, found without compiling."""
+  live on a device (its shards, over ``job.devices``): a floor under its peak, found without
+  compiling."""
   _, *args = arguments(job, techniques)
-  on_device = [x for x in jax.tree.leaves(args)
+  on_device = [jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+               if isinstance(x.sharding, jax.sharding.NamedSharding) else x
+               for x in jax.tree.leaves(args)
                if getattr(getattr(x, "sharding", None), "memory_kind", None) != targets.HOST]
   return memory.tree_bytes(on_device)
 
@@ -654,6 +709,10 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
                          "micro-batches.")
   built, params, opt_state, batch = arguments(job, techniques)
   wl, step = built["wl"], built["step"]
+  if job.devices > 1:  # the new parameters and state sharded as the old, which they replace
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+    step = jax.jit(step, out_shardings=(shardings(params), shardings(opt_state), None),
+                   donate_argnums=(0, 1))
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
   # The streamed step saves each layer's input, not the residuals of the loss's backward.
@@ -671,8 +730,12 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
   activations (None without a loss: autodiff's count, which XLA's reuse and fusion can
   put above the peak) and the peak's saving (base's less this one's); as ratios, the
   reduction and the extra FLOPs, each loop's body counted as many times as it runs (None
-  where a loop's trip count is unknown, `lowmem_jax.memory.loop_flops`)."""
+  where a loop's trip count is unknown, `lowmem_jax.memory.loop_flops`); a device's
+  collective bytes (`lowmem_jax.memory.collective_bytes`) and the seconds they take at the
+  target's interconnect bandwidth one way (`lowmem_jax.targets.Target.interconnect_bytes_per_s`),
+  a floor under the step's communication time (None where either is unknown)."""
   at = b.at_peak
+  link = b.target.interconnect_bytes_per_s
   found = b.argument_components
   return {
       "techniques": b.label,
@@ -689,6 +752,9 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
       "extra_flops": (None if b.loop_flops is None or not base.loop_flops
                       else (b.loop_flops - base.loop_flops) / base.loop_flops),
       "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
+      "collective_bytes": b.collective_bytes,
+      "transfer_floor_s": (None if b.collective_bytes is None or link is None
+                           else b.collective_bytes / link),
   }
 
 

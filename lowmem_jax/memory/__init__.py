@@ -17,13 +17,13 @@ step that does not fit. XLA's dumps, which the report reads, are parsed in
 the private `lowmem_jax.memory._xla_dump`.
 """
 
-from lowmem_jax.memory.analysis import (MemoryStats, Residual, Residuals, analyze, aot_compile,
-                                        flops_of, loop_flops, saved_residuals, stats_of, step_flops,
-                                        tree_bytes)
+from lowmem_jax.memory.analysis import (COLLECTIVES, MemoryStats, Residual, Residuals, analyze,
+                                        aot_compile, collective_bytes, flops_of, loop_flops,
+                                        saved_residuals, stats_of, step_flops, tree_bytes)
 from lowmem_jax.memory.breakdown import COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom, report
 
 __all__ = [
-    "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual", "Residuals", "analyze",
-    "aot_compile", "explain_oom", "flops_of", "loop_flops", "report", "saved_residuals", "stats_of",
+    "COLLECTIVES", "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual", "Residuals", "analyze",
+    "aot_compile", "collective_bytes", "explain_oom", "flops_of", "loop_flops", "report", "saved_residuals", "stats_of",
     "step_flops", "tree_bytes",
 ]

@@ -235,7 +235,7 @@ def step_flops(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> fl
 
 
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+).*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? %?([a-z][\w\-]*)\(([^)]*)\)(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) %?([a-z][\w\-]*)\(([^)]*)\)(.*)$")
 _CALLED = re.compile(r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
                      r"|branch_computations=\{([^}]*)\}")
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -245,6 +245,7 @@ class _Instruction(NamedTuple):
   op: str
   operands: tuple[str, ...]
   attributes: str
+  shape: str = ""  # its HLO shape as written, layouts included
 
 
 def _computations(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[str, str], str]:
@@ -258,8 +259,8 @@ def _computations(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[s
       entry = header.group(2) if header.group(1) else entry
       name = header.group(2)
     elif current is not None and (m := _INSTRUCTION.match(line)):
-      operands = tuple(o.strip().lstrip("%") for o in m.group(3).split(",") if o.strip())
-      current[m.group(1)] = _Instruction(m.group(2), operands, m.group(4))
+      operands = tuple(o.strip().lstrip("%") for o in m.group(4).split(",") if o.strip())
+      current[m.group(1)] = _Instruction(m.group(3), operands, m.group(5), m.group(2))
       if line.lstrip().startswith("ROOT "):
         roots[name] = m.group(1)
   return computations, roots, entry
@@ -347,6 +348,58 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
       total += trips * body_flops - once(body)
     return total
   return full(entry)
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+"""The HLO collectives `collective_bytes` counts; an asynchronous one by its ``-done``."""
+_ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of the arrays of an HLO shape (``bf16[8,128]{1,0}``, or a tuple of them)."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    if dtype == "token":
+      continue
+    bits = re.match(r"[a-z]+(\d+)", dtype)
+    count = math.prod(int(d) for d in dims.split(",") if d)
+    total += -(-count * (int(bits.group(1)) if bits else 8) // 8)  # pred: a byte
+  return total
+
+
+def collective_bytes(hlo_text: str) -> int | None:
+  """Bytes a device's collectives produce in one run of an optimised, SPMD-partitioned HLO
+  module (``compiled.as_text()``): the outputs of every all-gather, all-reduce,
+  reduce-scatter, all-to-all and collective-permute (`COLLECTIVES`, synchronous, or the
+  ``-done`` of an asynchronous one, or inside an ``async-start``'s computation), a ``while``
+  loop's body counted as many times as the loop runs (`loop_flops`' trip counts), a
+  ``conditional``'s largest branch once; None where a loop's trip count is unknown. What a
+  device receives is at most this (a ring all-gather receives ``(n - 1) / n`` of its output)."""
+  computations, roots, entry = _computations(hlo_text)
+  done = tuple(f"{c}-done" for c in COLLECTIVES)
+
+  @functools.cache
+  def count(name: str) -> int | None:
+    total = 0
+    for i in computations.get(name, {}).values():
+      if i.op in COLLECTIVES or i.op in done:
+        total += _shape_bytes(i.shape)
+      if i.op == "while":
+        body = re.search(r"body=%?([\w.\-]+)", i.attributes).group(1)
+        trips, inner = _trip_count(i, computations[name], computations, roots), count(body)
+        if trips is None or inner is None:
+          return None
+        total += trips * inner
+        continue
+      for m in _CALLED.finditer(i.attributes):
+        called = [m.group(1)] if m.group(1) else [c.strip().lstrip("%")
+                                                  for c in m.group(2).split(",")]
+        inner = [count(c) for c in called]
+        if None in inner:
+          return None
+        total += max(inner, default=0)
+    return total
+  return count(entry)
 
 
 def tree_bytes(tree: Any) -> int:

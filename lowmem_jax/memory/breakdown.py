@@ -20,8 +20,8 @@ import numpy as np
 
 from lowmem_jax import _plots, _text, names as _names, targets
 from lowmem_jax.memory import _xla_dump
-from lowmem_jax.memory.analysis import (MemoryStats, Residuals, loop_flops, saved_residuals,
-                                        stats_of, step_flops)
+from lowmem_jax.memory.analysis import (MemoryStats, Residuals, collective_bytes, loop_flops,
+                                        saved_residuals, stats_of, step_flops)
 
 
 COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",
@@ -139,6 +139,9 @@ class Breakdown:
     saved: the residuals autodiff saves for ``loss_fn``, or None.
     loop_flops: FLOPs of the step with each loop's body counted as many times as it runs
       (`loop_flops`, of the lowered program), or None where a loop's trip count is unknown.
+    collective_bytes: bytes of a device's collectives' outputs in one step, loops counted as
+      they run (`collective_bytes`, of the compiled program); 0 on one device; None where a
+      loop's trip count is unknown.
   """
   label: str
   target: targets.Target
@@ -153,6 +156,7 @@ class Breakdown:
   argument_components: frozenset[str]
   saved: Residuals | None = None
   loop_flops: float | None = None
+  collective_bytes: int | None = 0
 
   @property
   def live_peak_bytes(self) -> int:
@@ -180,6 +184,7 @@ class Breakdown:
         "compiled": dataclasses.asdict(self.stats),
         "flops": self.flops,
         "loop_flops": self.loop_flops,
+        "collective_bytes": self.collective_bytes,
         "at_peak": dict(self.at_peak),
         "estimated": sorted(ESTIMATED),
         "live_peak_bytes": self.live_peak_bytes,
@@ -300,7 +305,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       buffers=tuple(buffers[:top] if top is not None else buffers),
       activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])),
       argument_components=frozenset(arguments.values()), saved=saved,
-      loop_flops=loop_flops(lowered))
+      loop_flops=loop_flops(lowered), collective_bytes=collective_bytes(texts.hlo))
 
 
 def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,

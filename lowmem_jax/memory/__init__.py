@@ -20,10 +20,11 @@ the private `lowmem_jax.memory._xla_dump`.
 from lowmem_jax.memory.analysis import (COLLECTIVES, MemoryStats, Residual, Residuals, analyze,
                                         aot_compile, collective_bytes, flops_of, loop_flops,
                                         saved_residuals, stats_of, step_flops, tree_bytes)
-from lowmem_jax.memory.breakdown import COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom, report
+from lowmem_jax.memory.breakdown import (COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom,
+                                         report)
 
 __all__ = [
-    "COLLECTIVES", "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual", "Residuals", "analyze",
-    "aot_compile", "collective_bytes", "explain_oom", "flops_of", "loop_flops", "report", "saved_residuals", "stats_of",
-    "step_flops", "tree_bytes",
+    "COLLECTIVES", "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual",
+    "Residuals", "analyze", "aot_compile", "collective_bytes", "explain_oom", "flops_of",
+    "loop_flops", "report", "saved_residuals", "stats_of", "step_flops", "tree_bytes",
 ]

@@ -298,8 +298,8 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
   peak_name = sequence[peak_position] if peak_position < len(sequence) else "(the end)"
   peak_instr = instructions.get(peak_name, _xla_dump.Instr("", "", None))
   return Breakdown(
-      label=label, target=target, stats=stats_of(compiled), flops=step_flops(lowered, compiled), at_peak=at_peak,
-      peak_position=peak_position,
+      label=label, target=target, stats=stats_of(compiled),
+      flops=step_flops(lowered, compiled), at_peak=at_peak, peak_position=peak_position,
       peak_op=f"{peak_name} {peak_instr.op_name} {peak_instr.source}".strip(),
       live_bytes=tuple(int(b) for b in live_bytes),
       buffers=tuple(buffers[:top] if top is not None else buffers),

@@ -65,6 +65,10 @@ ENV_VAR = "LOWMEM_JAX_IMPL"
 # change that re-measures those; until then a kernel's "auto" is XLA.
 MEASURED_NO_SLOWER: frozenset[str] = frozenset()
 
+# The implementation `using` set; None: ``$LOWMEM_JAX_IMPL``.
+_using: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "lowmem_jax_impl", default=None)
+
 # The platform `compiling_for_platform` set; None: JAX's default backend.
 _platform: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "lowmem_jax_compile_platform", default=None)
@@ -97,6 +101,21 @@ def compiling_for_platform(name: str):
     _platform.reset(token)
 
 
+@contextlib.contextmanager
+def using(name: str):
+  """Within the block, ``impl=None`` means ``name`` (one of `IMPLS`), as
+  ``$LOWMEM_JAX_IMPL=name`` would, and over it: e.g. ``using("xla")`` for a step
+  sharded over several devices, whose cuDNN attention needs q, k and v sharded alike.
+  Read when an op is traced, as the variable is."""
+  if name not in IMPLS:
+    raise ValueError(f"name must be one of {IMPLS}, got {name!r}.")
+  token = _using.set(name)
+  try:
+    yield name
+  finally:
+    _using.reset(token)
+
+
 def choose(impl: str | None, op: str, offered: tuple[str, ...],
            argument: str = "impl") -> tuple[str, str]:
   """The implementation of `IMPLS` to run ``op`` with, and where it was named.
@@ -105,26 +124,27 @@ def choose(impl: str | None, op: str, offered: tuple[str, ...],
   changed keeps its old choice until `jax.clear_caches` (module docstring).
 
   Args:
-    impl: a name in `IMPLS`, or ``None``: ``$LOWMEM_JAX_IMPL`` where ``op``
-      offers it, else ``"auto"``.
+    impl: a name in `IMPLS`, or ``None``: `using`'s name, else ``$LOWMEM_JAX_IMPL``,
+      where ``op`` offers it, else ``"auto"``.
     op: what runs, for errors, e.g. ``"attention"``.
     offered: the names ``op`` offers.
     argument: the keyword that takes ``impl``, for errors.
 
   Returns:
-    ``(impl, source)``: a name in ``offered``, and ``argument`` or
+    ``(impl, source)``: a name in ``offered``, and ``argument``, ``"using"`` or
     ``"$LOWMEM_JAX_IMPL"``, whichever named it.
 
   Raises:
     ValueError: a name not in `IMPLS`, or an explicit one ``op`` does not offer.
   """
   if impl is None:
-    value = os.environ.get(ENV_VAR)
+    value, source = (_using.get(), "using") if _using.get() else (os.environ.get(ENV_VAR),
+                                                                   f"${ENV_VAR}")
     if not value:
       return "auto", argument
     if value not in IMPLS:
       raise ValueError(f"${ENV_VAR} must be one of {IMPLS}, got {value!r}.")
-    return (value, f"${ENV_VAR}") if value in offered else ("auto", argument)
+    return (value, source) if value in offered else ("auto", argument)
   if impl not in IMPLS:
     raise ValueError(f"{argument} must be one of {IMPLS}, got {impl!r}.")
   if impl not in offered:

@@ -126,6 +126,17 @@ def test_attention_takes_the_same_names_and_the_environment_variable(monkeypatch
     _attention_runs()
 
 
+
+def test_using_sets_the_default_over_the_environment_variable(monkeypatch):
+  monkeypatch.setenv(dispatch.ENV_VAR, "cudnn")
+  with dispatch.using("xla"):
+    assert _attention_runs() == "xla"
+    assert _attention_runs(implementation="cudnn") == "cudnn"  # an explicit implementation wins
+  assert _attention_runs() == "cudnn"
+  with pytest.raises(ValueError, match="name must be one of .* got 'fast'"):
+    with dispatch.using("fast"):
+      pass
+
 @pytest.mark.slow
 def test_vit_training_step_with_kernels_matches_xla(monkeypatch):
   """The ViT reference step, switched to the kernels by the environment variable alone."""

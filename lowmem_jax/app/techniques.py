@@ -17,6 +17,7 @@ is the code that builds that step.
     b = techniques.measure(job, techniques.parse("all+fused-ce"))
 """
 
+import contextlib
 import dataclasses
 import inspect
 import re
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import memory, models, offload, planner, policies, sparse, targets, transform
+from lowmem_jax import (dispatch, memory, models, offload, planner, policies, sparse, targets,
+                        transform)
 from lowmem_jax.app import code
 
 
@@ -716,10 +718,13 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
   # The streamed step saves each layer's input, not the residuals of the loss's backward.
-  return memory.report(step, params, opt_state, batch,
-                       loss_fn=None if "stream" in techniques else wl.loss,
-                       loss_args=(params, *micro, *positions), label=techniques.label,
-                       top=top, target=job.target)
+  # Over several devices, attention is the chunked XLA one: cuDNN's partitioner needs q, k and
+  # v sharded alike, and XLA's propagation shards them apart.
+  with dispatch.using("xla") if job.devices > 1 else contextlib.nullcontext():
+    return memory.report(step, params, opt_state, batch,
+                         loss_fn=None if "stream" in techniques else wl.loss,
+                         loss_args=(params, *micro, *positions), label=techniques.label,
+                         top=top, target=job.target)
 
 
 def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -> dict:

@@ -144,3 +144,11 @@ def test_batch_must_split_over_the_devices(capsys):
                    "--target", "h100", "--budget", "1GiB"]) == 2
   err = _error(capsys)
   assert "--batch 3" in err and "--devices 2" in err
+
+
+@needs_target
+def test_the_ladder_over_several_devices_keeps_the_state_on_them():
+  job = techniques.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
+  sets, _ = techniques.ladder_of(job)
+  alone, _ = techniques.ladder_of(techniques.Job("llama-100m", batch=2, seq=64, target="h100"))
+  assert sets == [t for t in alone if "offload-opt" not in t] and len(sets) < len(alone)

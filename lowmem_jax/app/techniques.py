@@ -789,12 +789,13 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
-  """``(sets, left out)``: `ladder` for ``job``; for a user's step, each set without the
-  techniques whose options ``make_step`` does not take (`Job.without_missing`), once,
-  and those techniques."""
+  """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
+  hold state in host memory (``offload-opt``: such a step compiles for one device); for a
+  user's step, each set without the techniques whose options ``make_step`` does not take
+  (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
-    return texts, ()
+    return [t for t in texts if job.devices == 1 or "offload-opt" not in t], ()
   reduced = [job.without_missing(t) for t in texts]
   return (list(dict.fromkeys(t for t, _ in reduced)),
           tuple(dict.fromkeys(term for _, left in reduced for term in left)))

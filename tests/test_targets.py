@@ -76,6 +76,11 @@ def test_peak_and_host_link_figures(tmp_path):
   gb_per_s = {n: targets.get(n).host_link_bytes_per_s / 1e9 for n in tflops}
   assert gb_per_s["v100"] == pytest.approx(15.75, abs=0.01)  # PCIe Gen3 x16
   assert gb_per_s["h100"] == pytest.approx(2 * gb_per_s["rtx4090"]) == pytest.approx(63.0, abs=0.1)
+  # NVLink one way where the part links all its peers by it (H100 SXM: 900 GB/s both ways), else
+  # the PCIe link (the H100 PCIe's NVLink bridge joins two cards only).
+  link = {n: targets.get(n).interconnect_bytes_per_s / 1e9 for n in tflops}
+  assert link["h100"] == 450 and link["a100-80gb"] == 300 and link["b200"] == 900
+  assert link["h100-pcie"] == gb_per_s["h100-pcie"] and link["rtx4090"] == gb_per_s["rtx4090"]
   # Known by device kind: the same card saved and loaded keeps them, another card has none.
   targets.get("l4").save(tmp_path / "mine.txtpb")
   assert targets.load(tmp_path / "mine.txtpb").peak_bf16_flops == 121e12
@@ -83,6 +88,8 @@ def test_peak_and_host_link_figures(tmp_path):
   (tmp_path / "other.txtpb").write_text(other)
   unknown = targets.load(tmp_path / "other.txtpb")
   assert unknown.peak_bf16_flops is None and unknown.host_link_bytes_per_s is None
+  assert unknown.interconnect_bytes_per_s is None and targets.get("cpu").interconnect_bytes_per_s \
+      is None
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@
     lowmem-jax report                          # ViT-B/16 at batch 64: baseline, each technique, all
     lowmem-jax report --model llama-1b --batch 8 --seq 2048 --techniques baseline,all,all+remat:full
     lowmem-jax plan --model llama-7b --batch 8 --seq 2048 --budget 24GiB
+    lowmem-jax report --model llama-3.1-70b --batch 8 --seq 4096 --devices 8 \
+        --techniques all+fused-ce+8bit+bf16-params+stream:device  # FSDP over 8 GPUs, per device
     lowmem-jax report --step train.py:make_step  # your own step: baseline, lowmem, lowmem+approx
     lowmem-jax plan --step train.py:make_step --budget 190MiB
 

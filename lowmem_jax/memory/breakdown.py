@@ -355,6 +355,10 @@ def _tables(b: Breakdown) -> list:
          f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis){host}; "
          f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position "
          f"{b.peak_position} of {len(b.live_bytes)}: {b.peak_op}"]
+  if b.collective_bytes:
+    out.append(f"collectives: {_mib(b.collective_bytes)} MiB a step on each device (the "
+               "outputs of its all-gathers, all-reduces, reduce-scatters, all-to-alls and "
+               "collective-permutes, each loop's body as many times as it runs)")
   main = Table("live at the peak", "MiB", "share")
   missing = [c for c in _NONE_FOUND if c not in b.argument_components]
   for component, nbytes in b.at_peak.items():

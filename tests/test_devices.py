@@ -103,8 +103,8 @@ def test_fsdp_spec_splits_the_largest_divisible_axis():
 @OPTAX_UPDATE_MOMENT
 @OPTAX_BIAS_CORRECTION
 def test_report_on_two_devices(capsys):
-  """llama-100m FSDP over 2 h100s: each device holds half the parameters and state, its peak
-  is below one device's, and its collectives are counted."""
+  """llama-100m FSDP over 2 h100s: each device holds half the parameters, state and batch, its
+  peak is below one device's, and its collectives are counted."""
   llama = ["--model", "llama-100m", "--batch", "2", "--seq", "64", "--target", "h100",
            "--techniques", "all+fused-ce+8bit+bf16-params+stream:device", "--json"]
   assert cli.main(["report", *llama]) == 0
@@ -116,6 +116,9 @@ def test_report_on_two_devices(capsys):
   assert shared["peak_bytes"] < alone["peak_bytes"]
   arguments = lambda row: row["breakdown"]["compiled"]["argument_bytes"]
   assert arguments(shared) == pytest.approx(arguments(alone) / 2, rel=0.02)
+  # XLA's memory analysis of the partitioned program is one device's: its arguments are the shards
+  job = techniques.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
+  assert arguments(shared) == techniques.device_argument_bytes(job, techniques.parse(llama[9]))
   # the scan over 12 layers moves each layer's weights: far more than the loop body once
   assert shared["collective_bytes"] > shared["parameters"]
   assert shared["transfer_floor_s"] == pytest.approx(shared["collective_bytes"] / 450e9)

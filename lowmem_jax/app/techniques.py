@@ -333,6 +333,12 @@ class Job:
     return (jax.tree.map(state, params), jax.tree.map(state, opt_state),
             jax.tree.map(lambda x: place(x, jax.sharding.PartitionSpec(FSDP)), batch))
 
+  def compiling(self) -> contextlib.AbstractContextManager:
+    """Where the job's steps are traced: over several devices with attention's chunked XLA
+    implementation (`lowmem_jax.dispatch.using`), as cuDNN's partitioner needs q, k and v
+    sharded alike and XLA's propagation shards them apart."""
+    return dispatch.using("xla") if self.devices > 1 else contextlib.nullcontext()
+
   @property
   def language_model(self) -> bool:
     """Whether the model is a language model, whose head ``fused-ce`` rewrites."""
@@ -718,9 +724,7 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
   positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
   # The streamed step saves each layer's input, not the residuals of the loss's backward.
-  # Over several devices, attention is the chunked XLA one: cuDNN's partitioner needs q, k and
-  # v sharded alike, and XLA's propagation shards them apart.
-  with dispatch.using("xla") if job.devices > 1 else contextlib.nullcontext():
+  with job.compiling():
     return memory.report(step, params, opt_state, batch,
                          loss_fn=None if "stream" in techniques else wl.loss,
                          loss_args=(params, *micro, *positions), label=techniques.label,
@@ -820,13 +824,21 @@ def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
     wl = techniques.workload(job)
     params = wl.abstract_params()
     tx = techniques.adamw()
-    args, donated = (params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels)), (0, 1)
+    args = job.shard(params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels))
+    donated = (0, 1)
 
     def train_step(params, opt_state, batch, *, policy):
-      return wl.with_policy(policy).train_step(tx, techniques.adama)(params, opt_state, batch)
+      new_params, new_state, metrics = wl.with_policy(policy).train_step(
+          tx, techniques.adama)(params, opt_state, batch)
+      if job.devices == 1:
+        return new_params, new_state, metrics
+      like = lambda new, old: jax.tree.map(  # sharded as the old, which they replace
+          lambda n, o: jax.lax.with_sharding_constraint(n, o.sharding), new, old)
+      return like(new_params, args[0]), like(new_state, args[1]), metrics
   try:
-    chosen = planner.plan(train_step, *args, budget=budget, donate_argnums=donated,
-                          target=job.target)
+    with job.compiling():
+      chosen = planner.plan(train_step, *args, budget=budget, donate_argnums=donated,
+                            target=job.target)
   except planner.BudgetError:
     return None
   return techniques.with_value("remat", chosen.policy)

@@ -485,9 +485,9 @@ def test_cli_plan_step(capsys, step_file):
                   "lowmem-jax report --help)")
   fits = next(line for line in lines if line.startswith("Fits"))
   assert fits.startswith(f"Fits {budget / 2**20:,.1f} MiB: {first} ")
-  activations = "None" if first == "lowmem" else '"approx"'
-  assert lines[-1] == f"step, args, *loss = make_step(lowmem=functools.partial(lm.lowmem, " \
-                      f"activations={activations}))"
+  lowmem = "lm.lowmem" if first == "lowmem" else (
+      'functools.partial(lm.lowmem, activations="approx")')
+  assert lines[-1] == f"step, args, *loss = make_step(lowmem={lowmem})"
   tried = ["baseline", "lowmem", "lowmem+approx"]
   assert captured.err == "".join(f"[{i}/3] compiling {t}\n"
                                  for i, t in enumerate(tried[:tried.index(first) + 1], 1))

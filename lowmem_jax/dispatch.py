@@ -94,11 +94,8 @@ def compiling_for_platform(name: str):
   """
   if not isinstance(name, str) or not name:
     raise TypeError(f"name must be a platform name such as 'gpu', got {name!r}.")
-  token = _platform.set(name)
-  try:
+  with _setting(_platform, name):
     yield name
-  finally:
-    _platform.reset(token)
 
 
 @contextlib.contextmanager
@@ -109,11 +106,18 @@ def using(name: str):
   Read when an op is traced, as the variable is."""
   if name not in IMPLS:
     raise ValueError(f"name must be one of {IMPLS}, got {name!r}.")
-  token = _using.set(name)
-  try:
+  with _setting(_using, name):
     yield name
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+  """``var`` set to ``value`` within the block, reset after it."""
+  token = var.set(value)
+  try:
+    yield
   finally:
-    _using.reset(token)
+    var.reset(token)
 
 
 def choose(impl: str | None, op: str, offered: tuple[str, ...],

@@ -91,16 +91,7 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
       for key, m in MATCHERS if options[key])
 
   def traced(args, kwargs):
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_array = [_is_array(x) for x in leaves]
-
-    def flat_fn(*arrays):
-      it = iter(arrays)
-      full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-      a, kw = jax.tree.unflatten(treedef, full)
-      return fn(*a, **kw)
-
-    arrays = [x for x, a in zip(leaves, is_array) if a]
+    flat_fn, arrays = _of_leaves(fn, args, kwargs, _is_array)
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
     return closed, arrays, out_shape
 
@@ -125,20 +116,13 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
     return rewrites(closed, arrays, count=True)
 
   def gradient_cosine(*args, **kwargs) -> float:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    floats = [i for i, x in enumerate(leaves)
-              if _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    if not floats:
-      raise ValueError("gradient_cosine needs a float array among the arguments, got none.")
+    is_float = lambda x: _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
     def grads(f):
-      def of_floats(*xs):
-        full = list(leaves)
-        for i, x in zip(floats, xs):
-          full[i] = x
-        a, kw = jax.tree.unflatten(treedef, full)
-        return f(*a, **kw)
-      g = jax.grad(of_floats, argnums=tuple(range(len(floats))))(*(leaves[i] for i in floats))
+      of_floats, floats = _of_leaves(f, args, kwargs, is_float)
+      if not floats:
+        raise ValueError("gradient_cosine needs a float array among the arguments, got none.")
+      g = jax.grad(of_floats, argnums=tuple(range(len(floats))))(*floats)
       return jnp.concatenate([x.astype(jnp.float32).ravel() for x in g])
 
     got, want = grads(wrapped), grads(fn)
@@ -147,6 +131,20 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
   wrapped.explain = explain
   wrapped.gradient_cosine = gradient_cosine
   return wrapped
+
+
+def _of_leaves(fn: Callable, args, kwargs, chosen: Callable) -> tuple[Callable, list]:
+  """``(flat_fn, leaves)``: the leaves of ``(args, kwargs)`` that ``chosen`` picks, and
+  ``fn`` as a function of them alone, the other leaves as given."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  picked = [chosen(x) for x in leaves]
+
+  def flat_fn(*values):
+    it = iter(values)
+    a, kw = jax.tree.unflatten(treedef, [next(it) if p else x for x, p in zip(leaves, picked)])
+    return fn(*a, **kw)
+
+  return flat_fn, [x for x, p in zip(leaves, picked) if p]
 
 
 def _is_array(x) -> bool:

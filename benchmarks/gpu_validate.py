@@ -2,9 +2,15 @@
 
 For ViT-B/16 (batch 64) and LLaMA-100M (batch 4 x 2,048), baseline and
 approx+ms-norm+attention (for LLaMA also with the fused loss head,
-``loss="fused"``), float32 and bfloat16 compute, one AdamW training
-step (parameters and optimizer state donated), each in a fresh process so
-that the device's peak counter starts at zero. It records side by side:
+``loss="fused"``), float32 and bfloat16 compute; and for Llama-3.2-1B at
+2 x 2,048 tokens in bfloat16 (`LLAMA3_CASES`) the plain step, the best step
+without streaming and the layer-streamed step
+(`lowmem_jax.optim.layer_streamed`, its saved layer inputs and then also its
+8-bit state in pinned host memory), and that last one for Llama-3.1-8B, whose
+plain step does not fit. Each case is one AdamW training step as
+`lowmem_jax.app.techniques.TechniqueSet.program` builds it (parameters and
+optimizer state donated), in a fresh process so that the device's peak counter
+starts at zero. It records side by side:
 
 - measured: the device's ``memory_stats()["peak_bytes_in_use"]`` after one
   real step (parameters, optimizer state, batch and the step's buffers);
@@ -16,8 +22,11 @@ that the device's peak counter starts at zero. It records side by side:
 - target compile: the same step compiled for the target made from this
   device's own config (`lowmem_jax.targets.from_devices`), what a machine
   without a GPU reports; and for the shipped ``"h100"`` target;
+- the peak before the step (initialisation's, which the measured peak cannot be
+  below: where it is the larger, the measured figure bounds the step's from above);
+- the bytes in host memory (the real compile's host arguments and temporaries);
 - the step time, median of ``--repeats`` after a warm-up, as a ratio to the
-  baseline of the same model and dtype.
+  baseline of the same model, size and dtype, and for LLaMA the tokens a second.
 
 Each finished case is appended to a JSON-lines file beside the report
 (``--rows``); with ``--resume``, cases already there for the same device, jax
@@ -27,9 +36,9 @@ goes on where it stopped. It then times the LLM loss head
 head, the gradient of a Llama-3-sized head at 8 x 4,096 tokens in bfloat16,
 issue 22's kernel decision), runs the ``gpu``-marked tests,
 saves the device's target config beside the report, and writes the report
-(default ``docs/gpu.md``) with the device name. ``--dry-run`` runs the same pipeline on the CPU at tiny sizes (the
-compiled figures for the ``"h100"`` target, no GPU tests), which the test
-suite does to check this script.
+(default ``docs/gpu.md``) with the device name. ``--dry-run`` runs the same
+pipeline on the CPU at tiny sizes (the compiled figures for the ``"h100"``
+target, no GPU tests), which the test suite does to check this script.
 
     python benchmarks/gpu_validate.py                              # on a GPU machine
     python benchmarks/gpu_validate.py --dry-run --out /tmp/gpu.md  # anywhere
@@ -50,6 +59,14 @@ DRY_CASES = {"vit-tiny": dict(batch=2, image=32)}
 TECHNIQUES = ("baseline", "approx+ms-norm+attention",
               "approx+ms-norm+attention+fused-ce")  # fused-ce: the LLaMA models only
 DTYPES = ("float32", "bfloat16")
+STREAMED = "all+fused-ce+8bit+bf16-params+stream:host"  # docs/benchmarks.md's Llama-3 rows
+LLAMA3_TECHNIQUES = ("baseline", "all+fused-ce", STREAMED, STREAMED + "+offload-opt")
+LLAMA3_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
+                 for t in LLAMA3_TECHNIQUES]
+                + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16",
+                    STREAMED + "+offload-opt")])
+DRY_LLAMA3_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
+                    for t in ("baseline", STREAMED + "+offload-opt")]
 DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,29 +74,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -> dict:
   """One case, in this process: measured, real-compile and target-compile figures."""
   import jax
-  import optax
 
   from lowmem_jax import memory, targets
   from lowmem_jax.app import techniques as app_techniques
 
-  wl = app_techniques.parse(techniques).workload(
-      app_techniques.Job(model, dtype=dtype, target="cpu", **size))  # the target: not compiled for
-  tx = optax.adamw(1e-3)
-  step = jax.jit(wl.train_step(tx), donate_argnums=(0, 1))
+  job = app_techniques.Job(model, dtype=dtype, target="cpu", **size)  # the target: not compiled for
+  built = app_techniques.parse(techniques).program(job).run()
+  wl, step = built["wl"], built["step"]
   params = wl.init(jax.random.key(0))
-  opt_state = tx.init(params)
+  opt_state = (built["streamed"] if "streamed" in built else built["tx"]).init(params)
   batch = wl.batch(jax.random.key(1))
   on_gpu = jax.default_backend() == "gpu"
   own = targets.from_devices("this-gpu") if on_gpu else None
-  figures = {"target_own": memory.analyze(step, params, opt_state, batch, target=own).peak_bytes
-             if own else None,
-             "target_h100": memory.analyze(step, params, opt_state, batch, target="h100").peak_bytes}
+  peak_for = lambda target: memory.analyze(step, params, opt_state, batch, target=target).peak_bytes
+  figures = {"target_own": peak_for(own) if own else None, "target_h100": peak_for("h100")}
   lowered = step.lower(params, opt_state, batch)
   compiled = lowered.compile()
-  figures["real_compile"] = memory.stats_of(compiled).peak_bytes
-  figures["real_no_triton_gemm"] = memory.stats_of(
-      lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS) if on_gpu else compiled).peak_bytes
+  real = memory.stats_of(compiled)
+  figures["real_compile"] = real.peak_bytes
+  figures["host_bytes"] = real.host_argument_bytes + real.host_temp_bytes
+  no_triton = lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS) if on_gpu else compiled
+  figures["real_no_triton_gemm"] = memory.stats_of(no_triton).peak_bytes
   device = jax.devices()[0]
+  figures["before_step"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
   params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
   figures["measured"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
   samples = []
@@ -92,10 +109,11 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
           "device": device.device_kind, "jax": jax.__version__, **figures}
 
 
-def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES) -> list[tuple]:
-  """``[(model, size, dtype, techniques)]`` of ``cases``; ``loss`` techniques for LLaMA only."""
+def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES, llama3: tuple = ()) -> list[tuple]:
+  """``[(model, size, dtype, techniques)]`` of ``cases`` (``loss`` techniques for LLaMA only),
+  then the cases ``llama3`` lists."""
   return [(m, s, d, t) for m, s in cases.items() for d in dtypes for t in TECHNIQUES
-          if m.startswith("llama") or "fused-ce" not in t]
+          if m.startswith("llama") or "fused-ce" not in t] + list(llama3)
 
 
 def run_case(model, size, dtype, techniques, repeats) -> dict:
@@ -110,8 +128,11 @@ def run_case(model, size, dtype, techniques, repeats) -> dict:
 
 def gpu_tests() -> str:
   """The closing line of ``pytest -m gpu``."""
-  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                         "tests"], capture_output=True, text=True, cwd=ROOT)
+  # A test module that the machine's packages cannot import is an error in the closing line, not
+  # the end of the run.
+  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                         "no:cacheprovider", "--continue-on-collection-errors", "tests"],
+                        capture_output=True, text=True, cwd=ROOT)
   lines = [line for line in done.stdout.splitlines() if line.strip()]
   return lines[-1] if lines else f"pytest exited {done.returncode} with no output"
 
@@ -132,32 +153,50 @@ def _gib(nbytes) -> str:
   return "n/a" if nbytes is None else f"{nbytes / 2**30:,.2f}"
 
 
+def _size(size: dict) -> str:
+  """``"2 x 2048"`` (batch x tokens) or ``"64"`` (batch)."""
+  return " x ".join(str(size[k]) for k in ("batch", "seq") if k in size)
+
+
+def _case_of(row: dict) -> tuple:
+  """A row's model, size and dtype: the rows a time ratio compares."""
+  return row["model"], json.dumps(row.get("size")), row["dtype"]
+
+
 def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, config: str,
                  command: str, seconds: float, dry_run: bool) -> None:
-  import jax
-  device = rows[0]["device"]
+  device, version = rows[0]["device"], rows[0]["jax"]
   lines = [f"# lowmem-jax on a real GPU: {device}", "",
            ("**Dry run on the CPU** (tiny sizes; no GPU figures): it checks the pipeline only." if
             dry_run else f"Measured on an **{device}**."),
-           f"Command: `{command}`; jax {jax.__version__}, {seconds:.0f} s in all.", "",
+           f"Command: `{command}`; jax {version}, {seconds:.0f} s in all.", "",
            "GiB. *measured*: `peak_bytes_in_use` after one step (fresh process); *real compile*: "
            "XLA's buffer assignment of the program that ran; *no Triton GEMMs*: the same compile "
            "with `xla_gpu_enable_triton_gemm=False`, as the deviceless targets compile; "
            "*own-config target*: the same step "
            "compiled deviceless for this device's own config (`targets.from_devices`); *h100 "
-           "target*: for the shipped `h100` config. Step time: median after a warm-up, ratio to "
-           "the baseline of the same model and dtype.", "",
-           "| model | dtype | techniques | measured | real compile | no Triton GEMMs "
-           "| own-config target | h100 target | h100 target / measured | step s | time ratio |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  base = {(r["model"], r["dtype"]): r["seconds"] for r in rows if r["techniques"] == "baseline"}
+           "target*: for the shipped `h100` config; *before step*: the peak before the step ran "
+           "(initialisation's; where it equals *measured*, that bounds the step's peak from "
+           "above); *host*: the real compile's arguments and temporaries in host memory. Step "
+           "time: median after a warm-up, ratio to the baseline of the same model, size and "
+           "dtype (n/a: no baseline, as where the plain step does not fit).", "",
+           "| model | size | dtype | techniques | measured | real compile | no Triton GEMMs "
+           "| own-config target | h100 target | h100 target / measured | before step | host "
+           "| step s | time ratio | tokens/s |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  base = {_case_of(r): r["seconds"] for r in rows if r["techniques"] == "baseline"}
   for r in rows:
     ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] else "n/a")
-    lines.append(f"| {r['model']} | {r['dtype']} | {r['techniques']} | {_gib(r['measured'])} | "
-                 f"{_gib(r['real_compile'])} | {_gib(r.get('real_no_triton_gemm'))} | "
-                 f"{_gib(r['target_own'])} | {_gib(r['target_h100'])} | "
-                 f"{ratio} | {r['seconds']:.4f} | "
-                 f"{r['seconds'] / base[r['model'], r['dtype']]:.3f} |")
+    baseline = base.get(_case_of(r))
+    size = r.get("size") or {}
+    tokens = (f"{size['batch'] * size['seq'] / r['seconds']:,.0f}" if "seq" in size else "n/a")
+    lines.append(f"| {r['model']} | {_size(size)} | {r['dtype']} | {r['techniques']} | "
+                 f"{_gib(r['measured'])} | {_gib(r['real_compile'])} | "
+                 f"{_gib(r.get('real_no_triton_gemm'))} | {_gib(r['target_own'])} | "
+                 f"{_gib(r['target_h100'])} | {ratio} | {_gib(r.get('before_step'))} | "
+                 f"{_gib(r.get('host_bytes'))} | {r['seconds']:.4f} | "
+                 f"{'n/a' if baseline is None else format(r['seconds'] / baseline, '.3f')} | "
+                 f"{tokens} |")
   lines += ["", "The LLM loss head (`benchmarks/loss_head.py`, as this script runs it; memory "
             "for the target, time on this device):", "", "```", head.rstrip(), "```",
             "", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
@@ -177,6 +216,8 @@ def main(argv=None) -> int:
   parser.add_argument("--resume", action="store_true",
                       help="keep the finished cases in --rows of this device, jax version, size "
                       "and repeats, and run only the others")
+  parser.add_argument("--models", help="comma-separated: run only these models' cases (the "
+                      "report still shows the other finished cases in --rows with --resume)")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -200,7 +241,13 @@ def main(argv=None) -> int:
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
   device, version = jax.devices()[0].device_kind, jax.__version__
-  all_cases = case_list(cases, DRY_DTYPES if args.dry_run else DTYPES)
+  all_cases = (case_list(cases, DRY_DTYPES, DRY_LLAMA3_CASES) if args.dry_run else
+               case_list(cases, DTYPES, LLAMA3_CASES))
+  models = set(args.models.split(",")) if args.models else {case[0] for case in all_cases}
+  unknown = models - {case[0] for case in all_cases}
+  if unknown:
+    parser.error(f"--models: no cases of {', '.join(sorted(unknown))}; choose from "
+                 f"{', '.join(dict.fromkeys(case[0] for case in all_cases))}.")
   case_key = lambda m, s, d, t: (m, json.dumps(s), d, t, args.repeats, device, version)
   row_key = lambda r: ((r["model"], json.dumps(r.get("size")), r["dtype"], r["techniques"],
                         r.get("repeats"), r["device"], r.get("jax")))
@@ -209,13 +256,13 @@ def main(argv=None) -> int:
            if row_key(r) in wanted] if args.resume and rows_path.exists() else [])
   rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   done = {row_key(r) for r in rows}
-  todo = [case for case in all_cases if case_key(*case) not in done]
+  todo = [case for case in all_cases if case_key(*case) not in done and case[0] in models]
   for case in tqdm(todo, desc="gpu_validate"):
     rows.append(run_case(*case, args.repeats))
     with rows_path.open("a") as f:
       f.write(json.dumps(rows[-1]) + "\n")
-  order = {(m, d, t): i for i, (m, _, d, t) in enumerate(all_cases)}
-  rows.sort(key=lambda r: order[r["model"], r["dtype"], r["techniques"]])
+  order = {case_key(*case): i for i, case in enumerate(all_cases)}
+  rows.sort(key=lambda r: order[row_key(r)])
   config = out.with_name(out.stem + "_target.txtpb")
   (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)
   head = loss_head(args.dry_run)

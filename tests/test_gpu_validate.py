@@ -11,21 +11,30 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0
   text = out.read_text()
   assert "Dry run on the CPU" in text
-  rows = [line for line in text.splitlines() if line.startswith("| vit-tiny")]
-  dry = gpu_validate.case_list(gpu_validate.DRY_CASES, gpu_validate.DRY_DTYPES)
-  assert len(rows) == len(dry) == 2  # vit-tiny, bfloat16: baseline and approx+ms-norm+attention
-  assert len(gpu_validate.case_list(gpu_validate.CASES)) == 2 * (2 + 3)  # on a GPU: both dtypes
+  rows = [line for line in text.splitlines() if line.startswith(("| vit-tiny", "| llama-tiny"))]
+  dry = gpu_validate.case_list(gpu_validate.DRY_CASES, gpu_validate.DRY_DTYPES,
+                               gpu_validate.DRY_LLAMA3_CASES)
+  # vit-tiny, bfloat16: baseline and approx+ms-norm+attention; llama-tiny: baseline, streamed
+  assert len(rows) == len(dry) == 4
+  # On a GPU: both dtypes, and the Llama-3 cases.
+  full = gpu_validate.case_list(gpu_validate.CASES, gpu_validate.DTYPES, gpu_validate.LLAMA3_CASES)
+  assert len(full) == 2 * (2 + 3) + 5
+  cells = {}
   for row in rows:
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[7]) > 0  # the h100 target's compiled peak, GiB
-    assert float(cells[4]) > 0  # the CPU's real compile
+    cells[row] = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[row][8]) > 0  # the h100 target's compiled peak, GiB
+    assert float(cells[row][5]) > 0  # the CPU's real compile
+  streamed = [c for c in cells.values() if "stream:host" in c[3]]
+  assert len(streamed) == 1 and streamed[0][1] == "2 x 64"
+  assert float(streamed[0][14].replace(",", "")) > 0  # tokens a second
+  assert [c[13] for c in cells.values() if c[3] == "baseline"] == ["1.000", "1.000"]
   assert (tmp_path / "gpu_target.txtpb").read_text().count("gpu_device_info") == 1
   assert "linear_cross_entropy 128x512" in text and "ratio to plain" in text  # the loss head
   # --resume keeps the finished cases of the same device, jax, size and repeats.
   monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(timed above)")
   monkeypatch.setattr(gpu_validate, "run_case", lambda *a: pytest.fail(f"ran {a} again"))
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume"]) == 0
-  assert out.read_text().count("| vit-tiny") == len(rows)
+  assert out.read_text().count("-tiny |") == len(rows)
   assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(rows)
   # Other repeats are other cases: all of them run again.
   ran = []
@@ -33,6 +42,13 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   with pytest.raises(pytest.fail.Exception):
     gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "3", "--resume"])
   assert len(ran) == 1
+  # --models runs only the cases of the models it names, and refuses one without cases.
+  ran.clear()
+  with pytest.raises(pytest.fail.Exception):
+    gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "3", "--models", "llama-tiny"])
+  assert ran[0][0] == "llama-tiny"
+  with pytest.raises(SystemExit):
+    gpu_validate.main(["--dry-run", "--out", str(out), "--models", "llama-3.1-8b"])
 
 
 def test_refuses_without_a_gpu(capsys):

@@ -152,7 +152,8 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
 
   Args:
     name: "vit-tiny" (two ViT-Ti/16 blocks, for quick checks), "vit-b16", "vit-l16",
-      "llama-100m", "llama-1b", "llama-7b" (LLaMA-style sizes), "llama-3.2-1b",
+      "llama-tiny" (two layers of width 64, for quick checks), "llama-100m", "llama-1b",
+      "llama-7b" (LLaMA-style sizes), "llama-3.2-1b",
       "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b" (Meta's Llama 3 family,
       `lowmem_jax.models.llama.CONFIGS`), "minilm-l6", "bert-base" (a BERT
       sequence classifier, every token real) or "wrn-28-2" (CIFAR-10 sized).

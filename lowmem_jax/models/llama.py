@@ -110,6 +110,8 @@ class LlamaConfig:
 
 _LLAMA3 = {"vocab_size": 128256, "n_kv_heads": 8, "rope_theta": 500000.0}
 CONFIGS = {
+    "llama-tiny": LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_dim=192),  # quick checks
     "llama-100m": LlamaConfig(),  # 134M parameters with its 32k vocabulary
     "llama-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
     "llama-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008),

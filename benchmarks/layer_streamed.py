@@ -44,6 +44,7 @@ ROWS = (  # (model, batch, seq, target, technique set)
     ("llama-3.1-8b", 2, 2048, "rtx4090", f"{STATE}+stream:host+offload-opt"),
     ("llama-3.1-8b", 8, 4096, "rtx4090", f"{STATE}+stream:host+offload-opt"),
     ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host"),
+    ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host+late-embed"),
     ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+remat:full"),
     ("llama-3.2-1b", 2, 2048, "rtx4090", f"{STATE}+stream:host"),
     ("llama-3.2-1b", 8, 4096, "h100", f"{STATE}+stream:host"),

@@ -223,6 +223,17 @@ def test_stream_refuses_what_it_does_not_take(text, job, message):
     techniques.parse(text).check(job)
 
 
+def test_late_embed_makes_the_embeddings_gradient_late_on_llama_only():
+  job = techniques.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  late = techniques.parse("fused-ce+stream:host+late-embed")
+  assert 'embedding="late"' in late.python(job)
+  assert late.switches(job)["embedding"] == "late"
+  assert "embedding" not in techniques.parse("fused-ce+stream:host").switches(job)
+  with pytest.raises(techniques.TechniqueError, match="late-embed in 'late-embed': embedding='late' "
+                     "applies to the LLaMA models only"):
+    techniques.parse("late-embed").check(SMALL)
+
+
 def test_stream_takes_a_place():
   with pytest.raises(techniques.TechniqueError, match="device or host"):
     techniques.parse("stream:disk")

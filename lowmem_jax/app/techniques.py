@@ -163,6 +163,10 @@ TECHNIQUES = {t.term: t for t in (
     Technique("fused-ce", "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] "
               "logits (lowmem_jax.losses.linear_cross_entropy)",
               switches={"loss": "fused"}, lowmem={"loss": "fused"}),
+    Technique("late-embed", "LLaMA: the token embedding's gradient buffer made when its "
+              "cotangent arrives, where XLA may otherwise make it at the start of the backward "
+              "(embedding=\"late\", exact); adama sets it",
+              switches={"embedding": "late"}),
     Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
               "optimizer applied inside the backward, one layer at a time, so no whole-model "
               "gradient; each layer's saved input on the device or the host; each layer's MLP "

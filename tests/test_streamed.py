@@ -230,18 +230,63 @@ def test_fsdp_over_8_devices_equals_one_device():
   batch = batch_of(jax.random.key(0), n=8)
   one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
 
-  def shard(x):
-    spec = [None] * x.ndim
-    if x.ndim and x.shape[-1] % 8 == 0:
-      spec[-1] = "fsdp"
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
-  sharded = jax.tree.map(shard, params)
-  state = jax.tree.map(shard, layered.init(sharded))
+  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
+  state = jax.tree.map(functools.partial(_fsdp, mesh), layered.init(sharded))
   data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
   got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
   assert got["layers"]["w1"].sharding.spec[-1] == "fsdp"
   assert_close(got, one)
   assert_close(got_state, one_state)
+
+
+def _fsdp(mesh, x):
+  """``x`` on ``mesh``, split along its last axis where 8 divides it."""
+  spec = [None] * x.ndim
+  if x.ndim and x.shape[-1] % 8 == 0:
+    spec[-1] = "fsdp"
+  return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+@pytest.mark.slow
+def test_llama_under_a_mesh_gathers_each_layer_and_equals_one_device():
+  """Traced under `jax.set_mesh` (as the CLI's --devices compiles), each layer's parameters
+  are gathered where used, the MLP's token chunks and the fused head's token blocks run
+  position-major: the same step as on one device, and fewer collectives than without it."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  config = lm.models.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 ffn_dim=48)
+  model = lm.models.Llama(config, loss="fused", mlp_chunk_tokens=16)
+  tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 64)
+  batch = (tokens[:, :-1], tokens[:, 1:])
+  params = model.init(jax.random.key(1), batch[0])["params"]
+  layered = streamed.layer_streamed(lm.models.llama.layer_stack(model),
+                                    optax.adamw(1e-2, eps=1e-4))
+  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
+  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
+  state = jax.tree.map(functools.partial(_fsdp, mesh), layered.init(sharded))
+  data = jax.device_put(batch,
+                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+  step = jax.jit(layered.step)
+  with jax.set_mesh(mesh):
+    got, got_state, _ = step(sharded, state, data)
+    in_mesh = lm.memory.collective_bytes(step.lower(sharded, state, data).compile().as_text())
+  assert_close(got, one, rtol=1e-4, atol=1e-5)
+  assert_close(got_state, one_state, rtol=1e-4, atol=1e-5)
+  outside = lm.memory.collective_bytes(step.lower(sharded, state, data).compile().as_text())
+  assert in_mesh < outside
+
+
+def test_token_chunks_hold_whole_positions_under_a_mesh():
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  h = jnp.arange(8 * 6 * 2, dtype=jnp.float32).reshape(8, 6, 2)
+  chunks, unchunk = lm.models.llama._token_chunks(h, 8 * 2)
+  assert chunks.shape == (3, 16, 2)  # without a mesh: the flattened tokens, batch-major
+  np.testing.assert_array_equal(unchunk(chunks), h)
+  with jax.set_mesh(mesh):
+    chunks, unchunk = lm.models.llama._token_chunks(h, 8 * 2)
+    assert chunks.shape == (3, 2, 8, 2)  # 2 positions of all 8 sequences each
+    np.testing.assert_array_equal(chunks[1, 0], h[:, 2])
+    np.testing.assert_array_equal(unchunk(chunks), h)
 
 
 def test_it_composes_with_lm_lowmem_and_a_remat_policy_in_the_layer():

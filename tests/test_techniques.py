@@ -229,8 +229,8 @@ def test_late_embed_makes_the_embeddings_gradient_late_on_llama_only():
   assert 'embedding="late"' in late.python(job)
   assert late.switches(job)["embedding"] == "late"
   assert "embedding" not in techniques.parse("fused-ce+stream:host").switches(job)
-  with pytest.raises(techniques.TechniqueError, match="late-embed in 'late-embed': embedding='late' "
-                     "applies to the LLaMA models only"):
+  with pytest.raises(techniques.TechniqueError,
+                     match="late-embed in 'late-embed': embedding='late' applies to the LLaMA"):
     techniques.parse("late-embed").check(SMALL)
 
 

@@ -338,10 +338,17 @@ class Job:
             jax.tree.map(lambda x: place(x, jax.sharding.PartitionSpec(FSDP)), batch))
 
   def compiling(self) -> contextlib.AbstractContextManager:
-    """Where the job's steps are traced: over several devices with attention's chunked XLA
-    implementation (`lowmem_jax.dispatch.using`), as cuDNN's partitioner needs q, k and v
-    sharded alike and XLA's propagation shards them apart."""
-    return dispatch.using("xla") if self.devices > 1 else contextlib.nullcontext()
+    """Where the job's steps are traced: over several devices under `mesh`
+    (`jax.set_mesh`: the layer-streamed step gathers each layer's parameters where used,
+    `lowmem_jax.optim.layer_streamed`), with attention's chunked XLA implementation
+    (`lowmem_jax.dispatch.using`), as cuDNN's partitioner needs q, k and v sharded alike
+    and XLA's propagation shards them apart."""
+    if self.devices == 1:
+      return contextlib.nullcontext()
+    context = contextlib.ExitStack()
+    context.enter_context(dispatch.using("xla"))
+    context.enter_context(jax.set_mesh(self.mesh()))
+    return context
 
   @property
   def language_model(self) -> bool:

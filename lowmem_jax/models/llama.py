@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -41,7 +41,7 @@ import optax
 from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import names
+from lowmem_jax import _sharding, names
 from lowmem_jax._checks import is_int
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.losses import linear_cross_entropy
@@ -211,6 +211,23 @@ def mlp_chunks(tokens: int, chunk_tokens: int | None) -> int:
   return 1 if chunk_tokens is None else slices((tokens, 1), chunk_tokens)
 
 
+def _token_chunks(h: jax.Array, chunk_tokens: int | None) -> tuple[jax.Array, Callable]:
+  """``h: [batch, length, dim]`` as ``[n, ..., dim]``, `mlp_chunks`' n chunks of its
+  flattened tokens, and the function that takes ``[n, ..., dim]`` back to ``h``'s shape.
+  Under a mesh set for tracing (`jax.set_mesh`) a chunk is instead the fewest whole
+  positions of every sequence within ``chunk_tokens`` (``[n, length / n, batch, dim]``),
+  so it stays split over the batch's devices, where a chunk of flattened tokens lies
+  on one device and is gathered to the others."""
+  if not _sharding.in_mesh():
+    n = mlp_chunks(math.prod(h.shape[:-1]), chunk_tokens)
+    return h.reshape(n, -1, h.shape[-1]), lambda out: out.reshape(h.shape)
+  batch, length = h.shape[:2]
+  n = 1 if chunk_tokens is None else slices((length, batch), chunk_tokens)
+  by_position = jnp.swapaxes(h, 0, 1)
+  return (by_position.reshape(n, length // n, *by_position.shape[1:]),
+          lambda out: jnp.swapaxes(out.reshape(by_position.shape), 0, 1))
+
+
 class TransformerBlock(nn.Module):
   """One pre-norm decoder layer: attention, then the SwiGLU MLP, each added to the stream.
 
@@ -219,7 +236,8 @@ class TransformerBlock(nn.Module):
   the backward keeps each chunk's input and recomputes its ``[chunk, ffn_dim]``
   hidden, so no ``[tokens, ffn_dim]`` tensor is made. The same function (the MLP
   works token by token); the weights' gradient is summed over the chunks in
-  their dtype.
+  their dtype. Under a mesh set for tracing (`jax.set_mesh`) a chunk holds whole
+  positions of every sequence (`_token_chunks`).
   """
   config: LlamaConfig
   activation: str
@@ -240,14 +258,15 @@ class TransformerBlock(nn.Module):
         self._normed(x, "attention_norm"))
     h = self._normed(x, "ffn_norm")
     ff_args = (self.config, self.activation, self.dtype, self.param_dtype)
-    n = mlp_chunks(math.prod(h.shape[:-1]), self.mlp_chunk_tokens)
-    if n == 1:
+    chunks, unchunk = _token_chunks(h, self.mlp_chunk_tokens)
+    if len(chunks) == 1:
       return x + FeedForward(*ff_args, name="feed_forward")(h)
     chunked = nn.scan(lambda module, _, chunk: (None, module(chunk)),
-                      variable_broadcast="params", split_rngs={"params": False}, length=n)
+                      variable_broadcast="params", split_rngs={"params": False},
+                      length=len(chunks))
     _, out = chunked(nn.remat(FeedForward, prevent_cse=False)(*ff_args, name="feed_forward"),
-                     None, h.reshape(n, -1, h.shape[-1]))
-    return x + out.reshape(x.shape)
+                     None, chunks)
+    return x + unchunk(out)
 
 
 def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str,
@@ -257,11 +276,14 @@ def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str
   Without ``labels``, float32 logits ``[..., vocab]``; with int ``labels:
   [...]`` the mean cross-entropy, a float32 scalar: from the logits
   (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
-  the logits block by block and keeps none.
+  the logits block by block and keeps none; under a mesh set for tracing
+  (`jax.set_mesh`) it takes ``x: [batch, length, dim]`` position-major, so each
+  block of tokens stays split over the batch's devices.
   """
   vocab_size = kernel.shape[-1]
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if labels is not None and loss == "fused":  # labels as optax takes them:
+    x, labels = _sharding.position_major(x), _sharding.position_major(labels)
     labels = jnp.where(labels < 0, labels + vocab_size, labels)  # -1 is the last class
     invalid = jnp.where((labels >= 0) & (labels < vocab_size), 0.0, jnp.nan)
     return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)

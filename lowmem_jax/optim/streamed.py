@@ -53,6 +53,7 @@ import optax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from lowmem_jax import _sharding
 from lowmem_jax._checks import is_int
 
 PLACES = ("device", "host")
@@ -310,6 +311,12 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
   the last axis); a per-leaf statistic (``optax.clip_by_block_rms``) is then
   taken per slice, as it is per layer.
 
+  Traced under a mesh (`jax.set_mesh`, as FSDP over parameters sharded on it),
+  each layer's parameters, and the embedding's and the head's, are gathered
+  whole where they are used, as ZeRO-3 does (Rajbhandari et al., 2020,
+  https://arxiv.org/abs/1910.02054): without it XLA's propagation may move
+  activations between devices instead.
+
   Args:
     stack: the model (`LayerStack`).
     tx: an optax transformation that works leaf by leaf (module docstring); its
@@ -399,10 +406,11 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     rest, layers, _ = checked(params)
     embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
 
-    h, embed_vjp = jax.vjp(lambda r: stack.embed(r, batch), rest)
-    h, saved = jax.lax.scan(lambda h, p: (stack.layer(p, h, batch), _to(saved_inputs, h)),
+    h, embed_vjp = jax.vjp(lambda r: stack.embed(_sharding.gathered(r), batch), rest)
+    h, saved = jax.lax.scan(lambda h, p: (stack.layer(_sharding.gathered(p), h, batch),
+                                          _to(saved_inputs, h)),
                             h, layers)
-    loss, head_vjp = jax.vjp(lambda r, h: stack.head(r, h, batch), rest, h)
+    loss, head_vjp = jax.vjp(lambda r, h: stack.head(_sharding.gathered(r), h, batch), rest, h)
     head_grads, dh = head_vjp(jnp.ones_like(loss))
     new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
                                         [not r for r in embed_reads])
@@ -415,7 +423,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       dh, _ = jax.lax.optimization_barrier((dh, done))
 
     def backward(dh, p, s, h):
-      _, vjp = jax.vjp(lambda p, h: stack.layer(p, h, batch), p, _to("device", h))
+      _, vjp = jax.vjp(lambda p, h: stack.layer(_sharding.gathered(p), h, batch), p,
+                       _to("device", h))
       grads, dh = vjp(dh)
       return dh, *update_tree(grads, s(grads), p, "device")
 

@@ -218,6 +218,9 @@ def main(argv=None) -> int:
                       "and repeats, and run only the others")
   parser.add_argument("--models", help="comma-separated: run only these models' cases (the "
                       "report still shows the other finished cases in --rows with --resume)")
+  parser.add_argument("--cases-only", action="store_true",
+                      help="run the cases into --rows and stop (no loss head, tests or report): "
+                      "a run split over calls, the last with --resume")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -261,6 +264,9 @@ def main(argv=None) -> int:
     rows.append(run_case(*case, args.repeats))
     with rows_path.open("a") as f:
       f.write(json.dumps(rows[-1]) + "\n")
+  if args.cases_only:
+    print(f"gpu_validate: {len(rows)} of {len(all_cases)} cases in {rows_path}")
+    return 0
   order = {case_key(*case): i for i, case in enumerate(all_cases)}
   rows.sort(key=lambda r: order[row_key(r)])
   config = out.with_name(out.stem + "_target.txtpb")

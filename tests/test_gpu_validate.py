@@ -36,6 +36,12 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume"]) == 0
   assert out.read_text().count("-tiny |") == len(rows)
   assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(rows)
+  # --cases-only stops after the cases: no loss head, no report.
+  monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: pytest.fail("loss head ran"))
+  out.unlink()
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume",
+                            "--cases-only"]) == 0
+  assert not out.exists()
   # Other repeats are other cases: all of them run again.
   ran = []
   monkeypatch.setattr(gpu_validate, "run_case", lambda *a: ran.append(a) or pytest.fail("ran"))

@@ -18,26 +18,20 @@ def like(x: jax.Array, ref: jax.Array) -> jax.Array:
   return x if sharding is None else jax.sharding.reshard(x, sharding)
 
 
-def in_mesh() -> bool:
-  """Whether a mesh is set for tracing (`jax.set_mesh`): `gathered` and `position_major` act
-  only then."""
-  return not jax.sharding.get_abstract_mesh().empty
+def in_auto_mesh() -> bool:
+  """Whether a mesh whose axes are all ``Auto`` is set for tracing (`jax.set_mesh`), where
+  `gathered` constrains and XLA's propagation places the rest."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
 def gathered(tree):
-  """Each leaf of ``tree`` whole on every device of the mesh set for tracing, FSDP's
-  all-gather of parameters before their use (their gradient is then reduced back to
-  their sharding); ``tree`` itself without a mesh."""
-  if not in_mesh():
+  """Each leaf of ``tree`` whole on every device of the `in_auto_mesh` mesh: FSDP's
+  all-gather of parameters before their use. The constraint's transpose constrains the
+  cotangent alike, so the gradient is all-reduced whole where a reduce-scatter to the
+  leaf's shard would move half as much (leaving the cotangent free, tried, let XLA move
+  activations instead). ``tree`` itself without such a mesh."""
+  if not in_auto_mesh():
     return tree
   whole = jax.sharding.PartitionSpec()
-  return jax.tree.map(lambda x: jax.sharding.reshard(x, whole) if explicit(x) is not None
-                      else jax.lax.with_sharding_constraint(x, whole), tree)
-
-
-def position_major(x: jax.Array) -> jax.Array:
-  """``x: [batch, length, ...]`` as ``[length, batch, ...]`` under a mesh set for tracing,
-  else ``x`` (its own inverse). A block of the flattened tokens then holds every
-  sequence's share, so it stays split over the devices the batch is split over, where a
-  block of batch-major tokens lies on one device and is gathered to the others."""
-  return jax.numpy.swapaxes(x, 0, 1) if in_mesh() else x
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)

@@ -181,6 +181,8 @@ def test_bad_input_names_what_is_wrong():
     streamed.layer_streamed(model, optax.adam(1e-3), state="cpu")
   with pytest.raises(TypeError, match="`stack`"):
     streamed.layer_streamed(model.loss, optax.adam(1e-3))
+  with pytest.raises(TypeError, match="`gather_params` must be a bool"):
+    streamed.layer_streamed(model, optax.adam(1e-3), gather_params="fsdp")
   with pytest.raises(TypeError, match="StreamedState"):
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
 
@@ -249,9 +251,10 @@ def _fsdp(mesh, x):
 
 @pytest.mark.slow
 def test_llama_under_a_mesh_gathers_each_layer_and_equals_one_device():
-  """Traced under `jax.set_mesh` (as the CLI's --devices compiles), each layer's parameters
-  are gathered where used, the MLP's token chunks and the fused head's token blocks run
-  position-major: the same step as on one device, and fewer collectives than without it."""
+  """Traced under `jax.set_mesh` (as the CLI's --devices compiles) with ``gather_params``,
+  each layer's parameters are gathered where used, the MLP's token chunks and the fused
+  head's token blocks run position-major: the same step as on one device, and fewer
+  collectives than without the mesh."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   config = lm.models.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                  ffn_dim=48)
@@ -260,7 +263,7 @@ def test_llama_under_a_mesh_gathers_each_layer_and_equals_one_device():
   batch = (tokens[:, :-1], tokens[:, 1:])
   params = model.init(jax.random.key(1), batch[0])["params"]
   layered = streamed.layer_streamed(lm.models.llama.layer_stack(model),
-                                    optax.adamw(1e-2, eps=1e-4))
+                                    optax.adamw(1e-2, eps=1e-4), gather_params=True)
   one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
   sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
   state = jax.tree.map(functools.partial(_fsdp, mesh), layered.init(sharded))
@@ -287,6 +290,8 @@ def test_token_chunks_hold_whole_positions_under_a_mesh():
     assert chunks.shape == (3, 2, 8, 2)  # 2 positions of all 8 sequences each
     np.testing.assert_array_equal(chunks[1, 0], h[:, 2])
     np.testing.assert_array_equal(unchunk(chunks), h)
+    chunks, _ = lm.models.llama._token_chunks(h, 4)  # 8 sequences exceed 4: a position each
+    assert chunks.shape == (6, 1, 8, 2)
 
 
 def test_it_composes_with_lm_lowmem_and_a_remat_policy_in_the_layer():

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -337,18 +337,19 @@ class Job:
     return (jax.tree.map(state, params), jax.tree.map(state, opt_state),
             jax.tree.map(lambda x: place(x, jax.sharding.PartitionSpec(FSDP)), batch))
 
-  def compiling(self) -> contextlib.AbstractContextManager:
+  @contextlib.contextmanager
+  def compiling(self) -> Iterator[None]:
     """Where the job's steps are traced: over several devices under `mesh`
-    (`jax.set_mesh`: the layer-streamed step gathers each layer's parameters where used,
-    `lowmem_jax.optim.layer_streamed`), with attention's chunked XLA implementation
+    (`jax.set_mesh`, where the layer-streamed step gathers each layer's parameters,
+    `lowmem_jax.optim.layer_streamed`'s ``gather_params``, and the LLaMA's token chunks
+    and loss-head blocks run position-major), with attention's chunked XLA implementation
     (`lowmem_jax.dispatch.using`), as cuDNN's partitioner needs q, k and v sharded alike
     and XLA's propagation shards them apart."""
     if self.devices == 1:
-      return contextlib.nullcontext()
-    context = contextlib.ExitStack()
-    context.enter_context(dispatch.using("xla"))
-    context.enter_context(jax.set_mesh(self.mesh()))
-    return context
+      yield
+      return
+    with dispatch.using("xla"), jax.set_mesh(self.mesh()):
+      yield
 
   @property
   def language_model(self) -> bool:
@@ -564,9 +565,11 @@ class TechniqueSet:
     in_backward = {"fold_in_backward": True} if self.fold_in_backward else {}
     streamed = ()
     if "stream" in self:
+      fsdp = {"gather_params": True} if job.devices > 1 else {}
       streamed = (("streamed", code.Call.of(
           "lm.optim.layer_streamed", code.Call.of("wl.layer_stack"), code.Name("tx"),
-          state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream")),
+          state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream"),
+          **fsdp),
           "the optimizer inside the backward, a layer at a time"),)
       train_step = code.Name("streamed.step")
     else:

@@ -205,24 +205,28 @@ class FeedForward(nn.Module):
 
 
 def mlp_chunks(tokens: int, chunk_tokens: int | None) -> int:
-  """How many equal token chunks `TransformerBlock` runs its MLP in: the fewest of at most
-  ``chunk_tokens`` tokens each (`lowmem_jax.optim.streamed.slices`; 1 without
-  ``chunk_tokens`` or within it; ``tokens`` chunks of one where ``tokens`` is prime)."""
+  """How many equal token chunks `TransformerBlock` runs its MLP in without a mesh
+  (`_token_chunks`): the fewest of at most ``chunk_tokens`` tokens each
+  (`lowmem_jax.optim.streamed.slices`; 1 without ``chunk_tokens`` or within it;
+  ``tokens`` chunks of one where ``tokens`` is prime)."""
   return 1 if chunk_tokens is None else slices((tokens, 1), chunk_tokens)
 
 
 def _token_chunks(h: jax.Array, chunk_tokens: int | None) -> tuple[jax.Array, Callable]:
   """``h: [batch, length, dim]`` as ``[n, ..., dim]``, `mlp_chunks`' n chunks of its
   flattened tokens, and the function that takes ``[n, ..., dim]`` back to ``h``'s shape.
-  Under a mesh set for tracing (`jax.set_mesh`) a chunk is instead the fewest whole
-  positions of every sequence within ``chunk_tokens`` (``[n, length / n, batch, dim]``),
-  so it stays split over the batch's devices, where a chunk of flattened tokens lies
-  on one device and is gathered to the others."""
-  if not _sharding.in_mesh():
+  Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk is instead the
+  most whole positions of every sequence within ``chunk_tokens`` (one position where
+  ``batch`` exceeds it): ``[n, length / n, batch, dim]``, which stays split over the
+  batch's devices, where a chunk of flattened tokens lies on one device and is gathered
+  to the others."""
+  if not _sharding.in_auto_mesh():
     n = mlp_chunks(math.prod(h.shape[:-1]), chunk_tokens)
     return h.reshape(n, -1, h.shape[-1]), lambda out: out.reshape(h.shape)
   batch, length = h.shape[:2]
   n = 1 if chunk_tokens is None else slices((length, batch), chunk_tokens)
+  if n == 1 and chunk_tokens is not None and length * batch > chunk_tokens:
+    n = length
   by_position = jnp.swapaxes(h, 0, 1)
   return (by_position.reshape(n, length // n, *by_position.shape[1:]),
           lambda out: jnp.swapaxes(out.reshape(by_position.shape), 0, 1))
@@ -236,8 +240,8 @@ class TransformerBlock(nn.Module):
   the backward keeps each chunk's input and recomputes its ``[chunk, ffn_dim]``
   hidden, so no ``[tokens, ffn_dim]`` tensor is made. The same function (the MLP
   works token by token); the weights' gradient is summed over the chunks in
-  their dtype. Under a mesh set for tracing (`jax.set_mesh`) a chunk holds whole
-  positions of every sequence (`_token_chunks`).
+  their dtype. Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a
+  chunk holds whole positions of every sequence instead (`_token_chunks`).
   """
   config: LlamaConfig
   activation: str
@@ -276,14 +280,16 @@ def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str
   Without ``labels``, float32 logits ``[..., vocab]``; with int ``labels:
   [...]`` the mean cross-entropy, a float32 scalar: from the logits
   (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
-  the logits block by block and keeps none; under a mesh set for tracing
-  (`jax.set_mesh`) it takes ``x: [batch, length, dim]`` position-major, so each
-  block of tokens stays split over the batch's devices.
+  the logits block by block and keeps none; under a mesh of ``Auto`` axes set
+  for tracing (`jax.set_mesh`) it takes ``x: [batch, length, dim]`` (3 or more
+  axes) position-major, so each block of tokens stays split over the batch's
+  devices.
   """
   vocab_size = kernel.shape[-1]
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if labels is not None and loss == "fused":  # labels as optax takes them:
-    x, labels = _sharding.position_major(x), _sharding.position_major(labels)
+    if x.ndim >= 3 and _sharding.in_auto_mesh():  # position-major: blocks split over the batch
+      x, labels = jnp.swapaxes(x, 0, 1), jnp.swapaxes(labels, 0, 1)
     labels = jnp.where(labels < 0, labels + vocab_size, labels)  # -1 is the last class
     invalid = jnp.where((labels >= 0) & (labels < vocab_size), 0.0, jnp.nan)
     return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)

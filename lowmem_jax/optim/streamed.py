@@ -297,7 +297,8 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
 
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
-                   slice_elements: int = 2 ** 24) -> LayerStreamed:
+                   slice_elements: int = 2 ** 24,
+                   gather_params: bool = False) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
   The other parameters are updated once their gradient is complete: after the
@@ -311,12 +312,6 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
   the last axis); a per-leaf statistic (``optax.clip_by_block_rms``) is then
   taken per slice, as it is per layer.
 
-  Traced under a mesh (`jax.set_mesh`, as FSDP over parameters sharded on it),
-  each layer's parameters, and the embedding's and the head's, are gathered
-  whole where they are used, as ZeRO-3 does (Rajbhandari et al., 2020,
-  https://arxiv.org/abs/1910.02054): without it XLA's propagation may move
-  activations between devices instead.
-
   Args:
     stack: the model (`LayerStack`).
     tx: an optax transformation that works leaf by leaf (module docstring); its
@@ -326,6 +321,12 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     saved_inputs: where the forward keeps each layer's input for the backward,
       "device" or "host".
     slice_elements: the most elements a leaf is updated in at once, a positive int.
+    gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
+      for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
+      the head's, made whole on every device where they are used, as ZeRO-3 gathers
+      them (Rajbhandari et al., 2020, https://arxiv.org/abs/1910.02054); without it
+      XLA's propagation may move activations between devices instead. Nothing
+      without such a mesh.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -349,6 +350,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
   _check_place("state", state)
   _check_place("saved_inputs", saved_inputs)
+  if not isinstance(gather_params, bool):
+    raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
+  gather = _sharding.gathered if gather_params else lambda tree: tree
   if not is_int(slice_elements) or slice_elements < 1:
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
 
@@ -406,11 +410,11 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     rest, layers, _ = checked(params)
     embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
 
-    h, embed_vjp = jax.vjp(lambda r: stack.embed(_sharding.gathered(r), batch), rest)
-    h, saved = jax.lax.scan(lambda h, p: (stack.layer(_sharding.gathered(p), h, batch),
+    h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
+    h, saved = jax.lax.scan(lambda h, p: (stack.layer(gather(p), h, batch),
                                           _to(saved_inputs, h)),
                             h, layers)
-    loss, head_vjp = jax.vjp(lambda r, h: stack.head(_sharding.gathered(r), h, batch), rest, h)
+    loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
     head_grads, dh = head_vjp(jnp.ones_like(loss))
     new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
                                         [not r for r in embed_reads])
@@ -423,8 +427,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       dh, _ = jax.lax.optimization_barrier((dh, done))
 
     def backward(dh, p, s, h):
-      _, vjp = jax.vjp(lambda p, h: stack.layer(_sharding.gathered(p), h, batch), p,
-                       _to("device", h))
+      _, vjp = jax.vjp(lambda p, h: stack.layer(gather(p), h, batch), p, _to("device", h))
       grads, dh = vjp(dh)
       return dh, *update_tree(grads, s(grads), p, "device")
 

@@ -1,6 +1,6 @@
 """Shardings: where a mesh's explicit axes make them part of an array's type, and whether a
 mesh of Auto axes is set for tracing (`jax.set_mesh`), under which the layer-streamed step
-gathers parameters and the LLaMA takes its token blocks position-major."""
+gathers parameters and token blocks are taken position-major."""
 
 import jax
 

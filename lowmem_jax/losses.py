@@ -60,16 +60,25 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     `linear_cross_entropy_reference` to float tolerance.
 
   Sharded inputs work under `jax.jit` on meshes of automatic or explicit axes
-  (tested: tokens and vocabulary over 8 CPU devices).
+  (tested: tokens and vocabulary over 8 CPU devices). Under a mesh of ``Auto``
+  axes set for tracing (`jax.set_mesh`), ``h: [batch, length, ..., d]`` is taken
+  position-major, so each block of tokens stays split over the batch's devices
+  where a block of batch-major tokens lies on one device and is gathered to all.
   """
   cfg = _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft_cap,
                reduction, w_layout, token_chunk, vocab_chunk)
+  position_major = h.ndim >= 3 and _sharding.in_auto_mesh()
+  if position_major:
+    h, labels = jnp.swapaxes(h, 0, 1), jnp.swapaxes(labels, 0, 1)
   lead = h.shape[:-1]
   h2 = h.reshape(math.prod(lead), h.shape[-1])
   b = None if bias is None else bias.astype(jnp.float32)
   weights = _token_weights(labels.reshape(-1), ignore_index, reduction)
   losses = _chunked(h2, w, b, labels.reshape(-1).astype(jnp.int32), weights, cfg, w_layout)
-  return losses.reshape(lead) if reduction == "none" else jnp.sum(losses)
+  if reduction != "none":
+    return jnp.sum(losses)
+  losses = losses.reshape(lead)
+  return jnp.swapaxes(losses, 0, 1) if position_major else losses
 
 
 def linear_cross_entropy_reference(h, w, labels, *, bias=None, ignore_index=None,

@@ -168,3 +168,18 @@ def test_sharded_jit_on_8_devices(axis_type, layout):
   np.testing.assert_allclose(value, want, rtol=1e-5)
   for got, exp in zip(grads, want_grads):
     np.testing.assert_allclose(got, exp, atol=1e-4 * float(jnp.abs(exp).max()))
+
+
+def test_per_token_losses_keep_their_order_under_an_auto_mesh():
+  """Under `jax.set_mesh` the tokens are blocked position-major; ``reduction="none"`` still
+  gives each token its own loss, in ``labels``' order."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  h, w, _, labels = _problem(jnp.float32, {}, lead=(8, 6))
+  f = lambda h, y: losses.linear_cross_entropy(h, w, y, reduction="none", token_chunk=4,
+                                               vocab_chunk=8)
+  data = NamedSharding(mesh, P("data"))
+  with jax.set_mesh(mesh):
+    got = jax.jit(f)(jax.device_put(h, data), jax.device_put(labels, data))
+  want = losses.linear_cross_entropy_reference(h, w, labels, reduction="none")
+  assert got.shape == (8, 6)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

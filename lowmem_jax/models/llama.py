@@ -280,16 +280,11 @@ def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str
   Without ``labels``, float32 logits ``[..., vocab]``; with int ``labels:
   [...]`` the mean cross-entropy, a float32 scalar: from the logits
   (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
-  the logits block by block and keeps none; under a mesh of ``Auto`` axes set
-  for tracing (`jax.set_mesh`) it takes ``x: [batch, length, dim]`` (3 or more
-  axes) position-major, so each block of tokens stays split over the batch's
-  devices.
+  the logits block by block and keeps none.
   """
   vocab_size = kernel.shape[-1]
   x, kernel = x.astype(dtype), kernel.astype(dtype)
   if labels is not None and loss == "fused":  # labels as optax takes them:
-    if x.ndim >= 3 and _sharding.in_auto_mesh():  # position-major: blocks split over the batch
-      x, labels = jnp.swapaxes(x, 0, 1), jnp.swapaxes(labels, 0, 1)
     labels = jnp.where(labels < 0, labels + vocab_size, labels)  # -1 is the last class
     invalid = jnp.where((labels >= 0) & (labels < vocab_size), 0.0, jnp.nan)
     return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)

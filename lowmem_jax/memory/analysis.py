@@ -266,6 +266,20 @@ def _computations(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[s
   return computations, roots, entry
 
 
+def _called(instruction: _Instruction) -> list[str]:
+  """The computations an instruction calls (`_CALLED`: reductions, calls, branches), not a
+  ``while``'s body or condition."""
+  names = []
+  for m in _CALLED.finditer(instruction.attributes):
+    names += [m.group(1)] if m.group(1) else [c.strip().lstrip("%") for c in m.group(2).split(",")]
+  return names
+
+
+def _body(instruction: _Instruction) -> str:
+  """A ``while``'s body computation."""
+  return re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+
+
 def _trip_count(instruction: _Instruction, caller: dict[str, _Instruction],
                 computations: dict, roots: dict) -> int | None:
   """The times a ``while`` runs: XLA's known trip count, else the pattern a JAX loop lowers
@@ -274,7 +288,7 @@ def _trip_count(instruction: _Instruction, caller: dict[str, _Instruction],
   if known:
     return int(known.group(1))
   cond = re.search(r"condition=%?([\w.\-]+)", instruction.attributes).group(1)
-  body = re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
+  body = _body(instruction)
   c, b = computations[cond], computations[body]
 
   def index(name: str, where: dict) -> int | None:  # the tuple element a get-tuple-element reads
@@ -329,19 +343,17 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
     for i in computations[name].values():
       if i.op == "while":
         found.append((i, computations[name]))
-      for m in _CALLED.finditer(i.attributes):
-        for called in (m.group(1),) if m.group(1) else m.group(2).split(","):
-          called = called.strip().lstrip("%")
-          if called not in seen:
-            seen.add(called)
-            found += whiles(called, seen)
+      for called in _called(i):
+        if called not in seen:
+          seen.add(called)
+          found += whiles(called, seen)
     return found
 
   def full(name: str) -> float | None:  # XLA's count holds each loop's body once
     total = once(name)
     for i, caller in whiles(name, {name}):
       trips = _trip_count(i, caller, computations, roots)
-      body = re.search(r"body=%?([\w.\-]+)", i.attributes).group(1)
+      body = _body(i)
       body_flops = full(body)
       if trips is None or body_flops is None:
         return None
@@ -385,8 +397,7 @@ def collective_bytes(hlo_text: str) -> int | None:
       if i.op in COLLECTIVES or i.op in done:
         total += _shape_bytes(i.shape)
       if i.op == "while":
-        body = re.search(r"body=%?([\w.\-]+)", i.attributes).group(1)
-        trips, inner = _trip_count(i, computations[name], computations, roots), count(body)
+        trips, inner = _trip_count(i, computations[name], computations, roots), count(_body(i))
         if trips is None or inner is None:
           return None
         total += trips * inner

@@ -24,6 +24,26 @@ import loop
 TAIL = 20  # the final training loss is the mean over these last steps
 # Arguments a resumed run may change: they do not change the steps it takes.
 RUN_ONLY = ("steps", "checkpoint_dir", "out", "rows", "eval_every", "memory_batch")
+SCHEDULES = ("constant", "cosine")
+WARMUP = 0.05  # the cosine schedule's linear warm-up, a fraction of the steps
+FINAL_LR = 0.1  # the cosine schedule's last lr, a fraction of ``--lr``
+
+
+def add_schedule_argument(parser: argparse.ArgumentParser) -> None:
+  """Adds ``--schedule``, which `learning_rate` reads."""
+  parser.add_argument(
+      "--schedule", choices=SCHEDULES, default="constant",
+      help=f"constant: --lr every step; cosine: a linear warm-up over {WARMUP:.0%} of --steps "
+           f"from 0 to --lr, then a cosine decay to {FINAL_LR:g} x --lr at the last step")
+
+
+def learning_rate(args: argparse.Namespace) -> optax.ScalarOrSchedule:
+  """``args.lr``, or with ``args.schedule == "cosine"`` an `optax.Schedule` over ``args.steps``
+  optimizer steps (`optax.warmup_cosine_decay_schedule`, warm-up `WARMUP`, end `FINAL_LR`)."""
+  if args.schedule == "constant":
+    return args.lr
+  return optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, max(1, round(WARMUP * args.steps)), args.steps, FINAL_LR * args.lr)
 
 
 def batch_indices(n: int, steps: int, batch: int, seed: int) -> np.ndarray:
@@ -34,8 +54,18 @@ def batch_indices(n: int, steps: int, batch: int, seed: int) -> np.ndarray:
       steps, batch)
 
 
-def optimizer(lr: float, k: int, nu_scale: str = "mean_sq") -> optax.GradientTransformation:
-  """``optax.adam(lr)`` for k = 1, else AdamA over k micro-batches at the same lr.
+def schedule_text(args: argparse.Namespace) -> str:
+  """How `learning_rate` uses ``args.lr``, for the examples' summaries: "" when constant."""
+  if args.schedule == "constant":
+    return ""
+  return (f" at the peak of a cosine schedule (warm-up {WARMUP:.0%} of the steps, "
+          f"{FINAL_LR:g} x lr at the last)")
+
+
+def optimizer(lr: optax.ScalarOrSchedule, k: int,
+              nu_scale: str = "mean_sq") -> optax.GradientTransformation:
+  """``optax.adam(lr)`` for k = 1, else AdamA over k micro-batches at the same lr
+  (`lowmem_jax.adamaw` at weight decay 0: a schedule counts optimizer steps).
 
   ``nu_scale`` is `lowmem_jax.adama`'s: with the default "mean_sq", when the k
   micro-batch gradients agree, v is Adam's v / k and the step up to sqrt(k)
@@ -43,10 +73,11 @@ def optimizer(lr: float, k: int, nu_scale: str = "mean_sq") -> optax.GradientTra
   """
   if k == 1:
     return optax.adam(lr)
-  return optax.chain(lm.adama(k, nu_scale=nu_scale), optax.scale_by_learning_rate(lr))
+  return lm.adamaw(lr, k, nu_scale=nu_scale, weight_decay=0.0)
 
 
-def streamed_optimizer(lr: float, k: int, nu_scale: str, seed: int) -> optax.GradientTransformation:
+def streamed_optimizer(lr: optax.ScalarOrSchedule, k: int, nu_scale: str,
+                       seed: int) -> optax.GradientTransformation:
   """AdamA over k micro-batches (`lowmem_jax.adamaw`, weight decay 0: `optimizer`'s Adam and
   AdamA) with 8-bit moments, then `lowmem_jax.lowbit.stochastic_rounding` for bfloat16
   parameters; both draw their rounding bits from ``seed``."""
@@ -101,7 +132,7 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   steps) and `memory` at the training batch (``memory``) and at
   ``memory_batch`` examples (``memory_large``).
   """
-  tx = optimizer(args.lr, k, args.nu_scale)
+  tx = optimizer(learning_rate(args), k, args.nu_scale)
   params = jax.tree.map(jnp.copy, params)  # the step donates its state
   state = (params, tx.init(params))
   batch = batch_at(0)
@@ -127,7 +158,7 @@ def run_streamed(row: str, stack: lm.optim.LayerStack, params: Any, k: int,
   step differentiates one layer at a time, keeping each layer's input, so
   there is no whole-loss autodiff to measure.
   """
-  tx = streamed_optimizer(args.lr, k, args.nu_scale, args.seed)
+  tx = streamed_optimizer(learning_rate(args), k, args.nu_scale, args.seed)
   streamed = lm.optim.layer_streamed(stack, tx)
   params = jax.tree.map(jnp.copy, params)  # the step donates its state
   state = (params, streamed.init(params))
@@ -159,7 +190,9 @@ def fit(row: str, step: Callable, state: Any, batch_at: Callable[[int], Any], *,
   state, the final training loss (mean of the last `TAIL` steps) and the last
   evaluation's figures."""
   checkpoint = None if args.checkpoint_dir is None else str(Path(args.checkpoint_dir) / row)
-  settings = {k: v for k, v in vars(args).items() if k not in RUN_ONLY}
+  # A cosine schedule spans --steps, so a resumed run must keep them.
+  run_only = RUN_ONLY if args.schedule == "constant" else set(RUN_ONLY) - {"steps"}
+  settings = {k: v for k, v in vars(args).items() if k not in run_only}
   state, history = loop.train(step, state, batch_at, steps=args.steps, desc=row,
                               evaluate=evaluate, eval_every=args.eval_every,
                               checkpoint_dir=checkpoint, settings=settings)

@@ -382,7 +382,8 @@ def report(args, argv, cosines, by_seed, classes, sizes, seconds) -> str:
       f"fine-tuned to tell which of {len(classes)} standard-library packages "
       f"({', '.join(classes)}) a docstring comes from: {sizes[0]} training, {sizes[1]} "
       f"validation and {sizes[2]} test docstrings, {args.seq} tokens, batch {args.batch}, "
-      f"{args.steps} steps, lr {args.lr:g} (baseline: Adam; lowmem: "
+      f"{args.steps} steps, lr {args.lr:g}{compare.schedule_text(args)} "
+      f"(baseline: Adam; lowmem: "
       f"lm.lowmem(loss, activations=\"approx\") and AdamA with nu_scale {args.nu_scale} "
       f"over k={args.k} micro-batches), seeds "
       f"{', '.join(map(str, by_seed))}; JAX {jax.__version__} on {jax.default_backend()}, "
@@ -421,6 +422,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--seq", type=int, default=None, help="tokens per docstring; default 64, quick 32")
   parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches of the lowmem run")
   parser.add_argument("--lr", type=float, default=1e-4)
+  compare.add_schedule_argument(parser)
   parser.add_argument("--nu-scale", choices=lm.optim.NU_SCALES, default="mean_sq",
                       help="AdamA's second-moment weight (lowmem_jax.adama)")
   parser.add_argument("--per-class", type=int, default=None, help="default 200, quick 24")

@@ -72,8 +72,8 @@ import numpy as np
 from lowmem_jax.models import Llama, LlamaConfig
 from lowmem_jax.models.llama import layer_stack
 from lowmem_jax.optim import NU_SCALES
-from compare import (TAIL, check_multiple_of_k, check_positive, check_shared, command,
-                     memory_lines, run, run_streamed, write)
+from compare import (TAIL, add_schedule_argument, check_multiple_of_k, check_positive,
+                     check_shared, command, memory_lines, run, run_streamed, schedule_text, write)
 
 ROWS = {
     "baseline": {},
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--seq", type=int, default=None, help="characters a window; default 64")
   parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches (adama, lowmem)")
   parser.add_argument("--lr", type=float, default=1e-3)
+  add_schedule_argument(parser)
   parser.add_argument("--nu-scale", choices=NU_SCALES, default="mean_sq",
                       help="AdamA's second-moment weight (lowmem_jax.adama)")
   parser.add_argument("--seed", type=int, default=0)
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
       f"{config.n_heads} heads, ffn {config.ffn_dim}, float32; parameters: "
       + ", ".join(f"{row} {n:,}" for row, n in sizes.items())
       + f". {args.steps} steps of {args.batch} windows of {args.seq} + 1 characters, the same "
-      f"batches, lr {args.lr:g} (Adam, or AdamA, nu_scale {args.nu_scale}, over k={args.k} "
+      f"batches, lr {args.lr:g}{schedule_text(args)} (Adam, or AdamA, nu_scale "
+      f"{args.nu_scale}, over k={args.k} "
       f"micro-batches of "
       f"{args.batch // args.k} in the adama rows) and initial params (init key {args.seed}; the "
       f"{shared} tensors the trees share are equal) for every run. Validation: "

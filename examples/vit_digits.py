@@ -54,8 +54,9 @@ import optax
 
 import lowmem_jax as lm
 from lowmem_jax.models import ViT
-from compare import (TAIL, batch_indices, check_multiple_of_k, check_positive, check_shared,
-                     command, memory_lines, run, write)
+from compare import (TAIL, add_schedule_argument, batch_indices, check_multiple_of_k,
+                     check_positive, check_shared, command, memory_lines, run, schedule_text,
+                     write)
 
 ROWS = ("baseline", "lowmem")
 MODEL = dict(patch_size=2, width=64, depth=4, num_heads=4, mlp_dim=128, num_classes=10)
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--k", type=int, default=4, help="AdamA micro-batches of the lowmem run")
   parser.add_argument("--lr", type=float, default=1e-3)
+  add_schedule_argument(parser)
   parser.add_argument("--nu-scale", choices=lm.optim.NU_SCALES, default="mean_sq",
                       help="AdamA's second-moment weight (lowmem_jax.adama)")
   parser.add_argument("--seed", type=int, default=0)
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
       f"test images (8x8, stratified split, random_state 0). ViT patch {size['patch_size']}, "
       f"width {size['width']}, depth {size['depth']}, {size['num_heads']} heads, MLP "
       f"{size['mlp_dim']}, float32; parameters: {n_params} (MS norms have no affine). "
-      f"{args.steps} steps of batch {args.batch}, the same batches, lr {args.lr:g} and "
+      f"{args.steps} steps of batch {args.batch}, the same batches, "
+      f"lr {args.lr:g}{schedule_text(args)} and "
       f"initial params (init key {args.seed}"
       + (f"; the {shared} tensors the two trees share are equal" if shared else "")
       + f") for every run. lowmem: ReGELU2, MS-LayerNorm, recomputed attention, remat policy "

@@ -35,11 +35,14 @@ bfloat16 parameters with no float32 master copy (2 bytes a parameter, not
 moments' stochastic rounding and the parameters' share one rounding rule.
 """
 
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.extend.random import threefry2x32_p
 from optax import tree_utils as otu
 
 BLOCK = 256
@@ -84,24 +87,81 @@ def _unblocked(blocks: jax.Array, shape: tuple) -> jax.Array:
   return blocks.reshape(*blocks.shape[:-2], -1)[..., :n].reshape(shape)
 
 
-def _rounded(bits: jax.Array, dropped: int, key: jax.Array | None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Position:
+  """Where an array lies in the parameter tree whose rounding bits it takes (`rounding_bits`).
+
+  A tree leaf's rows lie along its first axis (a scalar leaf is one row of one
+  element). Element ``i`` (flat index) of row ``r`` of leaf ``leaf`` draws its
+  bits from ``r``, ``i`` and the tree's key folded with ``leaf``, so a part of a
+  leaf rounded alone (a layer of a stacked leaf, a slice of one) draws the bits
+  the whole leaf draws there: `lowmem_jax.optim.layer_streamed` gives each part
+  its position, and its stochastic rounding equals the whole tree's.
+
+  Fields:
+    leaf: the leaf's index among the tree's leaves (``jax.tree.leaves`` order), an int.
+    row: the array's first row (``rows`` True) or the row it lies in; an int or int32 [].
+    offset: the flat index, within its row, of the array's first element; an int or int32 [].
+    rows: True: the array's first axis runs over rows; False: it lies within row ``row``.
+  """
+  leaf: int = 0
+  row: Any = 0
+  offset: Any = 0
+  rows: bool = True
+
+  def index(self, i: Any) -> "Position":
+    """The position of ``x[i]`` (a row) for an ``x`` at this position whose axis 0 is rows."""
+    return Position(self.leaf, self.row + i, self.offset, rows=False)
+
+  def part(self, i: Any, shape: tuple[int, ...]) -> "Position":
+    """The position of the ``i``-th of equal parts of ``shape`` along the first axis of the
+    array at this position."""
+    if self.rows:
+      return Position(self.leaf, self.row + i * shape[0], self.offset, rows=True)
+    return Position(self.leaf, self.row, self.offset + i * math.prod(shape), rows=False)
+
+
+def rounding_bits(key: jax.Array, shape: tuple[int, ...],
+                  position: Position = Position()) -> jax.Array:
+  """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
+  ``key`` (a Threefry-2x32 key): element ``i`` of row ``r`` of the leaf gets the
+  first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
+  folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
+  impl = str(jax.random.key_impl(key))
+  if impl != "threefry2x32":
+    raise ValueError(f"`key` must be a threefry2x32 key, got a {impl} key.")
+  shape = tuple(shape)
+  across = position.rows and len(shape) > 0
+  within = shape[1:] if across else shape
+  if math.prod(within) >= 2 ** 32:
+    raise ValueError(f"A row of {math.prod(within)} elements is past the 2^32 the counter holds.")
+  u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+  row = u32(position.row) + (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) if across else 0)
+  flat = jnp.arange(math.prod(within), dtype=jnp.uint32).reshape(within)
+  data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
+  return threefry2x32_p.bind(data[0], data[1], jnp.broadcast_to(row, shape),
+                             jnp.broadcast_to(u32(position.offset) + flat, shape))[0]
+
+
+def _rounded(bits: jax.Array, dropped: int, noise: jax.Array | None) -> jax.Array:
   """float32 ``bits`` (uint32) plus the offset that makes dropping their low ``dropped`` bits
-  round: half a unit of the kept last bit (to nearest, ties away from zero) or, with a PRNG
-  ``key``, uniform bits below it (stochastically). A carry bumps the exponent."""
-  if key is None:
+  round: half a unit of the kept last bit (to nearest, ties away from zero) or, with
+  uniform ``noise`` (uint32, ``bits``' shape), uniform bits below it (stochastically). A
+  carry bumps the exponent."""
+  if noise is None:
     return bits + (1 << (dropped - 1))
-  return bits + (jax.random.bits(key, bits.shape, jnp.uint32) >> (32 - dropped))
+  return bits + (noise >> (32 - dropped))
 
 
-def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK,
-             key: jax.Array | None = None) -> QuantizedArray:
+def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK, key: jax.Array | None = None,
+             position: Position = Position()) -> QuantizedArray:
   """``x`` (float, any shape) as a `QuantizedArray`; ``signed`` False needs ``x >= 0``.
 
   The mantissa rounds to nearest, or with a PRNG ``key`` stochastically (up or
   down with the probabilities that make the code's expected value ``x``, in
   the normal range), which an exponential moving average needs: its per-step
   change is often below half a code's spacing, and nearest rounding would
-  leave it where it is.
+  leave it where it is. The bits are `rounding_bits` of ``x`` at ``position``.
   """
   _check(block)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -109,7 +169,8 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK,
   blocks = _blocks(x.astype(jnp.float32), block)
   scales = _abs_max(blocks)
   unit = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-  bits = _rounded(jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32), 23 - _MANTISSA, key)
+  noise = None if key is None else _blocks(rounding_bits(key, x.shape, position), block)
+  bits = _rounded(jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32), 23 - _MANTISSA, noise)
   exp_bits = _EXP_BITS[signed]
   exponent = (bits >> 23).astype(jnp.int32) - 127 + (2 ** exp_bits - 1)
   mantissa = ((bits >> (23 - _MANTISSA)) & (2 ** _MANTISSA - 1)).astype(jnp.int32)
@@ -162,15 +223,25 @@ def tree_load(moments: Any, *, signed: bool, block: int = BLOCK) -> Any:
                       else m, moments, is_leaf=is_quantized)
 
 
+def positions_of(tree: Any, positions: Any = None) -> list[Position]:
+  """The `Position` of each of ``tree``'s leaves: ``positions`` (a tree of them with
+  ``tree``'s structure) flattened, or None: each leaf whole, at its own index."""
+  treedef = jax.tree.structure(tree)
+  if positions is None:
+    return [Position(i) for i in range(treedef.num_leaves)]
+  return treedef.flatten_up_to(positions)
+
+
 def tree_store(values: Any, like: Any, *, signed: bool, key: jax.Array | None,
-               min_size: int = MIN_SIZE, block: int = BLOCK) -> Any:
+               positions: Any = None, min_size: int = MIN_SIZE, block: int = BLOCK) -> Any:
   """``values`` quantised where ``like``'s leaf has at least ``min_size`` elements, rounding
-  stochastically with a key a leaf split from ``key`` (None: to nearest)."""
-  leaves, treedef = jax.tree.flatten(like)
-  keys = [None] * len(leaves) if key is None else list(jax.random.split(key, len(leaves)))
+  stochastically with ``key`` at each leaf's position (`positions_of`; None key: to
+  nearest)."""
+  treedef = jax.tree.structure(like)
+  where = jax.tree.unflatten(treedef, positions_of(like, positions))
   return jax.tree.map(
-      lambda x, p, k: quantize(x, signed=signed, block=block, key=k) if p.size >= min_size
-      else x, values, like, jax.tree.unflatten(treedef, keys), is_leaf=lambda x: x is None)
+      lambda x, p, at: quantize(x, signed=signed, block=block, key=key, position=at)
+      if p.size >= min_size else x, values, like, where)
 
 
 def moments_zeros(params: Any, *, min_size: int = MIN_SIZE,
@@ -188,13 +259,21 @@ def moments_load(mu: Any, nu: Any, *, block: int = BLOCK) -> tuple[Any, Any]:
   return tree_load(mu, signed=True, block=block), tree_load(nu, signed=False, block=block)
 
 
-def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None,
+def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positions: Any = None,
                   min_size: int = MIN_SIZE, block: int = BLOCK) -> tuple[Any, Any]:
   """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves,
-  rounding stochastically with keys folded from ``key`` (None: to nearest)."""
+  rounding stochastically with keys folded from ``key`` (None: to nearest) at
+  ``positions`` (`positions_of`)."""
   return tuple(tree_store(x, like, signed=signed, min_size=min_size, block=block,
+                          positions=positions,
                           key=None if key is None else jax.random.fold_in(key, signed))
                for x, signed in ((mu, True), (nu, False)))
+
+
+def step_key(seed: int, step: Any) -> jax.Array:
+  """The Threefry-2x32 key of step ``step`` (int or int32 []) of a transformation seeded
+  with ``seed``, whatever JAX's default PRNG implementation."""
+  return jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), step)
 
 
 def adam_direction(mu: Any, nu: Any, count: jax.Array, *, b1: Any, b2: Any, eps: Any,
@@ -228,9 +307,9 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Each step dequantises a leaf's moments to float32, updates them as Adam
   does, takes the direction ``m_hat / (sqrt(v_hat + eps_root) + eps)`` and
   quantises them again (first moment signed, second unsigned: module
-  docstring), rounding stochastically with a key made from ``seed``, the step
-  count and the leaf's place, so a step is reproducible and a restored state
-  goes on as the saved one would. (Rounding to nearest, ``v``'s 0.1% steps
+  docstring), rounding stochastically with a key made from ``seed`` and the step
+  count, each element's bits drawn at its place in the tree (`rounding_bits`), so
+  a step is reproducible and a restored state goes on as the saved one would. (Rounding to nearest, ``v``'s 0.1% steps
   for b2 = 0.999 round away and it stalls.) Leaves with fewer than
   ``min_size`` elements keep float32 moments. The state is NamedTuples of
   arrays: it serialises and shards like optax's (``codes`` has the
@@ -242,6 +321,12 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     min_size: leaves with fewer elements keep float32 moments, an int >= 0.
     seed: the stochastic rounding's seed, an int.
     stochastic: False rounds to nearest (to show the stall; not for training).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. Extra argument: ``positions``, a tree
+    with the gradient's structure of each leaf's `Position` in the whole tree, for a
+    part of a tree updated alone (`lowmem_jax.optim.layer_streamed` gives it); None:
+    the gradient is the whole tree.
   """
   _check(block)
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
@@ -252,19 +337,19 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     return ScaleByAdam8bitState(jnp.zeros([], jnp.int32),
                                 *moments_zeros(params, min_size=min_size, block=block))
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, *, positions=None, **extra_args):
+    del params, extra_args
     mu, nu = moments_load(state.mu, state.nu, block=block)
     mu = otu.tree_update_moment(updates, mu, b1, 1)
     nu = otu.tree_update_moment_per_elem_norm(updates, nu, b2, 2)
     count = optax.safe_int32_increment(state.count)
     direction = adam_direction(mu, nu, count, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                like=updates)
-    key = jax.random.fold_in(jax.random.key(seed), count) if stochastic else None
-    return direction, ScaleByAdam8bitState(
-        count, *moments_store(mu, nu, updates, key=key, min_size=min_size, block=block))
+    key = step_key(seed, count) if stochastic else None
+    return direction, ScaleByAdam8bitState(count, *moments_store(
+        mu, nu, updates, key=key, positions=positions, min_size=min_size, block=block))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -285,8 +370,10 @@ def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float
       optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(learning_rate))
 
 
-def stochastic_round(x: jax.Array, *, key: jax.Array) -> jax.Array:
-  """``x`` (float32, any shape) in bfloat16, rounded stochastically with PRNG ``key``.
+def stochastic_round(x: jax.Array, *, key: jax.Array,
+                     position: Position = Position()) -> jax.Array:
+  """``x`` (float32, any shape) in bfloat16, rounded stochastically with PRNG ``key`` (a
+  Threefry-2x32 key), the bits `rounding_bits` of ``x`` at ``position``.
 
   Each element goes to one of its two bfloat16 neighbours with the
   probabilities that make its expected value ``x`` (Gupta et al., "Deep
@@ -297,7 +384,8 @@ def stochastic_round(x: jax.Array, *, key: jax.Array) -> jax.Array:
   """
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round takes float32 `x`, got {x.dtype}.")
-  bits = _rounded(jax.lax.bitcast_convert_type(x, jnp.uint32), 16, key)
+  bits = _rounded(jax.lax.bitcast_convert_type(x, jnp.uint32), 16,
+                  rounding_bits(key, x.shape, position))
   rounded = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
   return jnp.where(jnp.isnan(x), jnp.asarray(jnp.nan, jnp.bfloat16), rounded)
 
@@ -321,7 +409,8 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
   far apart is a float32; where the update nearly cancels the parameter it
   may land up to ``2^-24 |p|`` off) (Zamirai et al., "Revisiting BFloat16 Training", 2020,
   arXiv:2010.06192). float32 and float64 leaves pass through unchanged. The
-  key lives in the state, split every call: a restored state goes on as the
+  key lives in the state, split every call, and each element's bits are drawn
+  at its place in the tree (`rounding_bits`): a restored state goes on as the
   saved one would. In a jitted step XLA fuses the float32 update into the add,
   so no float32 copy of the parameters is kept.
 
@@ -329,17 +418,19 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
     seed: the PRNG seed, an int.
 
   Returns:
-    An `optax.GradientTransformation` with state `StochasticRoundingState`;
-    its ``update`` needs ``params``.
+    An `optax.GradientTransformationExtraArgs` with state `StochasticRoundingState`;
+    its ``update`` needs ``params``. Extra argument: ``positions``, as in
+    `scale_by_adam_8bit`.
   """
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"`seed` must be an int, got {seed!r}.")
 
   def init_fn(params):
     del params
-    return StochasticRoundingState(jax.random.key_data(jax.random.key(seed)))
+    return StochasticRoundingState(jax.random.key_data(step_key(seed, 0)))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, positions=None, **extra_args):
+    del extra_args
     if params is None:
       raise ValueError("stochastic_rounding needs `params`: pass them to `update`.")
     leaves = jax.tree.leaves(params)
@@ -347,17 +438,18 @@ def stochastic_rounding(seed: int = 0) -> optax.GradientTransformation:
       if p.dtype not in (jnp.bfloat16, jnp.float32, jnp.float64):
         raise TypeError(f"stochastic_rounding takes bfloat16, float32 or float64 `params`, "
                         f"got a {p.dtype} leaf.")
-    key, step = jax.random.split(jax.random.wrap_key_data(state.key))
-    keys = jax.tree.unflatten(jax.tree.structure(params), list(jax.random.split(step, len(leaves))))
+    key, step = jax.random.split(jax.random.wrap_key_data(state.key, impl="threefry2x32"))
 
-    def leaf(u, p, k):
+    def leaf(u, p, at):
       if p.dtype != jnp.bfloat16:
         return u
       p32 = p.astype(jnp.float32)
-      new = stochastic_round(p32 + u.astype(jnp.float32), key=k).astype(jnp.float32)
+      new = stochastic_round(p32 + u.astype(jnp.float32), key=step,
+                             position=at).astype(jnp.float32)
       return jnp.where(new == p32, 0.0, new - p32)  # an infinite parameter stays
 
-    return (jax.tree.map(leaf, updates, params, keys),
+    where = jax.tree.unflatten(jax.tree.structure(params), positions_of(params, positions))
+    return (jax.tree.map(leaf, updates, params, where),
             StochasticRoundingState(jax.random.key_data(key)))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -208,6 +208,31 @@ def test_bfloat16_params_rounded_to_nearest_stall():
   assert (got - want) / want > 0.03, (got, want)
 
 
+def test_rounding_bits_of_a_part_are_the_whole_leafs_there():
+  """A layer of a stacked leaf (`Position.index`) and equal parts of it or of a leaf's rows
+  (`Position.part`) draw the bits the whole leaf draws at their elements."""
+  key = jax.random.key(3)
+  at = lowbit.Position(leaf=2)
+  whole = lowbit.rounding_bits(key, (3, 8, 5), at)
+  assert whole.dtype == jnp.uint32 and whole.shape == (3, 8, 5)
+  for layer in range(3):
+    np.testing.assert_array_equal(
+        lowbit.rounding_bits(key, (8, 5), at.index(layer)), whole[layer])
+    for i in range(4):
+      traced = jax.jit(lambda i, layer: lowbit.rounding_bits(
+          key, (2, 5), at.index(layer).part(i, (2, 5))))(i, layer)
+      np.testing.assert_array_equal(traced, whole[layer, 2 * i:2 * i + 2])
+  for i in range(4):  # rows of a 2-d leaf, in parts along them
+    np.testing.assert_array_equal(lowbit.rounding_bits(key, (2, 5), at.part(i, (2, 5))),
+                                  lowbit.rounding_bits(key, (8, 5), at)[2 * i:2 * i + 2])
+  other = lowbit.rounding_bits(key, (3, 8, 5), lowbit.Position(leaf=1))
+  assert np.mean(np.asarray(other) == np.asarray(whole)) < 0.01  # another leaf, other bits
+  uniform = np.asarray(lowbit.rounding_bits(key, (256, 256)), np.float64) / 2 ** 32
+  assert abs(uniform.mean() - 0.5) < 0.005 and abs(uniform.var() - 1 / 12) < 0.002
+  with pytest.raises(ValueError, match="threefry2x32"):
+    lowbit.rounding_bits(jax.random.key(0, impl="rbg"), (2,))
+
+
 def test_stochastic_round_picks_a_neighbour_unbiased():
   x = _wide((4, 256), seed=3)
   keys = jax.random.split(jax.random.key(0), 2000)
@@ -236,8 +261,8 @@ def test_stochastic_rounding_makes_apply_updates_round_stochastically():
   applied = optax.apply_updates(params, out)
   assert applied["w"].dtype == jnp.bfloat16
   _, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-  w_key = jax.random.split(step_key, 2)[1]  # leaves in tree order: "b", "w"
-  want = lowbit.stochastic_round(params["w"].astype(jnp.float32) + updates["w"], key=w_key)
+  want = lowbit.stochastic_round(params["w"].astype(jnp.float32) + updates["w"], key=step_key,
+                                 position=lowbit.Position(1))  # leaves in order: "b", "w"
   np.testing.assert_array_equal(applied["w"], want)
   np.testing.assert_array_equal(out["b"], updates["b"])  # float32 leaves pass through
   jitted = jax.jit(lambda p, u, s: optax.apply_updates(p, tx.update(u, s, p)[0]))

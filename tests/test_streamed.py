@@ -139,17 +139,20 @@ def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
 
 @pytest.mark.slow
 @OPTAX_APPLY_UPDATES
-def test_bfloat16_parameters_rounded_stochastically_stay_within_a_unit_of_the_twin():
-  """Other random bits than over the whole tree (module docstring): after one step each
-  parameter is one of the two bfloat16 neighbours of the same float32 sum."""
-  tx = optax.chain(optax.adam(1e-2), lm.lowbit.stochastic_rounding(seed=0))
+@pytest.mark.parametrize("slice_elements", [2 ** 24, 128], ids=["whole", "sliced"])
+def test_stochastic_rounding_draws_the_whole_trees_bits(slice_elements):
+  """8-bit moments and bfloat16 parameters, both rounded stochastically: each layer's
+  leaves (and with small ``slice_elements`` each slice of a leaf) are rounded with the
+  bits the whole tree draws there (`lowbit.Position`), so the step equals the whole-tree
+  step."""
+  tx = optax.chain(lm.lowbit.scale_by_adam_8bit(block=16, min_size=16, seed=3),
+                   optax.scale_by_learning_rate(1e-2), lm.lowbit.stochastic_rounding(seed=5))
   model, params = stack(), params_of(jax.random.key(4), dtype=jnp.bfloat16)
-  got, want, _ = run_both(model, tx, params, [batch_of(jax.random.key(0))])
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  got, want, _ = run_both(model, tx, params, batches, slice_elements=slice_elements)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == jnp.bfloat16
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    unit = np.abs(b) * 2.0 ** -7 + 1e-30
-    assert np.all(np.abs(a - b) <= unit * 1.01)
+  assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("tx", [

@@ -198,7 +198,9 @@ def adama(
       for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
       stochastic rounding keyed by
-      ``seed``, the step and the micro-step), dequantised to float32 to fold
+      ``seed``, the step and the micro-step, each element's bits drawn at its
+      place in the tree: `lowmem_jax.lowbit.rounding_bits`; the extra argument
+      ``positions`` as in `lowmem_jax.lowbit.scale_by_adam_8bit`), dequantised to float32 to fold
       each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
       ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
       list it in ``static_args``.
@@ -241,7 +243,8 @@ def adama(
     return AdamAState(micro_step=jnp.zeros([], jnp.int32), count=jnp.zeros([], jnp.int32),
                       mu=mu, nu=nu, k=StaticInt(k))
 
-  def update_fn(updates, state, params=None, *, folded=None, folded_with=None, **extra_args):
+  def update_fn(updates, state, params=None, *, folded=None, folded_with=None, positions=None,
+                **extra_args):
     del params, extra_args
     if state.k != k:
       raise ValueError(f"The AdamA state was built by an AdamA over k={state.k}, and this one "
@@ -278,8 +281,8 @@ def adama(
     direction = lowbit.adam_direction(mu, nu, count_inc, b1=b1, b2=b2, eps=eps,
                                       eps_root=eps_root, like=updates if state_bits == 8 else None)
     if state_bits == 8:
-      key = jax.random.fold_in(jax.random.key(seed), state.count * k + state.micro_step)
-      mu, nu = lowbit.moments_store(mu, nu, updates, key=key)
+      key = lowbit.step_key(seed, state.count * k + state.micro_step)
+      mu, nu = lowbit.moments_store(mu, nu, updates, key=key, positions=positions)
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:

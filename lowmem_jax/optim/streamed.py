@@ -22,14 +22,16 @@ refused, with the equation that mixes them (`check_per_leaf`).
 The state is `StreamedState`: the transformation initialised on each
 parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
 stacked layers; a leaf updated in slices, `slices`, on each slice), so each
-has its own step counter and PRNG seed, all alike: a seeded transformation
-draws the same random bits for same-shaped leaves. For a transformation that
-works leaf by leaf (the check above) that is its own update; with the state
-on the device and float32 throughout, a step equals ``tx`` applied to
-``jax.grad`` of the whole loss to float tolerance (the tests' exact twin); a
-stochastic rounding draws other bits than over the whole tree (the same
-distribution). A leaf's 8-bit moments stay float32 below ``min_size``
-elements counted per layer, where the stacked leaf's count may pass it.
+has its own step counter and PRNG seed, all alike. Each update is told where
+its part lies in the whole tree (the extra argument ``positions``, a
+`lowmem_jax.lowbit.Position` per leaf), so the project's stochastic roundings
+(8-bit moments, `lowmem_jax.lowbit.stochastic_rounding`) draw each element's
+bits where the whole tree draws them. For a transformation that works leaf by
+leaf (the check above) that is its own update: with the state on the device, a
+step equals ``tx`` applied to ``jax.grad`` of the whole loss to float
+tolerance (the tests' exact twins, float32 and rounded stochastically). A
+leaf's 8-bit moments stay float32 below ``min_size`` elements counted per
+layer, where the stacked leaf's count may pass it.
 
 Where they live: the parameters on the device; the state and the saved layer
 inputs on the device or in pinned host memory (``"host"``), brought over one
@@ -53,7 +55,7 @@ import optax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from lowmem_jax import _sharding
+from lowmem_jax import _sharding, lowbit
 from lowmem_jax._checks import is_int
 
 PLACES = ("device", "host")
@@ -260,7 +262,7 @@ def _put(tree: Any, new: Any, i: jax.Array) -> Any:
 
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
                  reverse: bool = False) -> tuple[Any, Any, Any]:
-  """``fn(carry, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
+  """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
   of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
   ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
   gradient) is made, so the slice is not held while the gradient is computed.
@@ -283,7 +285,7 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
       state_of = lambda after: current[0]
     else:
       state_of = lambda after: _at(device_states, jax.lax.optimization_barrier((after, i))[1])
-    c, p, s = fn(c, _at(params, i), state_of, current[1])
+    c, p, s = fn(c, i, _at(params, i), state_of, current[1])
     params = _put(params, p, i)
     if on_host:
       return (c, params, device_states, ahead), _to("host", s)
@@ -348,6 +350,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
+  tx = optax.with_extra_args_support(tx)
   _check_place("state", state)
   _check_place("saved_inputs", saved_inputs)
   if not isinstance(gather_params, bool):
@@ -379,27 +382,32 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     return _to(state, StreamedState(jax.vmap(lambda p: jax.tree.map(leaf_init, p))(layers),
                                     jax.tree.map(leaf_init, rest)))
 
-  def update(g, s, p):
-    updates, s = tx.update(g, s, p)
+  def update(g, s, p, at):
+    updates, s = tx.update(g, s, p, positions=at)
     return optax.apply_updates(p, updates), s
 
-  def update_leaf(g, s, p, place):
-    """One leaf's update, its state in ``place`` before and after."""
+  def update_leaf(g, s, p, place, at):
+    """One leaf's update, its state in ``place`` before and after; ``at``: its
+    `lowbit.Position` in the whole params tree."""
     n = count(p)
     if n == 1:
-      p, s = update(g, _to("device", s), p)
+      p, s = update(g, _to("device", s), p, at)
       return p, _to(place, s)
-    _, new, s = _scan_slices(lambda _, p, s, g: (None, *update(g, s(g), p)), None,
-                             sliced(p, n), s, sliced(g, n), place)
+    part = jnp.shape(sliced(p, n))[1:]
+    _, new, s = _scan_slices(
+        lambda _, i, p, s, g: (None, *update(g, s(g), p, at.part(i, part))), None,
+        sliced(p, n), s, sliced(g, n), place)
     return new.reshape(jnp.shape(p)), s
 
-  def update_tree(grads, states, params, place, which=None):
-    """Each leaf's update (those ``which`` selects), the new params and states as trees."""
+  def update_tree(grads, states, params, place, where, which=None):
+    """Each leaf's update (those ``which`` selects), the new params and states as trees;
+    ``where``: each leaf's `lowbit.Position`."""
     treedef = jax.tree.structure(params)
     states = treedef.flatten_up_to(states)
-    out = [update_leaf(g, s, p, place) if which is None or which[i] else (p, s)
-           for i, (g, s, p) in enumerate(zip(treedef.flatten_up_to(grads), states,
-                                             jax.tree.leaves(params)))]
+    out = [update_leaf(g, s, p, place, at) if which is None or which[i] else (p, s)
+           for i, (g, s, p, at) in enumerate(zip(treedef.flatten_up_to(grads), states,
+                                                 jax.tree.leaves(params),
+                                                 treedef.flatten_up_to(where)))]
     return (jax.tree.unflatten(treedef, [p for p, _ in out]),
             jax.tree.unflatten(treedef, [s for _, s in out]))
 
@@ -409,6 +417,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                       f"{type(opt_state).__name__}.")
     rest, layers, _ = checked(params)
     embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
+    # Each leaf's place in the whole tree: a seeded rounding draws the whole tree's bits.
+    rest_at, layers_at = split(jax.tree.unflatten(jax.tree.structure(params), map(
+        lowbit.Position, range(len(jax.tree.leaves(params))))), stack.key)
 
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
     h, saved = jax.lax.scan(lambda h, p: (stack.layer(gather(p), h, batch),
@@ -416,7 +427,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                             h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
     head_grads, dh = head_vjp(jnp.ones_like(loss))
-    new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state,
+    new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state, rest_at,
                                         [not r for r in embed_reads])
     if state == "device":
       # The head's own update before the layers' backward, so the head's gradient (the output
@@ -426,15 +437,16 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                                 embed_reads) if not r]
       dh, _ = jax.lax.optimization_barrier((dh, done))
 
-    def backward(dh, p, s, h):
+    def backward(dh, i, p, s, h):
       _, vjp = jax.vjp(lambda p, h: stack.layer(gather(p), h, batch), p, _to("device", h))
       grads, dh = vjp(dh)
-      return dh, *update_tree(grads, s(grads), p, "device")
+      return dh, *update_tree(grads, s(grads), p, "device",
+                              jax.tree.map(lambda at: at.index(i), layers_at))
 
     dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
                                             state, reverse=True)
     grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
-    embedded, rest_states = update_tree(grads, rest_states, rest, state, embed_reads)
+    embedded, rest_states = update_tree(grads, rest_states, rest, state, rest_at, embed_reads)
     new_rest = jax.tree.map(lambda reads, old, new: new if reads else old,
                             jax.tree.unflatten(jax.tree.structure(rest), embed_reads),
                             new_rest, embedded)

@@ -40,17 +40,17 @@ def stack(tied: bool = False) -> streamed.LayerStack:
   return streamed.LayerStack(embed, layer, head)
 
 
-def params_of(key, tied=False, dtype=jnp.float32):
+def params_of(key, tied=False, dtype=jnp.float32, dim=DIM, hidden=HIDDEN):
   k = jax.random.split(key, 4)
   params = {
-      "embedding": jax.random.normal(k[0], (VOCAB, DIM)),
-      "norm": jnp.ones(DIM),
-      "layers": {"norm": jnp.ones((LAYERS, DIM)),
-                 "w1": jax.random.normal(k[1], (LAYERS, DIM, HIDDEN)) / DIM ** 0.5,
-                 "w2": jax.random.normal(k[2], (LAYERS, HIDDEN, DIM)) / HIDDEN ** 0.5},
+      "embedding": jax.random.normal(k[0], (VOCAB, dim)),
+      "norm": jnp.ones(dim),
+      "layers": {"norm": jnp.ones((LAYERS, dim)),
+                 "w1": jax.random.normal(k[1], (LAYERS, dim, hidden)) / dim ** 0.5,
+                 "w2": jax.random.normal(k[2], (LAYERS, hidden, dim)) / hidden ** 0.5},
   }
   if not tied:
-    params["output"] = jax.random.normal(k[3], (DIM, VOCAB)) / DIM ** 0.5
+    params["output"] = jax.random.normal(k[3], (dim, VOCAB)) / dim ** 0.5
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
@@ -104,11 +104,15 @@ def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
   assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
 
 
-def test_adama_equals_microbatch_step():
-  """One call per micro-batch, AdamA applying at the k-th: `microbatch_step`'s update."""
+@pytest.mark.parametrize("state_bits", [None, 8])
+def test_adama_equals_microbatch_step(state_bits):
+  """One call per micro-batch, AdamA applying at the k-th: `microbatch_step`'s update. With
+  8-bit moments (rounded stochastically, the whole tree's bits) the kernels and the
+  embedding are wide enough for 8 bits (`lowbit.MIN_SIZE` elements a layer)."""
   k = 2
-  model, params = stack(), params_of(jax.random.key(2))
-  tx = lm.adamaw(1e-2, k, weight_decay=0.1)
+  model = stack()
+  params = params_of(jax.random.key(2), **({} if state_bits is None else dict(dim=64, hidden=128)))
+  tx = lm.adamaw(1e-2, k, weight_decay=0.1, state_bits=state_bits, seed=4)
   batches = [batch_of(jax.random.key(i), n=4) for i in range(2)]
   layered = streamed.layer_streamed(model, tx)
   step, state, got = jax.jit(layered.step), layered.init(params), params
@@ -122,6 +126,8 @@ def test_adama_equals_microbatch_step():
         jax.tree.map(np.testing.assert_array_equal, got, before)
     want, ref_state, _ = reference(want, ref_state, batch)
   assert_close(got, want)
+  if state_bits == 8:
+    assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
 
 
 @pytest.mark.slow

@@ -305,7 +305,8 @@ def test_fused_ce_for_language_models(capsys):
   assert techniques.ladder(2, language_model=True) == [
       "baseline", "fused-ce", "bf16+fused-ce", "bf16+ms-norm+attention+fused-ce", "all+fused-ce",
       "all+fused-ce+8bit", state, f"{state}+remat:plan", f"{state}+stream:device",
-      f"{state}+stream:host", f"{state}+stream:host+offload-opt", f"{state}+remat:full+adama:2"]
+      f"{state}+stream:host", f"{state}+stream:host+late-embed", f"{state}+stream:host+offload-opt",
+      f"{state}+remat:full+adama:2"]
   llama = ["--model", "llama-100m", "--batch", "1", "--seq", "64", "--target", "cpu"]
   assert cli.main(["report", *llama, "--techniques", "baseline,fused-ce", "--json"]) == 0
   rows = json.loads(capsys.readouterr().out)["rows"]

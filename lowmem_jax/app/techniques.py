@@ -786,7 +786,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   approximate gradient, then the optimizer state in fewer bits (8-bit moments,
   bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
   policy); a language model's then the layer-streamed step (its saved inputs on
-  the device, then the host, then its state too), any other model's state on
+  the device, then the host, with ``late-embed`` (it lowers some rows' peaks and
+  raises others': XLA's schedule), then its state on the host too), any other model's state on
   the host; last, micro-batches with full remat (k a power of 2 dividing
   ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its
   own). A language model's sets all take ``fused-ce`` (exact, and the largest
@@ -799,7 +800,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
           + [f"{s}+fused-ce" if language_model else s for s in ("bf16", f"bf16+{exact}")]
           + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
   if language_model:
-    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+offload-opt"]
+    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+late-embed",
+             f"{state}+stream:host+offload-opt"]
   else:
     sets.append(f"{state}+offload-opt")
   ks = (2, 4, 8) if step else [2**i for i in range(1, batch.bit_length()) if batch % 2**i == 0]

@@ -33,6 +33,9 @@ bfloat16 parameters with no float32 master copy (2 bytes a parameter, not
 4 + 2): `stochastic_rounding` ends an optimizer chain so that
 ``optax.apply_updates`` rounds each new parameter stochastically; the
 moments' stochastic rounding and the parameters' share one rounding rule.
+Both draw an element's random bits from its place in the parameter tree
+(`Position`, `rounding_bits`), so a part of the tree updated alone, as the
+layer-streamed step updates a layer, rounds as the whole tree would.
 """
 
 import dataclasses

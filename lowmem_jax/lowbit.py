@@ -114,6 +114,8 @@ class Position:
 
   def index(self, i: Any) -> "Position":
     """The position of ``x[i]`` (a row) for an ``x`` at this position whose axis 0 is rows."""
+    if not self.rows:
+      raise ValueError(f"{self} lies within one row: its first axis is not rows to index.")
     return Position(self.leaf, self.row + i, self.offset, rows=False)
 
   def part(self, i: Any, shape: tuple[int, ...]) -> "Position":
@@ -130,6 +132,8 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...],
   ``key`` (a Threefry-2x32 key): element ``i`` of row ``r`` of the leaf gets the
   first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
   folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 jax.random.PRNGKey
+    key = jax.random.wrap_key_data(key, impl="threefry2x32")
   impl = str(jax.random.key_impl(key))
   if impl != "threefry2x32":
     raise ValueError(f"`key` must be a threefry2x32 key, got a {impl} key.")

@@ -229,8 +229,12 @@ def test_rounding_bits_of_a_part_are_the_whole_leafs_there():
   assert np.mean(np.asarray(other) == np.asarray(whole)) < 0.01  # another leaf, other bits
   uniform = np.asarray(lowbit.rounding_bits(key, (256, 256)), np.float64) / 2 ** 32
   assert abs(uniform.mean() - 0.5) < 0.005 and abs(uniform.var() - 1 / 12) < 0.002
+  np.testing.assert_array_equal(  # a raw key is a threefry2x32 key's data
+      lowbit.rounding_bits(jax.random.key_data(key), (3, 8, 5), at), whole)
   with pytest.raises(ValueError, match="threefry2x32"):
     lowbit.rounding_bits(jax.random.key(0, impl="rbg"), (2,))
+  with pytest.raises(ValueError, match="within one row"):
+    at.index(0).index(1)
 
 
 def test_stochastic_round_picks_a_neighbour_unbiased():

@@ -317,7 +317,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
   Args:
     stack: the model (`LayerStack`).
     tx: an optax transformation that works leaf by leaf (module docstring); its
-      ``update`` is called with the params.
+      ``update`` is called with the params and, where it takes extra arguments,
+      ``positions`` (each part's `lowmem_jax.lowbit.Position` in the whole tree).
     state: where the optimizer state lives between steps, "device" or "host"
       (pinned host memory, brought over a layer, or a slice of another leaf, at a time).
     saved_inputs: where the forward keeps each layer's input for the backward,

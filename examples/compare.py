@@ -34,7 +34,7 @@ def add_schedule_argument(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "--schedule", choices=SCHEDULES, default="constant",
       help=f"constant: --lr every step; cosine: a linear warm-up over {WARMUP:.0%} of --steps "
-           f"from 0 to --lr, then a cosine decay to {FINAL_LR:g} x --lr at the last step")
+           f"from 0 to --lr, then a cosine decay that reaches {FINAL_LR:g} x --lr after --steps")
 
 
 def learning_rate(args: argparse.Namespace) -> optax.ScalarOrSchedule:
@@ -42,8 +42,9 @@ def learning_rate(args: argparse.Namespace) -> optax.ScalarOrSchedule:
   optimizer steps (`optax.warmup_cosine_decay_schedule`, warm-up `WARMUP`, end `FINAL_LR`)."""
   if args.schedule == "constant":
     return args.lr
-  return optax.warmup_cosine_decay_schedule(
-      0.0, args.lr, max(1, round(WARMUP * args.steps)), args.steps, FINAL_LR * args.lr)
+  warmup = min(max(1, round(WARMUP * args.steps)), args.steps - 1)  # one step: no warm-up
+  return optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
+                                            FINAL_LR * args.lr)
 
 
 def batch_indices(n: int, steps: int, batch: int, seed: int) -> np.ndarray:
@@ -65,7 +66,9 @@ def schedule_text(args: argparse.Namespace) -> str:
 def optimizer(lr: optax.ScalarOrSchedule, k: int,
               nu_scale: str = "mean_sq") -> optax.GradientTransformation:
   """``optax.adam(lr)`` for k = 1, else AdamA over k micro-batches at the same lr
-  (`lowmem_jax.adamaw` at weight decay 0: a schedule counts optimizer steps).
+  (`lowmem_jax.adamaw` at weight decay 0: a schedule counts optimizer steps; with a fixed lr
+  it equals ``optax.chain(adama(k), optax.scale_by_learning_rate(lr))``, which the figures
+  before this option used, to float rounding).
 
   ``nu_scale`` is `lowmem_jax.adama`'s: with the default "mean_sq", when the k
   micro-batch gradients agree, v is Adam's v / k and the step up to sqrt(k)

@@ -21,7 +21,7 @@ differs from the baseline by two wrappers: the loss goes through
 for by name: it changes the gradient; MS-LayerNorm with
 each affine folded into the matmuls it feeds inside the step and kept on the
 residual path, attention that recomputes its probabilities), and the
-optimizer is AdamA over k micro-batches (``lm.adama(k)``,
+optimizer is AdamA over k micro-batches (``lm.adamaw(lr, k, weight_decay=0)``,
 ``lm.microbatch_step``). The parameter tree is the same in both runs.
 
 1. Forward check. The sentence embeddings (mean pooling over real tokens, L2

@@ -21,15 +21,16 @@ Every run starts from the same initial params (each model initialised with
 the key ``--seed``: every tensor the trees share is equal, which is checked;
 MS-RMSNorm has no scale, where RMSNorm's starts at 1, so at init all compute
 the same function) and trains the same ``--steps`` on the same batches at
-the same fixed ``--lr``. The rows:
+the same ``--lr`` (fixed, or ``--schedule cosine``: a warm-up and a cosine
+decay over the steps, the same for every row). The rows:
 
   baseline    exact SiLU, RMSNorm, optax.adam on the whole batch
   resilu2     activation="approx": ReSiLU2 on the SwiGLU gate, a 2-bit residual
   ms-rmsnorm  norm="ms": MS-RMSNorm, the norm's output shared with the next matmul
   fused-ce    loss="fused": the head's cross-entropy block by block
               (lowmem_jax.losses.linear_cross_entropy), no logits kept
-  adama       lowmem_jax.microbatch_step with optax.chain(lowmem_jax.adama(k),
-              optax.scale_by_learning_rate(lr)) on the same batch in k = 4 micro-batches
+  adama       lowmem_jax.microbatch_step with lowmem_jax.adamaw(lr, k, weight_decay=0)
+              on the same batch in k = 4 micro-batches
               (``--nu-scale``, default "mean_sq": where the micro-batch gradients agree its
               v is Adam's / k, so its steps are up to sqrt(k) times Adam's; "mean" gives
               Adam's v there)

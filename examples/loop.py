@@ -57,14 +57,16 @@ def train(step: Callable, state: Any, batch_at: Callable[[int], Any], *, steps: 
     if latest is not None:
       if latest > steps:
         raise ValueError(f"checkpoint_dir {checkpoint_dir!r} holds step {latest}, past steps={steps}.")
-      restored = manager.restore(latest, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore(),
-          settings=ocp.args.JsonRestore()))
-      if restored.settings != (settings or {}):
-        changed = sorted(k for k in {*restored.settings, *(settings or {})}
-                         if restored.settings.get(k) != (settings or {}).get(k))
+      # The settings first: a state of other settings may not even have this one's structure.
+      saved = manager.restore(latest, args=ocp.args.Composite(
+          settings=ocp.args.JsonRestore())).settings
+      if saved != (settings or {}):
+        changed = sorted(k for k in {*saved, *(settings or {})}
+                         if saved.get(k) != (settings or {}).get(k))
         raise ValueError(f"checkpoint_dir {checkpoint_dir!r} was saved with other settings "
                          f"({', '.join(changed)}); use another directory or the same settings.")
+      restored = manager.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore()))
       state, history = restored.state, restored.history
       # Keep the evaluations this run makes: a shorter run's last is not one of them.
       history["eval"] = [e for e in history["eval"]

@@ -9,15 +9,16 @@ Model: `lowmem_jax.models.ViT` in float32, patch 2 (16 patches and a class
 token: 17 tokens), width 64, depth 4, 4 heads, MLP 128, 10 classes (``--quick``:
 patch 4, width 32, depth 2, 2 heads, MLP 64, 30 steps). Two runs,
 the same ``--steps`` of the same batches of ``--batch`` (epochs of a seeded
-permutation) at the same fixed ``--lr``:
+permutation) at the same ``--lr`` (fixed, or ``--schedule cosine``: a warm-up and a
+cosine decay over the steps, the same for both):
 
   baseline  exact GELU, LayerNorm, plain attention, no remat; optax.adam on the whole batch
   lowmem    ReGELU2 (activation="approx"), MS-LayerNorm (norm="ms"), recomputed attention
             (attention="recompute"), every block under remat with --policy (default
             lowmem_jax.policies.compressed: keep the 2-bit codes and 1/sigma, recompute
             the rest), and AdamA: lowmem_jax.microbatch_step with
-            optax.chain(lowmem_jax.adama(k), optax.scale_by_learning_rate(lr)) on the same
-            batch in k = 4 micro-batches (``--nu-scale``, default "mean_sq")
+            lowmem_jax.adamaw(lr, k, weight_decay=0) on the same batch in k = 4
+            micro-batches (``--nu-scale``, default "mean_sq")
 
 What the runs share: both models are initialised with the same key
 (``--seed``), which gives every parameter the two trees have in common the

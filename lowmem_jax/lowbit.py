@@ -106,6 +106,9 @@ class Position:
     row: the array's first row (``rows`` True) or the row it lies in; an int or int32 [].
     offset: the flat index, within its row, of the array's first element; an int or int32 [].
     rows: True: the array's first axis runs over rows; False: it lies within row ``row``.
+
+  Not a pytree: a tree of positions has them as leaves, and they do not cross a
+  ``jax.jit`` or ``jax.vmap`` boundary as arguments (close over them).
   """
   leaf: int = 0
   row: Any = 0
@@ -119,35 +122,46 @@ class Position:
     return Position(self.leaf, self.row + i, self.offset, rows=False)
 
   def part(self, i: Any, shape: tuple[int, ...]) -> "Position":
-    """The position of the ``i``-th of equal parts of ``shape`` along the first axis of the
-    array at this position."""
+    """The position of the ``i``-th of equal parts, each of ``shape``, that the array at
+    this position is cut into along its first axis."""
     if self.rows:
       return Position(self.leaf, self.row + i * shape[0], self.offset, rows=True)
     return Position(self.leaf, self.row, self.offset + i * math.prod(shape), rows=False)
 
 
+def _threefry(key: jax.Array) -> jax.Array:
+  """``key`` as a typed Threefry-2x32 key: a raw key's two uint32 words wrapped; another
+  implementation's key (``jax_default_prng_impl``) made into one by drawing two words."""
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape[-1:] != (2,):
+      raise ValueError(f"A raw `key` must be a threefry2x32 key's two uint32 words, got shape "
+                       f"{key.shape}; pass a typed key (jax.random.key).")
+    return jax.random.wrap_key_data(key, impl="threefry2x32")
+  if str(jax.random.key_impl(key)) == "threefry2x32":
+    return key
+  return jax.random.wrap_key_data(jax.random.bits(key, (2,), jnp.uint32), impl="threefry2x32")
+
+
 def rounding_bits(key: jax.Array, shape: tuple[int, ...],
                   position: Position = Position()) -> jax.Array:
   """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
-  ``key`` (a Threefry-2x32 key): element ``i`` of row ``r`` of the leaf gets the
+  ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`):
+  element ``i`` of row ``r`` of the leaf gets the
   first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
   folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
-  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw uint32 jax.random.PRNGKey
-    key = jax.random.wrap_key_data(key, impl="threefry2x32")
-  impl = str(jax.random.key_impl(key))
-  if impl != "threefry2x32":
-    raise ValueError(f"`key` must be a threefry2x32 key, got a {impl} key.")
+  key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
-  within = shape[1:] if across else shape
-  if math.prod(within) >= 2 ** 32:
-    raise ValueError(f"A row of {math.prod(within)} elements is past the 2^32 the counter holds.")
+  in_row = shape[1:] if across else shape
+  if math.prod(in_row) >= 2 ** 32:
+    raise ValueError(f"A row of {math.prod(in_row)} elements is past the 2^32 the counter holds.")
   u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
   row = u32(position.row) + (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) if across else 0)
-  flat = jnp.arange(math.prod(within), dtype=jnp.uint32).reshape(within)
+  within = u32(position.offset) + jnp.arange(math.prod(in_row), dtype=jnp.uint32).reshape(in_row)
+  row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
+  row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  return threefry2x32_p.bind(data[0], data[1], jnp.broadcast_to(row, shape),
-                             jnp.broadcast_to(u32(position.offset) + flat, shape))[0]
+  return threefry2x32_p.bind(data[0], data[1], row, within)[0]
 
 
 def _rounded(bits: jax.Array, dropped: int, noise: jax.Array | None) -> jax.Array:
@@ -232,11 +246,13 @@ def tree_load(moments: Any, *, signed: bool, block: int = BLOCK) -> Any:
 
 def positions_of(tree: Any, positions: Any = None) -> list[Position]:
   """The `Position` of each of ``tree``'s leaves: ``positions`` (a tree of them with
-  ``tree``'s structure) flattened, or None: each leaf whole, at its own index."""
-  treedef = jax.tree.structure(tree)
-  if positions is None:
-    return [Position(i) for i in range(treedef.num_leaves)]
-  return treedef.flatten_up_to(positions)
+  ``tree``'s structure) flattened, or None: each leaf whole, at its own index. A leaf
+  that ``optax.masked`` (or ``optax.partition``) masked out holds its place and index."""
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  slots, treedef = jax.tree.flatten(tree, is_leaf=is_masked)
+  every = ([Position(i) for i in range(len(slots))] if positions is None
+           else treedef.flatten_up_to(positions))
+  return [at for at, x in zip(every, slots) if not is_masked(x)]
 
 
 def tree_store(values: Any, like: Any, *, signed: bool, key: jax.Array | None,
@@ -316,8 +332,9 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   quantises them again (first moment signed, second unsigned: module
   docstring), rounding stochastically with a key made from ``seed`` and the step
   count, each element's bits drawn at its place in the tree (`rounding_bits`), so
-  a step is reproducible and a restored state goes on as the saved one would. (Rounding to nearest, ``v``'s 0.1% steps
-  for b2 = 0.999 round away and it stalls.) Leaves with fewer than
+  a step is reproducible and a restored state goes on as the saved one would.
+  (Rounding to nearest, ``v``'s 0.1% steps for b2 = 0.999 round away and it
+  stalls.) Leaves with fewer than
   ``min_size`` elements keep float32 moments. The state is NamedTuples of
   arrays: it serialises and shards like optax's (``codes`` has the
   parameter's shape).

@@ -16,9 +16,10 @@ update on the CPU; here it runs on the device.
 
 Transformations that couple leaves (``optax.clip_by_global_norm``) go
 outside the wrapper, in a chain before it. Each leaf has its own copy of the
-inner state, so its step counter and any PRNG seed are per leaf: an inner
-transformation seeded by ``seed`` draws the same random bits for every leaf
-of the same shape.
+inner state, so its step counter and any PRNG seed are per leaf; each leaf's
+update is told its place in the tree (the extra argument ``positions``, a
+`lowmem_jax.lowbit.Position`), so the project's stochastic roundings draw the
+bits the whole tree draws.
 """
 
 from typing import Any, NamedTuple
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import _moved, optim, targets
+from lowmem_jax import _moved, lowbit, optim, targets
 
 
 class OffloadState(NamedTuple):
@@ -54,6 +55,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"`inner` must be an optax.GradientTransformation, got "
                     f"{type(inner).__name__}.")
+  inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     states = tuple(inner.init(p) for p in jax.tree.leaves(params))
@@ -72,8 +74,9 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
     if len(leaves) != len(grads):
       raise ValueError(f"`params` has {len(leaves)} leaves, `updates` {len(grads)}.")
     out, states = [], []
-    for g, leaf_state, p in zip(grads, state.leaves, leaves):
-      u, new_state = inner.update(g, _to(jax.memory.Space.Device, leaf_state), p)
+    for i, (g, leaf_state, p) in enumerate(zip(grads, state.leaves, leaves)):
+      u, new_state = inner.update(g, _to(jax.memory.Space.Device, leaf_state), p,
+                                  positions=lowbit.Position(i))
       out.append(u)
       states.append(_to(jax.memory.Space.Host, new_state))
     return jax.tree.unflatten(treedef, out), OffloadState(tuple(states))

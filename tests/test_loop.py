@@ -42,6 +42,10 @@ def test_what_cannot_resume_raises(tmp_path):
   _run(6, tmp_path, {"lr": 0.1})
   with pytest.raises(ValueError, match=r"other settings \(lr\)"):
     _run(10, tmp_path, {"lr": 0.2})
+  with pytest.raises(ValueError, match=r"other settings \(schedule\)"):  # another state's tree
+    loop.train(_step, ({"w": jnp.zeros(3)}, optax.chain(TX, optax.scale_by_schedule(
+        optax.constant_schedule(1.0))).init({"w": jnp.zeros(3)})), lambda i: jnp.ones(3),
+        steps=10, desc="test", checkpoint_dir=tmp_path, settings={"lr": 0.1, "schedule": "cosine"})
   with pytest.raises(ValueError, match="holds step 6, past steps=5"):
     _run(5, tmp_path, {"lr": 0.1})
   with pytest.raises(ValueError, match="steps must be >= 1"):

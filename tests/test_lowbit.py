@@ -231,8 +231,12 @@ def test_rounding_bits_of_a_part_are_the_whole_leafs_there():
   assert abs(uniform.mean() - 0.5) < 0.005 and abs(uniform.var() - 1 / 12) < 0.002
   np.testing.assert_array_equal(  # a raw key is a threefry2x32 key's data
       lowbit.rounding_bits(jax.random.key_data(key), (3, 8, 5), at), whole)
-  with pytest.raises(ValueError, match="threefry2x32"):
-    lowbit.rounding_bits(jax.random.key(0, impl="rbg"), (2,))
+  rbg = lowbit.rounding_bits(jax.random.key(0, impl="rbg"), (3, 8, 5), at)  # made threefry
+  assert rbg.shape == (3, 8, 5) and not np.array_equal(rbg, whole)
+  with pytest.raises(ValueError, match="two uint32 words"):
+    lowbit.rounding_bits(jax.random.key_data(jax.random.key(0, impl="rbg")), (2,))
+  rows = jax.vmap(lambda r: lowbit.rounding_bits(key, (8, 5), lowbit.Position(2, r, rows=False)))
+  np.testing.assert_array_equal(rows(jnp.arange(3)), whole)  # positions under jax.vmap
   with pytest.raises(ValueError, match="within one row"):
     at.index(0).index(1)
 

@@ -161,6 +161,20 @@ def test_stochastic_rounding_draws_the_whole_trees_bits(slice_elements):
   assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_partition_of_8bit_and_float32_moments_draws_the_whole_trees_bits():
+  """`optax.partition` masks the leaves of the other label: each leaf keeps its place
+  (`lowbit.positions_of`), so the 8-bit half rounds as over the whole tree."""
+  labels = lambda params: jax.tree.map(lambda x: "8bit" if x.shape[-1] == HIDDEN else "f32",
+                                       params)
+  tx = optax.chain(optax.partition({"8bit": lm.lowbit.scale_by_adam_8bit(block=16, min_size=16,
+                                                                          seed=3),
+                                    "f32": optax.scale_by_adam()}, labels),
+                   optax.scale_by_learning_rate(1e-2))
+  model, params = stack(), params_of(jax.random.key(5))
+  got, want, state = run_both(model, tx, params, [batch_of(jax.random.key(i)) for i in range(2)])
+  assert_close(got, want)
+
+
 @pytest.mark.parametrize("tx", [
     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
     optax.apply_if_finite(optax.adam(1e-3), 3),

@@ -396,8 +396,8 @@ def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float
 
 def stochastic_round(x: jax.Array, *, key: jax.Array,
                      position: Position = Position()) -> jax.Array:
-  """``x`` (float32, any shape) in bfloat16, rounded stochastically with PRNG ``key`` (a
-  Threefry-2x32 key), the bits `rounding_bits` of ``x`` at ``position``.
+  """``x`` (float32, any shape) in bfloat16, rounded stochastically with PRNG ``key``, the
+  bits `rounding_bits` of ``x`` at ``position``.
 
   Each element goes to one of its two bfloat16 neighbours with the
   probabilities that make its expected value ``x`` (Gupta et al., "Deep

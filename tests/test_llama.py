@@ -56,6 +56,12 @@ def test_unrolled_layers_are_the_same_model():
                               jax.jit(scanned.apply)({"params": params}, tokens), atol=1e-5)
   with pytest.raises(ValueError, match="model must stack its layers"):
     llama.layer_stack(unrolled)
+  with pytest.raises(TypeError, match="split_layer must be a bool, got 'yes'"):
+    llama.layer_stack(scanned, split_layer="yes")
+  block = llama.TransformerBlock(TINY, "exact", "plain", "recompute", jnp.float32, jnp.float32,
+                                 part="mlp")
+  with pytest.raises(ValueError, match="TransformerBlock.part must be one of"):
+    block.init(jax.random.key(0), jnp.zeros((1, 4, TINY.dim)))
 
 
 @pytest.mark.parametrize("tied,chunk", [(False, 4), (True, 3)], ids=["untied-4", "tied-3"])
@@ -116,31 +122,32 @@ def test_rope_scaling_keeps_high_frequencies_and_divides_low_ones():
 
 def _stacked_loss(stack, params, batch):
   rest = {k: v for k, v in params.items() if k != "layers"}
-  h, _ = jax.lax.scan(lambda h, p: (stack.layer(p, h, batch), None), stack.embed(rest, batch),
+  h, _ = jax.lax.scan(lambda h, p: (stack.run_layer(p, h, batch), None), stack.embed(rest, batch),
                       params["layers"])
   return stack.head(rest, h, batch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied,loss,remat", [(False, "plain", False), (True, "fused", True)],
-                         ids=["untied-plain", "tied-fused-remat"])
-def test_layer_stack_is_the_model(tied, loss, remat):
+@pytest.mark.parametrize("tied,loss,remat,split_layer", [
+    (False, "plain", False, False), (True, "fused", True, False), (False, "fused", True, True)],
+    ids=["untied-plain", "tied-fused-remat", "untied-fused-remat-split"])
+def test_layer_stack_is_the_model(tied, loss, remat, split_layer):
   config = dataclasses.replace(TINY, tie_embeddings=tied)
   model = Llama(config, loss=loss, remat=remat,
                 remat_policy=jax.checkpoint_policies.nothing_saveable if remat else None)
   tokens = _tokens()
   batch = (tokens, jnp.roll(tokens, -1, axis=1))
   params = model.init(jax.random.key(1), tokens)["params"]
-  stack = llama.layer_stack(model)
-  assert stack.key == "layers"
+  stack = llama.layer_stack(model, split_layer=split_layer)
+  assert stack.key == "layers" and len(stack.parts) == (2 if split_layer else 1)
   want = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, *batch)))(params)
   got = jax.jit(jax.value_and_grad(lambda p: _stacked_loss(stack, p, batch)))(params)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
   one = jax.tree.map(lambda x: x[0], params["layers"])
   h = jnp.zeros((2, 8, config.dim))
-  eqns = jax.make_jaxpr(stack.layer)(one, h, batch).jaxpr.eqns
+  eqns = jax.make_jaxpr(stack.run_layer)(one, h, batch).jaxpr.eqns
   policies = [e.params["policy"] for e in eqns if "policy" in e.params]
-  assert policies == ([jax.checkpoint_policies.nothing_saveable] if remat else [])
+  assert policies == [jax.checkpoint_policies.nothing_saveable] * remat * len(stack.parts)
 
 
 @FLAX_NORM

@@ -40,6 +40,20 @@ def stack(tied: bool = False) -> streamed.LayerStack:
   return streamed.LayerStack(embed, layer, head)
 
 
+def stack_in_parts() -> streamed.LayerStack:
+  """`stack`'s model with each layer in two parts that share the norm; a leaf no part reads."""
+  def first(p, h, batch):
+    del batch
+    return h + jax.nn.gelu(rms(h, p["norm"]) @ p["w1"]) @ p["w1"].T
+
+  def second(p, h, batch):
+    del batch
+    return h + jnp.tanh(rms(h, p["norm"]) @ p["w2"].T) @ p["w2"]
+
+  whole = stack()
+  return streamed.LayerStack(whole.embed, (first, second), whole.head)
+
+
 def params_of(key, tied=False, dtype=jnp.float32, dim=DIM, hidden=HIDDEN):
   k = jax.random.split(key, 4)
   params = {
@@ -94,6 +108,23 @@ def test_adamw_equals_optax_on_the_whole_gradient(tied):
   assert not np.allclose(got["layers"]["w1"], params["layers"]["w1"])  # it trained
 
 
+@pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
+                         ids=["device", "host-sliced"])
+def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elements):
+  """Each part's parameters updated after its backward: the shared norm after the first
+  part's (both gradients summed), a leaf no part reads with a zero gradient (weight decay
+  still moves it), the stacks updated in place a slice at a time."""
+  model = stack_in_parts()
+  params = params_of(jax.random.key(6))
+  params["layers"]["unread"] = jnp.ones((LAYERS, DIM))
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  got, want, _ = run_both(model, optax.adamw(1e-2, weight_decay=0.1), params, batches,
+                          state=state, slice_elements=slice_elements)
+  assert_close(got, want)
+  for name in ("norm", "w1", "w2", "unread"):
+    assert not np.allclose(got["layers"][name], params["layers"][name]), name
+
+
 def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
   model, params = stack(), params_of(jax.random.key(1))
   batches = [batch_of(jax.random.key(i)) for i in range(2)]
@@ -145,15 +176,17 @@ def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
 
 @pytest.mark.slow
 @OPTAX_APPLY_UPDATES
-@pytest.mark.parametrize("slice_elements", [2 ** 24, 128], ids=["whole", "sliced"])
-def test_stochastic_rounding_draws_the_whole_trees_bits(slice_elements):
+@pytest.mark.parametrize("slice_elements,parts", [(2 ** 24, False), (128, False), (128, True)],
+                         ids=["whole", "sliced", "sliced-parts"])
+def test_stochastic_rounding_draws_the_whole_trees_bits(slice_elements, parts):
   """8-bit moments and bfloat16 parameters, both rounded stochastically: each layer's
   leaves (and with small ``slice_elements`` each slice of a leaf) are rounded with the
   bits the whole tree draws there (`lowbit.Position`), so the step equals the whole-tree
   step."""
   tx = optax.chain(lm.lowbit.scale_by_adam_8bit(block=16, min_size=16, seed=3),
                    optax.scale_by_learning_rate(1e-2), lm.lowbit.stochastic_rounding(seed=5))
-  model, params = stack(), params_of(jax.random.key(4), dtype=jnp.bfloat16)
+  model = stack_in_parts() if parts else stack()
+  params = params_of(jax.random.key(4), dtype=jnp.bfloat16)
   batches = [batch_of(jax.random.key(i)) for i in range(3)]
   got, want, _ = run_both(model, tx, params, batches, slice_elements=slice_elements)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -193,6 +226,10 @@ def test_per_leaf_clipping_is_taken():
 
 
 def test_bad_input_names_what_is_wrong():
+  with pytest.raises(TypeError, match="LayerStack.layer` must be callable or a non-empty tuple"):
+    streamed.LayerStack(stack().embed, (), stack().head)
+  with pytest.raises(TypeError, match="LayerStack.layer` must be callable or a non-empty tuple"):
+    streamed.LayerStack(stack().embed, (stack().layer, "attention"), stack().head)
   model, params = stack(), params_of(jax.random.key(0))
   layered = streamed.layer_streamed(model, optax.adam(1e-3))
   odd = {**params, "layers": {**params["layers"], "norm": jnp.ones((LAYERS + 1, DIM))}}

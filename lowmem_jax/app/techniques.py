@@ -169,10 +169,12 @@ TECHNIQUES = {t.term: t for t in (
               switches={"embedding": "late"}),
     Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
               "optimizer applied inside the backward, one layer at a time, so no whole-model "
-              "gradient; each layer's saved input on the device or the host; each layer's MLP "
-              "over chunks of 2,048 tokens, recomputed chunk by chunk (mlp_chunk_tokens)",
+              "gradient; each layer's saved input on the device or the host; each layer in "
+              "two parts, the MLP's parameters updated before the attention's backward; each "
+              "layer's MLP over chunks of 1,024 tokens, recomputed chunk by chunk "
+              "(mlp_chunk_tokens)",
               value="<device|host>", parse=_place,
-              switches=lambda _, job: {"mlp_chunk_tokens": 2048} if job.language_model else {},
+              switches=lambda _, job: {"mlp_chunk_tokens": 1024} if job.language_model else {},
               excludes=(("adama", "the streamed step takes one micro-batch a call: measure it "
                          "at the micro-batch's size"),
                         ("remat", "the streamed backward recomputes each layer from its input "

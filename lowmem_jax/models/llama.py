@@ -28,6 +28,7 @@ chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -232,16 +233,65 @@ def _token_chunks(h: jax.Array, chunk_tokens: int | None) -> tuple[jax.Array, Ca
           lambda out: jnp.swapaxes(out.reshape(by_position.shape), 0, 1))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def chunked_residual(branch: Callable, params: Any, h: jax.Array,
+                     chunk_tokens: int | None) -> jax.Array:
+  """``h + branch(params, h)`` for a ``branch`` that works token by token, run over
+  `_token_chunks`' chunks of ``h: [batch, length, dim]`` (same shape and dtype out).
+
+  Nothing of the branch is kept for the backward but ``params`` and ``h``: the
+  backward runs the chunks again one at a time, and writes each chunk's input
+  gradient (the output's gradient plus the branch's) over that chunk of the
+  output's gradient, in place, so no second ``[tokens, dim]`` buffer is made;
+  ``params``' gradient is summed over the chunks in their dtype. The same
+  function as the unchunked one.
+  """
+  chunks, unchunk = _token_chunks(h, chunk_tokens)
+  return h + unchunk(jax.lax.map(lambda chunk: branch(params, chunk), chunks))
+
+
+def _chunked_residual_fwd(branch, params, h, chunk_tokens):
+  return chunked_residual(branch, params, h, chunk_tokens), (params, h)
+
+
+def _chunked_residual_bwd(branch, chunk_tokens, saved, d_out):
+  params, h = saved
+  chunks, unchunk = _token_chunks(h, chunk_tokens)
+
+  def chunk_backward(carry, i):
+    d_h, d_params = carry
+    d_chunk = jax.lax.dynamic_index_in_dim(d_h, i, keepdims=False)
+    _, vjp = jax.vjp(branch, params, jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False))
+    d_params_i, d_in = vjp(d_chunk)
+    d_h = jax.lax.dynamic_update_index_in_dim(d_h, d_chunk + d_in, i, 0)
+    return (d_h, jax.tree.map(jnp.add, d_params, d_params_i)), None
+
+  (d_h, d_params), _ = jax.lax.scan(
+      chunk_backward, (_token_chunks(d_out, chunk_tokens)[0], jax.tree.map(jnp.zeros_like, params)),
+      jnp.arange(len(chunks)))
+  return d_params, unchunk(d_h)
+
+
+chunked_residual.defvjp(_chunked_residual_fwd, _chunked_residual_bwd)
+
+PARTS = ("all", "attention", "feed_forward")
+
+
 class TransformerBlock(nn.Module):
   """One pre-norm decoder layer: attention, then the SwiGLU MLP, each added to the stream.
 
-  With ``mlp_chunk_tokens`` the MLP runs over the flattened tokens in
-  `mlp_chunks` equal chunks, a ``lax.scan`` whose body is under `nn.remat`:
-  the backward keeps each chunk's input and recomputes its ``[chunk, ffn_dim]``
-  hidden, so no ``[tokens, ffn_dim]`` tensor is made. The same function (the MLP
-  works token by token); the weights' gradient is summed over the chunks in
-  their dtype. Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a
-  chunk holds whole positions of every sequence instead (`_token_chunks`).
+  With ``mlp_chunk_tokens`` the MLP and its norm run over the flattened tokens in
+  `mlp_chunks` equal chunks (`chunked_residual`): the backward keeps the MLP's
+  input and recomputes each chunk's ``[chunk, ffn_dim]`` hidden, so no
+  ``[tokens, ffn_dim]`` tensor is made, and writes the input's gradient over the
+  output's in place. The same function (the MLP works token by token); the
+  weights' gradient is summed over the chunks in their dtype. Under a mesh of
+  ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk holds whole positions of
+  every sequence instead (`_token_chunks`).
+
+  ``part`` runs only the attention half (``"attention"``, its residual added) or
+  only the MLP half (``"feed_forward"``), for `layer_stack`'s layer in two parts;
+  ``"all"``: both.
   """
   config: LlamaConfig
   activation: str
@@ -250,6 +300,7 @@ class TransformerBlock(nn.Module):
   dtype: Any
   param_dtype: Any
   mlp_chunk_tokens: int | None = None
+  part: str = "all"
 
   def _normed(self, x, name):
     return normed(x, self.norm, self.config.norm_eps, self.dtype, self.param_dtype, name,
@@ -257,20 +308,30 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = checkpoint_name(x, names.BLOCK_IN)
-    x = x + Attention(self.config, self.attention, self.dtype, self.param_dtype, name="attention")(
-        self._normed(x, "attention_norm"))
-    h = self._normed(x, "ffn_norm")
-    ff_args = (self.config, self.activation, self.dtype, self.param_dtype)
-    chunks, unchunk = _token_chunks(h, self.mlp_chunk_tokens)
-    if len(chunks) == 1:
-      return x + FeedForward(*ff_args, name="feed_forward")(h)
-    chunked = nn.scan(lambda module, _, chunk: (None, module(chunk)),
-                      variable_broadcast="params", split_rngs={"params": False},
-                      length=len(chunks))
-    _, out = chunked(nn.remat(FeedForward, prevent_cse=False)(*ff_args, name="feed_forward"),
-                     None, chunks)
-    return x + unchunk(out)
+    if self.part not in PARTS:
+      raise ValueError(f"TransformerBlock.part must be one of {PARTS}, got {self.part!r}.")
+    if self.part != "feed_forward":
+      x = checkpoint_name(x, names.BLOCK_IN)
+      x = x + Attention(self.config, self.attention, self.dtype, self.param_dtype,
+                        name="attention")(self._normed(x, "attention_norm"))
+    if self.part == "attention":
+      return x
+    feed_forward = FeedForward(self.config, self.activation, self.dtype, self.param_dtype,
+                               name="feed_forward")
+    if len(_token_chunks(x, self.mlp_chunk_tokens)[0]) == 1:
+      return x + feed_forward(self._normed(x, "ffn_norm"))
+    norm = norm_layer(self.norm, self.config.norm_eps, self.dtype, self.param_dtype, "ffn_norm",
+                      rms=True)
+    if self.is_initializing():  # the parameters, made on one token
+      feed_forward(norm(x[:1, :1]))
+    params = {"ffn_norm": norm.variables.get("params", {}),
+              "feed_forward": feed_forward.variables["params"]}
+    norm, feed_forward = norm.clone(parent=None), feed_forward.clone(parent=None)
+
+    def branch(p, chunk):
+      normed_chunk = norm.apply({"params": p["ffn_norm"]}, chunk)
+      return feed_forward.apply({"params": p["feed_forward"]}, normed_chunk)
+    return chunked_residual(branch, params, x, self.mlp_chunk_tokens)
 
 
 def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str,
@@ -379,7 +440,7 @@ class Llama(TransformerSwitches):
     return Output(cfg.vocab_size, self.loss, self.dtype, self.param_dtype, name="output")(x, labels)
 
 
-def layer_stack(model: Llama) -> LayerStack:
+def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
   """``model`` as pure functions over its params, for the layer-streamed step.
 
   With ``batch = (tokens, labels)`` (``int32[batch, length]`` each) and
@@ -389,28 +450,37 @@ def layer_stack(model: Llama) -> LayerStack:
   ``layer`` runs one `TransformerBlock` on one slice of ``params["layers"]``
   (under `jax.checkpoint` with ``model.remat_policy`` where ``model.remat``),
   ``head`` is the final norm and `lm_head` (``model.loss``; the table
-  transposed with ``tie_embeddings``), the mean loss in float32.
+  transposed with ``tie_embeddings``), the mean loss in float32. With
+  ``split_layer`` the layer is two parts, the attention half and the MLP half
+  (`LayerStack.layer`): the streamed step then updates the MLP's parameters
+  before the attention's backward, so their copy and gradient are not held
+  through it, at the cost of one more forward of the attention half.
   """
   check_switches(model.activation, model.norm, model.attention)
   check_loss(model.loss)
   check_mlp_chunk_tokens(model.mlp_chunk_tokens)
   if not model.scan:
     raise ValueError("model must stack its layers (scan=True) for layer_stack, got scan=False.")
+  if not isinstance(split_layer, bool):
+    raise TypeError(f"split_layer must be a bool, got {split_layer!r}.")
   cfg = model.config
-  block = TransformerBlock(*_block_args(model))
   embedding, final_norm = _embedding(model), _final_norm(model)
 
   def embed(rest, batch):
     return embedding.apply({"params": rest["tok_embeddings"]}, batch[0])
 
-  def run_block(layer_params, h):
-    return block.apply({"params": layer_params}, h)
-  if model.remat:
-    run_block = jax.checkpoint(run_block, policy=model.remat_policy, prevent_cse=False)
+  def layer_part(part):
+    block = TransformerBlock(*_block_args(model), part=part)
 
-  def layer(layer_params, h, batch):
-    del batch  # positions are 0 .. length - 1, no mask beyond the causal one
-    return run_block(layer_params, h)
+    def run_block(layer_params, h):
+      return block.apply({"params": layer_params}, h)
+    if model.remat:
+      run_block = jax.checkpoint(run_block, policy=model.remat_policy, prevent_cse=False)
+
+    def layer(layer_params, h, batch):
+      del batch  # positions are 0 .. length - 1, no mask beyond the causal one
+      return run_block(layer_params, h)
+    return layer
 
   def head(rest, h, batch):
     h = final_norm.apply({"params": rest.get("norm", {})}, h)
@@ -420,6 +490,8 @@ def layer_stack(model: Llama) -> LayerStack:
       kernel = rest["output"]["kernel"]
     return lm_head(h, kernel, batch[1], model.loss, model.dtype)
 
+  layer = (tuple(map(layer_part, ("attention", "feed_forward"))) if split_layer
+           else layer_part("all"))
   return LayerStack(embed, layer, head)
 
 

@@ -7,7 +7,13 @@ input, and whose backward is a reverse scan that recomputes each layer from
 its input, takes that layer's parameter gradient (`jax.vjp`) and applies the
 optimizer to that layer's slice of the parameters and of the state right
 there. The whole-model gradient never exists, and no optimizer temporary is
-larger than one layer's. The parameters only the head reads are updated
+larger than one layer's. A layer given as consecutive parts (attention, then the
+MLP) goes a part at a time: the backward recomputes the parts' inputs from the
+layer's, then takes each part's backward from the last, updating the
+parameters it reads right after, so one part's parameter copy and gradient are
+held at a time, not the layer's (one more forward of the earlier parts). The
+parameters and the device state are updated in place in their stacks, a slice
+at a time, never copied out a layer at a time. The parameters only the head reads are updated
 after the head's backward; those the embedding reads (a tied embedding: the
 sum of both gradients) after the first layer's backward, when the
 embedding's gradient is made.
@@ -74,26 +80,43 @@ class LayerStack:
     embed: ``(rest, batch) -> h``, ``h: [batch, length, dim]`` in the compute dtype.
     layer: ``(layer_params, h, batch) -> h`` for one layer (its params: one slice
       of ``params[key]``); ``h`` keeps its shape and dtype. ``batch`` is read, not
-      differentiated (positions, masks).
+      differentiated (positions, masks). Or a tuple of such functions, the layer's
+      consecutive parts (attention, then the MLP): `layer_streamed` then updates
+      the parameters a part reads once that part's backward is done
+      (`run_layer` composes them).
     head: ``(rest, h, batch) -> loss``, a float32 scalar (the mean over the batch).
     key: the entry of ``params`` that holds the stacked layers.
   """
   embed: Callable[[Any, Any], jax.Array]
-  layer: Callable[[Any, jax.Array, Any], jax.Array]
+  layer: Callable[[Any, jax.Array, Any], jax.Array] | tuple[Callable, ...]
   head: Callable[[Any, jax.Array, Any], jax.Array]
   key: str = "layers"
 
   def __post_init__(self):
-    for name in ("embed", "layer", "head"):
+    for name in ("embed", "head"):
       if not callable(getattr(self, name)):
         raise TypeError(f"`LayerStack.{name}` must be callable, got {getattr(self, name)!r}.")
+    if not self.parts or not all(map(callable, self.parts)):
+      raise TypeError(f"`LayerStack.layer` must be callable or a non-empty tuple of callables, "
+                      f"got {self.layer!r}.")
     if not isinstance(self.key, str):
       raise TypeError(f"`LayerStack.key` must be a str, got {self.key!r}.")
+
+  @property
+  def parts(self) -> tuple[Callable, ...]:
+    """The layer's consecutive parts: ``layer``'s tuple, or ``(layer,)``."""
+    return self.layer if isinstance(self.layer, tuple) else (self.layer,)
+
+  def run_layer(self, layer_params: Any, h: jax.Array, batch: Any) -> jax.Array:
+    """One layer: its parts one after the other."""
+    for part in self.parts:
+      h = part(layer_params, h, batch)
+    return h
 
   def loss(self, params: Any, batch: Any) -> jax.Array:
     """The model's loss, a plain scan over the layers: the function a plain step differentiates."""
     rest, layers = split(params, self.key)
-    h = jax.lax.scan(lambda h, p: (self.layer(p, h, batch), None),
+    h = jax.lax.scan(lambda h, p: (self.run_layer(p, h, batch), None),
                      self.embed(rest, batch), layers)[0]
     return self.head(rest, h, batch)
 
@@ -251,17 +274,33 @@ def slices(shape: tuple[int, ...], limit: int) -> int:
                and shape[0] // n * row <= limit), 1)
 
 
-def _at(tree: Any, i: jax.Array) -> Any:
-  return jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), tree)
+def _at(tree: Any, *index: jax.Array) -> Any:
+  """``tree``'s leaves at the leading indices ``index`` (``tree`` itself without)."""
+  if not index:
+    return tree
+
+  def one(t):
+    inner = jnp.shape(t)[len(index):]
+    return jax.lax.dynamic_slice(t, (*index, *[0] * len(inner)),
+                                 (*[1] * len(index), *inner)).reshape(inner)
+  return jax.tree.map(one, tree)
 
 
-def _put(tree: Any, new: Any, i: jax.Array) -> Any:
-  return jax.tree.map(
-      lambda t, x: jax.lax.dynamic_update_index_in_dim(t, x.astype(t.dtype), i, 0), tree, new)
+def _put(tree: Any, new: Any, *index: jax.Array) -> Any:
+  """``tree`` with ``new`` written in place at the leading indices ``index``."""
+  return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
+      t, x.astype(t.dtype).reshape(*[1] * len(index), *jnp.shape(x)),
+      (*index, *[0] * jnp.ndim(x))), tree, new)
+
+
+def _late(index: Any, after: Any) -> Any:
+  """``index``, not to be used before ``after`` is made (an optimization barrier)."""
+  return index if after is None else jax.lax.optimization_barrier((after, index))[1]
 
 
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
-                 reverse: bool = False) -> tuple[Any, Any, Any]:
+                 reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
+                 whole: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
   of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
   ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
@@ -273,26 +312,35 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
   copy of the next slice's before it runs ``fn`` on this one's, so the transfer
   can overlap the compute; the new states go back to the host as the scan's
   outputs.
+
+  The params and the device states may lie deeper in bigger stacks: slice i's at
+  ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
+  written there, never copied out whole. With ``whole``, ``fn`` takes and returns, in
+  place of ``params_i``, ``state_of`` and ``state_i``, the whole ``params`` and the
+  whole device ``states`` (or, on the host, slice i's brought over): it reads and
+  writes slice i itself.
   """
-  n = jax.tree.leaves(params)[0].shape[0]
+  n = jax.tree.leaves(params)[0].shape[len(outer)]
   on_host = place == "host"
   fetch = lambda i: _to("device", (_at(states, i) if on_host else None, _at(xs, i)))
 
   def body(c, i):
     c, params, device_states, current = c
     ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
-    if on_host:
-      state_of = lambda after: current[0]
+    if whole:
+      c, params, s = fn(c, i, params, current[0] if on_host else device_states, current[1])
     else:
-      state_of = lambda after: _at(device_states, jax.lax.optimization_barrier((after, i))[1])
-    c, p, s = fn(c, i, _at(params, i), state_of, current[1])
-    params = _put(params, p, i)
+      state_of = ((lambda after: current[0]) if on_host else
+                  (lambda after: _at(device_states, *_late((*state_outer, i), after))))
+      c, p, s = fn(c, i, _at(params, *outer, i), state_of, current[1])
+      params = _put(params, p, *outer, i)
     if on_host:
       return (c, params, device_states, ahead), _to("host", s)
-    return (c, params, _put(device_states, s, i), ahead), None
+    return (c, params, s if whole else _put(device_states, s, *state_outer, i), ahead), None
 
+  first = _late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
   (carry, params, device_states, _), host_states = jax.lax.scan(
-      body, (carry, params, None if on_host else states, fetch(n - 1 if reverse else 0)),
+      body, (carry, params, None if on_host else states, fetch(first)),
       jnp.arange(n), reverse=reverse)
   return carry, params, host_states if on_host else device_states
 
@@ -387,28 +435,34 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     updates, s = tx.update(g, s, p, positions=at)
     return optax.apply_updates(p, updates), s
 
-  def update_leaf(g, s, p, place, at):
+  def update_leaf(g, s, p, place, at, outer=(), state_outer=()):
     """One leaf's update, its state in ``place`` before and after; ``at``: its
-    `lowbit.Position` in the whole params tree."""
-    n = count(p)
+    `lowbit.Position` in the whole params tree. ``p`` may be a stack of such leaves, this
+    one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of states,
+    this one's at ``s[*state_outer]``: they come back updated in place."""
+    shape = jnp.shape(p)[len(outer):]
+    n = slices(shape, slice_elements)
     if n == 1:
-      p, s = update(g, _to("device", s), p, at)
-      return p, _to(place, s)
-    part = jnp.shape(sliced(p, n))[1:]
-    _, new, s = _scan_slices(
+      late = _late((outer, state_outer), g)
+      new_p, new_s = update(g, _to("device", _at(s, *late[1])), _at(p, *late[0]), at)
+      new_p = _put(p, new_p, *outer) if outer else new_p
+      return new_p, _put(s, new_s, *state_outer) if state_outer else _to(place, new_s)
+    part = (shape[0] // n, *shape[1:])
+    _, p, s = _scan_slices(
         lambda _, i, p, s, g: (None, *update(g, s(g), p, at.part(i, part))), None,
-        sliced(p, n), s, sliced(g, n), place)
-    return new.reshape(jnp.shape(p)), s
+        p.reshape(*jnp.shape(p)[:len(outer)], n, *part), s, sliced(g, n), place,
+        outer=outer, state_outer=state_outer)
+    return p.reshape(*jnp.shape(p)[:len(outer)], *shape), s
 
-  def update_tree(grads, states, params, place, where, which=None):
+  def update_tree(grads, states, params, place, where, which=None, outer=(), state_outer=()):
     """Each leaf's update (those ``which`` selects), the new params and states as trees;
-    ``where``: each leaf's `lowbit.Position`."""
+    ``where``: each leaf's `lowbit.Position`; ``outer``, ``state_outer``: `update_leaf`'s."""
     treedef = jax.tree.structure(params)
     states = treedef.flatten_up_to(states)
-    out = [update_leaf(g, s, p, place, at) if which is None or which[i] else (p, s)
-           for i, (g, s, p, at) in enumerate(zip(treedef.flatten_up_to(grads), states,
-                                                 jax.tree.leaves(params),
-                                                 treedef.flatten_up_to(where)))]
+    leaves = zip(treedef.flatten_up_to(grads), states, jax.tree.leaves(params),
+                 treedef.flatten_up_to(where))
+    out = [update_leaf(g, s, p, place, at, outer, state_outer)
+           if which is None or which[i] else (p, s) for i, (g, s, p, at) in enumerate(leaves)]
     return (jax.tree.unflatten(treedef, [p for p, _ in out]),
             jax.tree.unflatten(treedef, [s for _, s in out]))
 
@@ -416,14 +470,14 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     if not isinstance(opt_state, StreamedState):
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
-    rest, layers, _ = checked(params)
+    rest, layers, one_layer = checked(params)
     embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
     # Each leaf's place in the whole tree: a seeded rounding draws the whole tree's bits.
     rest_at, layers_at = split(jax.tree.unflatten(jax.tree.structure(params), map(
         lowbit.Position, range(len(jax.tree.leaves(params))))), stack.key)
 
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
-    h, saved = jax.lax.scan(lambda h, p: (stack.layer(gather(p), h, batch),
+    h, saved = jax.lax.scan(lambda h, p: (stack.run_layer(gather(p), h, batch),
                                           _to(saved_inputs, h)),
                             h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
@@ -438,14 +492,50 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                                 embed_reads) if not r]
       dh, _ = jax.lax.optimization_barrier((dh, done))
 
-    def backward(dh, i, p, s, h):
-      _, vjp = jax.vjp(lambda p, h: stack.layer(gather(p), h, batch), p, _to("device", h))
-      grads, dh = vjp(dh)
-      return dh, *update_tree(grads, s(grads), p, "device",
-                              jax.tree.map(lambda at: at.index(i), layers_at))
+    part_reads = [jax.tree.leaves(_reads(lambda p, h: part(p, h, batch), one_layer, h))
+                  for part in stack.parts]
+    # A leaf is updated after the backward of the first part that reads it (a leaf no part
+    # reads: after part 0's, with a zero gradient).
+    owner = [next((j for j, reads in enumerate(part_reads) if reads[k]), 0)
+             for k in range(len(part_reads[0]))]
+
+    def backward(dh, i, stacked, states, h):
+      """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
+      once its backward is done; ``states``: the device's whole stack or layer i's from
+      the host, updated."""
+      p = _at(stacked, i)
+      treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
+      at = jax.tree.map(lambda at: at.index(i), layers_at)
+      inputs = [_to("device", h)]
+      for part in stack.parts[:-1]:
+        inputs.append(part(gather(p), inputs[-1], batch))
+      grads = [None] * len(old)
+      for j in reversed(range(len(stack.parts))):
+        read = [k for k, r in enumerate(part_reads[j]) if r]
+
+        def part_of(sub, h, j=j, read=read):
+          leaves = list(old)
+          for k, x in zip(read, sub):
+            leaves[k] = x
+          return stack.parts[j](gather(jax.tree.unflatten(treedef, leaves)), h, batch)
+
+        _, vjp = jax.vjp(part_of, [old[k] for k in read], inputs[j])
+        sub, dh = vjp(dh)
+        for k, g in zip(read, sub):
+          grads[k] = g if grads[k] is None else grads[k] + g
+        mine = [o == j for o in owner]
+        if any(mine):
+          full = [g if g is not None else jnp.zeros_like(x) for g, x in zip(grads, old)]
+          stacked, states = update_tree(jax.tree.unflatten(treedef, full), states, stacked,
+                                        "device", at, mine, (i,),
+                                        (i,) if state == "device" else ())
+        if j:  # this part's update, then the part before: its forward recomputed, not kept
+          dh, inputs[j - 1], stacked, states = jax.lax.optimization_barrier(
+              (dh, inputs[j - 1], stacked, states))
+      return dh, stacked, states
 
     dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
-                                            state, reverse=True)
+                                            state, reverse=True, whole=True)
     grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
     embedded, rest_states = update_tree(grads, rest_states, rest, state, rest_at, embed_reads)
     new_rest = jax.tree.map(lambda reads, old, new: new if reads else old,

@@ -14,6 +14,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 from lowmem_jax import models
 from lowmem_jax.models import llama
 from lowmem_jax.models.llama import Llama, LlamaConfig, RopeScaling
+from lowmem_jax.optim import streamed
 
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
                    rope_scaling=RopeScaling(factor=4.0, original_max_position=64))
@@ -64,12 +65,16 @@ def test_unrolled_layers_are_the_same_model():
     block.init(jax.random.key(0), jnp.zeros((1, 4, TINY.dim)))
 
 
-@pytest.mark.parametrize("tied,chunk", [(False, 4), (True, 3)], ids=["untied-4", "tied-3"])
-def test_mlp_in_token_chunks_is_the_same_model(tied, chunk):
+@pytest.mark.parametrize("tied,chunk,switches", [
+    (False, 4, {}), (True, 3, {}),
+    (False, 4, dict(remat=True, remat_policy=jax.checkpoint_policies.nothing_saveable, norm="ms",
+                    activation="approx"))], ids=["untied-4", "tied-3", "remat-ms-approx-4"])
+def test_mlp_in_token_chunks_is_the_same_model(tied, chunk, switches):
   """``mlp_chunk_tokens``: the same params, loss and gradient (float32), and no
   ``[tokens, ffn_dim]`` tensor in the gradient's program, which the whole MLP makes."""
   config = dataclasses.replace(TINY, tie_embeddings=tied)
-  whole, chunked = Llama(config, loss="fused"), Llama(config, loss="fused", mlp_chunk_tokens=chunk)
+  whole = Llama(config, loss="fused", **switches)
+  chunked = Llama(config, loss="fused", mlp_chunk_tokens=chunk, **switches)
   tokens = _tokens()
   labels = jnp.roll(tokens, -1, axis=1)
   params = whole.init(jax.random.key(1), tokens)["params"]
@@ -81,6 +86,23 @@ def test_mlp_in_token_chunks_is_the_same_model(tied, chunk):
   hidden = ("[2,8,48]", "[16,48]")  # the whole MLP's hidden, batched or flattened
   assert any(h in str(jax.make_jaxpr(grad(whole))(params)) for h in hidden)
   assert not any(h in str(jax.make_jaxpr(grad(chunked))(params)) for h in hidden)
+
+
+def test_chunked_residual_is_its_unchunked_twin_in_bfloat16():
+  """The value and both gradients of ``h + branch(params, h)``, bfloat16 throughout; the
+  chunks' parameter gradients summed in bfloat16, so to its rounding."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w": (jax.random.normal(k1, (8, 8)) / 3).astype(jnp.bfloat16)}
+  h = jax.random.normal(k2, (2, 6, 8)).astype(jnp.bfloat16)
+  branch = lambda p, x: jnp.tanh(x @ p["w"])
+  loss = lambda out: jnp.sum(out.astype(jnp.float32) ** 2)
+  got = jax.value_and_grad(lambda p, h: loss(llama.chunked_residual(branch, p, h, 4)),
+                           argnums=(0, 1))(params, h)
+  want = jax.value_and_grad(lambda p, h: loss(h + branch(p, h)), argnums=(0, 1))(params, h)
+  assert got[1][1].dtype == jnp.bfloat16 and got[1][0]["w"].dtype == jnp.bfloat16
+  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), got),
+                              jax.tree.map(lambda x: x.astype(jnp.float32), want),
+                              rtol=2e-2, atol=2e-2)
 
 
 def test_mlp_chunks_are_equal_and_within_the_limit():
@@ -145,6 +167,10 @@ def test_layer_stack_is_the_model(tied, loss, remat, split_layer):
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
   one = jax.tree.map(lambda x: x[0], params["layers"])
   h = jnp.zeros((2, 8, config.dim))
+  halves = [{"attention", "attention_norm"}, {"feed_forward", "ffn_norm"}]
+  for part, half in zip(stack.parts, halves if split_layer else [set().union(*halves)]):
+    reads = streamed._reads(lambda p, h: part(p, h, batch), one, h)  # remat looked into
+    assert {k for k, v in reads.items() if any(jax.tree.leaves(v))} == half
   eqns = jax.make_jaxpr(stack.run_layer)(one, h, batch).jaxpr.eqns
   policies = [e.params["policy"] for e in eqns if "policy" in e.params]
   assert policies == [jax.checkpoint_policies.nothing_saveable] * remat * len(stack.parts)

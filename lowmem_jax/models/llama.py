@@ -242,9 +242,11 @@ def chunked_residual(branch: Callable, params: Any, h: jax.Array,
   Nothing of the branch is kept for the backward but ``params`` and ``h``: the
   backward runs the chunks again one at a time, and writes each chunk's input
   gradient (the output's gradient plus the branch's) over that chunk of the
-  output's gradient, in place, so no second ``[tokens, dim]`` buffer is made;
-  ``params``' gradient is summed over the chunks in their dtype. The same
-  function as the unchunked one.
+  output's gradient, in place, so no second ``[tokens, dim]`` buffer is made
+  (under a mesh the position-major chunks are a transposed copy); ``params``'
+  gradient is summed over the chunks in their dtype. The same function as the
+  unchunked one, for reverse-mode differentiation only (a ``jax.custom_vjp``:
+  ``jax.jvp`` of it raises).
   """
   chunks, unchunk = _token_chunks(h, chunk_tokens)
   return h + unchunk(jax.lax.map(lambda chunk: branch(params, chunk), chunks))
@@ -285,9 +287,10 @@ class TransformerBlock(nn.Module):
   input and recomputes each chunk's ``[chunk, ffn_dim]`` hidden, so no
   ``[tokens, ffn_dim]`` tensor is made, and writes the input's gradient over the
   output's in place. The same function (the MLP works token by token); the
-  weights' gradient is summed over the chunks in their dtype. Under a mesh of
-  ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk holds whole positions of
-  every sequence instead (`_token_chunks`).
+  weights' gradient is summed over the chunks in their dtype; reverse mode only,
+  and the chunked MLP's intermediates are not captured (``capture_intermediates``).
+  Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk holds
+  whole positions of every sequence instead (`_token_chunks`).
 
   ``part`` runs only the attention half (``"attention"``, its residual added) or
   only the MLP half (``"feed_forward"``), for `layer_stack`'s layer in two parts;
@@ -444,11 +447,11 @@ def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
   """``model`` as pure functions over its params, for the layer-streamed step.
 
   With ``batch = (tokens, labels)`` (``int32[batch, length]`` each) and
-  ``rest`` the params without ``layers``, ``head(rest, scan(layer)(embed(rest,
+  ``rest`` the params without ``layers``, ``head(rest, scan(run_layer)(embed(rest,
   batch)), batch)`` is ``model.apply({"params": params}, tokens, labels)``:
   ``embed`` looks the tokens up (``[batch, length, dim]`` in ``model.dtype``),
   ``layer`` runs one `TransformerBlock` on one slice of ``params["layers"]``
-  (under `jax.checkpoint` with ``model.remat_policy`` where ``model.remat``),
+  (each part under `jax.checkpoint` with ``model.remat_policy`` where ``model.remat``),
   ``head`` is the final norm and `lm_head` (``model.loss``; the table
   transposed with ``tie_embeddings``), the mean loss in float32. With
   ``split_layer`` the layer is two parts, the attention half and the MLP half

@@ -74,7 +74,7 @@ class LayerStack:
   ``params`` is a dict whose entry ``key`` holds the layers, each leaf
   ``[layers, ...]``; the other entries (``rest``: embedding, final norm, head,
   tied or not) are read by ``embed`` and ``head``. The loss is
-  ``head(rest, scan(layer, embed(rest, batch)), batch)``.
+  ``head(rest, scan(run_layer, embed(rest, batch)), batch)``.
 
   Attributes:
     embed: ``(rest, batch) -> h``, ``h: [batch, length, dim]`` in the compute dtype.
@@ -180,10 +180,14 @@ def _reads(fn: Callable, tree: Any, *args) -> Any:
 
 
 def _used_inputs(jaxpr) -> list[int]:
+  """The indices of ``jaxpr``'s inputs its outputs read, into nested calls (a remat, a jit)."""
   needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
   for eqn in reversed(jaxpr.eqns):
     if any(o in needed for o in eqn.outvars) or eqn.effects:
-      needed.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+      inner = _inner_jaxpr(eqn)
+      reads = (eqn.invars if inner is None or len(inner.invars) != len(eqn.invars)
+               else [eqn.invars[i] for i in _used_inputs(inner)])
+      needed.update(v for v in reads if isinstance(v, jcore.Var))
   return [i for i, v in enumerate(jaxpr.invars) if v in needed]
 
 
@@ -295,7 +299,9 @@ def _put(tree: Any, new: Any, *index: jax.Array) -> Any:
 
 def _late(index: Any, after: Any) -> Any:
   """``index``, not to be used before ``after`` is made (an optimization barrier)."""
-  return index if after is None else jax.lax.optimization_barrier((after, index))[1]
+  if after is None or not jax.tree.leaves(index):
+    return index
+  return jax.lax.optimization_barrier((after, index))[1]
 
 
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,

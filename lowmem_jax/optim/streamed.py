@@ -278,23 +278,31 @@ def slices(shape: tuple[int, ...], limit: int) -> int:
                and shape[0] // n * row <= limit), 1)
 
 
-def _at(tree: Any, *index: jax.Array) -> Any:
-  """``tree``'s leaves at the leading indices ``index`` (``tree`` itself without)."""
+def _at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
+  """``tree``'s leaves at the leading indices ``index`` (``tree`` itself without); with
+  ``rows``, the last index ``i`` takes rows ``[i * rows, (i + 1) * rows)`` of its axis
+  (kept), so a leaf is read a slice at a time without reshaping it (which would move a
+  sharded leaf between devices)."""
   if not index:
     return tree
-
-  def one(t):
-    inner = jnp.shape(t)[len(index):]
-    return jax.lax.dynamic_slice(t, (*index, *[0] * len(inner)),
-                                 (*[1] * len(index), *inner)).reshape(inner)
-  return jax.tree.map(one, tree)
+  return jax.tree.map(lambda t: jax.lax.dynamic_slice(t, *_window(t, index, rows)).reshape(
+      _window(t, index, rows)[1][len(index) - (rows is not None):]), tree)
 
 
-def _put(tree: Any, new: Any, *index: jax.Array) -> Any:
-  """``tree`` with ``new`` written in place at the leading indices ``index``."""
+def _put(tree: Any, new: Any, *index: jax.Array, rows: int | None = None) -> Any:
+  """``tree`` with ``new`` written in place where `_at` reads."""
   return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
-      t, x.astype(t.dtype).reshape(*[1] * len(index), *jnp.shape(x)),
-      (*index, *[0] * jnp.ndim(x))), tree, new)
+      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0]),
+      tree, new)
+
+
+def _window(t: Any, index: tuple, rows: int | None) -> tuple[tuple, tuple]:
+  """`_at`'s ``(start, size)`` in ``t``."""
+  lead = len(index) - (rows is not None)
+  start = (*index[:lead], *([] if rows is None else [index[-1] * rows]))
+  size = (*[1] * lead, *([] if rows is None else [rows]))
+  rest = jnp.shape(t)[len(start):]
+  return (*start, *[0] * len(rest)), (*size, *rest)
 
 
 def _late(index: Any, after: Any) -> Any:
@@ -306,7 +314,7 @@ def _late(index: Any, after: Any) -> Any:
 
 def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
                  reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
-                 whole: bool = False) -> tuple[Any, Any, Any]:
+                 rows: int | None = None, whole: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
   of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
   ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
@@ -321,12 +329,13 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
-  written there, never copied out whole. With ``whole``, ``fn`` takes and returns, in
-  place of ``params_i``, ``state_of`` and ``state_i``, the whole ``params`` and the
-  whole device ``states`` (or, on the host, slice i's brought over): it reads and
-  writes slice i itself.
+  written there, never copied out whole; with ``rows``, the params are not stacked by
+  slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
+  ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
+  ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
+  slice i's brought over): it reads and writes slice i itself.
   """
-  n = jax.tree.leaves(params)[0].shape[len(outer)]
+  n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   on_host = place == "host"
   fetch = lambda i: _to("device", (_at(states, i) if on_host else None, _at(xs, i)))
 
@@ -338,8 +347,8 @@ def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pl
     else:
       state_of = ((lambda after: current[0]) if on_host else
                   (lambda after: _at(device_states, *_late((*state_outer, i), after))))
-      c, p, s = fn(c, i, _at(params, *outer, i), state_of, current[1])
-      params = _put(params, p, *outer, i)
+      c, p, s = fn(c, i, _at(params, *outer, i, rows=rows), state_of, current[1])
+      params = _put(params, p, *outer, i, rows=rows)
     if on_host:
       return (c, params, device_states, ahead), _to("host", s)
     return (c, params, s if whole else _put(device_states, s, *state_outer, i), ahead), None
@@ -454,11 +463,12 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       new_p = _put(p, new_p, *outer) if outer else new_p
       return new_p, _put(s, new_s, *state_outer) if state_outer else _to(place, new_s)
     part = (shape[0] // n, *shape[1:])
-    _, p, s = _scan_slices(
-        lambda _, i, p, s, g: (None, *update(g, s(g), p, at.part(i, part))), None,
-        p.reshape(*jnp.shape(p)[:len(outer)], n, *part), s, sliced(g, n), place,
-        outer=outer, state_outer=state_outer)
-    return p.reshape(*jnp.shape(p)[:len(outer)], *shape), s
+    fn = lambda _, i, p, s, g: (None, *update(g, s(g), p, at.part(i, part)))
+    if outer:
+      return _scan_slices(fn, None, p, s, sliced(g, n), place, outer=outer,
+                          state_outer=state_outer, rows=part[0])[1:]
+    _, p, s = _scan_slices(fn, None, sliced(p, n), s, sliced(g, n), place)
+    return p.reshape(shape), s
 
   def update_tree(grads, states, params, place, where, which=None, outer=(), state_outer=()):
     """Each leaf's update (those ``which`` selects), the new params and states as trees;
@@ -512,6 +522,13 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       p = _at(stacked, i)
       treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
       at = jax.tree.map(lambda at: at.index(i), layers_at)
+      # The updates write into the stacks in place; under a mesh, where a slice of a leaf
+      # along a sharded axis would move the whole stack, into layer i's copy, put back after.
+      in_place = not _sharding.in_auto_mesh()
+      new_p = stacked if in_place else p
+      new_s = states if in_place or state == "host" else None  # a copy once a gradient is made
+      outer = (i,) if in_place else ()
+      state_outer = (i,) if in_place and state == "device" else ()
       inputs = [_to("device", h)]
       for part in stack.parts[:-1]:
         inputs.append(part(gather(p), inputs[-1], batch))
@@ -532,13 +549,16 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
         mine = [o == j for o in owner]
         if any(mine):
           full = [g if g is not None else jnp.zeros_like(x) for g, x in zip(grads, old)]
-          stacked, states = update_tree(jax.tree.unflatten(treedef, full), states, stacked,
-                                        "device", at, mine, (i,),
-                                        (i,) if state == "device" else ())
+          if new_s is None:
+            new_s = _at(states, *_late((i,), [g for g, m in zip(full, mine) if m]))
+          new_p, new_s = update_tree(jax.tree.unflatten(treedef, full), new_s, new_p, "device",
+                                     at, mine, outer, state_outer)
         if j:  # this part's update, then the part before: its forward recomputed, not kept
-          dh, inputs[j - 1], stacked, states = jax.lax.optimization_barrier(
-              (dh, inputs[j - 1], stacked, states))
-      return dh, stacked, states
+          dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
+              (dh, inputs[j - 1], new_p, new_s))
+      if in_place:
+        return dh, new_p, new_s
+      return dh, _put(stacked, new_p, i), new_s if state == "host" else _put(states, new_s, i)
 
     dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
                                             state, reverse=True, whole=True)

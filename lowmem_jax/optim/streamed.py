@@ -431,14 +431,11 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     check_per_leaf(tx, one_layer)
     return rest, layers, one_layer
 
-  def count(x):
-    return slices(jnp.shape(x), slice_elements)
-
   def sliced(x, n):
     return x.reshape(n, -1, *jnp.shape(x)[1:])
 
   def leaf_init(x):
-    n = count(x)
+    n = slices(jnp.shape(x), slice_elements)
     return tx.init(x) if n == 1 else jax.vmap(tx.init)(sliced(x, n))
 
   def init(params):

@@ -58,12 +58,13 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    states = tuple(inner.init(p) for p in jax.tree.leaves(params))
+    # Each leaf's state goes to the host as it is made: the device never holds the whole.
+    states = tuple(_to(jax.memory.Space.Host, inner.init(p)) for p in jax.tree.leaves(params))
     if any(optim.find_adama_state(s) is not None for s in states):
       raise ValueError("`inner` is AdamA, which folds every micro-batch into its moments "
                        "(k crossings a step) and which microbatch_step finds as one state: "
                        "offload an optimizer that updates once a step.")
-    return OffloadState(tuple(_to(jax.memory.Space.Host, s) for s in states))
+    return OffloadState(states)
 
   def update_fn(updates, state, params=None):
     grads, treedef = jax.tree.flatten(updates)

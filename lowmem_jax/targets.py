@@ -446,11 +446,20 @@ def from_devices(name: str = "local") -> Target:
 
 def available() -> str | None:
   """None where compile-only GPU targets can compile here, else why not."""
-  if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+  if not any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
     return f"JAX's CUDA plugin is not installed ({INSTALL})"
   if _ptxas() is None:
     return f"no ptxas found on PATH or in the nvidia-cuda-nvcc wheel ({INSTALL})"
   return None
+
+
+def _installed(module: str) -> bool:
+  """Whether ``module`` can be imported; False, not an error, where its parent package is
+  missing too (a JAX with no plugin at all has no ``jax_plugins``)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
 
 
 def default() -> Target:

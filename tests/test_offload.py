@@ -39,6 +39,19 @@ def test_offload_gives_the_inner_updates_with_the_state_on_the_host(inner):
   assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
 
 
+def test_each_leafs_state_goes_to_the_host_as_it_is_made():
+  """When a leaf's state is made, no earlier leaf's is left on the device."""
+  params = {name: jnp.ones((64, 64)) for name in "abcd"}
+  adam, made = optax.adam(1e-2), []
+
+  def init(p):
+    made.append(sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "device"))
+    return adam.init(p)
+
+  offload.offload_state(optax.GradientTransformation(init, adam.update)).init(params)
+  assert len(made) == 4 and max(made) == min(made), made
+
+
 @OPTAX_BIAS_CORRECTION
 def test_h100_compile_keeps_the_state_on_the_host_and_the_device_under_its_memory():
   """28 float32 leaves of 1 GiB with Adam: parameters and gradient take 56 GiB of the

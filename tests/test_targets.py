@@ -203,10 +203,20 @@ def test_autotune_results_turn_triton_gemm_back_on(tmp_path):
   assert options == {"xla_gpu_load_autotune_results_from": str(results)}
 
 
-def test_missing_packages_name_the_install(monkeypatch):
+@pytest.mark.parametrize("missing", ["plugin", "jax_plugins"])
+def test_missing_packages_name_the_install(monkeypatch, missing):
   real = targets.importlib.util.find_spec
-  monkeypatch.setattr(targets.importlib.util, "find_spec",
-                      lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+
+  def find_spec(name, *args):
+    """As Python answers with no CUDA plugin: None, or where no plugin at all is installed an
+    error for the missing parent package."""
+    if not name.startswith("jax_plugins"):
+      return real(name, *args)
+    if missing == "plugin":
+      return None
+    raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+
+  monkeypatch.setattr(targets.importlib.util, "find_spec", find_spec)
   why = targets.available()
   assert "CUDA plugin" in why and targets.INSTALL in why
   assert targets.default().name == "cpu"

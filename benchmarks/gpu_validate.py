@@ -67,6 +67,7 @@ LLAMA3_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                     STREAMED + "+offload-opt")])
 DRY_LLAMA3_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                     for t in ("baseline", STREAMED + "+offload-opt")]
+MIN_CASE_SECONDS = 60  # --deadline: a case given less would not finish (the 1B's took 130 s)
 DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -120,13 +121,23 @@ def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES, llama3: tuple = ())
           if m.startswith("llama") or "fused-ce" not in t] + list(llama3)
 
 
-def run_case(model, size, dtype, techniques, repeats) -> dict:
-  """`measure` in a fresh Python process, so its peak counter starts at zero."""
+class CaseFailed(RuntimeError):
+  """A case that did not finish: why, in a line."""
+
+
+def run_case(model, size, dtype, techniques, repeats, timeout=None) -> dict:
+  """`measure` in a fresh Python process, so its peak counter starts at zero; `CaseFailed`
+  where it fails or runs past ``timeout`` seconds."""
   spec = json.dumps([model, size, dtype, techniques, repeats])
-  done = subprocess.run([sys.executable, __file__, "--case", spec], capture_output=True, text=True,
-                        cwd=ROOT)
+  try:
+    done = subprocess.run([sys.executable, __file__, "--case", spec], capture_output=True,
+                          text=True, cwd=ROOT, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise CaseFailed(f"stopped at its {timeout:.0f} s limit (--deadline)") from None
   if done.returncode != 0:
-    raise RuntimeError(f"{model} {dtype} {techniques} failed:\n{done.stderr[-3000:]}")
+    print(done.stderr[-3000:], file=sys.stderr)
+    last = [line.strip() for line in done.stderr.splitlines() if line.strip()][-3:]
+    raise CaseFailed(" / ".join(last) or f"exited {done.returncode}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -148,8 +159,8 @@ def loss_head(dry_run: bool) -> str:
           ["--time", "32768,128256,4096", "--repeats", "5", "--chunks", "1024x8192,2048x16384"])
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_head.py"), *size,
                          "--time-dtype", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
-  if done.returncode != 0:
-    raise RuntimeError(f"benchmarks/loss_head.py failed:\n{done.stderr[-3000:]}")
+  if done.returncode != 0:  # the cases' figures are still reported
+    return f"benchmarks/loss_head.py failed:\n{done.stderr[-3000:]}"
   return done.stdout
 
 
@@ -168,7 +179,9 @@ def _case_of(row: dict) -> tuple:
 
 
 def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, config: str,
-                 command: str, seconds: float, dry_run: bool) -> None:
+                 command: str, seconds: float, dry_run: bool, failed: tuple = ()) -> None:
+  """The report: ``rows``' table, then ``failed`` (``(case, why)``: the cases that did not
+  finish), the loss head, the tests."""
   device, version = rows[0]["device"], rows[0]["jax"]
   lines = [f"# lowmem-jax on a real GPU: {device}", "",
            ("**Dry run on the CPU** (tiny sizes; no GPU figures): it checks the pipeline only." if
@@ -201,6 +214,9 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
                  f"{_gib(r.get('host_bytes'))} | {r['seconds']:.4f} | "
                  f"{'n/a' if baseline is None else format(r['seconds'] / baseline, '.3f')} | "
                  f"{tokens} |")
+  if failed:
+    lines += ["", "Cases that did not finish:", ""]
+    lines += [f"- {m} {_size(z)} {d} `{t}`: {why}" for (m, z, d, t), why in failed]
   lines += ["", "The LLM loss head (`benchmarks/loss_head.py`, as this script runs it; memory "
             "for the target, time on this device):", "", "```", head.rstrip(), "```",
             "", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
@@ -225,6 +241,10 @@ def main(argv=None) -> int:
   parser.add_argument("--cases-only", action="store_true",
                       help="run the cases into --rows and stop (no loss head, tests or report): "
                       "a run split over calls, the last with --resume")
+  parser.add_argument("--deadline", type=float,
+                      help="seconds from the start: each case runs under what is left of them, "
+                      f"none starts with under {MIN_CASE_SECONDS} s left; a case that fails or "
+                      "is stopped is listed in the report and not kept in --rows")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -264,13 +284,26 @@ def main(argv=None) -> int:
   rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   done = {row_key(r) for r in rows}
   todo = [case for case in all_cases if case_key(*case) not in done and case[0] in models]
+  failed = []
   for case in tqdm(todo, desc="gpu_validate"):
-    rows.append(run_case(*case, args.repeats))
+    left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
+    try:
+      if left is not None and left < MIN_CASE_SECONDS:
+        raise CaseFailed(f"not started: {left:.0f} s of --deadline left")
+      rows.append(run_case(*case, args.repeats, timeout=left))
+    except CaseFailed as why:
+      failed.append((case, str(why)))
+      print(f"gpu_validate: {case}: {why}", file=sys.stderr)
+      continue
     with rows_path.open("a") as f:
       f.write(json.dumps(rows[-1]) + "\n")
   if args.cases_only:
-    print(f"gpu_validate: {len(rows)} of {len(all_cases)} cases in {rows_path}")
-    return 0
+    print(f"gpu_validate: {len(rows)} of {len(all_cases)} cases in {rows_path}, "
+          f"{len(failed)} did not finish")
+    return 1 if failed else 0
+  if not rows:
+    print("gpu_validate: no case finished; no report written.", file=sys.stderr)
+    return 1
   order = {case_key(*case): i for i, case in enumerate(all_cases)}
   rows.sort(key=lambda r: order[row_key(r)])
   config = out.with_name(out.stem + "_target.txtpb")
@@ -279,9 +312,9 @@ def main(argv=None) -> int:
   tests = "(dry run: not run)" if args.dry_run else gpu_tests()
   command = "python benchmarks/gpu_validate.py" + (" --dry-run" if args.dry_run else "")
   write_report(out, rows, head, tests, config.name, command, time.perf_counter() - start,
-               args.dry_run)
+               args.dry_run, failed)
   print(out.read_text())
-  return 0
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/gpu_validate.py checks itself on the CPU (--dry-run)."""
 
+import jax
 import pytest
 
 import gpu_validate  # benchmarks/, on sys.path in conftest.py
@@ -32,7 +33,7 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   assert "linear_cross_entropy 128x512" in text and "ratio to plain" in text  # the loss head
   # --resume keeps the finished cases of the same device, jax, size and repeats.
   monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(timed above)")
-  monkeypatch.setattr(gpu_validate, "run_case", lambda *a: pytest.fail(f"ran {a} again"))
+  monkeypatch.setattr(gpu_validate, "run_case", lambda *a, **k: pytest.fail(f"ran {a} again"))
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2", "--resume"]) == 0
   assert out.read_text().count("-tiny |") == len(rows)
   assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(rows)
@@ -44,7 +45,7 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   assert not out.exists()
   # Other repeats are other cases: all of them run again.
   ran = []
-  monkeypatch.setattr(gpu_validate, "run_case", lambda *a: ran.append(a) or pytest.fail("ran"))
+  monkeypatch.setattr(gpu_validate, "run_case", lambda *a, **k: ran.append(a) or pytest.fail("ran"))
   with pytest.raises(pytest.fail.Exception):
     gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "3", "--resume"])
   assert len(ran) == 1
@@ -60,3 +61,41 @@ def test_dry_run_writes_the_report(tmp_path, monkeypatch):
 def test_refuses_without_a_gpu(capsys):
   assert gpu_validate.main(["--out", "/nonexistent/gpu.md"]) == 2
   assert "use --dry-run" in capsys.readouterr().err
+
+
+def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+  """A failed case is listed in the report, not kept in --rows (a --resume runs it again), and
+  the cases after it run; with --deadline, a case with too little time left is not started."""
+  cases = gpu_validate.case_list(gpu_validate.DRY_CASES, gpu_validate.DRY_DTYPES,
+                                 gpu_validate.DRY_LLAMA3_CASES)
+  ran = []
+
+  def run_case(model, size, dtype, techniques, repeats, timeout=None):
+    ran.append((techniques, timeout))
+    if len(ran) == 1:
+      raise gpu_validate.CaseFailed("RESOURCE_EXHAUSTED: Out of memory")
+    return {"model": model, "size": size, "dtype": dtype, "techniques": techniques,
+            "repeats": repeats, "seconds": 0.5, "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__, "target_own": None,
+            "target_h100": 2 ** 30, "real_compile": 2 ** 30, "host_bytes": 0,
+            "real_no_triton_gemm": 2 ** 30, "before_step": None, "measured": None}
+
+  monkeypatch.setattr(gpu_validate, "run_case", run_case)
+  monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(not timed)")
+  out = tmp_path / "gpu.md"
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--deadline", "3600"]) == 1
+  assert len(ran) == len(cases) and all(0 < t <= 3600 for _, t in ran)
+  text = out.read_text()
+  model, size, dtype, techniques = cases[0]
+  assert (f"- {model} {gpu_validate._size(size)} {dtype} `{techniques}`: "
+          "RESOURCE_EXHAUSTED: Out of memory") in text
+  assert len((tmp_path / "gpu.jsonl").read_text().splitlines()) == len(cases) - 1
+  ran.clear()
+  assert gpu_validate.main(["--dry-run", "--out", str(out), "--resume", "--deadline", "1"]) == 1
+  assert ran == [] and "not started: 1 s of --deadline left" in out.read_text()
+
+
+def test_a_case_past_its_time_is_stopped():
+  with pytest.raises(gpu_validate.CaseFailed, match="stopped at its 0 s limit"):
+    gpu_validate.run_case("vit-tiny", {"batch": 2, "image": 32}, "bfloat16", "baseline", 1,
+                          timeout=0.01)

@@ -233,9 +233,17 @@ def tree_zeros(params: Any, *, signed: bool, min_size: int = MIN_SIZE, block: in
                dtype: Any = None) -> Any:
   """Zero moments of ``params``' shapes: 8-bit where a leaf has at least ``min_size``
   elements, else zeros in ``dtype`` (None: the leaf's own)."""
-  return jax.tree.map(lambda p: quantize(jnp.zeros_like(p, jnp.float32), signed=signed,
-                                         block=block) if p.size >= min_size
-                      else jnp.zeros_like(p, dtype), params)
+  return jax.tree.map(lambda p: _quantized_zeros(jnp.shape(p), block=block)
+                      if p.size >= min_size else jnp.zeros_like(p, dtype), params)
+
+
+def _quantized_zeros(shape: tuple[int, ...], *, block: int = BLOCK) -> QuantizedArray:
+  """`quantize` of float32 zeros of ``shape``, signed or not: zero codes and zero scales,
+  made without the float32 array (an 8B's stacked MLP kernel: 7 GiB)."""
+  _check(block)
+  coded = jax.eval_shape(lambda: quantize(jnp.zeros(shape, jnp.float32), signed=True,
+                                          block=block))
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), coded)
 
 
 def tree_load(moments: Any, *, signed: bool, block: int = BLOCK) -> Any:

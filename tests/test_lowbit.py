@@ -105,6 +105,24 @@ def _non_finite_poisons_its_block():
     assert bool(jnp.all(jnp.isnan(decoded[10, :lowbit.BLOCK])))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_zero_moments_are_quantized_zeros_made_without_a_float32_array(signed):
+  """`tree_zeros` equals `quantize` of float32 zeros, and its program holds no float32 array
+  the leaf's size (under jit XLA spent minutes folding those constants for an 8B)."""
+  params = {"w": jnp.ones((4, 3, 700), jnp.bfloat16), "v": jnp.ones(5000), "b": jnp.ones(3)}
+  got = lowbit.tree_zeros(params, signed=signed, min_size=1000, block=256, dtype=jnp.float32)
+  for name in ("w", "v"):
+    want = lowbit.quantize(jnp.zeros(params[name].shape), signed=signed, block=256)
+    for g, w in zip(got[name], want):
+      assert g.dtype == w.dtype and g.shape == w.shape
+      np.testing.assert_array_equal(g, w)
+  np.testing.assert_array_equal(got["b"], jnp.zeros(3))
+  made = jax.make_jaxpr(lambda p: lowbit.tree_zeros(p, signed=signed, min_size=1000,
+                                                    block=256))(params)
+  sizes = [v.aval.size for e in made.eqns for v in e.outvars if v.aval.dtype == jnp.float32]
+  assert max(sizes, default=0) < 1000, sizes
+
+
 @OPTAX_BIAS_CORRECTION
 @OPTAX_UPDATE_MOMENT
 def test_non_finite_poisons_its_block_on_cpu():

@@ -360,9 +360,9 @@ def _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, kv_len):
   s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kc, preferred_element_type=jnp.float32)
   s = s * jnp.float32(scale)
   key_pos = start + jnp.arange(chunk)
-  if bias is not None:
-    s = s + _grouped_heads(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
-    s = jnp.maximum(s, _MASKED)  # a key biased to -inf counts as masked
+  if bias is not None:  # laid out as q and k make s, however the bias is sharded
+    biased = s + _grouped_heads(_slice_keys(bias, start, chunk), kv_heads).astype(jnp.float32)
+    s = _sharding.like(jnp.maximum(biased, _MASKED), s)  # a key biased to -inf counts as masked
   keep = None if mask is None else _grouped_heads(_slice_keys(mask, start, chunk), kv_heads)
   if causal:
     below = (jnp.arange(q_len)[:, None] >= key_pos[None, :])[None, None, None]

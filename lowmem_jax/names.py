@@ -43,7 +43,7 @@ def register(*names: str) -> None:
     >>> import lowmem_jax as lm
     >>> lm.names.register("router_logits")
     >>> lm.policies.save_only("router_logits")
-    SaveOnlyTheseNames(saveable_names=frozenset({'router_logits'}))
+    SaveOnly(saveable_names=frozenset({'router_logits'}))
   """
   for name in names:
     _check_str(name, "register")

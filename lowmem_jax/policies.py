@@ -62,12 +62,47 @@ def _tag(prim, params) -> str | None:
   return params["name"] if prim.name == "name" else None
 
 
-# JAX's own frozen dataclasses for these two (SaveOnlyTheseNames and
-# SaveAnyNamesButThese, which JAX 0.10.2 names only in its private
-# jax._src.ad_checkpoint), so that JAX's remat machinery recognises them;
-# `save_only` and `save_all_but` check the names first.
-SaveOnly = type(jax.checkpoint_policies.save_only_these_names())  # field: saveable_names
-SaveAllBut = type(jax.checkpoint_policies.save_any_names_but_these())  # field: names
+@dataclasses.dataclass(frozen=True)
+class SaveOnly:
+  """Keeps the values tagged with ``saveable_names``; recomputes the rest.
+
+  Decides as JAX's ``save_only_these_names``, which it calls; unlike that
+  closure (a class of JAX's own only up to jax 0.10) it is hashable, compares
+  by its names and prints as the `save_only` call that made it.
+  """
+  saveable_names: frozenset[str]
+  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_only_these_names(
+        *self.saveable_names))
+
+  def __call__(self, prim, *args, **params):
+    return self._decide(prim, *args, **params)
+
+  def __str__(self) -> str:
+    return f"save_only({_listed(self.saveable_names)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveAllBut:
+  """Keeps every tagged value except those tagged with ``names``; recomputes the rest.
+
+  Decides as JAX's ``save_any_names_but_these``, which it calls (hashable and
+  printable as `SaveOnly` is).
+  """
+  names: frozenset[str]
+  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_any_names_but_these(
+        *self.names))
+
+  def __call__(self, prim, *args, **params):
+    return self._decide(prim, *args, **params)
+
+  def __str__(self) -> str:
+    return f"save_all_but({_listed(self.names)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +154,17 @@ class Combine:
 def save_only(*names: str) -> SaveOnly:
   """Keeps only the values tagged with ``names``; ``save_only()`` keeps nothing.
 
-  Returns JAX's ``save_only_these_names`` policy, after checking the names.
+  Decides as JAX's ``save_only_these_names``, after checking the names.
   """
-  return jax.checkpoint_policies.save_only_these_names(*_names.check(names, "save_only"))
+  return SaveOnly(_names.check(names, "save_only"))
 
 
 def save_all_but(*names: str) -> SaveAllBut:
   """Keeps every tagged value except those tagged with ``names``; recomputes the rest.
 
-  Returns JAX's ``save_any_names_but_these`` policy, after checking the names.
+  Decides as JAX's ``save_any_names_but_these``, after checking the names.
   """
-  return jax.checkpoint_policies.save_any_names_but_these(*_names.check(names, "save_all_but"))
+  return SaveAllBut(_names.check(names, "save_all_but"))
 
 
 def offload(*names: str, src: str = "device", dst: str = "pinned_host") -> Offload:
@@ -191,8 +226,4 @@ def describe(policy) -> str:
   for name, ready in READY_MADE.items():
     if policy is ready or (isinstance(policy, SaveOnly) and policy == ready):
       return name
-  if isinstance(policy, SaveOnly):
-    return f"save_only({_listed(policy.saveable_names)})"
-  if isinstance(policy, SaveAllBut):
-    return f"save_all_but({_listed(policy.names)})"
   return str(policy)

@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lowmem_jax import dispatch
+from lowmem_jax import _jax, dispatch
 from lowmem_jax.dispatch import compiling_for  # noqa: F401  (the ops decide by it; public here too)
 
 if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
@@ -166,6 +166,13 @@ class Target:
   def deviceless(self) -> bool:
     """True for a compile-only GPU."""
     return self.config is not None
+
+  @property
+  def compute_capability(self) -> tuple[int, int] | None:
+    """``(major, minor)`` CUDA compute capability of a compile-only GPU (from its config),
+    else None."""
+    found = self.config and _COMPUTE_CAPABILITY.search(self.config)
+    return (int(found.group(1)), int(found.group(2) or 0)) if found else None
 
   @property
   def peak_bf16_flops(self) -> float | None:
@@ -333,15 +340,8 @@ class HostArgumentsCompiled:
   """
 
   def __init__(self, target: "Target", lowered: jax.stages.Lowered, options: dict):
-    from jax._src import compiler
-    from jax._src.lib import xla_client
-    device = target.devices(1)[0]
-    compile_options = compiler.get_compile_options(
-        num_replicas=1, num_partitions=1, device_assignment=[device],
-        env_options_overrides=options)
-    self._executable = compiler.backend_compile_and_load(
-        device.client, lowered.compiler_ir("stablehlo"), xla_client.DeviceList((device,)),
-        compile_options, [])
+    self._executable = _jax.compile_stablehlo(target.devices(1)[0],
+                                              lowered.compiler_ir("stablehlo"), options)
 
   def memory_analysis(self) -> Any:
     """XLA's ``CompiledMemoryStats``, host bytes apart."""
@@ -439,9 +439,7 @@ def from_devices(name: str = "local") -> Target:
   to `Target.save` for compiling later on a machine without one."""
   if jax.default_backend() != "gpu":
     raise ValueError(f"from_devices needs a GPU; JAX's backend is {jax.default_backend()!r}.")
-  from jax._src.lib import xla_client  # the topology of real devices has no public API yet
-  config = xla_client.get_topology_for_devices(jax.devices()).target_config
-  return _from_config(config, name, None)
+  return _from_config(_jax.attached_config(jax.devices()), name, None)
 
 
 def available() -> str | None:
@@ -489,10 +487,27 @@ def compiling(target: Target):
   `Target.place`'d arguments). Ops that choose an implementation
   (`lowmem_jax.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
   for the H100 target takes the GPU paths on a machine without a GPU."""
-  with dispatch.compiling_for_platform("gpu" if target.platform == "cuda" else target.platform):
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(dispatch.compiling_for_platform(
+        "gpu" if target.platform == "cuda" else target.platform))
+    if target.deviceless:
+      stack.enter_context(_jax.abstract_device(_pallas_device_kind(target)))
     yield target
 
 
+# Pallas' Triton lowering knows a GPU by its device kind, from a list of its own, only to
+# take the architecture from it: a target whose kind is not on that list (RTX A6000, L40S)
+# is named by a listed GPU of the same compute capability.
+_PALLAS_KIND_BY_CAPABILITY = {(7, 5): "Tesla T4", (8, 0): "NVIDIA A100", (8, 6): "NVIDIA A10",
+                              (8, 9): "NVIDIA L4", (9, 0): "NVIDIA H100", (10, 0): "NVIDIA B200"}
+
+
+def _pallas_device_kind(target: Target) -> str:
+  return _PALLAS_KIND_BY_CAPABILITY.get(target.compute_capability, target.device_kind)
+
+
+_COMPUTE_CAPABILITY = re.compile(
+    r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s+minor:\s*(\d+))?")
 _DEVICE_KIND = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)
 _MEMORY = re.compile(r"^\s*device_memory_size:\s*(\d+)", re.M)
 

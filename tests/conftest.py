@@ -58,3 +58,10 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """The versions a run tested, beside its counts: CI runs both ends of the supported range."""
+  import jaxlib
+  terminalreporter.write_line(f"tested: Python {sys.version.split()[0]}, jax {jax.__version__}, "
+                              f"jaxlib {jaxlib.__version__}")

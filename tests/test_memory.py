@@ -100,12 +100,13 @@ def _remat_stack_grad(policy, compiler_options=None):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU pipeline's behaviour")
 def test_cpu_compiles_keep_remat():
-  """Without CPU_KEEPS_REMAT, XLA's CPU pipeline undoes remat; with it, remat saves memory."""
-  undone = {p: memory.stats_of(_remat_stack_grad(p)[0]).temp_bytes
-            for p in (lm.policies.everything, lm.policies.full)}
-  assert undone[lm.policies.everything] == undone[lm.policies.full]
-  kept = {p: _remat_stack_grad(p, targets.CPU_KEEPS_REMAT)[0] for p in undone}
-  everything, full = (memory.stats_of(kept[p]).temp_bytes for p in undone)
+  """With CPU_KEEPS_REMAT, XLA's CPU pipeline keeps remat's recompute out of the forward pass:
+  full remat holds less than half of what saving everything holds, and computes the same.
+  (jax 0.10.2's CPU pipeline merged the recompute back without it, both at 8 MiB; jax 0.12's
+  keeps remat either way.)"""
+  kept = {p: _remat_stack_grad(p, targets.CPU_KEEPS_REMAT)[0]
+          for p in (lm.policies.everything, lm.policies.full)}
+  everything, full = (memory.stats_of(kept[p]).temp_bytes for p in kept)
   assert full < everything / 2
   _, args = _remat_stack_grad(lm.policies.full)
   for a, b in zip(jax.tree.leaves(kept[lm.policies.full](*args)),

@@ -195,7 +195,10 @@ def test_adama_equals_microbatch_step(state_bits):
       if i < k - 1:  # folded, not applied
         jax.tree.map(np.testing.assert_array_equal, got, before)
     want, ref_state, _ = reference(want, ref_state, batch)
-  assert_close(got, want)
+  # 8-bit moments: a gradient summed in another order can round an element's first moment
+  # to the next code, which moves its update by up to a code's width, 1/127 of the block's
+  # largest |m| over sqrt(v): lr / 127 (jax 0.12 on CPU moved 2 of 24,576 elements by 5e-5).
+  assert_close(got, want, atol=1e-5 if state_bits is None else 1e-2 / 127)
   if state_bits == 8:
     assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax._src import source_info_util
 
 import lowmem_jax as lm
+from lowmem_jax._jax import source_info_util
 from lowmem_jax.transform import graph, interpreter
 
 VOCAB, WIDTH, BATCH, SEQ = 40, 16, 2, 12

@@ -18,11 +18,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
-from jax._src import ad_checkpoint as _ad_checkpoint  # saved_residuals: jax only prints them publicly
-from jax._src.lib import hlo as _hlo  # HLO text parsed, for loop_flops
-from jax._src.lib import _jax  # XLA's HLO cost analysis, as jax.stages.Lowered calls it
 
-from lowmem_jax import targets
+from lowmem_jax import _jax, targets
 
 
 def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = None,
@@ -192,7 +189,7 @@ def saved_residuals(fn: Callable, *args, **kwargs) -> Residuals:
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {type(fn).__name__}.")
   rows = []
-  for aval, source in _ad_checkpoint.saved_residuals(fn, *args, **kwargs):
+  for aval, source in _jax.saved_residuals(fn, *args, **kwargs):
     shape = tuple(aval.shape)
     dtype = np.dtype(aval.dtype)
     named = _NAMED.match(source)
@@ -213,13 +210,12 @@ def flops_of(program: jax.stages.Compiled | jax.stages.Lowered) -> float:
   """
   try:
     cost = program.cost_analysis()
-  except NotImplementedError:
+  except _jax.COST_ANALYSIS_ERRORS:
     cost = None
   if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
     cost = cost[0]
   if not cost and isinstance(program, jax.stages.Lowered):
-    host = jax.devices("cpu")[0].client
-    cost = _jax.hlo_module_cost_analysis(host, program.compiler_ir("hlo").as_hlo_module())
+    cost = _jax.hlo_cost_analysis(program.compiler_ir("hlo").as_hlo_module())
   if not cost or "flops" not in cost:
     raise RuntimeError("This backend's cost analysis gives no FLOP count; for a compile-only "
                        "target, pass the lowered program (Target.lower).")
@@ -323,7 +319,6 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
   the program before optimisation, as `flops_of` a lowered program."""
   text = lowered.compiler_ir("hlo").as_hlo_text()
   computations, roots, entry = _computations(text)
-  host = jax.devices("cpu")[0].client
   lines = text.splitlines()
 
   @functools.cache
@@ -334,8 +329,8 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
       if header and not line.startswith(" "):
         line = ("ENTRY " if header.group(2) == name else "") + line.removeprefix("ENTRY ")
       out.append(line)
-    module = _hlo.hlo_module_from_text("\n".join(out))
-    return float(_jax.hlo_module_cost_analysis(host, module).get("flops", 0.0))
+    module = _jax.hlo_module_from_text("\n".join(out))
+    return float(_jax.hlo_cost_analysis(module).get("flops", 0.0))
 
   def whiles(name: str, seen: set) -> list[tuple[_Instruction, dict]]:
     """The loops ``name`` runs itself or through the computations it calls."""

@@ -59,10 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from lowmem_jax import _sharding, lowbit
+from lowmem_jax._jax import source_info_util
 from lowmem_jax._checks import is_int
 
 PLACES = ("device", "host")

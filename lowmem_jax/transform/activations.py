@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core  # eval_context: test points evaluate while tracing
 from jax.extend import core as jcore
 
-from lowmem_jax import activations as activation_ops
+from lowmem_jax import _jax, activations as activation_ops
 from lowmem_jax.transform.graph import LAYOUT, scalar
 from lowmem_jax.transform.interpreter import Action, bind, eqns_fn, inline_jit
 
@@ -158,7 +157,7 @@ def _identify(region, x, z, prims):
   if dtype not in _TOL:
     return None
   xs = jnp.asarray(_TEST_X, dtype)
-  with jax_core.eval_context():
+  with _jax.eval_context():  # test points evaluate while tracing
     got = np.asarray(region(xs)[0], np.float32)
     for name, (hint, twin, _, _) in _ACTIVATIONS.items():
       if not prims & hint:

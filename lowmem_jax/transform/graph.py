@@ -11,8 +11,9 @@ import sysconfig
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jcore
+
+from lowmem_jax._jax import source_info_util
 
 # Frames of Flax and of installed libraries are skipped in a rewrite's source line while
 # the user's own are there; Flax found without importing it.

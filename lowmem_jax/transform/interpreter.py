@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from lowmem_jax import _jax
 from lowmem_jax.transform.graph import Graph, aval, live
 
 
@@ -59,8 +59,8 @@ def eval_eqns(eqns, order, env, outputs, actions, bind_eqn=bind):
 
   for i in order:
     eqn = eqns[i]
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    name_stack = _jax.source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with _jax.source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
       if i in actions:
         action = actions[i]
         env.update(zip(action.outputs, action.fn(*map(read, action.inputs))))
@@ -107,7 +107,7 @@ def _called_from(jaxpr, call):
   """``jaxpr``, a ``jit``'s body, with the traceback of ``call`` (the jit equation's source
   info) on each equation that has no user frame: a body's tracebacks stop where its trace
   began (inside ``take_along_axis``, say), so the call's frames hold the user's line."""
-  eqns = [e if source_info_util.user_frame(e.source_info.traceback) is not None
+  eqns = [e if _jax.source_info_util.user_frame(e.source_info.traceback) is not None
           else e.replace(source_info=e.source_info.replace(traceback=call.traceback))
           for e in jaxpr.eqns]
   return jaxpr.replace(eqns=eqns)
@@ -130,7 +130,7 @@ def _bind_nested(eqn, invals, pass_):
   params = eqn.params
   if name == "scan":
     body = params["jaxpr"]
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = _jax.scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
     def step(carry, x):

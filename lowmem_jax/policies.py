@@ -62,69 +62,59 @@ def _tag(prim, params) -> str | None:
   return params["name"] if prim.name == "name" else None
 
 
-@dataclasses.dataclass(frozen=True)
-class SaveOnly:
-  """Keeps the values tagged with ``saveable_names``; recomputes the rest.
+class _JaxPolicy:
+  """A policy that decides as the closure a JAX factory makes (`_decide`, built from the
+  fields), as a frozen dataclass: hashable, compared by its fields, printed as the call
+  that made it. JAX's own policies are closures from jax 0.11 (classes up to 0.10)."""
 
-  Decides as JAX's ``save_only_these_names``, which it calls; unlike that
-  closure (a class of JAX's own only up to jax 0.10) it is hashable, compares
-  by its names and prints as the `save_only` call that made it.
-  """
-  saveable_names: frozenset[str]
-  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
+  def _decide(self) -> Callable:
+    raise NotImplementedError
 
   def __post_init__(self):
-    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_only_these_names(
-        *self.saveable_names))
+    object.__setattr__(self, "_decision", self._decide())
 
   def __call__(self, prim, *args, **params):
-    return self._decide(prim, *args, **params)
+    return self._decision(prim, *args, **params)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOnly(_JaxPolicy):
+  """Keeps the values tagged with ``saveable_names``; recomputes the rest (JAX's
+  ``save_only_these_names``)."""
+  saveable_names: frozenset[str]
+
+  def _decide(self):
+    return jax.checkpoint_policies.save_only_these_names(*self.saveable_names)
 
   def __str__(self) -> str:
     return f"save_only({_listed(self.saveable_names)})"
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveAllBut:
-  """Keeps every tagged value except those tagged with ``names``; recomputes the rest.
-
-  Decides as JAX's ``save_any_names_but_these``, which it calls (hashable and
-  printable as `SaveOnly` is).
-  """
+class SaveAllBut(_JaxPolicy):
+  """Keeps every tagged value except those tagged with ``names``; recomputes the rest
+  (JAX's ``save_any_names_but_these``)."""
   names: frozenset[str]
-  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
 
-  def __post_init__(self):
-    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_any_names_but_these(
-        *self.names))
-
-  def __call__(self, prim, *args, **params):
-    return self._decide(prim, *args, **params)
+  def _decide(self):
+    return jax.checkpoint_policies.save_any_names_but_these(*self.names)
 
   def __str__(self) -> str:
     return f"save_all_but({_listed(self.names)})"
 
 
 @dataclasses.dataclass(frozen=True)
-class Offload:
-  """Copies the values tagged with ``names`` from ``src`` to ``dst`` memory; recomputes the rest.
-
-  Decides as JAX's ``save_and_offload_only_these_names`` with nothing saved,
-  which it calls; unlike JAX's closure it is hashable, compares by its
-  fields and prints as the `offload` call that made it.
-  """
+class Offload(_JaxPolicy):
+  """Copies the values tagged with ``names`` from ``src`` to ``dst`` memory; recomputes the
+  rest (JAX's ``save_and_offload_only_these_names`` with nothing saved)."""
   names: frozenset[str]
   src: str
   dst: str
-  _decide: Callable = dataclasses.field(init=False, repr=False, compare=False)
 
-  def __post_init__(self):
-    object.__setattr__(self, "_decide", jax.checkpoint_policies.save_and_offload_only_these_names(
+  def _decide(self):
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(), names_which_can_be_offloaded=self.names,
-        offload_src=self.src, offload_dst=self.dst))
-
-  def __call__(self, prim, *args, **params):
-    return self._decide(prim, *args, **params)
+        offload_src=self.src, offload_dst=self.dst)
 
   def __str__(self) -> str:
     return f"offload({_listed(self.names)}, src={self.src!r}, dst={self.dst!r})"

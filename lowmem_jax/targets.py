@@ -60,9 +60,10 @@ INSTALL = "pip install 'lowmem-jax[target]'"
 """What installs the compile-only GPU targets: JAX's CUDA plugin for the
 installed jaxlib, ptxas (``nvidia-cuda-nvcc-cu12``) and cuDNN."""
 
-# XLA's CPU pipeline expands optimization barriers before CSE, which merges the
-# recompute of `jax.checkpoint` back into the forward pass: remat then saves
-# nothing on CPU. Keeping the barriers compiles remat as accelerators do.
+# XLA's CPU pipeline of jax 0.10.2 expands optimization barriers before CSE, which merges
+# the recompute of `jax.checkpoint` back into the forward pass: remat then saves nothing on
+# CPU. Keeping the barriers compiles remat as accelerators do (jax 0.12's CPU pipeline keeps
+# remat without it; the option changes nothing there).
 CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 # With no device there is no autotuning, and XLA's Triton GEMM emitter then

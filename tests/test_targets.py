@@ -247,3 +247,33 @@ def test_explain_oom_compares_with_the_target_memory():
   limit = f"{targets.get('a100-40gb').memory_bytes / 2**20:,.1f}"
   assert f"fits in the limit of {limit} MiB" in memory.explain_oom(grad, w, x, target="a100-40gb")
   assert "has no memory size (pass limit_bytes=)" in memory.explain_oom(grad, w, x, target="cpu")
+
+
+def test_a_compile_only_targets_flops_come_from_the_lowered_program():
+  """A compile-only GPU gives no cost analysis (jax 0.10 raises NotImplementedError, jax 0.12
+  a JaxRuntimeError): `flops_of` says so in one error, and `step_flops` counts the lowered
+  program's on the host."""
+  x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  target = targets.get("h100")
+  lowered = target.lower(lambda a, b: a @ b, x, x)
+  compiled = target.compile_lowered(lowered)
+  with pytest.raises(RuntimeError, match="gives no FLOP count"):
+    memory.flops_of(compiled)
+  assert memory.step_flops(lowered, compiled) == 2 * 64**3
+
+
+def test_compute_capability_comes_from_the_config():
+  assert targets.get("h100").compute_capability == (9, 0)
+  assert targets.get("rtx4090").compute_capability == (8, 9)
+  assert targets.get("cpu").compute_capability is None
+
+
+def test_compiling_for_a_gpu_target_names_it_to_pallas_and_sets_no_mesh():
+  """The abstract device Pallas reads comes with an empty mesh (no sharding changes, the
+  streamed step's mesh test stays False); a mesh the user set is left as it is."""
+  with targets.compiling(targets.get("rtx4090")):
+    mesh = jax.sharding.get_abstract_mesh()
+    assert mesh.empty and mesh.abstract_device.device_kind == "NVIDIA L4"  # its sm_89 twin
+  user = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(user), targets.compiling(targets.get("h100")):
+    assert jax.sharding.get_abstract_mesh() == user.abstract_mesh

@@ -47,4 +47,4 @@ def main() -> int:
   """Runs ``lowmem-jax`` (`lowmem_jax.app.cli.main`) on ``sys.argv``."""
   with without_cuda_notes():
     from lowmem_jax.app import cli
-  return cli.main()
+  return cli.main(quiet_plugin_load=without_cuda_notes)

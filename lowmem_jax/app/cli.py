@@ -50,7 +50,6 @@ from rich.table import Table
 
 from lowmem_jax import memory, models, targets
 from lowmem_jax.app import techniques
-from lowmem_jax_cli import without_cuda_notes
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -426,9 +425,13 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContextManager] =
+         contextlib.nullcontext) -> int:
   """Runs ``lowmem-jax``; returns the exit status (2 for a usage mistake or an error raised
-  in the user's step, said in one line, 1 when nothing fits the budget)."""
+  in the user's step, said in one line, 1 when nothing fits the budget).
+
+  ``quiet_plugin_load`` makes the context the GPU target's plugin loads in: the console
+  script (`lowmem_jax_cli.main`) gives its filter of CUDA's notes."""
   console = Console(width=None if sys.stdout.isatty() else 200)
   argv = sys.argv[1:] if argv is None else list(argv)
   args = None
@@ -445,7 +448,7 @@ def main(argv=None) -> int:
     if args.step is not None and args.given:
       raise UsageError(f"{args.given[0]} is for the reference models; --step {args.step} gives its "
                        "own step and shapes.")
-    with without_cuda_notes():  # the GPU target's plugin loads here
+    with quiet_plugin_load():  # the GPU target's plugin loads here
       target = _target(args.target)
     _check_devices(args, target)
     job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype, target,

@@ -8,7 +8,6 @@ Pallas kernels nor the ``lowmem-jax`` application (`lowmem_jax.app`).
 
 import importlib as _importlib
 
-from lowmem_jax import _moved
 from lowmem_jax.activations import approx_activation, regelu2, relu, resilu2
 from lowmem_jax.attention_ops import attention, attention_reference
 from lowmem_jax.lowbit import adamw_8bit, scale_by_adam_8bit
@@ -22,16 +21,9 @@ SUBMODULES = ("affine_folding", "attention_ops", "compress", "embedding", "linen
               "policies", "precision", "sparse", "targets", "transform")
 """The library's modules, each ``lm.<name>``, imported on first use."""
 
-_OLD_MODULES = {"lowmem_jax.fold": "lowmem_jax.affine_folding",
-                "lowmem_jax.sparsity": "lowmem_jax.masked_sparsity",
-                "lowmem_jax.techniques": "lowmem_jax.app.techniques",
-                "lowmem_jax.cli": "lowmem_jax.app.cli"}
-"""Module paths that moved; each imports its new module, with a warning, for one release."""
-_moved.alias_modules(_OLD_MODULES)
-
 
 def __getattr__(name: str):
-  if name in SUBMODULES or f"lowmem_jax.{name}" in _OLD_MODULES:
+  if name in SUBMODULES:
     return _importlib.import_module(f"lowmem_jax.{name}")
   raise AttributeError(f"module 'lowmem_jax' has no attribute {name!r}")
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import _moved, lowbit, optim, targets
+from lowmem_jax import lowbit, optim, targets
 
 
 class OffloadState(NamedTuple):
@@ -92,6 +92,3 @@ def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
   is_offloaded = lambda x: isinstance(x, OffloadState)
   return jax.tree.map(lambda s: targets.in_host_memory(s) if is_offloaded(s) else s,
                       jax.eval_shape(tx.init, params), is_leaf=is_offloaded)
-
-
-__getattr__ = _moved.getattr_of(__name__, {"offload": "lowmem_jax.offload:offload_state"})

@@ -178,34 +178,15 @@ def test_the_library_does_not_import_the_app():
       assert not {m for m in imports if m.startswith("lowmem_jax.app")}, module
 
 
-def test_moved_names_warn_at_the_users_line_and_still_work():
-  """Each moved name imports (as a module path, a name from it, an attribute) what it
-  names now, and warns once, at the user's line, under Python's default filters."""
-  script = """
-import lowmem_jax as lm
-from lowmem_jax import affine_folding, masked_sparsity, offload
-from lowmem_jax.app import cli, techniques
-import lowmem_jax.fold
-from lowmem_jax.sparsity import dynamic_sparsity
-assert lowmem_jax.fold is affine_folding and dynamic_sparsity is masked_sparsity.dynamic_sparsity
-assert lm.techniques is techniques and lm.fold is affine_folding
-from lowmem_jax.cli import main
-assert main is cli.main and offload.offload is offload.offload_state
-"""
-  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, check=False)
-  assert result.returncode == 0, result.stderr
-  warned = [line for line in result.stderr.splitlines() if "DeprecationWarning" in line]
-  assert sorted(warned) == sorted(f"<string>:{line}: DeprecationWarning: {old} is now {new}; "
-                                  "the old name goes in the next release." for line, old, new in (
-      (5, "lowmem_jax.fold", "lowmem_jax.affine_folding"),
-      (6, "lowmem_jax.sparsity", "lowmem_jax.masked_sparsity"),
-      (8, "lowmem_jax.techniques", "lowmem_jax.app.techniques"),
-      (9, "lowmem_jax.cli", "lowmem_jax.app.cli"),
-      (10, "lowmem_jax.offload.offload", "lowmem_jax.offload.offload_state"))), result.stderr
+def test_no_old_names():
+  """Nothing was released, so no name is kept for one that moved: no import hook, no
+  module ``__getattr__`` but the top level's, which imports the submodules."""
   import lowmem_jax as lm
-  with pytest.raises(AttributeError, match="no attribute 'fold_norm'"):
-    lm.fold_norm
+  for old in ("fold", "sparsity", "techniques", "cli", "fold_norm"):
+    with pytest.raises(AttributeError, match=f"no attribute {old!r}"):
+      getattr(lm, old)
+  with pytest.raises(ModuleNotFoundError):
+    __import__("lowmem_jax.fold")
 
 
 def _reached(graph: dict[str, set[str]], start: str) -> set[str]:

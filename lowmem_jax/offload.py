@@ -36,10 +36,6 @@ class OffloadState(NamedTuple):
   leaves: tuple
 
 
-def _to(space: Any, tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
-
-
 def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
   """``inner`` with its state in host memory, applied one parameter leaf at a time.
 
@@ -59,7 +55,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
   def init_fn(params):
     # Each leaf's state goes to the host as it is made: the device never holds the whole.
-    states = tuple(_to(jax.memory.Space.Host, inner.init(p)) for p in jax.tree.leaves(params))
+    states = tuple(jax.device_put(inner.init(p), jax.memory.Space.Host) for p in jax.tree.leaves(params))
     if any(optim.find_adama_state(s) is not None for s in states):
       raise ValueError("`inner` is AdamA, which folds every micro-batch into its moments "
                        "(k crossings a step) and which microbatch_step finds as one state: "
@@ -76,10 +72,10 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
       raise ValueError(f"`params` has {len(leaves)} leaves, `updates` {len(grads)}.")
     out, states = [], []
     for i, (g, leaf_state, p) in enumerate(zip(grads, state.leaves, leaves)):
-      u, new_state = inner.update(g, _to(jax.memory.Space.Device, leaf_state), p,
+      u, new_state = inner.update(g, jax.device_put(leaf_state, jax.memory.Space.Device), p,
                                   positions=lowbit.Position(i))
       out.append(u)
-      states.append(_to(jax.memory.Space.Host, new_state))
+      states.append(jax.device_put(new_state, jax.memory.Space.Host))
     return jax.tree.unflatten(treedef, out), OffloadState(tuple(states))
 
   return optax.GradientTransformation(init_fn, update_fn)

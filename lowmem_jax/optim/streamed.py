@@ -193,8 +193,8 @@ def _used_inputs(jaxpr) -> list[int]:
 
 
 def _to(place: str, tree: Any) -> Any:
-  space = jax.memory.Space.Host if place == "host" else jax.memory.Space.Device
-  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+  """``tree`` moved to the memory of `PLACES`' ``place``."""
+  return jax.device_put(tree, jax.memory.Space.Host if place == "host" else jax.memory.Space.Device)
 
 
 def _layer_states(init_layer: Callable, layers: Any, place: str) -> Any:

@@ -76,6 +76,9 @@ class _JaxPolicy:
   def __call__(self, prim, *args, **params):
     return self._decision(prim, *args, **params)
 
+  def __reduce__(self):  # the closure does not pickle: the fields make it again
+    return type(self), dataclasses.astuple(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class SaveOnly(_JaxPolicy):

@@ -209,18 +209,24 @@ def test_cli_report_json(capsys, tmp_path):
     assert r["live_peak_bytes"] == sum(r["breakdown"]["at_peak"].values())
     assert len(r["breakdown"]["largest_at_peak"]) == 3
   assert base["reduction"] == 1.0 and base["extra_flops"] == 0.0
-  assert base["breakdown"]["at_peak"]["optimizer state"] >= 2 * params
   assert approx["breakdown"]["saved_by_name"]["act_code"] > 0
   assert approx["saved_activation_bytes"] < base["saved_activation_bytes"]
   assert "attn_lse" in adama["breakdown"]["saved_by_name"]
   # Inside the micro-batch loop the parameters and moments are loop-carried values: still counted.
   # Folding in the backward (adama), the moments being rewritten at the peak are new values
-  # made in the backward: the report counts them as gradients or updates, not as state.
-  for r, moments in ((base, 1.99), (adama, 1.4)):
-    assert 0.99 * params <= r["breakdown"]["at_peak"]["parameters"] <= 1.3 * params
-    assert r["breakdown"]["at_peak"]["optimizer state"] >= moments * params
-  # the micro-batch loop's body counted once a trip: +3.1%
-  assert 0 < approx["extra_flops"] < 0.01 and 0 < adama["extra_flops"] < 0.1, adama
+  # made in the backward: the report counts them as gradients or updates, not as state. The
+  # parameters and both moments are found, at most whole: donated, they are live at the peak
+  # but for what XLA already updated in place (jax 0.10.2's XLA: the parameters whole, the
+  # moments 1.99 and 1.4 of them; jax 0.12's: the baseline's parameters 0.73, moments 1.70).
+  for r in (base, adama):
+    at = r["breakdown"]["at_peak"]
+    assert 0.5 * params <= at["parameters"] <= 1.3 * params, (r["techniques"], at)
+    assert params <= at["optimizer state"] <= 2 * params + 8, (r["techniques"], at)
+  # No remat in either: FLOPs within 1% and (the micro-batch loop's body counted once a trip)
+  # 10% of the baseline's either way (XLA's cost analysis of approx+ms-norm and adama: above
+  # with jax 0.10.2, +3.1% for adama; 0.2% below with jax 0.12)
+  assert abs(approx["extra_flops"]) < 0.01, approx["extra_flops"]
+  assert abs(adama["extra_flops"]) < 0.1, adama["extra_flops"]
   for name in ("components.png", "live_bytes.png"):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 

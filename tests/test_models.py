@@ -54,9 +54,11 @@ def test_switches_and_remat(make, inputs):
   loss = lambda m: (lambda p: jnp.sum(m.apply({"params": p}, inputs) ** 2))
   g = jax.grad(loss(approx))(params)
   g_remat = jax.grad(loss(make(activation="approx", remat=True)))(params)
-  # Float32 rounding apart: 1.9e-5 measured on the tiny LLaMA's scanned layers (gradients
-  # up to 13 in size), remat or not placing the sums differently.
-  chex.assert_trees_all_close(g_remat, g, atol=5e-5)
+  # Float32 rounding apart, remat or not placing the sums differently: a sum over the 16
+  # tokens rounded in another order, 16 float32 epsilons of the largest gradient (jax 0.12
+  # moved one of the tiny LLaMA's embedding gradients, which reach 64, by 5.3e-5).
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))
+  chex.assert_trees_all_close(g_remat, g, atol=16 * float(jnp.finfo(jnp.float32).eps) * scale)
   # The approximate gradient differs from the exact one, but not wildly: the
   # relative distance measured 0.27 on the tiny LLaMA (sum-of-squares loss).
   # Whether training still converges is a convergence test's job, not this.

@@ -304,7 +304,7 @@ def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
 
 
 @OPTAX_BIAS_CORRECTION
-def test_microbatch_step_holds_no_update_inside_the_loop():
+def test_microbatch_steps_one_update_holds_no_more_than_one_inside_the_loop():
   """On the H100 target: the update applied once after the loop holds no more than applying
   it at every micro-step (jax 0.10.2's XLA kept a parameter-sized buffer in the loop for the
   latter, 0.4 of the gradient more; jax 0.12's schedules both alike, within 10 KB of 32 MiB),

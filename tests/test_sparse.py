@@ -52,8 +52,8 @@ def test_tie_gradients_is_the_identity_with_its_cotangents_in_one_barrier():
 def test_tied_gradients_lower_an_adama_steps_peak_on_the_h100_target():
   """Six sparse 3x3 convs under AdamA over 4 micro-batches: tied, each weight gradient is
   gathered as its layer's backward runs, and the peak is lower (by 0.84 MiB, 0.42 of an
-  output cotangent, with jax 0.10.2's XLA; by 0.14 MiB with jax 0.12's, which schedules
-  the untied step better; the WideResNet-28-2's is docs/benchmarks.md's)."""
+  output cotangent, with jax 0.10.2's XLA; by 0.14 MiB, 0.07 of it, with jax 0.12's, which
+  schedules the untied step better; the WideResNet-28-2's is docs/benchmarks.md's)."""
   channels, layers = 64, 6
   size = 9 * channels * channels
   positions = [sparse.random_positions(jax.random.key(i), size, size // 10)
@@ -76,7 +76,8 @@ def test_tied_gradients_lower_an_adama_steps_peak_on_the_h100_target():
       jax.jit(lm.microbatch_step(functools.partial(loss, tie=tie), tx, 4),
               donate_argnums=(0, 1)), params, jax.eval_shape(tx.init, params), batch,
       target="h100").peak_bytes for tie in (False, True)]
-  assert peaks[1] < peaks[0], peaks
+  cotangent = 8 * 32 * 32 * channels * 4
+  assert peaks[1] < peaks[0] - 0.03 * cotangent, peaks
 
 
 def test_prune_and_regrow_moves_the_smallest_to_fresh_positions():

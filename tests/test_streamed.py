@@ -195,10 +195,16 @@ def test_adama_equals_microbatch_step(state_bits):
       if i < k - 1:  # folded, not applied
         jax.tree.map(np.testing.assert_array_equal, got, before)
     want, ref_state, _ = reference(want, ref_state, batch)
-  # 8-bit moments: a gradient summed in another order can round an element's first moment
-  # to the next code, which moves its update by up to a code's width, 1/127 of the block's
-  # largest |m| over sqrt(v): lr / 127 (jax 0.12 on CPU moved 2 of 24,576 elements by 5e-5).
-  assert_close(got, want, atol=1e-5 if state_bits is None else 1e-2 / 127)
+  if state_bits is None:
+    assert_close(got, want)
+  else:
+    # 8-bit moments: a gradient summed in another order can round an element's moment to the
+    # next code, which moves that element's update by a code's width over its own sqrt(v):
+    # a few elements, each within a tenth of a step (jax 0.12 on CPU moved 2 of 24,576 by 5e-5).
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      off = np.abs(np.asarray(a) - np.asarray(b)) > 1e-5 + 1e-5 * np.abs(np.asarray(b))
+      assert off.mean() <= 1e-3, off.sum()
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 / 10)
   if state_bits == 8:
     assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
 

@@ -4,7 +4,7 @@ LLaMA-style reference models with float32 params, GPT-2-small-sized and
 BERT-large-sized, trained over k micro-batches per optimizer step. For each
 way to accumulate it prints, from XLA's compiled memory analysis of the
 jitted step on abstract shapes (params and optimizer state donated; on CPU a
-proxy, see lowmem_jax.memory):
+proxy, see lowmem_jax.compile.memory):
   - the peak bytes, and the bytes beyond the params and optimizer state
     (activations, gradients, accumulators, copies);
   - the difference from the baseline's peak (accumulate; for the scanned
@@ -25,7 +25,7 @@ On the same models with stacked layers and per-layer remat ("scanned"):
 
 ``--loss fused`` gives the unscanned model the fused loss head
 (``Llama(loss="fused")``). The token embedding is ``Llama(embedding="late")``
-(`lowmem_jax.embedding.take`, exact), whose gradient buffer XLA would
+(`lowmem_jax.ops.embedding.take`, exact), whose gradient buffer XLA would
 otherwise make at the start of each micro-batch's backward; ``--embedding
 plain`` measures with `nn.Embed` (the scanned model: ``table[ids]``).
 ``--plain-step`` prints instead the peak of one AdamW step without

@@ -3,7 +3,7 @@
 For each variant (baseline; approximate activation, ReGELU2 or ReSiLU2; MS
 norm with folded affine; both; attention that recomputes its probabilities,
 `lowmem_jax.attention`; all three; for LLaMA all three with the fused loss head,
-`lowmem_jax.losses.linear_cross_entropy`; the baseline's loss through `lm.lowmem`) it prints, for the gradient step of the
+`lowmem_jax.ops.losses.linear_cross_entropy`; the baseline's loss through `lm.lowmem`) it prints, for the gradient step of the
 loss (parameters float32):
   - compiled peak and temp bytes (XLA's buffer assignment for --target,
     abstract shapes: nothing is allocated; default the H100 target,
@@ -142,7 +142,7 @@ def main(argv=None):
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help=f"comma-separated, the first the baseline of the ratios; of {list(VARIANTS)}")
   parser.add_argument("--target", default=None,
-                      help="compile target (lowmem_jax.targets); default: targets.default()")
+                      help="compile target (lowmem_jax.compile.targets); default: targets.default()")
   args = parser.parse_args(argv)
   unknown = set(args.variants.split(",")) - set(VARIANTS)
   if unknown:

@@ -9,21 +9,21 @@ of `lowmem_jax.models`, AdamA folding each micro-batch in the backward) on
 WRN-28-2 at batch 128 of 32x32x3 images and a ViT, and prints, per row:
 
 - compiled peak: XLA's buffer assignment of the step on abstract shapes, params
-  and optimizer state donated, for `lowmem_jax.targets.default` (an H100,
+  and optimizer state donated, for `lowmem_jax.compile.targets.default` (an H100,
   compiled here without one, where the target packages are installed; the CPU
   is a proxy only: it upcasts half-precision dots and adds layout copies);
 - at the peak: parameters + optimizer state, and the rest (activations,
-  gradients, temporaries), from `lowmem_jax.memory.report`;
+  gradients, temporaries), from `lowmem_jax.compile.memory.report`;
 - saved activations: autodiff's residuals of one (micro-)batch's loss, backend-free;
 - the reduction against the float32 baseline's compiled peak.
 
 The WideResNet's sparse rows store the blocks' conv kernels sparse
-(`lowmem_jax.sparse`: values and int32 positions, moments and gradients of the
+(`lowmem_jax.optim.sparse`: values and int32 positions, moments and gradients of the
 values' size), measured like the others; the ViT has no sparse rows (sparse
 storage is built for the convs).
 
 The float16 rows measure memory only: they use no loss scaling
-(`lowmem_jax.precision.loss_scaled_step` changes no buffer of size, and does
+(`lowmem_jax.optim.precision.loss_scaled_step` changes no buffer of size, and does
 not combine with AdamA's micro-batches). Under AdamA with 32 (64)
 micro-batches the WideResNet's batch norm normalises over 4 (2) examples at a
 time: memory figures, not a recipe.
@@ -38,8 +38,8 @@ import time
 import jax
 from tqdm import tqdm
 
-from lowmem_jax import targets
 from lowmem_jax.app import techniques
+from lowmem_jax.compile import targets
 
 SIZES = {"wrn-28-2": dict(batch=128), "vit-b16": dict(batch=64, image=224)}
 DENSITY = 0.1  # of the WideResNet's block kernels, stored sparse

@@ -15,7 +15,7 @@ rows, one switch each unless stated:
   1bit-relu        activation="1bit": lowmem_jax.relu saves a 1-bit mask; exact gradient
   pooled-conv      conv="pooled": weight gradients from 2x2-average-pooled inputs
   int8-conv        conv="int8": conv inputs saved as int8 rows
-  bf16             lowmem_jax.precision.flax_dtypes("bfloat16"): float32 params, bfloat16 compute
+  bf16             lowmem_jax.optim.precision.flax_dtypes("bfloat16"): float32 params, bfloat16 compute
   fp16+loss-scale  float16 compute, precision.loss_scaled_step with dynamic_loss_scale()
   sparse-0.2       optax.chain(adam, masked_sparsity.dynamic_sparsity(0.2, update_every=50))
   stored-0.2       WideResNet(density=0.2): the blocks' kernels stored sparse, trained with

@@ -14,13 +14,13 @@ starts at zero. It records side by side:
 
 - measured: the device's ``memory_stats()["peak_bytes_in_use"]`` after one
   real step (parameters, optimizer state, batch and the step's buffers);
-- real compile: `lowmem_jax.memory.stats_of` the program that ran
+- real compile: `lowmem_jax.compile.memory.stats_of` the program that ran
   (XLA's buffer assignment with autotuning, on the device), and the same
   compile with Triton GEMMs off (``xla_gpu_enable_triton_gemm=False``), as
   the deviceless targets compile: on an H100 (jax 0.11.2) that alone made the
   bfloat16 baselines 17-21% smaller, equal to the target compile;
 - target compile: the same step compiled for the target made from this
-  device's own config (`lowmem_jax.targets.from_devices`), what a machine
+  device's own config (`lowmem_jax.compile.targets.from_devices`), what a machine
   without a GPU reports; and for the shipped ``"h100"`` target;
 - the peak before the step (initialisation's, which the measured peak cannot be
   below: where it is the larger, the measured figure bounds the step's from above);
@@ -76,7 +76,7 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
   """One case, in this process: measured, real-compile and target-compile figures."""
   import jax
 
-  from lowmem_jax import memory, targets
+  from lowmem_jax.compile import memory, targets
   from lowmem_jax.app import techniques as app_techniques
 
   job = app_techniques.Job(model, dtype=dtype, target="cpu", **size)  # the target: not compiled for
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
   import jax
   from tqdm import tqdm
 
-  from lowmem_jax import targets
+  from lowmem_jax.compile import targets
   if not args.dry_run and jax.default_backend() != "gpu":
     print(f"gpu_validate: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
           file=sys.stderr)

@@ -1,7 +1,7 @@
 """The layer-streamed step on the Llama-3 family, compiled for consumer and data-centre GPUs.
 
 Every parameter trained, an AdamW-equivalent update: 8-bit moments
-(`lowmem_jax.lowbit.adamw_8bit`), bfloat16 parameters rounded stochastically,
+(`lowmem_jax.optim.lowbit.adamw_8bit`), bfloat16 parameters rounded stochastically,
 the fused loss head, ReSiLU2, MS-RMSNorm, the recomputing attention
 (``all+fused-ce+8bit+bf16-params``) and `lowmem_jax.optim.layer_streamed`
 (``stream:host``: each layer's saved input in host memory; ``+offload-opt``:
@@ -12,7 +12,7 @@ memory. Beside them:
 - the bytes that cross the host link a step: the offloaded state twice (to
   the device and back) and the saved layer inputs twice (out in the forward,
   back in the backward), and the time that takes at the target's host link
-  (`lowmem_jax.targets.Target.host_link_bytes_per_s`, one direction each way);
+  (`lowmem_jax.compile.targets.Target.host_link_bytes_per_s`, one direction each way);
 - the compute floor: 8 x parameters x tokens FLOPs (the forward, the
   backward's recompute of each layer, the backward's two matmuls a weight;
   attention's length-squared terms left out) over the target's dense
@@ -35,8 +35,8 @@ import time
 
 import jax
 
-from lowmem_jax import memory, targets
 from lowmem_jax.app import techniques
+from lowmem_jax.compile import memory, targets
 from lowmem_jax.optim import layer_streamed
 
 STATE = "all+fused-ce+8bit+bf16-params"

@@ -2,7 +2,7 @@
 
 Memory: the gradient of the head (``dh`` and ``dw``) of a Llama-3-sized model
 (vocabulary 128,256, width 4,096) at 8 x 4,096 tokens, bfloat16, compiled for
-the target (default: `lowmem_jax.targets.default`); XLA's peak and temp
+the target (default: `lowmem_jax.compile.targets.default`); XLA's peak and temp
 bytes. Time: the same gradient, float32 (``--time-dtype``), at a CPU-sized
 shape (``--time``), median of ``--repeats`` after a warm-up, as a ratio to the
 plain head in the same run. `benchmarks/gpu_validate.py` runs it on a GPU at
@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
-from lowmem_jax import losses
+from lowmem_jax.ops import losses
 
 PLAIN = "plain (log_softmax of the logits)"
 

@@ -7,7 +7,7 @@ parameters of each seed (the init key and the batches' seed); the validation
 loss (nats a character, the example's 128 fixed windows) after the last step.
 Rows: `optax.adam`; `lowmem_jax.scale_by_adam_8bit`; the same with bfloat16
 parameters and no float32 copy, the new parameters rounded to nearest (plain
-``optax.apply_updates``) or stochastically (`lowmem_jax.lowbit.stochastic_rounding`).
+``optax.apply_updates``) or stochastically (`lowmem_jax.optim.lowbit.stochastic_rounding`).
 
     python benchmarks/lowbit_charlm.py [--steps 800] [--seeds 3]
 """

@@ -7,7 +7,7 @@ same initial parameters per seed. Rows: `optax.scale_by_adam`;
 (``min_size=1024``, so both weight matrices are 8-bit); AdamA over 4
 micro-batches with 32-bit and 8-bit moments; bfloat16 parameters (no float32
 copy) with 8-bit moments, the new parameters rounded to nearest (plain
-``optax.apply_updates``) or stochastically (`lowmem_jax.lowbit.stochastic_rounding`).
+``optax.apply_updates``) or stochastically (`lowmem_jax.optim.lowbit.stochastic_rounding`).
 
     python benchmarks/lowbit_digits.py [--steps 150] [--seeds 3]
 """

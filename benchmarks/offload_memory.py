@@ -2,7 +2,7 @@
 
 Adam over ``--leaves`` float32 leaves of 16,384² (1 GiB each), parameters and
 state donated. Rows: `optax.adam` (state on the device);
-`lowmem_jax.offload.offload_state` (state on the host, updated leaf by leaf); and,
+`lowmem_jax.optim.offload.offload_state` (state on the host, updated leaf by leaf); and,
 for comparison, the whole state brought to the device and updated at once.
 Device peak, device arguments, XLA's temporaries (what is in transit) and
 host arguments, GiB.
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
-from lowmem_jax import offload
+from lowmem_jax.optim import offload
 
 
 def whole_tree(inner: optax.GradientTransformation) -> optax.GradientTransformation:

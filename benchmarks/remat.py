@@ -3,7 +3,7 @@
 For each model, with exact activations and plain norms and again with
 ReGELU2/ReSiLU2 and MS norms, it prints one row per policy: the compiled peak
 of the gradient step (XLA's buffer assignment on abstract shapes, float32
-compute; on CPU a proxy, see lowmem_jax.memory), the saved-activation bytes
+compute; on CPU a proxy, see lowmem_jax.compile.memory), the saved-activation bytes
 (autodiff's residuals, backend-free) and the recompute FLOPs as a share of the
 step without remat (XLA's cost analysis of the compiled step). Rows: no remat
 (`everything`), `full`, `minimal`, `dots`, `compressed`, and the planner's
@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 
 import lowmem_jax as lm
-from lowmem_jax import names, policies
+from lowmem_jax import names
 from lowmem_jax.app import techniques
+from lowmem_jax.compile import policies
 
 SIZES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=1024)}
 QUICK_SIZES = {"vit-tiny": dict(batch=2), "llama-tiny": dict(batch=2, seq=64)}
 QUICK = dict(models=["llama-tiny"], variants=["exact, plain norms"], budget_fractions=(0.5,))
-CPU = lm.targets.get("cpu")  # a proxy (lowmem_jax.memory): the table's header says so
+CPU = lm.targets.get("cpu")  # a proxy (lowmem_jax.compile.memory): the table's header says so
 VARIANTS = {"exact, plain norms": "baseline",  # technique sets (lowmem_jax.app.techniques)
             "approx, MS norms": "approx+ms-norm"}
 BUDGET_FRACTIONS = (0.25, 0.5, 0.75)  # of the way from full remat's peak to no remat's

@@ -82,7 +82,7 @@ def optimizer(lr: optax.ScalarOrSchedule, k: int,
 def streamed_optimizer(lr: optax.ScalarOrSchedule, k: int, nu_scale: str,
                        seed: int) -> optax.GradientTransformation:
   """AdamA over k micro-batches (`lowmem_jax.adamaw`, weight decay 0: `optimizer`'s Adam and
-  AdamA) with 8-bit moments, then `lowmem_jax.lowbit.stochastic_rounding` for bfloat16
+  AdamA) with 8-bit moments, then `lowmem_jax.optim.lowbit.stochastic_rounding` for bfloat16
   parameters; both draw their rounding bits from ``seed``."""
   return optax.chain(lm.adamaw(lr, k, nu_scale=nu_scale, weight_decay=0.0, state_bits=8,
                                seed=seed),
@@ -129,7 +129,7 @@ def run(row: str, loss_fn: Callable, params: Any, k: int, batch_at: Callable[[in
   """Trains one row with `loop.train`: ``--steps`` of `train_step` from a copy of ``params``.
 
   The step that trains is the program measured at the training batch
-  (`lowmem_jax.memory.aot_compile`). Resumes from ``args.checkpoint_dir/row``
+  (`lowmem_jax.compile.memory.aot_compile`). Resumes from ``args.checkpoint_dir/row``
   when given. Returns the history, the final params and state, the last
   evaluation's figures, the final training loss (mean of the last `TAIL`
   steps) and `memory` at the training batch (``memory``) and at
@@ -228,9 +228,9 @@ def memory_lines(results: dict, batch: int, memory_batch: int, k: dict[str, int]
   micro = "; ".join(f"{row}: " + " and ".join(str(n // k[row]) for _, n in sizes)
                     for row in results)
   lines += ["", "Compiled peak: XLA's buffer assignment of the whole jitted train step "
-            "(`lowmem_jax.memory.analyze`) on CPU in float32, a proxy for an accelerator's. "
+            "(`lowmem_jax.compile.memory.analyze`) on CPU in float32, a proxy for an accelerator's. "
             "Saved activations: what autodiff keeps for the backward pass of one micro-batch's "
-            f"loss (`lowmem_jax.memory.saved_residuals`); examples in that micro-batch, {micro}."]
+            f"loss (`lowmem_jax.compile.memory.saved_residuals`); examples in that micro-batch, {micro}."]
   if memory_batch != batch:
     lines.append(f"The batch-{memory_batch} figures are compiled on abstract shapes; nothing "
                  "was trained at that batch.")

@@ -28,7 +28,7 @@ decay over the steps, the same for every row). The rows:
   resilu2     activation="approx": ReSiLU2 on the SwiGLU gate, a 2-bit residual
   ms-rmsnorm  norm="ms": MS-RMSNorm, the norm's output shared with the next matmul
   fused-ce    loss="fused": the head's cross-entropy block by block
-              (lowmem_jax.losses.linear_cross_entropy), no logits kept
+              (lowmem_jax.ops.losses.linear_cross_entropy), no logits kept
   adama       lowmem_jax.microbatch_step with lowmem_jax.adamaw(lr, k, weight_decay=0)
               on the same batch in k = 4 micro-batches
               (``--nu-scale``, default "mean_sq": where the micro-batch gradients agree its
@@ -40,7 +40,7 @@ decay over the steps, the same for every row). The rows:
               lowmem_jax.models.llama.layer_stack: the optimizer inside the backward, one
               layer at a time, the step called once per micro-batch (k calls a step, on
               microbatch_step's strided micro-batches), with optax.chain(lowmem_jax.adamaw(lr,
-              k, weight_decay=0, state_bits=8), lowmem_jax.lowbit.stochastic_rounding(seed)):
+              k, weight_decay=0, state_bits=8), lowmem_jax.optim.lowbit.stochastic_rounding(seed)):
               AdamA, 8-bit moments, the bfloat16 sums rounded stochastically
 
 Every row has the same weight decay, none: the baseline's optax.adam is float32 AdamW at

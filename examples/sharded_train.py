@@ -21,20 +21,20 @@ Python standard-library sources, trained on a `jax.sharding.Mesh` with axes
 Techniques covered, all in one jitted step: ReSiLU2 on the gate
 (``activation="approx"``), MS-RMSNorm (``norm="ms"``), attention that
 recomputes its probabilities (``attention="recompute"``), remat of every
-layer with a `lowmem_jax.policies` policy (``--policy``, default
+layer with a `lowmem_jax.compile.policies` policy (``--policy``, default
 ``compressed``: only the 2-bit activation codes and the norms' 1/rms are
 kept), AdamA over k micro-batches (`lowmem_jax.microbatch_step` with
 ``optax.chain(lm.adama(k), optax.scale_by_learning_rate(lr))``), and, with
 ``--compute bfloat16``, bfloat16 compute with float32 master weights
-(`lowmem_jax.precision.flax_dtypes`). Not covered: int8 compressed residuals
-(`lowmem_jax.compress.int8_dot_general`; the reference Llama takes no
+(`lowmem_jax.optim.precision.flax_dtypes`). Not covered: int8 compressed residuals
+(`lowmem_jax.ops.compress.int8_dot_general`; the reference Llama takes no
 ``dot_general`` switch, and the quantisation is per row along the last axis,
 which the batch sharding keeps local), AdamA's fold-in-backward (needs stacked
 layer parameters under `lowmem_jax.optim.scan_layers`; the Llama here unrolls its
 layers, ``scan=False``: in `flax.linen.scan`'s loop XLA's propagation shards
 the MLP's activations over "fsdp" and moves their 2-bit codes between devices
 in the backward), dynamic loss scaling (not for AdamA micro-batching, see
-`lowmem_jax.precision.loss_scaled_step`), host offload (a no-op on CPU),
+`lowmem_jax.optim.precision.loss_scaled_step`), host offload (a no-op on CPU),
 dynamic sparsity (stored dense, saves nothing) and the Pallas kernels (CPU
 runs their XLA references).
 
@@ -44,7 +44,7 @@ of every micro-batch, and the compiled step moves no batch data between
 devices (the script counts the collectives on integer arrays: 0). The
 single-device run uses the same step, hence the same micro-batches.
 
-It reports, from XLA's compilation (`lowmem_jax.memory.stats_of`, per device
+It reports, from XLA's compilation (`lowmem_jax.compile.memory.stats_of`, per device
 for the sharded step), the compiled memory of the sharded step beside that
 of the single-device step, the bytes of parameters and optimizer state each
 device holds, the collectives of the step, and the largest absolute
@@ -297,7 +297,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="AdamA's eps as in optax.adam")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--policy", default="compressed", choices=sorted(lm.policies.READY_MADE),
-                      help="remat policy of each layer (lowmem_jax.policies)")
+                      help="remat policy of each layer (lowmem_jax.compile.policies)")
   parser.add_argument("--activation", default="approx", choices=("approx", "exact"),
                       help="gate activation: ReSiLU2 or SiLU (for the exact comparison)")
   parser.add_argument("--compute", default="float32", choices=sorted(lm.precision.POLICIES),
@@ -449,7 +449,7 @@ def markdown(result: dict, args, argv) -> str:
       f"{args.compute} compute; batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
       f"mesh data={data} x fsdp={fsdp} on {result['devices']} {jax.default_backend().upper()} "
       f"device(s), {result['processes']} process(es). Memory per device from XLA's compilation "
-      "(`lowmem_jax.memory.stats_of`; on CPU a proxy for an accelerator).", "",
+      "(`lowmem_jax.compile.memory.stats_of`; on CPU a proxy for an accelerator).", "",
       "| per device | sharded | single device | ratio |", "|---|---:|---:|---:|"]
   for label, ours, theirs in rows:
     ratio = f"{ours / theirs:.3f}" if theirs else "-"

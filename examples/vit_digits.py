@@ -15,7 +15,7 @@ cosine decay over the steps, the same for both):
   baseline  exact GELU, LayerNorm, plain attention, no remat; optax.adam on the whole batch
   lowmem    ReGELU2 (activation="approx"), MS-LayerNorm (norm="ms"), recomputed attention
             (attention="recompute"), every block under remat with --policy (default
-            lowmem_jax.policies.compressed: keep the 2-bit codes and 1/sigma, recompute
+            lowmem_jax.compile.policies.compressed: keep the 2-bit codes and 1/sigma, recompute
             the rest), and AdamA: lowmem_jax.microbatch_step with
             lowmem_jax.adamaw(lr, k, weight_decay=0) on the same batch in k = 4
             micro-batches (``--nu-scale``, default "mean_sq")
@@ -25,16 +25,16 @@ What the runs share: both models are initialised with the same key
 same value (checked at start). The trees differ in the norms only: the
 baseline's LayerNorms have a scale (1 at init) and a bias (0 at init), the
 MS-LayerNorms have neither. Trained from scratch there is no pretrained
-affine to fold (`lowmem_jax.affine_folding`), so the lowmem model simply has no affine
+affine to fold (`lowmem_jax.flax.affine_folding`), so the lowmem model simply has no affine
 in its norms; at init the two compute the same function.
 
 Reported per run: test accuracy and loss (each run's own model: every lowmem
 switch has an exact forward), the final training loss (mean of the last 20
 steps), and memory: the compiled peak of the jitted train step
-(`lowmem_jax.memory.analyze(step, state, batch).peak_bytes`: XLA's buffer
+(`lowmem_jax.compile.memory.analyze(step, state, batch).peak_bytes`: XLA's buffer
 assignment on CPU in float32, a proxy for an accelerator's) and the
 activations autodiff saves for one micro-batch
-(`lowmem_jax.memory.saved_residuals(loss, params, micro_batch).activation_bytes`;
+(`lowmem_jax.compile.memory.saved_residuals(loss, params, micro_batch).activation_bytes`;
 the whole batch for the baseline, a k-th of it for lowmem), at the training
 batch and at ``--memory-batch`` (abstract shapes: nothing is allocated), since
 a batch of 64 8x8 images is too small for the figures to mean much.
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                       help="AdamA's second-moment weight (lowmem_jax.adama)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--policy", choices=list(lm.policies.READY_MADE), default="compressed",
-                      help="remat policy of the lowmem run (lowmem_jax.policies)")
+                      help="remat policy of the lowmem run (lowmem_jax.compile.policies)")
   parser.add_argument("--memory-batch", type=int, default=None,
                       help="the larger batch at which memory is also measured; default 512, "
                            "quick: --batch (one compile fewer)")

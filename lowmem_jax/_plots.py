@@ -1,4 +1,4 @@
-"""PNG plots of `lowmem_jax.memory.Breakdown`s (matplotlib, an optional extra).
+"""PNG plots of `lowmem_jax.compile.memory.Breakdown`s (matplotlib, an optional extra).
 
 Imports nothing of the library: the breakdowns and the names of their
 components come in as arguments.
@@ -20,9 +20,9 @@ def components(path: str, breakdowns, order, estimated) -> None:
 
   Args:
     path: the PNG to write.
-    breakdowns: `lowmem_jax.memory.Breakdown`s, one bar each.
-    order: the components' names, bottom first (`lowmem_jax.memory.COMPONENTS`).
-    estimated: the names labelled estimated (`lowmem_jax.memory.ESTIMATED`).
+    breakdowns: `lowmem_jax.compile.memory.Breakdown`s, one bar each.
+    order: the components' names, bottom first (`lowmem_jax.compile.memory.COMPONENTS`).
+    estimated: the names labelled estimated (`lowmem_jax.compile.memory.ESTIMATED`).
   """
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(1.6 * len(breakdowns) + 3, 4.5))

@@ -2,7 +2,7 @@
 
 Library functions and reference models tag their intermediate values with
 `jax.ad_checkpoint.checkpoint_name` using these names, so remat policies
-(`lowmem_jax.policies`) and memory reports can refer to them. Nothing else in
+(`lowmem_jax.compile.policies`) and memory reports can refer to them. Nothing else in
 the project spells them. One array carries one name: a norm output that feeds
 the MLP is ``norm_out``, not a second ``mlp_in``. A model's own names join the
 vocabulary through `register`; the policies refuse any other (`check`).
@@ -20,7 +20,7 @@ ATTN_LSE = "attn_lse"  # float32 log-sum-exp of each attention row: batch x head
 MLP_HIDDEN = "mlp_hidden"  # pre-activation of the MLP's hidden layer (both halves of a gated MLP)
 MLP_ACT = "mlp_act"  # activation output of the MLP (gated: the product): the second matmul's input
 ACT_CODE = "act_code"  # packed 1- or 2-bit code of an approximate activation
-COMPRESSED_IN = "compressed_in"  # quantised or pooled input of a layer (lowmem_jax.compress)
+COMPRESSED_IN = "compressed_in"  # quantised or pooled input of a layer (lowmem_jax.ops.compress)
 COMPRESSED_SCALE = "compressed_scale"  # float32 per-row scales of a quantised input
 
 ALL = (BLOCK_IN, NORM_OUT, NORM_RSTD, QKV, ATTN_PROBS, ATTN_OUT, ATTN_LSE, MLP_HIDDEN, MLP_ACT,

@@ -4,10 +4,10 @@
 - `norms`: MS-LayerNorm/MS-RMSNorm, one pass per row block each way;
 - `pack`: the bit-packing layout every compressed residual uses.
 
-The references (and the packing layout) are the library's: `lowmem_jax._activation_reference`,
-`lowmem_jax._norm_reference`, `lowmem_jax._packing`; each kernel module re-exports its
+The references (and the packing layout) are the library's: `lowmem_jax.ops._activation_reference`,
+`lowmem_jax.ops._norm_reference`, `lowmem_jax.ops._packing`; each kernel module re-exports its
 own. `Options` says how a kernel is compiled (interpret mode, block sizes,
-warps); `lowmem_jax.dispatch` chooses between a kernel and its reference (``impl=``).
+warps); `lowmem_jax.ops.dispatch` chooses between a kernel and its reference (``impl=``).
 """
 
 from pallas_kernels._blocks import Options

@@ -3,7 +3,7 @@
 Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). The fit (`Fit`, and
 `gelu` as kernels compute it) and the pure-JAX twins the kernels are tested
 against, `forward_reference` and `backward_reference`, are the library's
-(`lowmem_jax._activation_reference`, which gives the formulas; re-exported
+(`lowmem_jax.ops._activation_reference`, which gives the formulas; re-exported
 here).
 
 The forward kernel reads ``x`` once and writes ``y`` and the packed code; the
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lowmem_jax._activation_reference import Fit, backward_reference, forward_reference, gelu
+from lowmem_jax.ops._activation_reference import Fit, backward_reference, forward_reference, gelu
 from pallas_kernels import _blocks, pack
 
 __all__ = ["Fit", "backward", "backward_reference", "forward", "forward_reference", "gelu"]

@@ -2,7 +2,7 @@
 
 MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The kernels compute what
 their pure-JAX twins, `forward_reference` and `backward_reference`, compute:
-the library's (`lowmem_jax._norm_reference`, which gives the formulas;
+the library's (`lowmem_jax.ops._norm_reference`, which gives the formulas;
 re-exported here), which the kernels are tested against.
 
 A program holds whole rows (the row padded to a power of two and masked), so
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lowmem_jax._norm_reference import backward_reference, forward_reference
+from lowmem_jax.ops._norm_reference import backward_reference, forward_reference
 from pallas_kernels import _blocks
 
 __all__ = ["MAX_ROW", "backward", "backward_reference", "forward", "forward_reference",

@@ -2,7 +2,7 @@
 
 The layout and the pure-JAX twins the kernels are tested against,
 `pack_reference` and `unpack_reference`, are the library's
-(`lowmem_jax._packing`, re-exported here). The kernels view a row of ``n``
+(`lowmem_jax.ops._packing`, re-exported here). The kernels view a row of ``n``
 codes as ``[n / P, P]`` (a free reshape), so a program reads whole bytes' worth
 of codes and reduces over the minor axis; `codes_to_bytes` and
 `bytes_to_codes` are the in-kernel steps the fused activation kernels share.
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lowmem_jax import _packing
-from lowmem_jax._packing import (SUPPORTED_BITS, bytes_to_codes, check_packed, codes_per_byte,
+from lowmem_jax.ops import _packing
+from lowmem_jax.ops._packing import (SUPPORTED_BITS, bytes_to_codes, check_packed, codes_per_byte,
                                  codes_to_bytes, pack_reference, packed_size, unpack_reference)
 from pallas_kernels import _blocks
 

@@ -9,7 +9,7 @@ import scipy.special
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowmem_jax as lm
-from lowmem_jax import activations
+from lowmem_jax.ops import activations
 from pallas_kernels import pack
 
 EXACT = {

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import lowmem_jax as lm
-from lowmem_jax import affine_folding
+from lowmem_jax.flax import affine_folding
 
 
 class MlpBlock(nn.Module):

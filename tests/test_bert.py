@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import affine_folding, models
+from lowmem_jax import models
+from lowmem_jax.flax import affine_folding
 from lowmem_jax.models import bert
 from third_party_promotion import FLAX_NORM
 

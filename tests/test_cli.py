@@ -1,4 +1,4 @@
-"""`lowmem_jax.memory.report` against a hand count, and the ``lowmem-jax`` command."""
+"""`lowmem_jax.compile.memory.report` against a hand count, and the ``lowmem-jax`` command."""
 
 import json
 import math
@@ -14,8 +14,9 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import memory, names
+from lowmem_jax import names
 from lowmem_jax.app import cli, techniques
+from lowmem_jax.compile import memory
 import lowmem_jax_cli
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 

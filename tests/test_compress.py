@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from lowmem_jax import compress, memory, names
+from lowmem_jax import names
+from lowmem_jax.compile import memory
+from lowmem_jax.ops import compress
 
 CONV_DN = ("NHWC", "HWIO", "NHWC")
 

@@ -1,5 +1,5 @@
 """``lowmem-jax report --devices N``: FSDP over N compile-only GPUs, and the collective bytes
-of a step (`lowmem_jax.memory.collective_bytes`)."""
+of a step (`lowmem_jax.compile.memory.collective_bytes`)."""
 
 import json
 import re
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from lowmem_jax import memory, targets
 from lowmem_jax.app import cli, techniques
+from lowmem_jax.compile import memory, targets
 from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 needs_target = pytest.mark.skipif(targets.available() is not None,

@@ -8,7 +8,7 @@ import pytest
 
 import lowmem_jax as lm
 import pallas_kernels
-from lowmem_jax import dispatch
+from lowmem_jax.ops import dispatch
 
 OPS = {"regelu2": lm.regelu2, "resilu2": lm.resilu2, "relu": lm.relu,
        "ms_layer_norm": lm.ms_layer_norm, "ms_rms_norm": lm.ms_rms_norm}

@@ -125,10 +125,10 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_the_graph_sees_the_imports():
   graph = _graph()
-  assert "lowmem_jax.transform" in graph["lowmem_jax"] and "lowmem_jax.memory" in graph["lowmem_jax.planner"]
-  assert graph["lowmem_jax.memory"] >= {"lowmem_jax.memory.analysis", "lowmem_jax.memory.breakdown"}
-  assert graph["lowmem_jax.memory.breakdown"] >= {
-      "lowmem_jax.memory._xla_dump", "lowmem_jax.memory.analysis", "lowmem_jax._plots", "lowmem_jax.names"}
+  assert "lowmem_jax.transform" in graph["lowmem_jax"] and "lowmem_jax.compile.memory" in graph["lowmem_jax.compile.planner"]
+  assert graph["lowmem_jax.compile.memory"] >= {"lowmem_jax.compile.memory.analysis", "lowmem_jax.compile.memory.breakdown"}
+  assert graph["lowmem_jax.compile.memory.breakdown"] >= {
+      "lowmem_jax.compile.memory._xla_dump", "lowmem_jax.compile.memory.analysis", "lowmem_jax._plots", "lowmem_jax.names"}
   assert graph["lowmem_jax._plots"] == set()
 
 
@@ -199,19 +199,45 @@ def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
   return seen
 
 
-def test_the_ops_stand_below_the_compile_machinery():
-  """The ops read the compile target from `dispatch`; `targets` sets it from above."""
-  graph = _graph(deferred=True)
-  for op in ("attention_ops", "dispatch", "activations", "norms", "compress", "losses"):
-    reached = _reached(graph, f"lowmem_jax.{op}")
-    assert not reached & {"lowmem_jax.targets", "lowmem_jax.memory"}, (op, sorted(reached))
-  assert "lowmem_jax.dispatch" in graph["lowmem_jax.targets"]
+# The folders are the layers, lowest first (lowmem_jax/__init__.py's docstring): a module imports
+# only from its own layer and the ones below. The top level's own modules (names, the private
+# helpers) are the ground; the kernels stand beside the ops' references they import; the
+# package's face (lowmem_jax/__init__.py) imports the library; the app and the console script
+# stand above all.
+LAYERS = ("", "ops", "optim", "compile", "transform", "flax", "models", "face", "app", "console")
+
+
+def _layer(module: str) -> int:
+  if module.startswith("pallas_kernels"):
+    return LAYERS.index("ops")
+  if module == "lowmem_jax_cli":
+    return LAYERS.index("console")
+  if module == "lowmem_jax":
+    return LAYERS.index("face")
+  folder = module.split(".")[1] if module.count(".") >= 2 or (PACKAGE / module.split(".")[1]).is_dir() else ""
+  return LAYERS.index(folder)
+
+
+def test_every_module_stands_in_a_layer():
+  """Each module of the repository's packages is in one of `LAYERS`: a new folder is placed."""
+  for module in _graph():
+    assert 0 <= _layer(module) < len(LAYERS), module
+
+
+def test_no_import_runs_up_a_layer():
+  """Imports run down the folders only, those inside functions included: the ops read the
+  compile target from `dispatch` (which `compile.targets` sets from above), the optimizer
+  pieces know no compile target, the library never imports the app."""
+  upward = [f"{m} ({LAYERS[_layer(m)] or 'top level'}) -> {w} ({LAYERS[_layer(w)]})"
+            for m, imports in _graph(deferred=True).items() for w in imports
+            if _layer(w) > _layer(m)]
+  assert not upward, "imports running up a layer:\n" + "\n".join(sorted(upward))
 
 
 def test_the_references_import_no_kernel():
   """The kernels import their pure-JAX references from the library, not the other way."""
   for name in ("_activation_reference", "_norm_reference", "_packing"):
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    tree = ast.parse((PACKAGE / "ops" / f"{name}.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in imported if m.split(".")[0] == "pallas_kernels"}, (name, imported)

@@ -1,11 +1,11 @@
-"""`lowmem_jax._layout`: the barrier changes no value, shape or gradient."""
+"""`lowmem_jax.ops._layout`: the barrier changes no value, shape or gradient."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import pytest
 
-from lowmem_jax import _layout
+from lowmem_jax.ops import _layout
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (2, 3, 4), (0, 3), (2, 0, 4)])

@@ -1,4 +1,4 @@
-"""lowmem_jax.losses.linear_cross_entropy against its exact twin, and what it keeps."""
+"""lowmem_jax.ops.losses.linear_cross_entropy against its exact twin, and what it keeps."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
-from lowmem_jax import losses
+from lowmem_jax.ops import losses
 
 D, V = 16, 37  # the vocabulary is a multiple of no chunk below: edge blocks everywhere
 OPTIONS = [dict(), dict(with_bias=True), dict(ignore_index=-100),

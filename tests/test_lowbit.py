@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit_digits  # benchmarks/, on sys.path in conftest.py
 import lowmem_jax as lm
-from lowmem_jax import lowbit
+from lowmem_jax.optim import lowbit
 from third_party_promotion import (OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION,
                                    OPTAX_UPDATE_MOMENT)
 

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import masked_sparsity
+from lowmem_jax.optim import masked_sparsity
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 

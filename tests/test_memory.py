@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 import lowmem_jax as lm
-from lowmem_jax import memory, targets
-from lowmem_jax.memory import breakdown
+from lowmem_jax.compile import memory, targets
+from lowmem_jax.compile.memory import breakdown
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 

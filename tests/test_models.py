@@ -6,7 +6,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import affine_folding, models
+from lowmem_jax import models
+from lowmem_jax.flax import affine_folding
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 from third_party_promotion import FLAX_NORM

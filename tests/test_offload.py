@@ -9,7 +9,8 @@ import pytest
 
 import lowmem_jax as lm
 import offload_memory  # benchmarks/, on sys.path in conftest.py
-from lowmem_jax import offload, targets
+from lowmem_jax.compile import targets
+from lowmem_jax.optim import offload
 from third_party_promotion import OPTAX_BIAS_CORRECTION
 
 

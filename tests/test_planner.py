@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import models, names, planner, policies
+from lowmem_jax import models, names
+from lowmem_jax.compile import planner, policies
 
 TINY_VIT = dict(patch_size=4, width=64, depth=1, mlp_dim=256, num_heads=2, num_classes=10)
 

@@ -10,7 +10,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import lowmem_jax as lm
-from lowmem_jax import names, policies
+from lowmem_jax import names
+from lowmem_jax.compile import policies
 from lowmem_jax.models.llama import LlamaConfig, TransformerBlock
 from lowmem_jax.models.vit import Encoder1DBlock
 

@@ -6,7 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from lowmem_jax import memory, models, names, precision
+from lowmem_jax import models, names
+from lowmem_jax.compile import memory
+from lowmem_jax.optim import precision
 from third_party_promotion import FLAX_NORM, JMP_LOSS_SCALE, OPTAX_BIAS_CORRECTION
 
 

@@ -1,4 +1,4 @@
-"""lowmem_jax.sparse: weights stored as values and positions, moved in O(nnz) memory."""
+"""lowmem_jax.optim.sparse: weights stored as values and positions, moved in O(nnz) memory."""
 
 import functools
 
@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import lowbit, sparse
 from lowmem_jax.models.wrn import WideResNet
+from lowmem_jax.optim import lowbit, sparse
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 

@@ -14,7 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import lowbit, masked_sparsity, offload, optim, precision, sparse
+from lowmem_jax import optim
+from lowmem_jax.optim import lowbit, masked_sparsity, offload, precision, sparse
 from third_party_promotion import (JMP_LOSS_SCALE, OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION,
                                    OPTAX_UPDATE_MOMENT)
 

@@ -1,4 +1,4 @@
-"""`lowmem_jax.targets`: XLA's GPU pipeline compiled here, without a GPU."""
+"""`lowmem_jax.compile.targets`: XLA's GPU pipeline compiled here, without a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import lowmem_jax as lm
-from lowmem_jax import memory, names, policies, targets
+from lowmem_jax import names
+from lowmem_jax.compile import memory, policies, targets
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax import memory, models, names
+from lowmem_jax import models, names
+from lowmem_jax.compile import memory
 from lowmem_jax.models import WideResNet
 
 

@@ -1,4 +1,4 @@
-"""`lowmem_jax.memory._xla_dump` on XLA's dump of a small train step, saved in
+"""`lowmem_jax.compile.memory._xla_dump` on XLA's dump of a small train step, saved in
 ``tests/data/xla_dump_h100`` (see ``tests/data/README.md``): these fail first
 when XLA changes the format of its dumps."""
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lowmem_jax.memory import _xla_dump
+from lowmem_jax.compile.memory import _xla_dump
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "xla_dump_h100"
 CAPTURE = "tests/data/xla_dump_h100/capture.py"

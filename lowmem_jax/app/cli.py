@@ -48,8 +48,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lowmem_jax import memory, models, targets
+from lowmem_jax import models
 from lowmem_jax.app import techniques
+from lowmem_jax.compile import memory, targets
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -7,7 +7,7 @@ techniques with "+" (``"all+remat:full+adama:4"``);
 `parse` makes a `TechniqueSet` of it. A `Job` says what is measured: a
 reference model of `lowmem_jax.models` at a batch's shapes, or a step of the
 user's own (``make_step``). `measure` compiles one set's training step for the
-job's target and returns its `lowmem_jax.memory.Breakdown`; `row` gives its
+job's target and returns its `lowmem_jax.compile.memory.Breakdown`; `row` gives its
 summary figures against a baseline; `cheapest_fit` walks `ladder`, cheapest
 first, to the first set whose compiled peak fits a budget; `TechniqueSet.python`
 is the code that builds that step.
@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import (dispatch, memory, models, offload, planner, policies, sparse, targets,
-                        transform)
+from lowmem_jax import models, transform
 from lowmem_jax.app import code
+from lowmem_jax.compile import memory, planner, policies, targets
+from lowmem_jax.ops import dispatch
+from lowmem_jax.optim import offload, sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,7 @@ TECHNIQUES = {t.term: t for t in (
               switches={"attention": "recompute"}, lowmem={"attention": "recompute"}),
     Technique("bf16", "bfloat16 compute; parameters and optimizer state stay float32",
               switches={"dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False),
-    Technique("remat", "nn.remat of every block with lowmem_jax.policies.<policy>, one of "
+    Technique("remat", "nn.remat of every block with lowmem_jax.compile.policies.<policy>, one of "
               + ", ".join(policies.READY_MADE), value="<policy>", parse=_policy,
               switches=lambda policy, _: {"remat": True, "remat_policy": code.Code(
                   policy, f"lm.policies.{policies.describe(policy)}")}),
@@ -137,15 +139,15 @@ TECHNIQUES = {t.term: t for t in (
               "the token embedding's gradient buffer is made late (embedding=\"late\", exact)",
               value="<k>", parse=_micro_batches, off=1,
               switches=lambda _, job: {"embedding": "late"} if job.language_model else {}),
-    Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.lowbit.adamw_8bit; "
+    Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.optim.lowbit.adamw_8bit; "
               "with adama, adamaw(state_bits=8))"),
     Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
-              "(lowmem_jax.offload); with stream, a layer at a time",
+              "(lowmem_jax.optim.offload); with stream, a layer at a time",
               optimizer=lambda tx: code.Call.of("lm.offload.offload_state", tx),
               excludes=(("adama", "AdamA's moments would cross to the device every micro-batch; "
                          "use 8bit for its moments"),)),
     Technique("bf16-params", "bfloat16 parameters with no float32 copy, each update rounded "
-              "stochastically (lowmem_jax.lowbit.stochastic_rounding); with 8bit",
+              "stochastically (lowmem_jax.optim.lowbit.stochastic_rounding); with 8bit",
               switches={"param_dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")},
               optimizer=lambda tx: code.Call.of("optax.chain", tx, code.Call.of(
                   "lm.lowbit.stochastic_rounding")), exact=False,
@@ -153,15 +155,15 @@ TECHNIQUES = {t.term: t for t in (
                      "second moment rounded to nearest stalls; 8bit keeps them in 8 bits, "
                      "rounded stochastically")),
     Technique("conv", "wrn-28-2: convolutions that keep their input 2x2-pooled or in int8 "
-              "(lowmem_jax.compress)", value="<pooled|int8>", parse=_conv,
+              "(lowmem_jax.ops.compress)", value="<pooled|int8>", parse=_conv,
               switches=lambda conv, _: {"conv": conv}, exact=False),
     Technique("sparse", "wrn-28-2: the blocks' conv kernels stored sparse at that density, values "
-              "and positions, moved every 100 steps (lowmem_jax.sparse.sparse_storage)",
+              "and positions, moved every 100 steps (lowmem_jax.optim.sparse.sparse_storage)",
               value="<density>", parse=_density,
               switches=lambda density, _: {"density": density}, exact=False,
               excludes=(("offload-opt", "the moves zero moments on the device"),)),
     Technique("fused-ce", "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] "
-              "logits (lowmem_jax.losses.linear_cross_entropy)",
+              "logits (lowmem_jax.ops.losses.linear_cross_entropy)",
               switches={"loss": "fused"}, lowmem={"loss": "fused"}),
     Technique("late-embed", "LLaMA: the token embedding's gradient buffer made when its "
               "cotangent arrives, where XLA may otherwise make it at the start of the backward "
@@ -274,8 +276,8 @@ class Job:
     seq: tokens per example (LLaMA, BERT).
     image: image side in pixels; None: 224 for the ViTs, 32 for the WideResNet.
     dtype: the compute dtype's name where the set has no ``bf16``; parameters stay float32.
-    target: what to compile for: a `lowmem_jax.targets.Target`, its name, or None for
-      `lowmem_jax.targets.default`; the `Target` once the job is made.
+    target: what to compile for: a `lowmem_jax.compile.targets.Target`, its name, or None for
+      `lowmem_jax.compile.targets.default`; the `Target` once the job is made.
     make_step: a step of the user's own instead of ``model``: ``make_step()`` returns
       ``(step, args)`` or ``(step, args, (loss_fn, loss_args))``, and ``make_step`` with
       a technique set's `STEP_OPTIONS` (`TechniqueSet.step_options`) the step with those
@@ -345,7 +347,7 @@ class Job:
     (`jax.set_mesh`, where the layer-streamed step gathers each layer's parameters,
     `lowmem_jax.optim.layer_streamed`'s ``gather_params``, and the LLaMA's token chunks
     and loss-head blocks run position-major), with attention's chunked XLA implementation
-    (`lowmem_jax.dispatch.using`), as cuDNN's partitioner needs q, k and v sharded alike
+    (`lowmem_jax.ops.dispatch.using`), as cuDNN's partitioner needs q, k and v sharded alike
     and XLA's propagation shards them apart."""
     if self.devices == 1:
       yield
@@ -755,10 +757,11 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
   activations (None without a loss: autodiff's count, which XLA's reuse and fusion can
   put above the peak) and the peak's saving (base's less this one's); as ratios, the
   reduction and the extra FLOPs, each loop's body counted as many times as it runs (None
-  where a loop's trip count is unknown, `lowmem_jax.memory.loop_flops`); a device's
-  collective bytes (`lowmem_jax.memory.collective_bytes`) and the seconds they take at the
-  target's interconnect bandwidth one way (`lowmem_jax.targets.Target.interconnect_bytes_per_s`),
-  a floor under the step's communication time (None where either is unknown)."""
+  where a loop's trip count is unknown, `lowmem_jax.compile.memory.loop_flops`); a device's
+  collective bytes (`lowmem_jax.compile.memory.collective_bytes`) and the seconds they take at the
+  target's interconnect bandwidth one way
+  (`lowmem_jax.compile.targets.Target.interconnect_bytes_per_s`), a floor under the step's
+  communication time (None where either is unknown)."""
   at = b.at_peak
   link = b.target.interconnect_bytes_per_s
   found = b.argument_components

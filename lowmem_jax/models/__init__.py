@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import optim, sparse
+from lowmem_jax import optim
 from lowmem_jax.models import bert, llama, wrn
 from lowmem_jax.models._common import Switches, TransformerSwitches, check_switches
 from lowmem_jax.models.bert import Bert, BertClassifier, BertConfig
 from lowmem_jax.models.llama import Llama, LlamaConfig
 from lowmem_jax.models.vit import ViT
 from lowmem_jax.models.wrn import WideResNet
+from lowmem_jax.optim import sparse
 
 VIT_CONFIGS = {
     "vit-tiny": dict(patch_size=16, width=192, depth=2, mlp_dim=768, num_heads=3),  # quick checks
@@ -81,7 +82,7 @@ class Workload:
 
   def dense_params(self) -> Any:
     """``ShapeDtypeStruct`` pytree of the parameters the dense model has (the same
-    structure; a sparse kernel at its dense shape): `lowmem_jax.sparse.sparse_storage`'s
+    structure; a sparse kernel at its dense shape): `lowmem_jax.optim.sparse.sparse_storage`'s
     ``dense``."""
     return dataclasses.replace(self, model=self.model.clone(density=None)).abstract_params()
 
@@ -94,7 +95,7 @@ class Workload:
     return llama.layer_stack(self.model)
 
   def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx``, wrapped in `lowmem_jax.sparse.sparse_storage` where the model is `sparse`."""
+    """``tx``, wrapped in `lowmem_jax.optim.sparse.sparse_storage` where the model is `sparse`."""
     return sparse.sparse_storage(tx, self.dense_params()) if self.sparse else tx
 
   def loss(self, params: Any, inputs: jax.Array, labels: jax.Array,
@@ -105,7 +106,7 @@ class Workload:
     batch's statistics, so the loss and its gradient do not depend on the
     running averages, which this loss does not keep (a training loop carries
     them: 2 floats a channel). A `sparse` model reads its kernels' ``positions``
-    (`lowmem_jax.sparse.SparseStorageState.positions`).
+    (`lowmem_jax.optim.sparse.SparseStorageState.positions`).
     """
     if self.sparse != (positions is not None):
       raise ValueError(f"`positions` must be given for a model with sparse kernels and only "
@@ -167,7 +168,7 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
       `WideResNet`).
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
     loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
-      (`lowmem_jax.losses.linear_cross_entropy`, no logits kept).
+      (`lowmem_jax.ops.losses.linear_cross_entropy`, no logits kept).
     embedding: the LLaMA models' token embedding, "plain" or "late" (its
       gradient buffer made when needed: for AdamA's micro-batch loop).
     mlp_chunk_tokens: the LLaMA models' MLP over token chunks of at most this

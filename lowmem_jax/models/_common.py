@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import linen as lm_linen, names
-from lowmem_jax.activations import regelu2, resilu2
+from lowmem_jax import names
+from lowmem_jax.flax import linen as lm_linen
+from lowmem_jax.ops.activations import regelu2, resilu2
 
 ACTIVATIONS = ("exact", "approx")
 NORMS = ("plain", "ms")
@@ -69,7 +70,7 @@ class TransformerSwitches(Switches):
       or "ms", the memory-sharing norm (MS-BP: Yang et al., ICML 2024,
       arXiv:2406.16282; `MSLayerNorm`, `MSRMSNorm`), which keeps only its
       output and 1/sigma and has no affine: fold a trained one into the next
-      linear layers with `lowmem_jax.affine_folding` and the model's rules.
+      linear layers with `lowmem_jax.flax.affine_folding` and the model's rules.
     attention: "plain", which keeps the float32 probabilities, or "recompute",
       `lowmem_jax.attention`, which keeps none.
   """
@@ -124,7 +125,7 @@ def embed_layer(embedding: str, num_embeddings: int, features: int, dtype: Any,
   """The token embedding the ``embedding`` switch selects (same parameter, values and gradient).
 
   Args:
-    embedding: "plain" (`nn.Embed`) or "late" (`lowmem_jax.linen.Embed`, whose
+    embedding: "plain" (`nn.Embed`) or "late" (`lowmem_jax.flax.linen.Embed`, whose
       table-sized gradient buffer is made when its cotangent arrives: in
       AdamA's micro-batch loop XLA otherwise makes it at the start of the
       backward pass, beside the logits).

@@ -6,11 +6,11 @@ sits in the layer that consumes it: ``layers_{i}/input_norm`` is the norm
 before layer i's attention (Hugging Face's ``embeddings.LayerNorm`` for i = 0,
 ``encoder.layer.{i-1}.output.LayerNorm`` after), ``layers_{i}/attention_norm``
 the norm before its MLP, and ``final_norm`` the last layer's output norm. So
-`lowmem_jax.affine_folding.BERT_RULES` name, within one layer, the linear layers each
+`lowmem_jax.flax.affine_folding.BERT_RULES` name, within one layer, the linear layers each
 norm feeds.
 
 A post-LN norm feeds its layer's linear layers and the residual stream. With
-``norm="ms"`` it is an MS-LayerNorm (`lowmem_jax.norms`) emitting ``y``, and
+``norm="ms"`` it is an MS-LayerNorm (`lowmem_jax.ops.norms`) emitting ``y``, and
 its affine stays as an explicit ``z = scale * y + bias`` on the residual path
 only: the linear layers take ``y`` itself, with the affine folded into their
 kernels (``affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)``). ``y``
@@ -32,10 +32,11 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import affine_folding, names
-from lowmem_jax.attention_ops import attention, attention_reference
+from lowmem_jax import names
+from lowmem_jax.flax import affine_folding
 from lowmem_jax.models._common import HeadsDense, TransformerSwitches, check_switches, gelu, normed
-from lowmem_jax.norms import ms_layer_norm
+from lowmem_jax.ops.attention import attention, attention_reference
+from lowmem_jax.ops.norms import ms_layer_norm
 
 
 @dataclasses.dataclass(frozen=True)

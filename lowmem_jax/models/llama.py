@@ -2,7 +2,7 @@
 
 Parameter layout (``tok_embeddings``, ``layers/{attention_norm,
 attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
-``output``) follows Meta's reference code, so `lowmem_jax.affine_folding.LLAMA_RULES`
+``output``) follows Meta's reference code, so `lowmem_jax.flax.affine_folding.LLAMA_RULES`
 folds it. The layers are stacked, each leaf ``[n_layers, ...]``, and run by
 `flax.linen.scan`, so compile time does not grow with depth (``scan=False``
 unrolls them as ``layers_{i}``); `layer_stack`
@@ -20,7 +20,7 @@ embeddings), llama-3.1-8b and llama-3.1-70b (Meta's model cards and
 
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
 the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
-cross-entropy, or "fused", `lowmem_jax.losses.linear_cross_entropy`, which
+cross-entropy, or "fused", `lowmem_jax.ops.losses.linear_cross_entropy`, which
 never holds the logits), ``mlp_chunk_tokens`` (each layer's MLP over token
 chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 ``remat`` / ``remat_policy`` for the layers.
@@ -44,10 +44,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import _sharding, names
 from lowmem_jax._checks import is_int
-from lowmem_jax.attention_ops import attention, attention_reference
-from lowmem_jax.losses import linear_cross_entropy
 from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
                                        embed_layer, norm_layer, normed, silu)
+from lowmem_jax.ops.attention import attention, attention_reference
+from lowmem_jax.ops.losses import linear_cross_entropy
 from lowmem_jax.optim.streamed import LayerStack, slices
 
 LOSSES = ("plain", "fused")
@@ -403,7 +403,7 @@ class Llama(TransformerSwitches):
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
-      "fused" (`lowmem_jax.losses.linear_cross_entropy`: no logits kept or made whole).
+      "fused" (`lowmem_jax.ops.losses.linear_cross_entropy`: no logits kept or made whole).
     embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
     mlp_chunk_tokens: each layer's MLP over token chunks of at most this many
       tokens, recomputed chunk by chunk in the backward (`TransformerBlock`); None: whole.

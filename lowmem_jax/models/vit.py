@@ -4,7 +4,7 @@ Pre-LN encoder blocks; the parameter tree matches big_vision's ``vit.py``
 (``Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0,
 LayerNorm_1, MlpBlock_0}``, ``Transformer/encoder_norm``, ``embedding``,
 ``pos_embedding``, ``cls``, ``head``; class token pooling), so its
-checkpoints load, and `lowmem_jax.affine_folding.VIT_RULES` folds it.
+checkpoints load, and `lowmem_jax.flax.affine_folding.VIT_RULES` folds it.
 
 Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
 LayerNorms), ``remat`` / ``remat_policy`` for the blocks.
@@ -16,10 +16,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import linen as lm_linen, names
-from lowmem_jax.attention_ops import attention_reference
+from lowmem_jax import names
+from lowmem_jax.flax import linen as lm_linen
 from lowmem_jax.models._common import (TransformerSwitches, check_switches, gelu, norm_layer,
                                        normed)
+from lowmem_jax.ops.attention import attention_reference
 
 EPSILON = 1e-6  # of every LayerNorm
 

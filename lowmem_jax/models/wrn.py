@@ -30,10 +30,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import compress
-from lowmem_jax.activations import relu
-from lowmem_jax.linen import SparseConv
+from lowmem_jax.flax.linen import SparseConv
 from lowmem_jax.models._common import Switches
+from lowmem_jax.ops import compress
+from lowmem_jax.ops.activations import relu
 
 ACTIVATIONS = ("exact", "1bit")
 RENAMED_ACTIVATIONS = {"approx": "1bit"}  # the old names, accepted with a DeprecationWarning
@@ -125,13 +125,13 @@ class WideResNet(Switches):
       `lowmem_jax.relu`, which saves a 1-bit mask and is exact too: ReLU's
       derivative is a step. ("approx", its old name, still selects it, with a
       DeprecationWarning.)
-    conv: "plain", "pooled" (`lowmem_jax.compress.pooled_conv` with pool 2) or
-      "int8" (the conv input saved as int8 rows, see `lowmem_jax.compress`);
+    conv: "plain", "pooled" (`lowmem_jax.ops.compress.pooled_conv` with pool 2) or
+      "int8" (the conv input saved as int8 rows, see `lowmem_jax.ops.compress`);
       where a block's shortcut is a 1x1 conv, it and the first 3x3 conv each
       save their own compressed copy of the same input.
     density: None (dense kernels) or a float in (0, 1): each block's convs
-      stored sparse at that density (`lowmem_jax.linen.SparseConv`; the stem
-      and the head stay dense), trained with `lowmem_jax.sparse.sparse_storage`.
+      stored sparse at that density (`lowmem_jax.flax.linen.SparseConv`; the stem
+      and the head stay dense), trained with `lowmem_jax.optim.sparse.sparse_storage`.
     remat, remat_policy, dtype, param_dtype: `Switches`' (keywords).
   """
   depth: int = 28

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from lowmem_jax import lowbit
 from lowmem_jax._static import StaticInt
+from lowmem_jax.optim import lowbit
 
 NU_SCALES = ("mean_sq", "mean")
 
@@ -195,13 +195,13 @@ def adama(
     nu_scale: "mean_sq" (w = 1/k^2) or "mean" (w = 1/k): the weight of each
       squared micro-batch gradient in v (module docstring).
     state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
-      for moments stored block-wise in 8 bits (`lowmem_jax.lowbit`: leaves of
+      for moments stored block-wise in 8 bits (`lowmem_jax.optim.lowbit`: leaves of
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
       stochastic rounding keyed by
       ``seed``, the step and the micro-step, each element's bits drawn at its
-      place in the tree: `lowmem_jax.lowbit.rounding_bits`; the extra argument
-      ``positions`` as in `lowmem_jax.lowbit.scale_by_adam_8bit`), dequantised to float32 to fold
-      each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
+      place in the tree: `lowmem_jax.optim.lowbit.rounding_bits`; the extra argument
+      ``positions`` as in `lowmem_jax.optim.lowbit.scale_by_adam_8bit`), dequantised to
+      float32 to fold each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
       ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
       list it in ``static_args``.
     seed: the 8-bit moments' rounding seed, an int (None: 0).

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from lowmem_jax import lowbit
+from lowmem_jax.optim import lowbit
 from lowmem_jax.optim.accumulation import (MomentFold, as_moment_fold, find_adama_state,
                                            moment_structure)
 from lowmem_jax.optim.in_backward import FoldInBackward, grads_folded_in_backward
@@ -42,7 +42,7 @@ def takes_completes_step(state_class: type) -> type:
   `microbatch_step` passes ``completes_step=False`` to ``tx.update`` inside its
   loop, where AdamA over the same k (its state at micro-step 0, as a step leaves
   it) completes no optimizer step, so that what a transformation does at a
-  step's end (e.g. `lowmem_jax.sparse.sparse_storage`'s move) is not compiled
+  step's end (e.g. `lowmem_jax.optim.sparse.sparse_storage`'s move) is not compiled
   into the loop body. It passes it only where ``tx``'s state holds a state of a
   class so marked (an extra-args transformation may refuse an argument it does
   not know), and never where ``tx`` holds a wrapper that may skip an update
@@ -100,7 +100,7 @@ def microbatch_step(
   With ``has_state``, a state that is not differentiated (batch statistics,
   RNG counts) runs through the micro-batches in order: micro-batch i sees the
   state micro-batch i - 1 left, as k sequential calls would.
-  `lowmem_jax.nnx.microbatch_step` drives this for NNX models.
+  `lowmem_jax.flax.nnx.microbatch_step` drives this for NNX models.
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch) -> loss`` (or ``(loss, aux)`` with

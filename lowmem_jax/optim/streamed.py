@@ -21,7 +21,7 @@ embedding's gradient is made.
 Any optax transformation that works leaf by leaf runs this way: Adam, AdamW,
 `lowmem_jax.scale_by_adam_8bit`, AdamA (`lowmem_jax.adama`: one call of the
 step per micro-batch, the update at the k-th), bfloat16 parameters with
-`lowmem_jax.lowbit.stochastic_rounding`. One whose update of a leaf reads
+`lowmem_jax.optim.lowbit.stochastic_rounding`. One whose update of a leaf reads
 another leaf (``optax.clip_by_global_norm``, ``optax.apply_if_finite``) is
 refused, with the equation that mixes them (`check_per_leaf`).
 
@@ -30,8 +30,8 @@ parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
 stacked layers; a leaf updated in slices, `slices`, on each slice), so each
 has its own step counter and PRNG seed, all alike. Each update is told where
 its part lies in the whole tree (the extra argument ``positions``, a
-`lowmem_jax.lowbit.Position` per leaf), so the project's stochastic roundings
-(8-bit moments, `lowmem_jax.lowbit.stochastic_rounding`) draw each element's
+`lowmem_jax.optim.lowbit.Position` per leaf), so the project's stochastic roundings
+(8-bit moments, `lowmem_jax.optim.lowbit.stochastic_rounding`) draw each element's
 bits where the whole tree draws them. For a transformation that works leaf by
 leaf (the check above) that is its own update: with the state on the device, a
 step equals ``tx`` applied to ``jax.grad`` of the whole loss to float
@@ -61,9 +61,10 @@ import numpy as np
 import optax
 from jax.extend import core as jcore
 
-from lowmem_jax import _sharding, lowbit
-from lowmem_jax._jax import source_info_util
+from lowmem_jax import _sharding
 from lowmem_jax._checks import is_int
+from lowmem_jax._jax import source_info_util
+from lowmem_jax.optim import lowbit
 
 PLACES = ("device", "host")
 
@@ -405,7 +406,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     stack: the model (`LayerStack`).
     tx: an optax transformation that works leaf by leaf (module docstring); its
       ``update`` is called with the params and, where it takes extra arguments,
-      ``positions`` (each part's `lowmem_jax.lowbit.Position` in the whole tree).
+      ``positions`` (each part's `lowmem_jax.optim.lowbit.Position` in the whole tree).
     state: where the optimizer state lives between steps, "device" or "host"
       (pinned host memory, brought over a layer, or a slice of another leaf, at a time).
     saved_inputs: where the forward keeps each layer's input for the backward,

@@ -14,7 +14,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from lowmem_jax import _jax, activations as activation_ops
+from lowmem_jax import _jax
+from lowmem_jax.ops import activations as activation_ops
 from lowmem_jax.transform.graph import LAYOUT, scalar
 from lowmem_jax.transform.interpreter import Action, bind, eqns_fn, inline_jit
 

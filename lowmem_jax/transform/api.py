@@ -69,7 +69,7 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
     attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
     loss: "fused" (a matmul's logits wider than its input, sliced along the
       tokens or not, their log-softmax taken at integer labels or their
-      one-hot → `lowmem_jax.losses.linear_cross_entropy`: no
+      one-hot → `lowmem_jax.ops.losses.linear_cross_entropy`: no
       ``[tokens, vocab]`` logits) or None.
 
   Returns:

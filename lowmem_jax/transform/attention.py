@@ -22,7 +22,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from lowmem_jax import attention_ops, names
+from lowmem_jax import names
+from lowmem_jax.ops import attention as attention_ops
 from lowmem_jax.transform.graph import Graph, constant, fill_value, scalar, upstream
 from lowmem_jax.transform.interpreter import (
   Action,

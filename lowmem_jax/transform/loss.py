@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from lowmem_jax import losses
+from lowmem_jax.ops import losses
 from lowmem_jax.transform.graph import (
   constant,
   feature_vector,

@@ -17,7 +17,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from lowmem_jax import names
-from lowmem_jax import norms as norm_ops
+from lowmem_jax.ops import norms as norm_ops
 from lowmem_jax.transform.graph import (LAYOUT, constant, feature_vector, fill_value, scalar,
                                         upstream)
 from lowmem_jax.transform.interpreter import Action, apply_layout, bind, eqns_fn

@@ -8,7 +8,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from lowmem_jax import memory
+from lowmem_jax.compile import memory
 from lowmem_jax.transform.graph import aval
 
 

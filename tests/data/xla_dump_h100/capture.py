@@ -2,7 +2,7 @@
 
 Run from the repository root, so that its lowmem_jax is the one imported:
 ``python -m tests.data.xla_dump_h100.capture``. Of
-XLA's dump, keeps the three files `lowmem_jax.memory._xla_dump` reads, with
+XLA's dump, keeps the three files `lowmem_jax.compile.memory._xla_dump` reads, with
 absolute paths made relative, the fused computations of more than 10 lines and
 the live-range file's stack-trace breakdown left out.
 """

@@ -4,7 +4,7 @@ MS-BP (Yang et al., ICML 2024, arXiv:2406.16282): the exact backward of a
 normalisation can be written with its output ``y`` and the per-row ``rstd``
 instead of its input ``x``. When the next layer is a matmul, it saves ``y``
 anyway, so the norm adds only one float32 per row. Any affine ``g, b`` of a
-pretrained norm is folded into the next linear layer (`lowmem_jax.affine_folding`).
+pretrained norm is folded into the next linear layer (`lowmem_jax.flax.affine_folding`).
 
 Per row of the last axis, statistics in float32, biased variance:
 
@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, _norm_reference as reference, dispatch, names
+from lowmem_jax import names
 from lowmem_jax._checks import check_float_array, check_out_dtype, is_real
+from lowmem_jax.ops import _layout, _norm_reference as reference, dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def ms_layer_norm(x: jax.Array, *, eps: float = 1e-6, dtype=None,
     eps: added to the (biased) variance.
     dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
       computes in, so that layer saves this very array.
-    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
       of up to 16384 elements.
 

@@ -4,7 +4,7 @@ Three files of one compilation: the optimised HLO module, its buffer
 assignment and its buffer live ranges. Their format is XLA's, not an API,
 and changes with XLA: ``tests/test_xla_dump.py`` reads dumps saved from the
 XLA this project pins (``tests/data/``), so a change shows there first. Only
-text is read here; what the values mean is `lowmem_jax.memory.breakdown`'s.
+text is read here; what the values mean is `lowmem_jax.compile.memory.breakdown`'s.
 """
 
 import glob

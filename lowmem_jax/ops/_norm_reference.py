@@ -8,7 +8,7 @@ statistics in float32, biased variance:
     RMSNorm:   y = x * rstd,              rstd = 1 / sqrt(mean(x^2) + eps)
                dx = rstd * (dy - y * mean(dy * y))
 
-`forward_reference` and `backward_reference` are what `lowmem_jax.norms` runs
+`forward_reference` and `backward_reference` are what `lowmem_jax.ops.norms` runs
 under ``impl="xla"``, and what the kernels of `pallas_kernels.norms` are
 tested against. This module imports no kernel.
 """

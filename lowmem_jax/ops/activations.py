@@ -19,9 +19,10 @@ from typing import Callable, Sequence
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _activation_reference as reference, dispatch, names
-from lowmem_jax._activation_reference import Fit  # an activation's fit, public here
+from lowmem_jax import names
 from lowmem_jax._checks import check_float_array
+from lowmem_jax.ops import _activation_reference as reference, dispatch
+from lowmem_jax.ops._activation_reference import Fit  # an activation's fit, public here
 
 # Published fits (LowMemoryBP): sum(a) = 1 and sum(a * c) = 0.
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
@@ -84,7 +85,7 @@ def approx_activation(
     of rank >= 1, ``y`` of x's shape and dtype, whose only residual for
     backward is a ``uint8[..., ceil(n * bits / 8)]`` code (``n = x.shape[-1]``;
     1 bit for one kink, 2 bits for two or three), tagged ``act_code``. ``impl``
-    picks XLA or the fused Pallas kernel (`lowmem_jax.dispatch`); both save
+    picks XLA or the fused Pallas kernel (`lowmem_jax.ops.dispatch`); both save
     the same code and return the same ``dx`` for the same ``dy``. The
     function's ``fit`` attribute is its `Fit`.
   """
@@ -125,7 +126,7 @@ regelu2.__doc__ = """ReGELU2: exact (erf) GELU forward, 2-bit residual, step bac
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
     ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
@@ -139,7 +140,7 @@ resilu2.__doc__ = """ReSiLU2: exact SiLU forward, 2-bit residual, step backward.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
     ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
@@ -153,7 +154,7 @@ relu.__doc__ = """Exact ReLU whose only residual is a 1-bit mask, 8 a byte.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
     ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
 
 Returns:
@@ -176,7 +177,7 @@ whose derivative differs from the tanh GELU's by less than 0.001.
 
 Args:
   x: float16/bfloat16/float32 array ``[..., n]``.
-  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`).
+  impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`).
 
 Returns:
   ``gelu(x, approximate=True)`` of x's shape and dtype, computed in float32.

@@ -1,7 +1,7 @@
 """A remat planner: a policy of least recompute whose compiled step fits a budget.
 
 The oracle is XLA: each candidate policy is compiled on abstract shapes and
-judged by its compiled peak (`lowmem_jax.memory.MemoryStats.peak_bytes`) and
+judged by its compiled peak (`lowmem_jax.compile.memory.MemoryStats.peak_bytes`) and
 by the FLOPs of its compiled step (``cost_analysis()``). Recompute is the
 FLOPs beyond the step with `policies.everything`, which keeps what a step
 without remat keeps. The candidates are ``save_only(S)`` for sets ``S`` of
@@ -39,7 +39,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from lowmem_jax import memory, names as _names, policies, targets
+from lowmem_jax import names as _names
+from lowmem_jax.compile import memory, policies, targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +131,8 @@ def plan(step_fn: Callable, *args, budget: int, names: tuple[str, ...] | None = 
       step donates its parameters and optimizer state.
     progress: print each compiled candidate to stderr.
     target: what the budget is for and each candidate is compiled for (a
-      `lowmem_jax.targets.Target` or its name); default
-      `lowmem_jax.targets.default`, the GPU the figures are for.
+      `lowmem_jax.compile.targets.Target` or its name); default
+      `lowmem_jax.compile.targets.default`, the GPU the figures are for.
 
   Returns:
     `Plan`: the chosen policy, its peak and recompute, and the candidates tried.

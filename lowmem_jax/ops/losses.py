@@ -244,7 +244,7 @@ def _chunked_bwd(cfg, w_layout, res, g):
   head = _Head(h, w, b, cfg, w_layout)
   # The gradients' buffers start from a zero the scheduler cannot make before the forward's
   # log-sum-exp and the cotangent (a broadcast of a constant has no inputs, and XLA would make
-  # it at the program's start, live through the forward; as lowmem_jax.embedding.take's).
+  # it at the program's start, live through the forward; as lowmem_jax.ops.embedding.take's).
   zero, gt, lse = lax.optimization_barrier((jnp.zeros((), jnp.float32), g * weights, lse))
   zeros_like = lambda x: jnp.zeros_like(x) + zero.astype(x.dtype)
 

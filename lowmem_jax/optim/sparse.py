@@ -12,11 +12,11 @@ moments zeroed (`prune_and_regrow`). Its temporaries are O(nnz) whatever the
 density: no dense mask, no ``top_k`` over the dense weight.
 
 The budget is per leaf, as in SET: array shapes are fixed under `jax.jit`, so
-the global reallocation of DSR (`lowmem_jax.masked_sparsity.dynamic_sparsity`, stored
+the global reallocation of DSR (`lowmem_jax.optim.masked_sparsity.dynamic_sparsity`, stored
 dense with a mask) would need every leaf stored at its largest size.
 
 The model reads the weight through `densify` inside its layers (e.g.
-`lowmem_jax.linen.SparseConv`), so under `nn.remat` a dense weight exists for
+`lowmem_jax.flax.linen.SparseConv`), so under `nn.remat` a dense weight exists for
 one layer at a time.
 
 References:
@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowmem_jax import lowbit, optim
+from lowmem_jax import optim
 from lowmem_jax._checks import is_int, is_real
+from lowmem_jax.optim import lowbit
 
 
 @optim.takes_completes_step  # `microbatch_step` tells update where no step completes

@@ -50,8 +50,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lowmem_jax import _jax, dispatch
-from lowmem_jax.dispatch import compiling_for  # noqa: F401  (the ops decide by it; public here too)
+from lowmem_jax import _jax
+from lowmem_jax.ops import dispatch
+from lowmem_jax.ops.dispatch import compiling_for  # noqa: F401  (public here too)
+from lowmem_jax.optim.offload import HOST, in_host_memory  # noqa: F401  (public here too)
 
 if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_library("cuda") is None:
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
@@ -75,7 +77,7 @@ CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 # lowmem_jax steps are within 1%.
 DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
-_CONFIGS = importlib.resources.files("lowmem_jax") / "target_configs"
+_CONFIGS = importlib.resources.files("lowmem_jax.compile") / "target_configs"
 
 
 def _pcie_bytes_per_s(generation: int, lanes: int = 16) -> float:
@@ -349,7 +351,7 @@ class HostArgumentsCompiled:
     return self._executable.get_compiled_memory_stats()
 
   def cost_analysis(self) -> Any:
-    """Not given by a compile-only GPU: `lowmem_jax.memory.flops_of` counts the lowered
+    """Not given by a compile-only GPU: `lowmem_jax.compile.memory.flops_of` counts the lowered
     program's instead."""
     raise NotImplementedError("a compile-only GPU gives no cost analysis; count the lowered "
                               "program's FLOPs.")
@@ -359,16 +361,7 @@ class HostArgumentsCompiled:
     return self._executable.hlo_modules()[0].to_string()
 
 
-HOST = "pinned_host"
 _HOST_ARGUMENT = re.compile(r'func\.func public @main\([^\n]*mhlo\.memory_kind = "(?!device")')
-
-
-def in_host_memory(tree: Any) -> Any:
-  """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in the host memory
-  (memory kind ``"pinned_host"``) of this process's first device: arguments that
-  `Target.compile` keeps on the host, for the attached GPU or a compile-only one."""
-  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)
 
 
 def _memory_kind(x: Any) -> str | None:
@@ -486,7 +479,7 @@ def compiling(target: Target):
   """Within the block, `compiling_for` answers for ``target``: ``"gpu"`` for a
   GPU target (for a user who lowers with ``jax.jit(...).lower`` on
   `Target.place`'d arguments). Ops that choose an implementation
-  (`lowmem_jax.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
+  (`lowmem_jax.ops.dispatch`, `lowmem_jax.attention`) decide by it, so a compile
   for the H100 target takes the GPU paths on a machine without a GPU."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(dispatch.compiling_for_platform(

@@ -7,7 +7,7 @@ Approx-BP (Yang et al., ICML 2024, arXiv:2406.16282). For a fit with kinks
               code = [x > c_1] + .. + [x > c_K], packed ``8 // bits`` a byte
     backward: dx = dy * s[code],  s = (0, a_1, a_1 + a_2, ..)   (float32)
 
-`forward_reference` and `backward_reference` are what `lowmem_jax.activations`
+`forward_reference` and `backward_reference` are what `lowmem_jax.ops.activations`
 runs under ``impl="xla"``, and what the fused kernels of
 `pallas_kernels.activations` are tested against. This module imports no kernel.
 """
@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax._packing import pack_reference, unpack_reference
+from lowmem_jax.ops._packing import pack_reference, unpack_reference
 
 
 @dataclasses.dataclass(frozen=True)

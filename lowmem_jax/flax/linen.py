@@ -4,9 +4,9 @@ The approximate activations are plain functions and serve as ``activation=``
 arguments as they are (`lowmem_jax.regelu2`, `lowmem_jax.resilu2`).
 `MultiHeadDotProductAttention` and `MultiHeadAttention` are Flax's, with
 `attention_fn` (`lowmem_jax.attention`: no L×L residual) in place of Flax's.
-`Embed` is Flax's with `lowmem_jax.embedding.take`, whose gradient buffer is
+`Embed` is Flax's with `lowmem_jax.ops.embedding.take`, whose gradient buffer is
 made late. `SparseConv` keeps its kernel as values and positions
-(`lowmem_jax.sparse`).
+(`lowmem_jax.optim.sparse`).
 """
 
 import math
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
-from lowmem_jax.attention_ops import attention
-from lowmem_jax.embedding import take
-from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
-from lowmem_jax.sparse import densify, tie_gradients
+from lowmem_jax.ops.attention import attention
+from lowmem_jax.ops.embedding import take
+from lowmem_jax.ops.norms import ms_layer_norm, ms_rms_norm
+from lowmem_jax.optim.sparse import densify, tie_gradients
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
@@ -102,13 +102,13 @@ class MSLayerNorm(_MSNorm):
   """LayerNorm without affine whose backward keeps only y and 1/sigma.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.affine_folding`.
+  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.flax.affine_folding`.
 
   Attributes:
     epsilon: added to the variance.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
-    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_layer_norm)
@@ -118,25 +118,25 @@ class MSRMSNorm(_MSNorm):
   """RMSNorm without scale whose backward keeps only y and 1/rms.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale`` into the next Dense with `lowmem_jax.affine_folding`.
+  a pretrained ``scale`` into the next Dense with `lowmem_jax.flax.affine_folding`.
 
   Attributes:
     epsilon: added to the mean square.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
-    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_rms_norm)
 
 
 class Embed(nn.Embed):
-  """`flax.linen.Embed` looking rows up with `lowmem_jax.embedding.take`.
+  """`flax.linen.Embed` looking rows up with `lowmem_jax.ops.embedding.take`.
 
   The same attributes, parameter (``embedding``) and values, gradients bit for
   bit; the table-sized gradient buffer is made when the cotangent arrives,
   not at the start of the backward pass: for AdamA's micro-batch loop (a plain
-  step is not helped; see `lowmem_jax.embedding`).
+  step is not helped; see `lowmem_jax.ops.embedding`).
   """
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -147,7 +147,7 @@ class Embed(nn.Embed):
 
 
 class SparseConv(nn.Module):
-  """A convolution without bias whose kernel is stored sparse (`lowmem_jax.sparse`).
+  """A convolution without bias whose kernel is stored sparse (`lowmem_jax.optim.sparse`).
 
   ``nn.Conv(features, kernel_size, strides, padding, use_bias=False)`` with the
   kernel ``[*kernel_size, in_features, features]`` kept as its
@@ -155,18 +155,18 @@ class SparseConv(nn.Module):
   ``param_dtype[nnz]``, initialised as ``kernel_init`` would the dense kernel's
   first ``nnz`` entries (i.i.d., so any ``nnz`` of them alike). Their flat
   positions are read from the ``"sparse"`` collection at the param's path
-  (``{"sparse": lowmem_jax.sparse.find_state(opt_state).positions}`` in
-  ``apply``); the dense kernel is made by `lowmem_jax.sparse.densify` at the
+  (``{"sparse": lowmem_jax.optim.sparse.find_state(opt_state).positions}`` in
+  ``apply``); the dense kernel is made by `lowmem_jax.optim.sparse.densify` at the
   call, so under `nn.remat` it is made again in the backward, not kept, and
   its gradient is gathered as the layer's backward runs
-  (`lowmem_jax.sparse.tie_gradients`: reverse-mode autodiff only).
+  (`lowmem_jax.optim.sparse.tie_gradients`: reverse-mode autodiff only).
 
   Attributes:
     features, kernel_size, strides, padding, dtype, param_dtype, kernel_init:
       as `flax.linen.Conv`'s.
     density: in (0, 1), the share of the kernel's entries stored.
     conv_general_dilated: the convolution, as `flax.linen.Conv`'s (e.g.
-      `lowmem_jax.compress.int8_conv`); None: `jax.lax.conv_general_dilated`.
+      `lowmem_jax.ops.compress.int8_conv`); None: `jax.lax.conv_general_dilated`.
   """
   features: int
   kernel_size: tuple[int, ...]
@@ -196,7 +196,7 @@ class SparseConv(nn.Module):
       positions = jnp.arange(nnz, dtype=jnp.int32)
     else:
       raise ValueError(f"{self.name}: no positions for the sparse kernel; apply the model with "
-                       "{'params': ..., 'sparse': lowmem_jax.sparse.find_state(opt_state)"
+                       "{'params': ..., 'sparse': lowmem_jax.optim.sparse.find_state(opt_state)"
                        ".positions}.")
     inputs, values = tie_gradients(inputs, values)
     kernel = densify(values, positions, shape, after=inputs)

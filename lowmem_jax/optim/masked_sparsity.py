@@ -10,7 +10,7 @@ inactive positions are regrown at zero, drawn so that each leaf's expected
 share follows its surviving weights, as DSR reallocates them.
 
 The weights stay stored dense with a bool mask beside them, so this saves no
-memory; `storage_bytes` accounts for it honestly. `lowmem_jax.sparse` stores
+memory; `storage_bytes` accounts for it honestly. `lowmem_jax.optim.sparse` stores
 them sparse (values and positions), with a per-leaf budget.
 
 References:
@@ -237,7 +237,7 @@ def storage_bytes(params: Any, state: Any, *, index_bytes: int = 4) -> dict[str,
   Dense storage with a mask saves NOTHING: every entry of every param is
   stored, and the masks cost one byte per sparse-leaf entry on top.
   ``projected_sparse`` is a projection for a sparse storage format (values plus
-  one index per active entry, as `lowmem_jax.sparse` stores them with a budget
+  one index per active entry, as `lowmem_jax.optim.sparse` stores them with a budget
   per leaf); under such a format the gradient and each optimizer moment per
   parameter shrink by the same ratio.
 

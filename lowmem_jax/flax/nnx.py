@@ -29,14 +29,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax import optim
-from lowmem_jax.embedding import take
-from lowmem_jax.linen import attention_fn
-from lowmem_jax.norms import ms_layer_norm, ms_rms_norm
+from lowmem_jax.flax.linen import attention_fn
+from lowmem_jax.ops.embedding import take
+from lowmem_jax.ops.norms import ms_layer_norm, ms_rms_norm
 from lowmem_jax.optim.accumulation import as_moment_fold
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):
-  """`flax.nnx.MultiHeadAttention` running `lowmem_jax.linen.attention_fn`: no L×L residual.
+  """`flax.nnx.MultiHeadAttention` running `lowmem_jax.flax.linen.attention_fn`: no L×L residual.
 
   Takes the same arguments and has the same parameters as Flax's, so a
   pretrained state loads unchanged; ``attention_fn`` defaults to ours. No
@@ -48,12 +48,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
 
 class Embed(nnx.Embed):
-  """`flax.nnx.Embed` looking rows up with `lowmem_jax.embedding.take`.
+  """`flax.nnx.Embed` looking rows up with `lowmem_jax.ops.embedding.take`.
 
   The same arguments, parameter (``embedding``) and values, gradients bit for
   bit; the table-sized gradient buffer is made when the cotangent arrives,
   not at the start of the backward pass: for AdamA's micro-batch loop (a plain
-  step is not helped; see `lowmem_jax.embedding`).
+  step is not helped; see `lowmem_jax.ops.embedding`).
   """
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
@@ -87,13 +87,13 @@ class MSLayerNorm(_MSNorm):
   """LayerNorm without affine whose backward keeps only y and 1/sigma.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained affine into the next Linear with `lowmem_jax.affine_folding`.
+  pretrained affine into the next Linear with `lowmem_jax.flax.affine_folding`.
 
   Args:
     num_features: if given, the size the input's last axis must have.
     epsilon: added to the variance.
     dtype: dtype of the output; defaults to the input's.
-    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.LayerNorm`; unused.
   """
@@ -104,13 +104,13 @@ class MSRMSNorm(_MSNorm):
   """RMSNorm without scale whose backward keeps only y and 1/rms.
 
   MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained scale into the next Linear with `lowmem_jax.affine_folding`.
+  pretrained scale into the next Linear with `lowmem_jax.flax.affine_folding`.
 
   Args:
     num_features: if given, the size the input's last axis must have.
     epsilon: added to the mean square.
     dtype: dtype of the output; defaults to the input's.
-    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.dispatch`);
+    impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.RMSNorm`; unused.
   """

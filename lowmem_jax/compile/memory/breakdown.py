@@ -1,8 +1,8 @@
 """Where the memory of a compiled training step goes: `report` and `explain_oom`.
 
-`report` puts both figures of `lowmem_jax.memory.analysis` together for a
+`report` puts both figures of `lowmem_jax.compile.memory.analysis` together for a
 training step: the buffers live at the peak of the program (over XLA's buffer
-live ranges, read from its dumps by `lowmem_jax.memory._xla_dump`), split into
+live ranges, read from its dumps by `lowmem_jax.compile.memory._xla_dump`), split into
 parameters, optimizer state, gradients, activations and temporaries, each with
 the op and source line that made it, the live bytes over program order, and
 autodiff's residuals by checkpoint name. `explain_oom` says the same of a step
@@ -18,10 +18,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from lowmem_jax import _plots, _text, names as _names, targets
-from lowmem_jax.memory import _xla_dump
-from lowmem_jax.memory.analysis import (MemoryStats, Residuals, collective_bytes, loop_flops,
-                                        saved_residuals, stats_of, step_flops)
+from lowmem_jax import _plots, _text, names as _names
+from lowmem_jax.compile import targets
+from lowmem_jax.compile.memory import _xla_dump
+from lowmem_jax.compile.memory.analysis import (MemoryStats, Residuals, collective_bytes,
+                                                loop_flops, saved_residuals, stats_of, step_flops)
 
 
 COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",
@@ -122,7 +123,7 @@ class Breakdown:
 
   Attributes:
     label: what was compiled, for tables and plots.
-    target: the `lowmem_jax.targets.Target` it was compiled for.
+    target: the `lowmem_jax.compile.targets.Target` it was compiled for.
     stats: the compiled `MemoryStats`; ``stats.peak_bytes`` is the peak the
       figures of this project compare.
     flops: FLOPs of the step (XLA's cost analysis, `step_flops`; a loop body counts once).
@@ -248,8 +249,8 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       for autodiff's residual count; optional.
     label: a name for tables and plots.
     top: how many of the buffers live at the peak to keep (all if None).
-    target: what to compile for (see `lowmem_jax.memory.aot_compile`);
-      default: the GPU the figures are for (`lowmem_jax.targets.default`).
+    target: what to compile for (see `lowmem_jax.compile.memory.aot_compile`);
+      default: the GPU the figures are for (`lowmem_jax.compile.targets.default`).
 
   Returns:
     a `Breakdown`.
@@ -319,7 +320,7 @@ def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 
   Args:
     fn, *args, **kwargs, target: as for `report`.
     limit_bytes: the memory to compare with; default: the target's
-      (`lowmem_jax.targets.Target.memory_bytes`).
+      (`lowmem_jax.compile.targets.Target.memory_bytes`).
   """
   breakdown = report(fn, *args, top=top, target=target, **kwargs)
   if limit_bytes is None:

@@ -2,7 +2,7 @@
 
 * `analyze`: XLA's buffer assignment of the function compiled for a target
   (``jax.jit(fn).lower(*args).compile().memory_analysis()``), by default the
-  GPU the user trains on, compiled here without one (`lowmem_jax.targets`).
+  GPU the user trains on, compiled here without one (`lowmem_jax.compile.targets`).
   It needs no real arrays (`jax.ShapeDtypeStruct` pytrees will do). Compiled
   for ``target="cpu"`` it is a proxy only: the CPU compiler upcasts 16-bit
   dots and keeps float32 copies that a GPU does not.
@@ -19,7 +19,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from lowmem_jax import _jax, targets
+from lowmem_jax import _jax
+from lowmem_jax.compile import targets
 
 
 def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = None,
@@ -32,8 +33,8 @@ def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = Non
     fn: a function, or the result of `jax.jit` (whose static arguments and
       donation are then respected).
     *args, **kwargs: arrays or `jax.ShapeDtypeStruct` pytrees.
-    target: a `lowmem_jax.targets.Target` or its name (``"h100"``, ``"cpu"``,
-      ...); None: `lowmem_jax.targets.default`, the GPU the figures are for.
+    target: a `lowmem_jax.compile.targets.Target` or its name (``"h100"``, ``"cpu"``,
+      ...); None: `lowmem_jax.compile.targets.default`, the GPU the figures are for.
     compiler_options: XLA debug options for this compilation only.
   """
   return targets.resolve(target).compile(fn, *args, compiler_options=compiler_options, **kwargs)
@@ -51,9 +52,9 @@ class MemoryStats:
       temporaries into one block, live for the whole program.
     generated_code_bytes: the compiled program itself.
     host_temp_bytes: temporaries in host memory: what a remat policy
-      offloads (`lowmem_jax.policies.offload`) on a GPU target; 0 on the CPU,
+      offloads (`lowmem_jax.compile.policies.offload`) on a GPU target; 0 on the CPU,
       whose device memory is host memory.
-    host_argument_bytes: inputs in host memory (`lowmem_jax.offload`'s
+    host_argument_bytes: inputs in host memory (`lowmem_jax.optim.offload`'s
       optimizer state); not in ``argument_bytes``.
     xla_peak_bytes: XLA's own ``peak_memory_in_bytes``; on CPU it counts only
       arguments and outputs, and with host temporaries or arguments it adds

@@ -18,7 +18,7 @@ Transformations that couple leaves (``optax.clip_by_global_norm``) go
 outside the wrapper, in a chain before it. Each leaf has its own copy of the
 inner state, so its step counter and any PRNG seed are per leaf; each leaf's
 update is told its place in the tree (the extra argument ``positions``, a
-`lowmem_jax.lowbit.Position`), so the project's stochastic roundings draw the
+`lowmem_jax.optim.lowbit.Position`), so the project's stochastic roundings draw the
 bits the whole tree draws.
 """
 
@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import lowbit, optim, targets
+from lowmem_jax import optim
+from lowmem_jax.optim import lowbit
 
 
 class OffloadState(NamedTuple):
@@ -83,8 +84,21 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
 def abstract_state(tx: optax.GradientTransformation, params: Any) -> Any:
   """``tx.init``'s state on the shapes of ``params`` (`jax.eval_shape`), each `OffloadState`
-  in host memory (`lowmem_jax.targets.in_host_memory`): what a deviceless compile of a
+  in host memory (`in_host_memory`): what a deviceless compile of a
   step takes, since ``eval_shape`` drops memory kinds."""
   is_offloaded = lambda x: isinstance(x, OffloadState)
-  return jax.tree.map(lambda s: targets.in_host_memory(s) if is_offloaded(s) else s,
+  return jax.tree.map(lambda s: in_host_memory(s) if is_offloaded(s) else s,
                       jax.eval_shape(tx.init, params), is_leaf=is_offloaded)
+
+
+HOST = "pinned_host"
+"""The memory kind of host-resident arrays: pinned, so the device reads them by DMA."""
+
+
+def in_host_memory(tree: Any) -> Any:
+  """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in the host memory
+  (memory kind ``"pinned_host"``) of this process's first device: arguments that
+  `lowmem_jax.compile.targets.Target.compile` keeps on the host, for the attached GPU or a
+  compile-only one."""
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)

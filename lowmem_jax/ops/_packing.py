@@ -6,7 +6,7 @@ low bits first; the last axis is zero-padded to a multiple of ``P``. Packing
 along the last axis keeps a packed residual sharded like the array it came from.
 
 The library packs with `pack_reference` and unpacks with `unpack_reference`
-(the approximate activations' codes, `lowmem_jax.compress`'s quantised
+(the approximate activations' codes, `lowmem_jax.ops.compress`'s quantised
 residuals). The Pallas kernels of `pallas_kernels.pack` are tested against
 them and share their steps: `grouped` views a row of ``n`` codes as ``[n / P,
 P]`` (a free reshape), and `codes_to_bytes` / `bytes_to_codes` reduce over

@@ -45,10 +45,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _layout, _sharding, dispatch, names
+from lowmem_jax import _sharding, names
 from lowmem_jax._checks import check_float_array
+from lowmem_jax.ops import _layout, dispatch
 
-IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`lowmem_jax.dispatch`)
+IMPLS = ("auto", "xla", "cudnn")  # the implementations `attention` offers (`ops.dispatch`)
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit (as jax.nn's)
 
 
@@ -89,7 +90,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       as in `jax.nn.dot_product_attention` (query i sees keys 0..i).
     query_seq_lengths, key_value_seq_lengths, local_window_size: not
       supported; anything but ``None`` raises `NotImplementedError`.
-    implementation: a name of `lowmem_jax.dispatch`'s vocabulary that
+    implementation: a name of `lowmem_jax.ops.dispatch`'s vocabulary that
       attention offers (`IMPLS`): "xla" (the chunked `custom_vjp` here, any
       backend; not `jax.nn`'s "xla", which is `attention_reference`),
       "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`:

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
 from lowmem_jax._checks import check_float_array
-from lowmem_jax._packing import pack_reference, unpack_reference
+from lowmem_jax.ops._packing import pack_reference, unpack_reference
 
 QUANT_BITS = (2, 4, 8)
 
@@ -66,7 +66,7 @@ def quantize_rows(x: jax.Array, bits: int = 8) -> tuple[jax.Array, jax.Array]:
 
   Returns:
     ``(packed, scale)``: ``uint8[..., ceil(n * bits / 8)]`` codes packed along the
-    last axis as in `lowmem_jax._packing`, and ``float32[..., 1]`` scales
+    last axis as in `lowmem_jax.ops._packing`, and ``float32[..., 1]`` scales
     ``max|x_row| / Q`` (0 for an all-zero row). ``x ≈ q * scale`` with an error
     of at most ``scale / 2`` per entry.
   """

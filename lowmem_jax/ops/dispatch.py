@@ -7,7 +7,7 @@ ops with a Pallas kernel as ``impl``, `lowmem_jax.attention` as
 - ``"xla"``: the op in plain JAX, compiled by XLA; any backend. For the
   kernels, their pure-JAX reference; for attention, its chunked `custom_vjp`
   with no L×L residual (not `jax.nn`'s ``"xla"``, which keeps the
-  probabilities: that is `lowmem_jax.attention_ops.attention_reference`).
+  probabilities: that is `lowmem_jax.ops.attention.attention_reference`).
 - ``"cudnn"``: cuDNN's fused kernel (attention only, through
   `jax.nn.dot_product_attention`); NVIDIA GPU.
 - ``"pallas"``: the Pallas kernel, compiled for the GPU (Triton backend); an
@@ -21,14 +21,14 @@ ops with a Pallas kernel as ``impl``, `lowmem_jax.attention` as
   activations and the norms ``"auto"`` means ``"xla"`` on every target; only
   attention's ``"auto"`` leaves XLA (for cuDNN, on a GPU).
 
-An op offers some of them (`KERNEL_IMPLS`, `lowmem_jax.attention_ops.IMPLS`);
+An op offers some of them (`KERNEL_IMPLS`, `lowmem_jax.ops.attention.IMPLS`);
 asking it for another raises. ``None`` (the default) reads the environment
 variable ``LOWMEM_JAX_IMPL`` when the op is traced, so one variable switches
 a whole program; an op that does not offer the variable's value runs
 ``"auto"``, and an unset or empty variable means ``"auto"``.
 
 ``"On a GPU"`` means the compile target, `compiling_for`: the platform that
-`lowmem_jax.targets` sets (`compiling_for_platform`) while it compiles for a
+`lowmem_jax.compile.targets` sets (`compiling_for_platform`) while it compiles for a
 target, else JAX's default backend. A step compiled for the H100 target on a
 machine without a GPU takes the kernels' Triton path, and ptxas builds them
 for sm_90a.
@@ -40,8 +40,8 @@ which JAX caches a traced function. After changing the variable, call
 next call and takes the new choice. A new ``jax.jit`` of the same function is
 not enough (JAX caches the trace by the function), and neither is
 `jax.make_jaxpr`. The same holds for a function lowered with
-``jax.jit(f).lower`` inside `lowmem_jax.targets.compiling` on arguments it was
-traced with before. `lowmem_jax.targets.Target.compile` for a compile-only GPU
+``jax.jit(f).lower`` inside `lowmem_jax.compile.targets.compiling` on arguments it was
+traced with before. `lowmem_jax.compile.targets.Target.compile` for a compile-only GPU
 needs none of this: it places the arguments on the target's devices, so the
 function is traced afresh.
 """
@@ -77,7 +77,7 @@ _platform: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def compiling_for() -> str:
   """The platform being compiled for: ``"gpu"``, ``"cpu"``, ... .
 
-  The platform `compiling_for_platform` set (`lowmem_jax.targets.Target.compile`
+  The platform `compiling_for_platform` set (`lowmem_jax.compile.targets.Target.compile`
   sets ``"gpu"`` for a GPU target), else `jax.default_backend`. The ops that
   choose an implementation decide by it when they are traced.
   """
@@ -89,7 +89,7 @@ def compiling_for() -> str:
 def compiling_for_platform(name: str):
   """Within the block, `compiling_for` answers ``name`` (``"gpu"``, ``"cpu"``, ...).
 
-  What `lowmem_jax.targets.compiling` enters for a target; see the module
+  What `lowmem_jax.compile.targets.compiling` enters for a target; see the module
   docstring for when a function traced before needs `jax.clear_caches`.
   """
   if not isinstance(name, str) or not name:
@@ -188,7 +188,7 @@ def kernel_options(impl: str | None, kernel: str,
     raise ValueError(
         f"{source}='pallas' needs a GPU: the {kernel} kernel compiles with Pallas' Triton "
         f"backend and the compile target is {target!r}. Compile for a GPU target "
-        f"(lowmem_jax.targets), use impl='pallas_interpret' to run the kernel in interpret "
+        f"(lowmem_jax.compile.targets), use impl='pallas_interpret' to run the kernel in interpret "
         f"mode, or impl='xla'.")
   from pallas_kernels import Options  # Pallas loads with the first kernel chosen
   return Options(interpret=impl == "pallas_interpret")

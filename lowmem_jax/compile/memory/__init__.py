@@ -1,27 +1,28 @@
 """Memory accounting for any JAX function, on abstract shapes.
 
 Two figures, and this package is the only place the project takes them from
-(`lowmem_jax.memory.analysis`):
+(`lowmem_jax.compile.memory.analysis`):
 
 * `analyze`: XLA's buffer assignment of the function compiled for a target,
   by default the GPU the user trains on, compiled here without one
-  (`lowmem_jax.targets`), on `jax.ShapeDtypeStruct` pytrees if need be.
+  (`lowmem_jax.compile.targets`), on `jax.ShapeDtypeStruct` pytrees if need be.
 * `saved_residuals`: what autodiff keeps from the forward pass for the
   backward pass (``jax.vjp``'s residuals), backend-free: what papers count.
 
-`report` (`lowmem_jax.memory.breakdown`) puts both together for a training
+`report` (`lowmem_jax.compile.memory.breakdown`) puts both together for a training
 step: the buffers live at the peak split into `COMPONENTS`, each with the op
 and source line that made it, the live bytes over program order, and
 autodiff's residuals by checkpoint name. `explain_oom` says the same of a
 step that does not fit. XLA's dumps, which the report reads, are parsed in
-the private `lowmem_jax.memory._xla_dump`.
+the private `lowmem_jax.compile.memory._xla_dump`.
 """
 
-from lowmem_jax.memory.analysis import (COLLECTIVES, MemoryStats, Residual, Residuals, analyze,
-                                        aot_compile, collective_bytes, flops_of, loop_flops,
-                                        saved_residuals, stats_of, step_flops, tree_bytes)
-from lowmem_jax.memory.breakdown import (COMPONENTS, ESTIMATED, Breakdown, Buffer, explain_oom,
-                                         report)
+from lowmem_jax.compile.memory.analysis import (COLLECTIVES, MemoryStats, Residual, Residuals,
+                                                analyze, aot_compile, collective_bytes, flops_of,
+                                                loop_flops, saved_residuals, stats_of,
+                                                step_flops, tree_bytes)
+from lowmem_jax.compile.memory.breakdown import (COMPONENTS, ESTIMATED, Breakdown, Buffer,
+                                                 explain_oom, report)
 
 __all__ = [
     "COLLECTIVES", "COMPONENTS", "ESTIMATED", "Breakdown", "Buffer", "MemoryStats", "Residual",

@@ -1,7 +1,7 @@
 """Folding a pretrained norm's affine into the linear layers it feeds.
 
 MS-BP (Yang et al., ICML 2024, arXiv:2406.16282) uses norms without affine
-(`lowmem_jax.norms`). A norm with scale ``g`` and bias ``b`` followed by a
+(`lowmem_jax.ops.norms`). A norm with scale ``g`` and bias ``b`` followed by a
 linear layer ``x @ W + c`` becomes the plain norm followed by
 
     x @ (g[:, None] * W) + (c + b @ W)
@@ -22,7 +22,7 @@ as `lowmem_jax.models.Llama` has them) fold layer by layer: a norm's
 Params are nested dicts (Flax linen) or an ``nnx.State`` (Flax NNX, e.g.
 ``nnx.state(model, nnx.Param)``), whose leaves may be ``nnx.Variable``s; NNX
 list indices are int keys, given as ints in a tuple path. For NNX, build the
-model with `lowmem_jax.nnx.MSLayerNorm` / `MSRMSNorm` in place of the folded
+model with `lowmem_jax.flax.nnx.MSLayerNorm` / `MSRMSNorm` in place of the folded
 norms and ``nnx.update`` it with the folded state.
 """
 

@@ -14,7 +14,7 @@ buffers XLA orders otherwise, is not helped (measured a little worse), nor
 is gradient accumulation. Reverse mode only (a ``custom_vjp``: ``jax.jvp``
 raises; ``jax.grad`` of ``jax.grad`` works).
 
-`lowmem_jax.linen.Embed` and `lowmem_jax.nnx.Embed` are Flax's ``Embed`` with
+`lowmem_jax.flax.linen.Embed` and `lowmem_jax.flax.nnx.Embed` are Flax's ``Embed`` with
 this lookup.
 """
 

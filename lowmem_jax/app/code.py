@@ -98,6 +98,8 @@ def _source(x: Any) -> str:
     return f"lambda {x.arg}: {_source(x.body)}"
   if isinstance(x, str):
     return f'"{x}"'
+  if isinstance(x, tuple):  # as `_run` makes it: each element an expression
+    return f"({', '.join(map(_source, x))}{',' if len(x) == 1 else ''})"
   return repr(x)
 
 

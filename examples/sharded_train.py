@@ -50,10 +50,11 @@ of the single-device step, the bytes of parameters and optimizer state each
 device holds, the collectives of the step, and the largest absolute
 difference of the parameters and losses between the sharded run and a
 single-device run of the same steps, init and batches. In float32 they agree
-to float tolerance (`PARAM_ATOL`, `LOSS_RTOL`: 1e-5; measured about 1e-7 in
---quick), not bitwise: the sharded step splits reductions (the weight
-gradients' sums over the batch, the loss mean, the gradient all-reduce)
-into per-device partial sums added in another order. Over longer runs ReSiLU2
+to float tolerance (`PARAM_ATOL` 1e-4, `LOSS_RTOL` 1e-5; measured 6e-8 to 3e-5 in the
+parameters in --quick, by the text the interpreter's standard library gives), not
+bitwise: the sharded step splits reductions (the weight gradients' sums over the batch,
+the loss mean, the gradient all-reduce) into per-device partial sums added in another
+order. Over longer runs ReSiLU2
 breaks this: its backward uses a piecewise-constant derivative, so a gate
 pre-activation within rounding of a kink gets a derivative of about -0.04 in
 one run and 1.04 in the other; the runs then drift apart (the default run:
@@ -130,7 +131,11 @@ SIZES = {  # model and run sizes of --quick and of the default run
 # What a checkpoint must have been saved with to resume.
 RESUME_SETTINGS = ("quick", "mesh", "batch", "k", "seq", "lr", "eps", "seed", "policy",
                    "activation", "compute")
-PARAM_ATOL = 1e-5  # float32: reductions split across devices round differently
+# float32: reductions split across devices round differently, and Adam's m / sqrt(v) turns
+# that into a share of a whole step for an element whose gradient is near zero: 5% of a step
+# at the default lr (the quick run on Python 3.13's standard library as text: 3.0e-5; on
+# 3.12's: 6e-8).
+PARAM_ATOL = 1e-4
 LOSS_RTOL = 1e-5
 # Looser in bfloat16, whose rounding (2**-8 relative) the reordered sums expose.
 BF16_PARAM_ATOL, BF16_LOSS_RTOL = 5e-3, 5e-3

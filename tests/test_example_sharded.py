@@ -18,9 +18,9 @@ pytestmark = [OPTAX_BIAS_CORRECTION,  # the module fixture's quick run steps opt
               pytest.mark.slow]
 
 # float32: the sharded step sums its reductions (weight gradients over the
-# batch, the loss mean, the gradient all-reduce) in another order; measured
-# differences are about 1e-7, the tolerances leave room for other CPUs.
-PARAM_ATOL = sharded_train.PARAM_ATOL  # 1e-5
+# batch, the loss mean, the gradient all-reduce) in another order; Adam turns that into
+# up to a few percent of a step where a gradient is near zero (sharded_train.PARAM_ATOL).
+PARAM_ATOL = sharded_train.PARAM_ATOL  # 1e-4
 LOSS_RTOL = sharded_train.LOSS_RTOL  # 1e-5
 
 

@@ -32,11 +32,12 @@ from lowmem_jax.optim.lowbit import adamw_8bit, scale_by_adam_8bit
 from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
 SUBMODULES = {
-    "affine_folding": "flax.affine_folding", "attention_ops": "ops.attention",
-    "compress": "ops.compress", "dispatch": "ops.dispatch", "embedding": "ops.embedding",
-    "linen": "flax.linen", "losses": "ops.losses", "lowbit": "optim.lowbit",
-    "masked_sparsity": "optim.masked_sparsity", "memory": "compile.memory", "models": "models",
-    "names": "names", "nnx": "flax.nnx", "offload": "optim.offload", "optim": "optim",
+    "activations": "ops.activations", "affine_folding": "flax.affine_folding",
+    "attention_ops": "ops.attention", "compress": "ops.compress", "dispatch": "ops.dispatch",
+    "embedding": "ops.embedding", "linen": "flax.linen", "losses": "ops.losses",
+    "lowbit": "optim.lowbit", "masked_sparsity": "optim.masked_sparsity",
+    "memory": "compile.memory", "models": "models", "names": "names", "nnx": "flax.nnx",
+    "norms": "ops.norms", "offload": "optim.offload", "optim": "optim",
     "planner": "compile.planner", "policies": "compile.policies", "precision": "optim.precision",
     "sparse": "optim.sparse", "targets": "compile.targets", "transform": "transform",
 }

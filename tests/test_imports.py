@@ -214,8 +214,8 @@ def _layer(module: str) -> int:
     return LAYERS.index("console")
   if module == "lowmem_jax":
     return LAYERS.index("face")
-  folder = module.split(".")[1] if module.count(".") >= 2 or (PACKAGE / module.split(".")[1]).is_dir() else ""
-  return LAYERS.index(folder)
+  folder = module.split(".")[1]
+  return LAYERS.index(folder if (PACKAGE / folder).is_dir() else "")
 
 
 def test_every_module_stands_in_a_layer():

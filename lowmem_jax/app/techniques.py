@@ -757,11 +757,10 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
   activations (None without a loss: autodiff's count, which XLA's reuse and fusion can
   put above the peak) and the peak's saving (base's less this one's); as ratios, the
   reduction and the extra FLOPs, each loop's body counted as many times as it runs (None
-  where a loop's trip count is unknown, `lowmem_jax.compile.memory.loop_flops`); a device's
-  collective bytes (`lowmem_jax.compile.memory.collective_bytes`) and the seconds they take at the
-  target's interconnect bandwidth one way
-  (`lowmem_jax.compile.targets.Target.interconnect_bytes_per_s`), a floor under the step's
-  communication time (None where either is unknown)."""
+  where a loop's trip count is unknown, `memory.loop_flops`); a device's collective bytes
+  (`memory.collective_bytes`) and the seconds they take at the target's interconnect bandwidth
+  one way (`Target.interconnect_bytes_per_s`), a floor under the step's communication time
+  (None where either is unknown)."""
   at = b.at_peak
   link = b.target.interconnect_bytes_per_s
   found = b.argument_components

@@ -56,7 +56,8 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
   def init_fn(params):
     # Each leaf's state goes to the host as it is made: the device never holds the whole.
-    states = tuple(jax.device_put(inner.init(p), jax.memory.Space.Host) for p in jax.tree.leaves(params))
+    host = jax.memory.Space.Host
+    states = tuple(jax.device_put(inner.init(p), host) for p in jax.tree.leaves(params))
     if any(optim.find_adama_state(s) is not None for s in states):
       raise ValueError("`inner` is AdamA, which folds every micro-batch into its moments "
                        "(k crossings a step) and which microbatch_step finds as one state: "

@@ -32,7 +32,7 @@ from lowmem_jax.optim.lowbit import adamw_8bit, scale_by_adam_8bit
 from lowmem_jax.transform import Rewrite, Rewrites, lowmem
 
 SUBMODULES = {
-    "activations": "ops.activations", "affine_folding": "flax.affine_folding",
+    "activations": "ops.activations", "affine_folding": "flax.affine_folding", "choices": "choices",
     "attention_ops": "ops.attention", "compress": "ops.compress", "dispatch": "ops.dispatch",
     "embedding": "ops.embedding", "linen": "flax.linen", "losses": "ops.losses",
     "lowbit": "optim.lowbit", "masked_sparsity": "optim.masked_sparsity",

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
-from lowmem_jax import names
+import lowmem_jax_cli
+from lowmem_jax import app, names
 from lowmem_jax.app import cli, techniques
 from lowmem_jax.compile import memory
-import lowmem_jax_cli
-from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
 
@@ -258,11 +258,13 @@ def test_cli_report_table(capsys):
     (["report", *SMALL, "--plot", "/dev/null/x"], "--plot"),
     (["report", *SMALL, "--techniques", "all+fused-ce"], "fused-ce in 'all+fused-ce': loss='fused' "
                                                           "applies to the LLaMA models"),
-    (["report", "--batch", "0"], "--batch must be >= 1"),
+    (["report", "--batch", "0"], "--batch must be an int >= 1"),
     (["report", "--techniques", "conv:fft"], "conv:fft"),
     (["report", *SMALL, "--techniques", "conv:int8"], "conv:int8 in 'conv:int8': conv applies to "
                                                        "the WideResNet"),
-    (["report", "--model", "wrn-28-2", "--techniques", "all"], "wrn-28-2 has batch norm"),
+    (["report", "--model", "wrn-28-2", "--techniques", "all"],
+     "approx in 'all': activation must be one of ('exact', '1bit')"),
+    (["report", "--model", "wrn-28-2", "--techniques", "ms-norm"], "wrn-28-2 has batch norm"),
     (["report", *SMALL, "--techniques", "adama:2+offload-opt"], "offload-opt does not take adama"),
     (["report", *SMALL, "--techniques", "bf16-params"], "bf16-params needs 8bit"),
     (["report", "--model", "bert-base", "--seq", "1024", "--techniques", "baseline"],
@@ -283,7 +285,7 @@ def test_cli_usage_errors(capsys, argv, message):
 @OPTAX_BIAS_CORRECTION
 def test_cli_plan(capsys):
   # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
-  base = techniques.measure(techniques.Job("vit-tiny", batch=4), techniques.parse("baseline"))
+  base = app.measure(app.Job("vit-tiny", batch=4), app.parse("baseline"))
   budget = base.stats.peak_bytes - 2**20
   assert cli.main(["plan", *SMALL, "--budget", f"{budget}B"]) == 0
   out = capsys.readouterr().out
@@ -303,15 +305,15 @@ def test_cli_plan_nothing_fits(capsys):
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 def test_fused_ce_for_language_models(capsys):
-  assert techniques.parse("all+fused-ce").values == (
+  assert app.parse("all+fused-ce").values == (
       ("approx", True), ("ms-norm", True), ("attention", True), ("bf16", True), ("fused-ce", True))
   state = "all+8bit+bf16-params"
-  assert techniques.ladder(4) == [
+  assert app.ladder(4) == [
       "baseline", "bf16", "bf16+ms-norm+attention", "all", "all+8bit", state,
       f"{state}+remat:plan", f"{state}+offload-opt", f"{state}+remat:full+adama:2",
       f"{state}+remat:full+adama:4"]
   state = "all+fused-ce+8bit+bf16-params"
-  assert techniques.ladder(2, language_model=True) == [
+  assert app.ladder(2, language_model=True) == [
       "baseline", "fused-ce", "bf16+fused-ce", "bf16+ms-norm+attention+fused-ce", "all+fused-ce",
       "all+fused-ce+8bit", state, f"{state}+remat:plan", f"{state}+stream:device",
       f"{state}+stream:host", f"{state}+stream:host+late-embed", f"{state}+stream:host+offload-opt",
@@ -333,9 +335,9 @@ def test_fused_ce_for_language_models(capsys):
 def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
   printed Python runs and builds the same optimizer state."""
-  s = techniques.parse("adama:2+8bit+bf16-params")
+  s = app.parse("adama:2+8bit+bf16-params")
   assert s.values == (("adama", 2), ("8bit", True), ("bf16-params", True))
-  assert not s.fold_in_backward and techniques.parse("adama:2").fold_in_backward
+  assert not s.fold_in_backward and app.parse("adama:2").fold_in_backward
   small = ["--model", "vit-tiny", "--batch", "4", "--image", "32", "--target", "h100"]
   # (each 8-bit row compiles for ~15 s: one row holds both; adama's row is test_cli_report_json's)
   assert cli.main(["report", *small, "--techniques", "baseline,8bit+bf16-params,offload-opt",
@@ -345,8 +347,8 @@ def test_optimizer_memory_techniques(capsys):
   assert bf16["parameters"] == pytest.approx(base["parameters"] / 2, rel=0.05)
   assert off["optimizer_state"] == 0  # not on the device at the peak
   assert off["breakdown"]["compiled"]["host_argument_bytes"] >= base["optimizer_state"]
-  setting = techniques.parse("8bit+bf16-params+offload-opt")
-  code = setting.python(techniques.Job("vit-tiny", batch=4, image=32, target="h100"))
+  setting = app.parse("8bit+bf16-params+offload-opt")
+  code = setting.python(app.Job("vit-tiny", batch=4, image=32, target="h100"))
   assert "lm.offload.offload_state(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code
   assert "lm.lowbit.stochastic_rounding()" in code and "param_dtype=jnp.bfloat16" in code
   namespace = {}
@@ -360,7 +362,7 @@ def test_optimizer_memory_techniques(capsys):
 @OPTAX_BIAS_CORRECTION
 def test_wrn_in_the_report(capsys):
   assert cli.main(["report", "--model", "wrn-28-2", "--batch", "8", "--target", "h100",
-                   "--techniques", "baseline,approx+conv:int8", "--json"]) == 0
+                   "--techniques", "baseline,relu-1bit+conv:int8", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["image"] == 32
   base, lowmem = out["rows"]

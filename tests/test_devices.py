@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
-
-from lowmem_jax.app import cli, techniques
-from lowmem_jax.compile import memory, targets
 from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
+
+from lowmem_jax import app
+from lowmem_jax.app import cli
+from lowmem_jax.compile import memory, targets
 
 needs_target = pytest.mark.skipif(targets.available() is not None,
                                   reason=f"no compile-only GPU target: {targets.available()}")
@@ -93,9 +94,9 @@ def test_collective_bytes_of_a_sharded_scan_grow_with_its_trips(layers):
 
 
 def test_fsdp_spec_splits_the_largest_divisible_axis():
-  assert techniques.fsdp_spec((80, 8192, 28672), 8) == P(None, None, "fsdp")
-  assert techniques.fsdp_spec((4, 4), 2) == P(None, "fsdp")
-  assert techniques.fsdp_spec((3, 5), 2) == P()
+  assert app.fsdp_spec((80, 8192, 28672), 8) == P(None, None, "fsdp")
+  assert app.fsdp_spec((4, 4), 2) == P(None, "fsdp")
+  assert app.fsdp_spec((3, 5), 2) == P()
 
 
 @needs_target
@@ -117,8 +118,8 @@ def test_report_on_two_devices(capsys):
   arguments = lambda row: row["breakdown"]["compiled"]["argument_bytes"]
   assert arguments(shared) == pytest.approx(arguments(alone) / 2, rel=0.02)
   # XLA's memory analysis of the partitioned program is one device's: its arguments are the shards
-  job = techniques.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
-  assert arguments(shared) == techniques.device_argument_bytes(job, techniques.parse(llama[9]))
+  job = app.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
+  assert arguments(shared) == app.device_argument_bytes(job, app.parse(llama[9]))
   # the scan over 12 layers moves each layer's weights: far more than the loop body once
   assert shared["collective_bytes"] > shared["parameters"]
   assert shared["transfer_floor_s"] == pytest.approx(shared["collective_bytes"] / 450e9)
@@ -151,7 +152,7 @@ def test_batch_must_split_over_the_devices(capsys):
 
 @needs_target
 def test_the_ladder_over_several_devices_keeps_the_state_on_them():
-  job = techniques.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
-  sets, _ = techniques.ladder_of(job)
-  alone, _ = techniques.ladder_of(techniques.Job("llama-100m", batch=2, seq=64, target="h100"))
+  job = app.Job("llama-100m", batch=2, seq=64, target="h100", devices=2)
+  sets, _ = app.ladder_of(job)
+  alone, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=64, target="h100"))
   assert sets == [t for t in alone if "offload-opt" not in t] and len(sets) < len(alone)

@@ -250,3 +250,46 @@ def test_each_kernel_module_imports_first_in_a_fresh_interpreter():
     result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, (module, result.stderr)
+
+
+# The modules whose behaviour another test file asserts, by the file that does; every other
+# module ``a/b/name.py`` has its own ``tests/test_name.py``.
+TESTED_IN = {
+    "lowmem_jax": "test_imports.py", "lowmem_jax.ops": "test_imports.py",
+    "lowmem_jax.app": "test_techniques.py", "lowmem_jax.ops.attention": "test_attention_ops.py",
+    "lowmem_jax.models.vit": "test_models.py", "lowmem_jax._checks": "test_optim.py",
+    "lowmem_jax._plots": "test_cli.py", "lowmem_jax._sharding": "test_streamed.py",
+    "lowmem_jax._static": "test_optim.py", "lowmem_jax._text": "test_cli.py",
+    "lowmem_jax.app.fits": "test_techniques.py", "lowmem_jax.app.job": "test_techniques.py",
+    "lowmem_jax.app.measurement": "test_techniques.py", "lowmem_jax.compile": "test_targets.py",
+    "lowmem_jax.compile.memory._xla_dump": "test_xla_dump.py",
+    "lowmem_jax.compile.memory.analysis": "test_memory.py",
+    "lowmem_jax.compile.memory.breakdown": "test_memory.py",
+    "lowmem_jax.flax": "test_linen.py", "lowmem_jax.models._common": "test_models.py",
+    "lowmem_jax.names": "test_policies.py",
+    "lowmem_jax.ops._activation_reference": "test_pallas_activations.py",
+    "lowmem_jax.ops._layout": "test_layout.py", "lowmem_jax.ops._norm_reference": "test_pallas_norms.py",
+    "lowmem_jax.ops._packing": "test_pack.py", "lowmem_jax.optim.accumulation": "test_optim.py",
+    "lowmem_jax.optim.in_backward": "test_optim.py", "lowmem_jax.optim.steps": "test_optim.py",
+    "lowmem_jax.transform.api": "test_transform.py", "lowmem_jax.transform.rewrites": "test_transform.py",
+    "lowmem_jax.transform.attention": "test_transform_attention_patterns.py",
+}
+
+
+def test_every_module_has_its_test_file():
+  """``tests/test_<module>.py`` for each library module (the matchers' as
+  ``test_transform_<name>_patterns.py``), or the file `TESTED_IN` names, which exists."""
+  tests = pathlib.Path(__file__).parent
+  missing = []
+  for module in _modules():
+    if not module.startswith("lowmem_jax.") and module != "lowmem_jax":
+      continue
+    name = module.rpartition(".")[2].lstrip("_")
+    package = module.split(".")[1] if module.count(".") > 1 else ""
+    own = [f"test_{name}.py", f"test_{package}_{name}.py", f"test_{package}_{name}_patterns.py"]
+    if module.startswith("lowmem_jax.transform.attention."):
+      own = [TESTED_IN["lowmem_jax.transform.attention"]]
+    found = [f for f in [*own, TESTED_IN.get(module)] if f and (tests / f).exists()]
+    if not found:
+      missing.append(module)
+  assert not missing, "modules with no test file: " + ", ".join(missing)

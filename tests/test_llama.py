@@ -14,7 +14,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 from lowmem_jax import models
 from lowmem_jax.models import llama
 from lowmem_jax.models.llama import Llama, LlamaConfig, RopeScaling
-from lowmem_jax.optim import streamed
+from lowmem_jax.optim import per_leaf
 
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
                    rope_scaling=RopeScaling(factor=4.0, original_max_position=64))
@@ -88,29 +88,7 @@ def test_mlp_in_token_chunks_is_the_same_model(tied, chunk, switches):
   assert not any(h in str(jax.make_jaxpr(grad(chunked))(params)) for h in hidden)
 
 
-def test_chunked_residual_is_its_unchunked_twin_in_bfloat16():
-  """The value and both gradients of ``h + branch(params, h)``, bfloat16 throughout; the
-  chunks' parameter gradients summed in bfloat16, so to its rounding."""
-  k1, k2 = jax.random.split(jax.random.key(0))
-  params = {"w": (jax.random.normal(k1, (8, 8)) / 3).astype(jnp.bfloat16)}
-  h = jax.random.normal(k2, (2, 6, 8)).astype(jnp.bfloat16)
-  branch = lambda p, x: jnp.tanh(x @ p["w"])
-  loss = lambda out: jnp.sum(out.astype(jnp.float32) ** 2)
-  got = jax.value_and_grad(lambda p, h: loss(llama.chunked_residual(branch, p, h, 4)),
-                           argnums=(0, 1))(params, h)
-  want = jax.value_and_grad(lambda p, h: loss(h + branch(p, h)), argnums=(0, 1))(params, h)
-  assert got[1][1].dtype == jnp.bfloat16 and got[1][0]["w"].dtype == jnp.bfloat16
-  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), got),
-                              jax.tree.map(lambda x: x.astype(jnp.float32), want),
-                              rtol=2e-2, atol=2e-2)
-
-
-def test_mlp_chunks_are_equal_and_within_the_limit():
-  assert llama.mlp_chunks(32768, 4096) == 8
-  assert llama.mlp_chunks(4096, 4096) == llama.mlp_chunks(4096, None) == 1
-  assert llama.mlp_chunks(16, 3) == 8  # 2 tokens each: 16 has no divisor in 6 .. 7
-  assert llama.mlp_chunks(10, 4) == 5  # 2 tokens each
-  assert llama.mlp_chunks(7, 2) == 7  # prime: a token each
+def test_mlp_chunk_tokens_is_checked():
   for bad in (0, 2.0):
     with pytest.raises(ValueError, match="mlp_chunk_tokens must be a positive int"):
       Llama(TINY, mlp_chunk_tokens=bad).init(jax.random.key(0), _tokens())
@@ -169,7 +147,7 @@ def test_layer_stack_is_the_model(tied, loss, remat, split_layer):
   h = jnp.zeros((2, 8, config.dim))
   halves = [{"attention", "attention_norm"}, {"feed_forward", "ffn_norm"}]
   for part, half in zip(stack.parts, halves if split_layer else [set().union(*halves)]):
-    reads = streamed._reads(lambda p, h: part(p, h, batch), one, h)  # remat looked into
+    reads = per_leaf.reads(lambda p, h: part(p, h, batch), one, h)  # remat looked into
     assert {k for k, v in reads.items() if any(jax.tree.leaves(v))} == half
   eqns = jax.make_jaxpr(stack.run_layer)(one, h, batch).jaxpr.eqns
   policies = [e.params["policy"] for e in eqns if "policy" in e.params]

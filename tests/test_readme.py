@@ -1,5 +1,5 @@
-"""Every Python block of the README runs as written, and the figures it quotes for the
-``--step`` example are the compiled ones."""
+"""Every Python block of the README and of docs/report.md runs as written, and the figures
+docs/report.md quotes for the ``--step`` example are the compiled ones."""
 
 import json
 import pathlib
@@ -8,19 +8,32 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from third_party_promotion import (
+  OPTAX_APPLY_UPDATES,
+  OPTAX_BIAS_CORRECTION,
+  OPTAX_UPDATE_MOMENT,
+)
 
-from lowmem_jax.app import cli, techniques
-from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
+from lowmem_jax import app
+from lowmem_jax.app import cli
 
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The documents whose ```python blocks are run: the README, and docs/report.md, which holds the
+# ``--step`` protocol and its example.
+DOCS = {name: (ROOT / name).read_text() for name in ("README.md", "docs/report.md")}
+# (document, its Python block), in the documents' order.
+BLOCKS = [(name, block) for name, text in DOCS.items()
+          for block in re.findall(r"```python\n(.*?)```", text, re.S)]
 
 
 def test_every_python_block_of_the_readme_is_run():
-  """Each ```python fence is one of `BLOCKS` (so one `test_readme_block_runs` case), the NNX
-  and linen blocks among them."""
-  assert BLOCKS and len(BLOCKS) == README.count("```python\n")
-  assert any("nnx" in b for b in BLOCKS) and any("linen" in b for b in BLOCKS)
+  """Each ```python fence of each of `DOCS` is one of `BLOCKS` (so one `test_readme_block_runs`
+  case), the NNX and linen blocks among them, and one block (the ``--step`` example) defines
+  ``make_step``."""
+  for name, text in DOCS.items():
+    assert text.count("```python\n") == sum(n == name for n, _ in BLOCKS) > 0, name
+  assert any("nnx" in b for _, b in BLOCKS) and any("linen" in b for _, b in BLOCKS)
+  assert sum("def make_step" in b for _, b in BLOCKS) == 1
 
 
 def _promotion_marks(block):
@@ -32,37 +45,48 @@ def _promotion_marks(block):
   return [OPTAX_BIAS_CORRECTION] + [OPTAX_UPDATE_MOMENT, OPTAX_APPLY_UPDATES] * bf16
 
 
+def _block_id(index):
+  """``README-1``, ``report-1``: the document's stem and the block's number in it."""
+  name, _ = BLOCKS[index]
+  number = sum(n == name for n, _ in BLOCKS[:index + 1])
+  return f"{pathlib.Path(name).stem}-{number}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [pytest.param(i, marks=_promotion_marks(block))
-                                   for i, block in enumerate(BLOCKS)])
+@pytest.mark.parametrize("index", [
+    pytest.param(i, marks=_promotion_marks(block), id=_block_id(i))
+    for i, (_, block) in enumerate(BLOCKS)])
 def test_readme_block_runs(index, tmp_path, monkeypatch, capfd):
   monkeypatch.chdir(tmp_path)
   namespace = {"__name__": "readme"}
-  exec(compile(BLOCKS[index], f"README.md, Python block {index + 1}", "exec"), namespace)
+  name, block = BLOCKS[index]
+  exec(compile(block, f"{name}, Python block {_block_id(index)}", "exec"), namespace)
   err = capfd.readouterr().err  # XLA's C++ log, too: its slow-compile alarms are noise to a reader
   assert "Constant folding an instruction is taking" not in err and "slow_operation_alarm" not in err
-  if "make_step" in namespace:  # the --step example: its rows' peaks as the README says
-    _check_the_step_example(tmp_path, capfd)
+  if "make_step" in namespace:  # the --step example: its rows' peaks as its document says
+    _check_the_step_example(name, tmp_path, capfd)
 
 
-def _check_the_step_example(tmp_path, capfd):
-  """`lowmem-jax report --step` gives the peaks the README quotes, and `plan --step` with the
-  README's budget tries at least five rows, cheapest recompute first, and picks the first
-  that fits; the Python it prints makes that step."""
-  text = README.replace("\n", " ")
+def _check_the_step_example(name, tmp_path, capfd):
+  """`lowmem-jax report --step` gives the peaks that the document `name` (the one holding the
+  make_step block) quotes, and `plan --step` with its budget tries at least five rows,
+  cheapest recompute first, and picks the first that fits; the Python it prints makes that
+  step."""
+  text = DOCS[name].replace("\n", " ")
   quoted = re.search(r"prints `baseline`, `lowmem` and `lowmem\+approx` \((\d+), (\d+) and "
                      r"(\d+) MiB on the H100 target", text)
   budget = re.search(r"lowmem-jax plan --step train.py:make_step --budget (\d+)MiB`", text)
-  source = next(b for b in BLOCKS if "def make_step" in b)
+  assert quoted and budget, f"{name} quotes the --step example's peaks and budget"
+  source = next(b for n, b in BLOCKS if n == name and "def make_step" in b)
   (tmp_path / "train.py").write_text(source)
   spec = f"{tmp_path / 'train.py'}:make_step"
   assert cli.main(["report", "--step", spec, "--target", "h100", "--json"]) == 0
   rows = json.loads(capfd.readouterr().out)["rows"]
   assert [r["techniques"] for r in rows] == ["baseline", "lowmem", "lowmem+approx"]
   assert [round(r["peak_bytes"] / 2**20) for r in rows] == [int(q) for q in quoted.groups()]
-  job = techniques.Job(make_step=cli.load_step(spec), target="h100")
-  fit = techniques.cheapest_fit(job, int(budget[1]) * 2**20)
-  texts, left_out = techniques.ladder_of(job)
+  job = app.Job(make_step=cli.load_step(spec), target="h100")
+  fit = app.cheapest_fit(job, int(budget[1]) * 2**20)
+  texts, left_out = app.ladder_of(job)
   assert not left_out and len(fit.tried) >= 5
   assert [s.label for _, s in fit.tried] == texts[:len(fit.tried)]
   assert all(b.stats.peak_bytes > int(budget[1]) * 2**20 for b, _ in fit.tried[:-1])
@@ -71,4 +95,4 @@ def _check_the_step_example(tmp_path, capfd):
   namespace = {"make_step": job.make_step}
   exec(fit.fits.python(job), namespace)
   shapes = lambda tree: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)
-  assert shapes(namespace["args"]) == shapes(techniques._user_step(job, fit.fits)[1])
+  assert shapes(namespace["args"]) == shapes(app.user_step(job, fit.fits)[1])

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
-from lowmem_jax.optim import streamed
-from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
+from lowmem_jax.optim import per_leaf, streamed
 
 pytestmark = OPTAX_BIAS_CORRECTION
 
@@ -126,7 +126,7 @@ def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elemen
   assert_close(got, want)
   one = jax.tree.map(lambda x: x[0], params["layers"])
   h = jnp.zeros((2, 8, DIM))
-  assert [{k for k, r in streamed._reads(lambda p, h: part(p, h, None), one, h).items() if r}
+  assert [{k for k, r in per_leaf.reads(lambda p, h: part(p, h, None), one, h).items() if r}
           for part in model.parts] == [{"norm", "w1"}, {"norm", "w2"}]
   for name in ("norm", "w1", "w2", "unread"):
     assert not np.allclose(got["layers"][name], params["layers"][name]), name
@@ -385,21 +385,6 @@ def test_llama_under_a_mesh_gathers_each_layer_and_equals_one_device():
   assert_close(got_state, one_state, rtol=1e-4, atol=1e-5)
   outside = lm.memory.collective_bytes(step.lower(sharded, state, data).compile().as_text())
   assert in_mesh < outside
-
-
-def test_token_chunks_hold_whole_positions_under_a_mesh():
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  h = jnp.arange(8 * 6 * 2, dtype=jnp.float32).reshape(8, 6, 2)
-  chunks, unchunk = lm.models.llama._token_chunks(h, 8 * 2)
-  assert chunks.shape == (3, 16, 2)  # without a mesh: the flattened tokens, batch-major
-  np.testing.assert_array_equal(unchunk(chunks), h)
-  with jax.set_mesh(mesh):
-    chunks, unchunk = lm.models.llama._token_chunks(h, 8 * 2)
-    assert chunks.shape == (3, 2, 8, 2)  # 2 positions of all 8 sequences each
-    np.testing.assert_array_equal(chunks[1, 0], h[:, 2])
-    np.testing.assert_array_equal(unchunk(chunks), h)
-    chunks, _ = lm.models.llama._token_chunks(h, 4)  # 8 sequences exceed 4: a position each
-    assert chunks.shape == (6, 1, 8, 2)
 
 
 def test_it_composes_with_lm_lowmem_and_a_remat_policy_in_the_layer():

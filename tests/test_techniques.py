@@ -5,12 +5,13 @@ import dataclasses
 import jax
 import optax
 import pytest
-
-import lowmem_jax as lm
-from lowmem_jax.app import code, techniques
 from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
-SMALL = techniques.Job("vit-tiny", batch=4, image=32, target="cpu")
+import lowmem_jax as lm
+from lowmem_jax import app
+from lowmem_jax.app import code, techniques
+
+SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -23,20 +24,20 @@ SMALL = techniques.Job("vit-tiny", batch=4, image=32, target="cpu")
     ("lowmem", "applies only to --step"),
 ])
 def test_parse_errors_name_the_term(text, message):
-  with pytest.raises(techniques.TechniqueError, match=message):
-    techniques.parse(text)
+  with pytest.raises(app.TechniqueError, match=message):
+    app.parse(text)
 
 
 def test_parse_step_techniques():
-  assert "lowmem" in techniques.parse("lowmem", step=True)
-  assert techniques.parse("lowmem+approx+adama:4+8bit", step=True).values == (
+  assert "lowmem" in app.parse("lowmem", step=True)
+  assert app.parse("lowmem+approx+adama:4+8bit", step=True).values == (
       ("approx", True), ("adama", 4), ("8bit", True), ("lowmem", True))
-  with pytest.raises(techniques.TechniqueError, match="'fused-ce' in 'lowmem\\+fused-ce' applies "
+  with pytest.raises(app.TechniqueError, match="'fused-ce' in 'lowmem\\+fused-ce' applies "
                      "only to the reference models"):
-    techniques.parse("lowmem+fused-ce", step=True)
-  with pytest.raises(techniques.TechniqueError, match="'sparse:0.1' in 'sparse:0.1' applies only "
+    app.parse("lowmem+fused-ce", step=True)
+  with pytest.raises(app.TechniqueError, match="'sparse:0.1' in 'sparse:0.1' applies only "
                      "to the reference models"):
-    techniques.parse("sparse:0.1", step=True)
+    app.parse("sparse:0.1", step=True)
 
 
 def _all_options(lowmem=lambda f: f, dtype=None, policy=None, adamw=None, micro_batches=1,
@@ -54,14 +55,14 @@ def _lowmem_only(lowmem=lambda f: f):
 
 def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
   state = "bf16+lowmem+approx+8bit+bf16-params"
-  assert techniques.ladder(None, step=True) == [
+  assert app.ladder(None, step=True) == [
       "baseline", "bf16", "bf16+lowmem", "bf16+lowmem+approx", "bf16+lowmem+approx+8bit", state,
       f"{state}+remat:plan", f"{state}+offload-opt", f"{state}+remat:full+adama:2",
       f"{state}+remat:full+adama:4", f"{state}+remat:full+adama:8"]
-  full = techniques.Job(make_step=_all_options, target="cpu")
-  assert techniques.ladder_of(full) == (techniques.ladder(None, step=True), ())
-  only = techniques.Job(make_step=_lowmem_only, target="cpu")
-  assert techniques.ladder_of(only) == (["baseline", "lowmem", "lowmem+approx"], (
+  full = app.Job(make_step=_all_options, target="cpu")
+  assert app.ladder_of(full) == (app.ladder(None, step=True), ())
+  only = app.Job(make_step=_lowmem_only, target="cpu")
+  assert app.ladder_of(only) == (["baseline", "lowmem", "lowmem+approx"], (
       "bf16", "8bit", "bf16-params", "remat:plan", "offload-opt", "remat:full", "adama:2",
       "adama:4", "adama:8"))
   assert only.default_sets() == ["baseline", "lowmem", "lowmem+approx"]
@@ -69,12 +70,12 @@ def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
 
 def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():
   """**unused takes every option: bf16-params stays; without 8bit's (adamw) it goes too."""
-  job = techniques.Job(make_step=_lowmem_and_params, target="cpu")
+  job = app.Job(make_step=_lowmem_and_params, target="cpu")
   assert job.step_keywords() == frozenset(techniques.STEP_OPTIONS)
-  job = techniques.Job(make_step=_all_options, target="cpu")
+  job = app.Job(make_step=_all_options, target="cpu")
   assert job.without_missing("bf16+lowmem+8bit+bf16-params") == (
       "bf16+lowmem+8bit+bf16-params", ())
-  job = techniques.Job(make_step=lambda lowmem=None, param_dtype=None, optimizer=None: None,
+  job = app.Job(make_step=lambda lowmem=None, param_dtype=None, optimizer=None: None,
                        target="cpu")
   assert job.without_missing("bf16+lowmem+approx+8bit+bf16-params") == (
       "lowmem+approx", ("bf16", "8bit", "bf16-params"))
@@ -83,8 +84,8 @@ def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_op
 
 def test_a_steps_options_are_printed_as_they_are_passed():
   """What `python` prints is what make_step is called with (`code.value` of each)."""
-  job = techniques.Job(make_step=_all_options, target="cpu")
-  s = techniques.parse("lowmem+approx+bf16+remat:dots+adama:2+8bit+bf16-params", step=True)
+  job = app.Job(make_step=_all_options, target="cpu")
+  s = app.parse("lowmem+approx+bf16+remat:dots+adama:2+8bit+bf16-params", step=True)
   options = s.step_options()
   assert s.python(job).splitlines()[-1] == (
       "step, args, *loss = _all_options(lowmem=functools.partial(lm.lowmem, activations=\"approx\""
@@ -96,7 +97,7 @@ def test_a_steps_options_are_printed_as_they_are_passed():
   assert values["policy"] is lm.policies.dots and values["micro_batches"] == 2
   assert values["adamw"].func is lm.adamaw and values["adamw"].keywords == {"k": 2, "state_bits": 8}
   assert isinstance(values["optimizer"](optax.sgd(0.1)), optax.GradientTransformation)
-  exact = techniques.parse("lowmem+offload-opt", step=True).step_options()
+  exact = app.parse("lowmem+offload-opt", step=True).step_options()
   assert code.value(exact["lowmem"]) is lm.lowmem  # its defaults: the exact rewrites
   assert code.source(exact["optimizer"]) == "lambda tx: lm.offload.offload_state(tx)"
 
@@ -109,43 +110,43 @@ def test_a_steps_options_are_printed_as_they_are_passed():
     (dict(dtype="int8"), "dtype must be float32, bfloat16 or float16, got 'int8'"),
 ])
 def test_bad_job_names_the_field(fields, message):
-  with pytest.raises(techniques.TechniqueError, match=message):
-    techniques.Job(**fields)
+  with pytest.raises(app.TechniqueError, match=message):
+    app.Job(**fields)
 
 
 @pytest.mark.parametrize("model", ["vit-b16", "llama-100m", "minilm-l6", "wrn-28-2"])
 def test_each_default_set_applies_to_its_model(model):
   """A report's default sets parse and pass the models' own checks, each declared
   technique once, and a language model's include the loss head."""
-  job = techniques.Job(model, batch=8, target="cpu")
-  sets = [techniques.parse(text) for text in job.default_sets()]
+  job = app.Job(model, batch=8, target="cpu")
+  sets = [app.parse(text) for text in job.default_sets()]
   for s in sets:
     s.check(job)
   used = {term for s in sets for term, _ in s.values}
-  assert used <= set(techniques.TECHNIQUES)
+  assert used <= set(app.TECHNIQUES)
   assert ("fused-ce" in used) == job.language_model
   assert sets[0].values == ()  # the baseline first: the ratios are against it
 
 
 def test_the_default_image_side_is_the_models():
-  assert techniques.Job("wrn-28-2", target="cpu").image_side == 32
-  assert techniques.Job("vit-b16", target="cpu").image_side == 224
-  assert techniques.Job("vit-b16", image=64, target="cpu").image_side == 64
+  assert app.Job("wrn-28-2", target="cpu").image_side == 32
+  assert app.Job("vit-b16", target="cpu").image_side == 224
+  assert app.Job("vit-b16", image=64, target="cpu").image_side == 64
 
 
 def test_sparse_is_stored_sparse_on_the_wideresnet_only():
-  sparse = techniques.parse("sparse:0.25")
+  sparse = app.parse("sparse:0.25")
   assert sparse.get("sparse") == 0.25
-  with pytest.raises(techniques.TechniqueError, match="sparse:0.25 in 'sparse:0.25': density .* applies to the WideResNet"):
+  with pytest.raises(app.TechniqueError, match="sparse:0.25 in 'sparse:0.25': density .* applies to the WideResNet"):
     sparse.workload(SMALL)
-  wrn = techniques.Job("wrn-28-2", batch=8)
+  wrn = app.Job("wrn-28-2", batch=8)
   code = sparse.python(wrn)
   assert "density=0.25" in code and "tx = wl.optimizer(optax.adamw(" in code
-  code = techniques.parse("sparse:0.25+adama:4+8bit").python(wrn)
+  code = app.parse("sparse:0.25+adama:4+8bit").python(wrn)
   assert "fold = lm.MomentFold(4)" in code and "lm.adamaw(0.001, fold, state_bits=8)" in code
   assert "wl.train_step(tx, fold)" in code
   # measure() runs the program the printed lines are made of (test_cli runs printed code)
-  program = techniques.parse("sparse:0.25+adama:4+8bit").program(wrn)
+  program = app.parse("sparse:0.25+adama:4+8bit").program(wrn)
   assert code.startswith(program.source())
   built = program.run()
   assert built["wl"].model.density == 0.25 and built["fold"] == lm.MomentFold(4)
@@ -153,8 +154,8 @@ def test_sparse_is_stored_sparse_on_the_wideresnet_only():
   assert lm.sparse.find_state(state) is not None and lm.optim.find_adama_state(state) is not None
   wl = sparse.workload(wrn)
   assert wl.sparse and wl.model.density == 0.25
-  with pytest.raises(techniques.TechniqueError, match="sparse does not take offload-opt"):
-    techniques.parse("sparse:0.25+offload-opt").workload(wrn)
+  with pytest.raises(app.TechniqueError, match="sparse does not take offload-opt"):
+    app.parse("sparse:0.25+offload-opt").workload(wrn)
 
 
 @pytest.mark.slow
@@ -163,49 +164,49 @@ def test_sparse_is_stored_sparse_on_the_wideresnet_only():
 def test_cheapest_fit_stops_at_the_first_set_that_fits():
   # on the CPU proxy bfloat16 costs more
   job = dataclasses.replace(SMALL, image=None, target="h100")
-  base = techniques.measure(job, techniques.parse("baseline"), top=0)
+  base = app.measure(job, app.parse("baseline"), top=0)
   tried = []
-  fit = techniques.cheapest_fit(job, base.stats.peak_bytes - 1, tried.append)
+  fit = app.cheapest_fit(job, base.stats.peak_bytes - 1, tried.append)
   assert fit.fits is not None and fit.fits.label == tried[-1] != "baseline"
   assert [b.label for b, _ in fit.tried] == tried
   assert fit.tried[-1][0].stats.peak_bytes < base.stats.peak_bytes
-  nothing = techniques.cheapest_fit(job, 1024)
+  nothing = app.cheapest_fit(job, 1024)
   assert nothing.fits is None and not nothing.tried and nothing.fixed_bytes > 1024
 
 
 def test_a_set_that_does_not_suit_the_job_raises():
   def make_step():
     raise AssertionError("not called: the set is refused first")
-  with pytest.raises(techniques.TechniqueError, match="'all' changes a reference model"):
-    techniques.measure(techniques.Job(make_step=make_step), techniques.parse("all"))
-  with pytest.raises(techniques.TechniqueError, match="takes no lowmem argument"):
-    techniques.measure(techniques.Job(make_step=make_step),
-                       techniques.parse("lowmem", step=True))
-  lowmem = techniques.TechniqueSet("lowmem", (("lowmem", True),))
-  with pytest.raises(techniques.TechniqueError, match="applies only to a step of your own"):
-    techniques.measure(SMALL, lowmem)
-  with pytest.raises(techniques.TechniqueError, match="the ladder is the transformers'"):
-    techniques.cheapest_fit(techniques.Job("wrn-28-2"), 2**30)
+  with pytest.raises(app.TechniqueError, match="'all' changes a reference model"):
+    app.measure(app.Job(make_step=make_step), app.parse("all"))
+  with pytest.raises(app.TechniqueError, match="takes no lowmem argument"):
+    app.measure(app.Job(make_step=make_step),
+                       app.parse("lowmem", step=True))
+  lowmem = app.TechniqueSet("lowmem", (("lowmem", True),))
+  with pytest.raises(app.TechniqueError, match="applies only to a step of your own"):
+    app.measure(SMALL, lowmem)
+  with pytest.raises(app.TechniqueError, match="the ladder is the transformers'"):
+    app.cheapest_fit(app.Job("wrn-28-2"), 2**30)
 
 
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
 def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_opt():
-  job = techniques.Job("llama-100m", batch=1, seq=64, target="h100")
-  streamed = techniques.parse("fused-ce+8bit+bf16-params+stream:host+offload-opt")
+  job = app.Job("llama-100m", batch=1, seq=64, target="h100")
+  streamed = app.parse("fused-ce+8bit+bf16-params+stream:host+offload-opt")
   code = streamed.python(job)
   assert ('streamed = lm.optim.layer_streamed(wl.layer_stack(), tx, state="host", '
           'saved_inputs="host")') in code
   assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))" in code
   assert "opt_state = streamed.init(params)" in code and "offload_state" not in code
-  b = techniques.measure(job, streamed, top=0)
-  row = techniques.row(b, b, streamed)
+  b = app.measure(job, streamed, top=0)
+  row = app.row(b, b, streamed)
   built = streamed.program(job).run()
   state = jax.eval_shape(built["streamed"].init, built["wl"].abstract_params())
   assert row["host_bytes"] >= lm.memory.tree_bytes(state) > 0
   assert row["optimizer_state"] == 0 and row["saved_activation_bytes"] is None
-  on_device = techniques.measure(job, techniques.parse("fused-ce+8bit+bf16-params+stream:device"),
+  on_device = app.measure(job, app.parse("fused-ce+8bit+bf16-params+stream:device"),
                                  top=0)
   assert on_device.stats.host_argument_bytes == 0
   assert on_device.stats.peak_bytes > b.stats.peak_bytes + lm.memory.tree_bytes(state) // 2
@@ -213,30 +214,30 @@ def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_op
 
 @pytest.mark.parametrize("text,job,message", [
     ("stream:host", SMALL, "stream:host in 'stream:host': the layer-streamed step takes the LLaMA"),
-    ("stream:host+adama:2", techniques.Job("llama-100m", batch=2, seq=64, target="cpu"),
+    ("stream:host+adama:2", app.Job("llama-100m", batch=2, seq=64, target="cpu"),
      "stream does not take adama"),
-    ("stream:host+remat:full", techniques.Job("llama-100m", batch=2, seq=64, target="cpu"),
+    ("stream:host+remat:full", app.Job("llama-100m", batch=2, seq=64, target="cpu"),
      "stream does not take remat"),
 ])
 def test_stream_refuses_what_it_does_not_take(text, job, message):
-  with pytest.raises(techniques.TechniqueError, match=message):
-    techniques.parse(text).check(job)
+  with pytest.raises(app.TechniqueError, match=message):
+    app.parse(text).check(job)
 
 
 def test_late_embed_makes_the_embeddings_gradient_late_on_llama_only():
-  job = techniques.Job("llama-tiny", batch=2, seq=16, target="cpu")
-  late = techniques.parse("fused-ce+stream:host+late-embed")
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  late = app.parse("fused-ce+stream:host+late-embed")
   assert 'embedding="late"' in late.python(job)
   assert late.switches(job)["embedding"] == "late"
-  assert "embedding" not in techniques.parse("fused-ce+stream:host").switches(job)
-  with pytest.raises(techniques.TechniqueError,
+  assert "embedding" not in app.parse("fused-ce+stream:host").switches(job)
+  with pytest.raises(app.TechniqueError,
                      match="late-embed in 'late-embed': embedding='late' applies to the LLaMA"):
-    techniques.parse("late-embed").check(SMALL)
+    app.parse("late-embed").check(SMALL)
 
 
 def test_stream_takes_a_place():
-  with pytest.raises(techniques.TechniqueError, match="device or host"):
-    techniques.parse("stream:disk")
+  with pytest.raises(app.TechniqueError, match="device or host"):
+    app.parse("stream:disk")
 
 
 @pytest.mark.slow
@@ -245,16 +246,16 @@ def test_stream_takes_a_place():
 def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   """A budget under every set's arguments on the device but the one with its state on the
   host: the others are skipped without compiling, that one compiled (and fits)."""
-  job = techniques.Job("llama-100m", batch=1, seq=64, target="h100")
-  texts = techniques.ladder(1, language_model=True)
-  last = techniques.parse(texts[-1])
+  job = app.Job("llama-100m", batch=1, seq=64, target="h100")
+  texts = app.ladder(1, language_model=True)
+  last = app.parse(texts[-1])
   assert "offload-opt" in last and "stream" in last
-  floor = techniques.device_argument_bytes(job, last)
-  on_device = min(techniques.device_argument_bytes(job, techniques.parse(
+  floor = app.device_argument_bytes(job, last)
+  on_device = min(app.device_argument_bytes(job, app.parse(
       t.replace("+remat:plan", ""))) for t in texts[:-1])
   assert floor < on_device
   tried = []
-  fit = techniques.cheapest_fit(job, on_device - 1, tried.append)
+  fit = app.cheapest_fit(job, on_device - 1, tried.append)
   assert tried == [texts[-1]] and [t for t, _ in fit.skipped] == texts[:-1]
   assert fit.fixed_bytes == floor and fit.fits is not None
   assert fit.fits.label == texts[-1] and fit.tried[0][0].stats.peak_bytes <= on_device - 1

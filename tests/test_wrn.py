@@ -68,17 +68,15 @@ def test_1bit_relu_gives_the_same_gradient_and_saves_bits(variables):
   assert saved.by_name()[names.ACT_CODE] > 0
 
 
-def test_approx_is_the_old_name_of_1bit(variables):
+def test_approx_is_the_transformers_term_and_the_relu_takes_its_own(variables):
+  """"approx" is ReGELU2/ReSiLU2, an approximate gradient; the WideResNet's exact 1-bit ReLU is
+  "1bit", and "approx" on it is refused with the choices it takes."""
   x, y = data()
-  with pytest.warns(DeprecationWarning, match="activation='1bit'"):
-    old = jax.make_jaxpr(lambda p: train_loss(small(activation="approx"), p, x, y))(
-        variables["params"])
-  new = jax.make_jaxpr(lambda p: train_loss(small(activation="1bit"), p, x, y))(
-      variables["params"])
-  assert str(old) == str(new)
-  with pytest.warns(DeprecationWarning, match="activation='1bit'"):
-    wl = models.workload("wrn-28-2", batch=1, activation="approx")
-  assert wl.model.activation == "1bit"
+  with pytest.raises(ValueError, match=r"activation must be one of \('exact', '1bit'\), got 'approx'"):
+    jax.make_jaxpr(lambda p: train_loss(small(activation="approx"), p, x, y))(variables["params"])
+  with pytest.raises(ValueError, match=r"activation must be one of \('exact', '1bit'\)"):
+    models.workload("wrn-28-2", batch=1, activation="approx")
+  assert models.workload("wrn-28-2", batch=1, activation="1bit").model.activation == "1bit"
 
 
 @pytest.mark.slow

@@ -49,7 +49,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lowmem_jax import models
-from lowmem_jax.app import techniques
+from lowmem_jax.app import fits, measurement, techniques
+from lowmem_jax.app.job import Job
 from lowmem_jax.compile import memory, targets
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -116,7 +117,7 @@ def load_step(spec: str) -> Callable:
   return fn
 
 
-def check_positions(job: techniques.Job) -> None:
+def check_positions(job: Job) -> None:
   """`UsageError` naming the options where a reference model's batch holds more positions
   (tokens, or an image model's pixels) than `MAX_POSITIONS`: before anything compiles."""
   image = job.model in models.VIT_CONFIGS or job.conv_net
@@ -140,14 +141,14 @@ def _users_line(error: BaseException) -> str | None:
   return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else None
 
 
-def _measure_all(job: techniques.Job, sets: list[techniques.TechniqueSet],
+def _measure_all(job: Job, sets: list[techniques.TechniqueSet],
                  top: int | None = 10) -> list[memory.Breakdown]:
-  """`techniques.measure` of each set, showing its progress."""
+  """`measurement.measure` of each set, showing its progress."""
   breakdowns = []
   with _progress(len(sets)) as show:
     for i, s in enumerate(sets):
       show(s.label, i)
-      breakdowns.append(techniques.measure(job, s, top=top))
+      breakdowns.append(measurement.measure(job, s, top=top))
   return breakdowns
 
 
@@ -168,7 +169,7 @@ def _progress(total: int):
                                              completed=done)
 
 
-def _workload_title(args, job: techniques.Job) -> str:
+def _workload_title(args, job: Job) -> str:
   target = job.target.name
   if job.make_step is not None:
     return f"{args.step} training step (target {target}, jax {jax.__version__})"
@@ -225,13 +226,13 @@ def _summary(rows: list[dict], title: str) -> Table:
   return table
 
 
-def report(args, job: techniques.Job, console: Console) -> int:
+def report(args, job: Job, console: Console) -> int:
   texts = args.techniques.split(",") if args.techniques is not None else job.default_sets()
   sets = [techniques.parse(t, step=job.make_step is not None) for t in texts]
   left_out = [] if job.make_step is None or args.techniques is not None else _left_out(
       job, [term for t in techniques.STEP_DEFAULT.split(",") for term in job.without_missing(t)[1]])
   for s in sets:
-    techniques.check(job, s)
+    measurement.check(job, s)
   if args.plot:
     try:
       os.makedirs(args.plot, exist_ok=True)
@@ -239,7 +240,7 @@ def report(args, job: techniques.Job, console: Console) -> int:
       raise UsageError(f"--plot {args.plot}: {e.strerror}.") from e
   breakdowns = _measure_all(job, sets, top=args.top)
   base = next((b for b in breakdowns if b.label == "baseline"), breakdowns[0])
-  rows = [techniques.row(b, base, s) for b, s in zip(breakdowns, sets)]
+  rows = [measurement.row(b, base, s) for b, s in zip(breakdowns, sets)]
   if args.plot:
     try:
       breakdowns[0].plot(os.path.join(args.plot, "components.png"), *breakdowns[1:])
@@ -272,7 +273,7 @@ def report(args, job: techniques.Job, console: Console) -> int:
   return 0
 
 
-def _left_out(job: techniques.Job, terms: list[str]) -> tuple[list[str], str] | tuple[()]:
+def _left_out(job: Job, terms: list[str]) -> tuple[list[str], str] | tuple[()]:
   """``(techniques, one line saying so)`` of the techniques ``terms`` names that were left
   out because ``make_step`` takes not their options; ``()`` where none was."""
   names = list(dict.fromkeys(t.partition(":")[0] for t in terms))
@@ -285,11 +286,11 @@ def _left_out(job: techniques.Job, terms: list[str]) -> tuple[list[str], str] | 
                  "argument; see lowmem-jax report --help)")
 
 
-def plan(args, job: techniques.Job, console: Console) -> int:
+def plan(args, job: Job, console: Console) -> int:
   budget = parse_bytes(args.budget)
-  sets, _ = techniques.ladder_of(job)
+  sets, _ = fits.ladder_of(job)
   with _progress(len(sets)) as show:
-    fit = techniques.cheapest_fit(job, budget, lambda text: show(text, sets.index(text)))
+    fit = fits.cheapest_fit(job, budget, lambda text: show(text, sets.index(text)))
   if not fit.tried and fit.fixed_bytes > budget:
     print(f"lowmem-jax: nothing fits {_size(budget)}: the parameters and optimizer state on "
           f"the device alone take {_size(fit.fixed_bytes)} at the least (8-bit moments, "
@@ -313,7 +314,7 @@ def plan(args, job: techniques.Job, console: Console) -> int:
           file=sys.stderr)
     return 1
   base = fit.tried[0][0]
-  console.print(_summary([techniques.row(b, base, s) for b, s in fit.tried],
+  console.print(_summary([measurement.row(b, base, s) for b, s in fit.tried],
                          f"{_workload_title(args, job)}: tried, cheapest first"))
   console.print(job.target.note, highlight=False)
   console.print(f"Fits {_size(budget)}: {fit.fits.label} "
@@ -336,20 +337,18 @@ def _target(text: str | None) -> targets.Target:
     raise UsageError(f"--target {text}: {e}") from e
 
 
-def _check_devices(args, target: targets.Target) -> None:
-  """`UsageError` naming ``--devices`` where several devices do not apply."""
-  if args.devices == 1:
-    return
-  if target.platform != "cuda":
-    raise UsageError(f"--devices {args.devices}: FSDP over several devices compiles for a GPU "
-                     f"target (--target h100, ...); target {target.name} is the CPU proxy.")
-  if args.batch % args.devices:
-    raise UsageError(f"--batch {args.batch} does not split over --devices {args.devices}: give "
-                     "a batch divisible by the devices.")
+def _job(args, target: targets.Target) -> Job:
+  """The `Job` of the options; its checks' errors name the option (``--batch``)."""
+  step = load_step(args.step) if args.step is not None else None
   try:
-    target.devices(args.devices)
-  except ValueError as e:
-    raise UsageError(f"--devices {args.devices}: {e}") from e
+    return Job(args.model, args.batch, args.seq, args.image, args.dtype, target, step,
+               args.devices)
+  except techniques.TechniqueError as e:
+    if e.field is None:
+      raise
+    # The fields by their options: "batch 3 ... devices=2" reads "--batch 3 ... --devices 2".
+    raise UsageError(re.sub(r"(?<![-\w])(model|batch|seq|image|dtype|devices)(=| (?=\d|must))",
+                            r"--\1 ", str(e))) from e
 
 
 class _Parser(argparse.ArgumentParser):
@@ -380,9 +379,9 @@ def _parser() -> argparse.ArgumentParser:
                        f"not take leaves its techniques unmeasured:\n{techniques.step_help()}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
-                      description=f"Tries, cheapest first: {', '.join(techniques.ladder(8))}, "
+                      description=f"Tries, cheapest first: {', '.join(fits.ladder(8))}, "
                       "...; with --step: "
-                      f"{', '.join(techniques.ladder(None, step=True))} (see lowmem-jax report "
+                      f"{', '.join(fits.ladder(None, step=True))} (see lowmem-jax report "
                       "--help for make_step's options)")
   for p in (rep, pl):
     p.set_defaults(given=())
@@ -441,9 +440,6 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
       if flag == "--budget" and value.startswith("-"):  # argparse would take it for an option
         parse_bytes(value)
     args = _parser().parse_args(argv)
-    for name in ("batch", "seq", "image", "devices"):
-      if getattr(args, name) is not None and getattr(args, name) < 1:
-        raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     if getattr(args, "top", 0) < 0:
       raise UsageError(f"--top must be >= 0, got {args.top}.")
     if args.step is not None and args.given:
@@ -451,9 +447,7 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
                        "own step and shapes.")
     with quiet_plugin_load():  # the GPU target's plugin loads here
       target = _target(args.target)
-    _check_devices(args, target)
-    job = techniques.Job(args.model, args.batch, args.seq, args.image, args.dtype, target,
-                         load_step(args.step) if args.step is not None else None, args.devices)
+    job = _job(args, target)
     if job.make_step is None:
       check_positions(job)
     return (report if args.command == "report" else plan)(args, job, console)

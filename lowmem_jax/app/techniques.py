@@ -1,37 +1,39 @@
-"""Technique sets: what ``lowmem-jax report`` and ``plan`` measure, as a library.
+"""The technique registry: what ``lowmem-jax report`` and ``plan`` measure, as a library.
 
 `TECHNIQUES` declares each technique once (its CLI term, the model switches it
 sets, its `lowmem_jax.lowmem` option, how it wraps the optimizer, whether its
-gradient is exact); everything below reads it. A technique set joins
-techniques with "+" (``"all+remat:full+adama:4"``);
-`parse` makes a `TechniqueSet` of it. A `Job` says what is measured: a
-reference model of `lowmem_jax.models` at a batch's shapes, or a step of the
-user's own (``make_step``). `measure` compiles one set's training step for the
-job's target and returns its `lowmem_jax.compile.memory.Breakdown`; `row` gives its
-summary figures against a baseline; `cheapest_fit` walks `ladder`, cheapest
-first, to the first set whose compiled peak fits a budget; `TechniqueSet.python`
-is the code that builds that step.
+gradient is exact); everything else reads it. A technique set joins techniques
+with "+" (``"all+remat:full+adama:4"``); `parse` makes a `TechniqueSet` of it,
+whose `TechniqueSet.python` is the code that builds its step. What a set is
+measured on is a `lowmem_jax.app.job.Job`; `lowmem_jax.app.measurement` compiles
+it, `lowmem_jax.app.fits` finds the cheapest set that fits a budget.
 
-    from lowmem_jax.app import techniques
-    job = techniques.Job("llama-1b", batch=8, seq=2048, target="h100")
-    b = techniques.measure(job, techniques.parse("all+fused-ce"))
+    from lowmem_jax import app
+    job = app.Job("llama-1b", batch=8, seq=2048, target="h100")
+    b = app.measure(job, app.parse("all+fused-ce"))
 """
 
-import contextlib
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from lowmem_jax import models, transform
 from lowmem_jax.app import code
-from lowmem_jax.compile import memory, planner, policies, targets
-from lowmem_jax.ops import dispatch
-from lowmem_jax.optim import offload, sparse
+from lowmem_jax.choices import Activation, Attention, Conv, Embedding, Loss, Norm, Place
+from lowmem_jax.compile import policies
+
+
+class TechniqueError(ValueError):
+  """A technique set or a job that cannot be measured, said in one line; ``field``: the
+  `lowmem_jax.app.Job` field at fault, where one is (the CLI names its option)."""
+
+  def __init__(self, message: str, field: str | None = None):
+    super().__init__(message)
+    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +64,15 @@ class Technique:
   value: str | None = None
   parse: Callable[[str], Any] | None = None
   off: Any = None
-  switches: Mapping[str, Any] | Callable[[Any, "Job"], Mapping[str, Any]] = dataclasses.field(
+  switches: Mapping[str, Any] | Callable[[Any, Any], Mapping[str, Any]] = dataclasses.field(
       default_factory=dict)
   lowmem: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  optimizer: Callable[["code.Call"], "code.Call"] | None = None
+  optimizer: Callable[[code.Call], code.Call] | None = None
   exact: bool = True
   needs: tuple[str, str] | None = None
   excludes: tuple[tuple[str, str], ...] = ()
 
-  def model_switches(self, value: Any, job: "Job") -> dict[str, Any]:
+  def model_switches(self, value: Any, job) -> dict[str, Any]:
     """The model switches this technique sets on ``job`` with ``value``."""
     return dict(self.switches(value, job) if callable(self.switches) else self.switches)
 
@@ -93,13 +95,13 @@ def _micro_batches(text: str) -> int:
 
 
 def _conv(text: str) -> str:
-  if text not in ("pooled", "int8"):
+  if text not in (Conv.POOLED, Conv.INT8):
     raise ValueError("the convolution must be pooled or int8")
   return text
 
 
 def _place(text: str) -> str:
-  if text not in ("device", "host"):
+  if text not in tuple(Place):
     raise ValueError("the saved layer inputs' place must be device or host, e.g. stream:host")
   return text
 
@@ -119,14 +121,16 @@ _ALL = ("approx", "ms-norm", "attention", "bf16")
 TECHNIQUES = {t.term: t for t in (
     Technique("baseline", "plain JAX/Flax: exact GELU/SiLU, LayerNorm/RMSNorm, attention keeping "
               "its probabilities, AdamW"),
-    Technique("approx", "ReGELU2/ReSiLU2 keeping 2-bit activation residuals; on wrn-28-2, ReLU "
-              "keeping a 1-bit mask instead, exact there",
-              switches=lambda _, job: {"activation": "1bit" if job.conv_net else "approx"},
-              lowmem={"activations": "approx"}, exact=False),
+    Technique("approx", "ReGELU2/ReSiLU2 keeping 2-bit activation residuals (the transformers)",
+              switches={"activation": Activation.APPROX.value},
+              lowmem={"activations": Activation.APPROX.value}, exact=False),
+    Technique("relu-1bit", "wrn-28-2: ReLU keeping a 1-bit mask of its input's sign, the exact "
+              "gradient", switches={"activation": Activation.ONE_BIT.value}),
     Technique("ms-norm", "memory-sharing norms: the norm keeps only its output and 1/sigma",
-              switches={"norm": "ms"}, lowmem={"norms": "ms"}),
+              switches={"norm": Norm.MS.value}, lowmem={"norms": Norm.MS.value}),
     Technique("attention", "attention that keeps no L×L residual (lowmem_jax.attention)",
-              switches={"attention": "recompute"}, lowmem={"attention": "recompute"}),
+              switches={"attention": Attention.RECOMPUTE.value},
+              lowmem={"attention": Attention.RECOMPUTE.value}),
     Technique("bf16", "bfloat16 compute; parameters and optimizer state stay float32",
               switches={"dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False),
     Technique("remat", "nn.remat of every block with lowmem_jax.compile.policies.<policy>, one of "
@@ -138,7 +142,8 @@ TECHNIQUES = {t.term: t for t in (
               "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA models "
               "the token embedding's gradient buffer is made late (embedding=\"late\", exact)",
               value="<k>", parse=_micro_batches, off=1,
-              switches=lambda _, job: {"embedding": "late"} if job.language_model else {}),
+              switches=lambda _, job: ({"embedding": Embedding.LATE.value} if job.language_model
+                                       else {})),
     Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.optim.lowbit.adamw_8bit; "
               "with adama, adamaw(state_bits=8))"),
     Technique("offload-opt", "optimizer state in host memory, brought to the device leaf by leaf "
@@ -164,11 +169,11 @@ TECHNIQUES = {t.term: t for t in (
               excludes=(("offload-opt", "the moves zero moments on the device"),)),
     Technique("fused-ce", "LLaMA: the head's cross-entropy block by block, no [tokens, vocab] "
               "logits (lowmem_jax.ops.losses.linear_cross_entropy)",
-              switches={"loss": "fused"}, lowmem={"loss": "fused"}),
+              switches={"loss": Loss.FUSED.value}, lowmem={"loss": Loss.FUSED.value}),
     Technique("late-embed", "LLaMA: the token embedding's gradient buffer made when its "
               "cotangent arrives, where XLA may otherwise make it at the start of the backward "
               "(embedding=\"late\", exact); adama sets it",
-              switches={"embedding": "late"}),
+              switches={"embedding": Embedding.LATE.value}),
     Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
               "optimizer applied inside the backward, one layer at a time, so no whole-model "
               "gradient; each layer's saved input on the device or the host; each layer in "
@@ -186,15 +191,15 @@ TECHNIQUES = {t.term: t for t in (
               "memory-sharing norms, attention keeping no L×L residual, the loss head "
               "block by block, GELU/SiLU keeping their input alone (add approx for "
               "ReGELU2/ReSiLU2)",
-              lowmem={"activations": "exact", "norms": "ms", "attention": "recompute",
-                      "loss": "fused"}),
+              lowmem={"activations": Activation.EXACT.value, "norms": Norm.MS.value,
+                      "attention": Attention.RECOMPUTE.value, "loss": Loss.FUSED.value}),
 )}
 """Every technique by its CLI term."""
 DEFAULT = "baseline,approx,ms-norm,attention,approx+ms-norm+attention,bf16,all"
 """The default technique sets of the transformers."""
 LANGUAGE_MODEL_EXTRA = ",fused-ce,all+fused-ce"
 """Added to `DEFAULT` for the language models (``fused-ce``)."""
-CONV_NET_DEFAULT = "baseline,approx,conv:pooled,conv:int8,bf16,approx+conv:int8+bf16"
+CONV_NET_DEFAULT = "baseline,relu-1bit,conv:pooled,conv:int8,bf16,relu-1bit+conv:int8+bf16"
 """The default technique sets of the WideResNet (batch norm, no attention)."""
 STEP_TECHNIQUES = ("baseline", "lowmem", "approx", "bf16", "remat", "adama", "8bit",
                    "bf16-params", "offload-opt")
@@ -233,8 +238,8 @@ STEP_OPTIONS = {
 }
 """``make_step``'s keyword arguments, by keyword, the one place they are declared (``lowmem-jax
 report --help`` prints them). A technique whose keywords ``make_step`` does not take is left
-out of the default sets and the ladder (`Job.without_missing`), and refused where a set names
-it (`check`)."""
+out of the default sets and the ladder (`lowmem_jax.app.job.Job.without_missing`), and
+refused where a set names it (`lowmem_jax.app.measurement.check`)."""
 
 
 def step_help() -> str:
@@ -244,166 +249,6 @@ def step_help() -> str:
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4  # optax.adamw's default
-
-
-class TechniqueError(ValueError):
-  """A technique set or a job that cannot be measured, said in one line."""
-
-
-FSDP = "fsdp"
-"""The mesh axis `Job.shard` splits over."""
-
-
-def fsdp_spec(shape: tuple[int, ...], devices: int) -> jax.sharding.PartitionSpec:
-  """The `PartitionSpec` splitting an array of ``shape`` on its largest axis divisible by
-  ``devices`` (the last of equal ones: a stacked layer's weight ``[layers, d_in, d_out]``
-  splits a feature axis, as the FSDP test of tests/test_streamed.py does), over `FSDP`;
-  replicated where no axis divides."""
-  axes = [i for i, n in enumerate(shape) if n % devices == 0]
-  if not axes:
-    return jax.sharding.PartitionSpec()
-  axis = max(axes, key=lambda i: (shape[i], i))
-  return jax.sharding.PartitionSpec(*(FSDP if i == axis else None for i in range(len(shape))))
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-  """What a technique set is measured on.
-
-  Attributes:
-    model: a reference model of `lowmem_jax.models.NAMES` (ignored with ``make_step``).
-    batch: examples per step.
-    seq: tokens per example (LLaMA, BERT).
-    image: image side in pixels; None: 224 for the ViTs, 32 for the WideResNet.
-    dtype: the compute dtype's name where the set has no ``bf16``; parameters stay float32.
-    target: what to compile for: a `lowmem_jax.compile.targets.Target`, its name, or None for
-      `lowmem_jax.compile.targets.default`; the `Target` once the job is made.
-    make_step: a step of the user's own instead of ``model``: ``make_step()`` returns
-      ``(step, args)`` or ``(step, args, (loss_fn, loss_args))``, and ``make_step`` with
-      a technique set's `STEP_OPTIONS` (`TechniqueSet.step_options`) the step with those
-      techniques, e.g. ``make_step(lowmem=lm.lowmem)`` the step that differentiates
-      ``lowmem(loss_fn)``.
-    devices: GPUs of the target the step runs on, FSDP over a 1-D mesh of them (`shard`):
-      each parameter and optimizer state leaf split on an axis, the batch on its first; every
-      figure is then one device's. A reference model on a GPU target only.
-  """
-  model: str = "vit-b16"
-  batch: int = 64
-  seq: int = 512
-  image: int | None = None
-  dtype: str = "float32"
-  target: "targets.Target | str | None" = None
-  make_step: Callable | None = None
-  devices: int = 1
-
-  def __post_init__(self):
-    if self.make_step is None and self.model not in models.NAMES:
-      raise TechniqueError(f"model must be one of {', '.join(models.NAMES)}, got {self.model!r}.")
-    for name in ("batch", "seq", "image", "devices"):
-      value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise TechniqueError(f"{name} must be an int >= 1, got {value!r}.")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise TechniqueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
-    try:
-      object.__setattr__(self, "target", targets.resolve(self.target))
-    except (ValueError, TypeError, targets.TargetUnavailable) as e:
-      raise TechniqueError(f"target: {e}") from e
-    if self.devices > 1:
-      if self.make_step is not None or self.target.platform != "cuda":
-        raise TechniqueError(f"devices={self.devices}: FSDP over several devices is for a "
-                             "reference model on a GPU target (a step of your own shards "
-                             "itself; the CPU proxy has no multi-GPU figure).")
-      if self.batch % self.devices:
-        raise TechniqueError(f"batch {self.batch} does not split over devices={self.devices}: "
-                             "give a batch divisible by the devices.")
-
-  def mesh(self) -> jax.sharding.Mesh:
-    """The 1-D mesh (axis `FSDP`) of ``devices`` of the target's devices."""
-    return self.target.mesh((self.devices,), (FSDP,))
-
-  def shard(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-    """The step's abstract arguments FSDP-sharded over `mesh`: each parameter and optimizer
-    state leaf on `fsdp_spec`'s axis, the batch's leaves on their first axis (``batch`` is
-    divisible by ``devices``); unchanged on one device. State in host memory raises
-    `TechniqueError`: a step with host arguments compiles for one device."""
-    if self.devices == 1:
-      return params, opt_state, batch
-    mesh = self.mesh()
-
-    def place(x, spec):
-      if getattr(getattr(x, "sharding", None), "memory_kind", None) == targets.HOST:
-        raise TechniqueError(f"devices={self.devices}: state in host memory (offload-opt) "
-                             "compiles for one device; leave it out.")
-      return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                  sharding=jax.sharding.NamedSharding(mesh, spec))
-    state = lambda x: place(x, fsdp_spec(x.shape, self.devices))
-    return (jax.tree.map(state, params), jax.tree.map(state, opt_state),
-            jax.tree.map(lambda x: place(x, jax.sharding.PartitionSpec(FSDP)), batch))
-
-  @contextlib.contextmanager
-  def compiling(self) -> Iterator[None]:
-    """Where the job's steps are traced: over several devices under `mesh`
-    (`jax.set_mesh`, where the layer-streamed step gathers each layer's parameters,
-    `lowmem_jax.optim.layer_streamed`'s ``gather_params``, and the LLaMA's token chunks
-    and loss-head blocks run position-major), with attention's chunked XLA implementation
-    (`lowmem_jax.ops.dispatch.using`), as cuDNN's partitioner needs q, k and v sharded alike
-    and XLA's propagation shards them apart."""
-    if self.devices == 1:
-      yield
-      return
-    with dispatch.using("xla"), jax.set_mesh(self.mesh()):
-      yield
-
-  @property
-  def language_model(self) -> bool:
-    """Whether the model is a language model, whose head ``fused-ce`` rewrites."""
-    return self.make_step is None and self.model in models.llama.CONFIGS
-
-  @property
-  def conv_net(self) -> bool:
-    """Whether the model is the WideResNet, whose techniques are the conv ones."""
-    return self.make_step is None and self.model in models.WRN_CONFIGS
-
-  @property
-  def image_side(self) -> int:
-    """``image``, or the model's default side."""
-    return self.image if self.image is not None else 32 if self.conv_net else 224
-
-  def step_keywords(self) -> frozenset[str]:
-    """The `STEP_OPTIONS` ``make_step`` takes as keywords (all with ``**kwargs``)."""
-    parameters = inspect.signature(self.make_step).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-      return frozenset(STEP_OPTIONS)
-    return frozenset(p.name for p in parameters if p.name in STEP_OPTIONS
-                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-
-  def without_missing(self, text: str) -> tuple[str, tuple[str, ...]]:
-    """``(text less the techniques whose `STEP_OPTIONS` make_step does not take and those
-    that need them, those left out)``; ``"baseline"`` where none is left."""
-    taken = self.step_keywords()
-    terms = [t.strip() for t in text.split("+")]
-    kept = [t for t in terms if all(k in taken for k, option in STEP_OPTIONS.items()
-                                    if t.partition(":")[0] in option.terms)]
-    names = {t.partition(":")[0] for t in kept}
-    kept = [t for t in kept if t == "baseline" or TECHNIQUES[t.partition(":")[0]].needs is None
-            or TECHNIQUES[t.partition(":")[0]].needs[0] in names]
-    return ("+".join(t for t in kept if t != "baseline") or "baseline",
-            tuple(t for t in terms if t not in kept))
-
-  def missing_keywords(self, techniques: "TechniqueSet") -> list[str]:
-    """The `STEP_OPTIONS` ``techniques`` passes that ``make_step`` does not take."""
-    taken = self.step_keywords()
-    return [k for k, option in STEP_OPTIONS.items()
-            if k not in taken and any(t in techniques for t in option.terms)]
-
-  def default_sets(self) -> list[str]:
-    """The technique sets a report of this job shows by default."""
-    if self.make_step is not None:
-      return list(dict.fromkeys(self.without_missing(t)[0] for t in STEP_DEFAULT.split(",")))
-    if self.conv_net:
-      return CONV_NET_DEFAULT.split(",")
-    return (DEFAULT + (LANGUAGE_MODEL_EXTRA if self.language_model else "")).split(",")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +279,7 @@ class TechniqueSet:
     """AdamA folds in the backward, except with 8-bit moments (folded in the scan body)."""
     return self.adama > 1 and "8bit" not in self
 
-  def switches(self, job: Job) -> dict[str, Any]:
+  def switches(self, job) -> dict[str, Any]:
     """`lowmem_jax.models.workload`'s keywords for ``job`` (a reference model's), as
     `code.Code` where a value prints otherwise than its repr."""
     out = _shapes(job)
@@ -442,7 +287,7 @@ class TechniqueSet:
       out.update(TECHNIQUES[term].model_switches(value, job))
     return out
 
-  def check(self, job: Job) -> None:
+  def check(self, job) -> None:
     """Raises `TechniqueError` where a technique does not apply to ``job``'s model (the
     models' own check of its switches), the set lacks a technique one needs or holds
     one another excludes, or the model refuses ``job``'s shapes."""
@@ -526,7 +371,7 @@ class TechniqueSet:
     return next((t.strip() for t in self.label.split("+") if t.strip().partition(":")[0] == term),
                 term)
 
-  def workload(self, job: Job) -> models.Workload:
+  def workload(self, job) -> models.Workload:
     """The reference workload of ``job`` with this set's switches."""
     self.check(job)
     return _workload(job.model, self.switches(job))
@@ -558,7 +403,7 @@ class TechniqueSet:
     return (("fold", code.Call.of("lm.MomentFold", self.adama),
              "AdamA's rule, for the optimizer and the step"),)
 
-  def program(self, job: Job) -> code.Program:
+  def program(self, job) -> code.Program:
     """The assignments ``wl`` (the workload), ``fold`` (with AdamA), ``tx`` and ``step``
     (jitted, parameters and state donated) of this set's training step of ``job``."""
     self.check(job)
@@ -583,7 +428,7 @@ class TechniqueSet:
                                              **self.switches(job)), ""),
                          *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
 
-  def python(self, job: Job) -> str:
+  def python(self, job) -> str:
     """`program`'s lines, then the parameters and optimizer state it starts from; for a
     step of the user's own, the call of ``make_step`` with `step_options`."""
     if job.make_step is not None:
@@ -596,7 +441,7 @@ class TechniqueSet:
     return code.Program(self.program(job).lines + start).source()
 
 
-def _shapes(job: Job) -> dict[str, Any]:
+def _shapes(job) -> dict[str, Any]:
   """`lowmem_jax.models.workload`'s batch, size and compute dtype keywords for ``job``."""
   size = ({"image": job.image_side} if job.model in models.VIT_CONFIGS or job.conv_net
           else {"seq": job.seq})
@@ -627,7 +472,7 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
                            f"{', '.join(TECHNIQUES)}.")
     if name == "lowmem" and not step:
       raise TechniqueError(f"technique 'lowmem' in {text!r} applies only to --step (a step of "
-                           "your own); a reference model takes approx, ms-norm, attention or all.")
+                           "your own); a reference model takes approx, relu-1bit, ms-norm, attention or all.")
     if technique.parse is not None:
       try:
         values[name] = technique.parse(value)
@@ -642,279 +487,6 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
   return TechniqueSet(text.strip(), tuple((t, values[t]) for t in TECHNIQUES if t in values))
 
 
-def _what(x: Any) -> str:
+def describe(x: Any) -> str:
+  """What ``x`` is, for an error: its type, and a tuple's or list's length."""
   return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {type(x).__name__}"
-
-
-def check(job: Job, techniques: TechniqueSet) -> None:
-  """Raises `TechniqueError` where ``techniques`` does not apply to ``job``: a step of
-  the user's own takes `STEP_TECHNIQUES` only, each where ``make_step`` takes its
-  `STEP_OPTIONS`; a reference model every technique but lowmem."""
-  if job.make_step is None:
-    if "lowmem" in techniques:
-      raise TechniqueError(f"technique 'lowmem' in {techniques.label!r} applies only to a step "
-                           "of your own (make_step, --step).")
-    return
-  if any(term not in STEP_TECHNIQUES for term, _ in techniques.values):
-    raise TechniqueError(f"{techniques.label!r} changes a reference model; a step of your own "
-                         f"takes {', '.join(STEP_TECHNIQUES)}.")
-  techniques.check_together()
-  missing = job.missing_keywords(techniques)
-  if missing:
-    name = getattr(job.make_step, "__name__", "make_step")
-    default = STEP_OPTIONS[missing[0]].default
-    raise TechniqueError(f"{techniques.label!r} calls {name}({missing[0]}=...), and {name} takes "
-                         f"no {missing[0]} argument: define {name}({missing[0]}={default}) (see "
-                         "lowmem-jax report --help: the options of make_step).")
-
-
-def _user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
-  """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``, which
-  `check` has passed (``loss_fn`` None where make_step gives none)."""
-  name = getattr(job.make_step, "__name__", "make_step")
-  made = job.make_step(**{k: code.value(v) for k, v in techniques.step_options().items()})
-  said = f"{name}() returned"
-  if not isinstance(made, (tuple, list)) or len(made) not in (2, 3):
-    raise TechniqueError(f"{said} {_what(made)}; expected (step, args) or "
-                         "(step, args, (loss_fn, loss_args)).")
-  step, step_args, *loss = made
-  if not callable(step):
-    raise TechniqueError(f"{said} {_what(step)} as its step; expected a function.")
-  if not isinstance(step_args, (tuple, list)):
-    raise TechniqueError(f"{said} {_what(step_args)} as the step's args; expected a tuple of its "
-                         "arguments (arrays or jax.ShapeDtypeStruct pytrees).")
-  if not loss:
-    return step, tuple(step_args), None, ()
-  if not (isinstance(loss[0], (tuple, list)) and len(loss[0]) == 2 and callable(loss[0][0])
-          and isinstance(loss[0][1], (tuple, list))):
-    raise TechniqueError(f"{said} {_what(loss[0])} as its third element; expected (loss_fn, "
-                         "loss_args), loss_args a tuple.")
-  return step, tuple(step_args), loss[0][0], tuple(loss[0][1])
-
-
-def arguments(job: Job, techniques: TechniqueSet) -> tuple[dict, Any, Any, tuple]:
-  """``(built, params, opt_state, batch)``: `TechniqueSet.program`'s names and the step's
-  abstract arguments, the offloaded state in host memory, sharded over ``job.devices``
-  (`Job.shard`)."""
-  built = techniques.program(job).run()
-  wl, tx = built["wl"], built["tx"]
-  params = wl.abstract_params()
-  if "stream" in techniques:
-    opt_state = jax.eval_shape(built["streamed"].init, params)
-    if "offload-opt" in techniques:
-      opt_state = targets.in_host_memory(opt_state)
-  else:
-    opt_state = offload.abstract_state(tx, params)
-  return built, *job.shard(params, opt_state, (wl.inputs, wl.labels))
-
-
-def device_argument_bytes(job: Job, techniques: TechniqueSet) -> int:
-  """The bytes of ``techniques``' step's arguments (parameters, optimizer state, batch) that
-  live on a device (its shards, over ``job.devices``): a floor under its peak, found without
-  compiling."""
-  _, *args = arguments(job, techniques)
-  on_device = [jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
-               if isinstance(x.sharding, jax.sharding.NamedSharding) else x
-               for x in jax.tree.leaves(args)
-               if getattr(getattr(x, "sharding", None), "memory_kind", None) != targets.HOST]
-  return memory.tree_bytes(on_device)
-
-
-def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.Breakdown:
-  """The `memory.Breakdown` of ``techniques``' training step of ``job`` compiled for
-  ``job.target``, with autodiff's residuals of its loss; a reference model's
-  step is `TechniqueSet.program`'s: AdamW's, parameters and state donated."""
-  check(job, techniques)
-  if job.make_step is not None:
-    step, step_args, loss_fn, loss_args = _user_step(job, techniques)
-    return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args,
-                         label=techniques.label, top=top, target=job.target)
-  k = techniques.adama
-  if job.batch % k:
-    raise TechniqueError(f"adama:{k}: the batch ({job.batch}) must split into {k} equal "
-                         "micro-batches.")
-  built, params, opt_state, batch = arguments(job, techniques)
-  wl, step = built["wl"], built["step"]
-  if job.devices > 1:  # the new parameters and state sharded as the old, which they replace
-    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    step = jax.jit(step, out_shardings=(shardings(params), shardings(opt_state), None),
-                   donate_argnums=(0, 1))
-  micro = [jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype) for x in batch]
-  positions = (sparse.find_state(opt_state).positions,) if wl.sparse else ()
-  # The streamed step saves each layer's input, not the residuals of the loss's backward.
-  with job.compiling():
-    return memory.report(step, params, opt_state, batch,
-                         loss_fn=None if "stream" in techniques else wl.loss,
-                         loss_args=(params, *micro, *positions), label=techniques.label,
-                         top=top, target=job.target)
-
-
-def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -> dict:
-  """The summary figures of one technique set's breakdown against ``base``'s: in bytes,
-  parameters and optimizer state (None where no argument is one), gradients,
-  activations, other, the live and compiled peaks, what lives in host memory
-  (arguments and temporaries, beside the peak) and autodiff's saved
-  activations (None without a loss: autodiff's count, which XLA's reuse and fusion can
-  put above the peak) and the peak's saving (base's less this one's); as ratios, the
-  reduction and the extra FLOPs, each loop's body counted as many times as it runs (None
-  where a loop's trip count is unknown, `memory.loop_flops`); a device's collective bytes
-  (`memory.collective_bytes`) and the seconds they take at the target's interconnect bandwidth
-  one way (`Target.interconnect_bytes_per_s`), a floor under the step's communication time
-  (None where either is unknown)."""
-  at = b.at_peak
-  link = b.target.interconnect_bytes_per_s
-  found = b.argument_components
-  return {
-      "techniques": b.label,
-      "parameters": at["parameters"] if "parameters" in found else None,
-      "optimizer_state": at["optimizer state"] if "optimizer state" in found else None,
-      "gradients": at["gradients"],
-      "activations": at["activations"],
-      "other": at["inputs"] + at["updates"] + at["temporaries"],
-      "live_peak_bytes": b.live_peak_bytes,
-      "peak_bytes": b.stats.peak_bytes,
-      "host_bytes": b.stats.host_argument_bytes + b.stats.host_temp_bytes,
-      "reduction": base.stats.peak_bytes / b.stats.peak_bytes,
-      "peak_saved_bytes": base.stats.peak_bytes - b.stats.peak_bytes,
-      "extra_flops": (None if b.loop_flops is None or not base.loop_flops
-                      else (b.loop_flops - base.loop_flops) / base.loop_flops),
-      "saved_activation_bytes": b.saved.activation_bytes if b.saved else None,
-      "collective_bytes": b.collective_bytes,
-      "transfer_floor_s": (None if b.collective_bytes is None or link is None
-                           else b.collective_bytes / link),
-  }
-
-
-def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
-  """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
-  approximate gradient, then the optimizer state in fewer bits (8-bit moments,
-  bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
-  policy); a language model's then the layer-streamed step (its saved inputs on
-  the device, then the host, with ``late-embed`` (it lowers some rows' peaks and
-  raises others': XLA's schedule), then its state on the host too), any other model's state on
-  the host; last, micro-batches with full remat (k a power of 2 dividing
-  ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its
-  own). A language model's sets all take ``fused-ce`` (exact, and the largest
-  single saving), after it alone. A user's ``step`` has the same ladder in its
-  terms: ``lowmem`` for the exact rewrites, ``lowmem+approx`` for ``all``."""
-  exact = "lowmem" if step else "ms-norm+attention"
-  best = "bf16+lowmem+approx" if step else "all+fused-ce" if language_model else "all"
-  state = f"{best}+8bit+bf16-params"
-  sets = (["baseline"] + (["fused-ce"] if language_model else [])
-          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", f"bf16+{exact}")]
-          + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
-  if language_model:
-    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+late-embed",
-             f"{state}+stream:host+offload-opt"]
-  else:
-    sets.append(f"{state}+offload-opt")
-  ks = (2, 4, 8) if step else [2**i for i in range(1, batch.bit_length()) if batch % 2**i == 0]
-  return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
-
-
-def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
-  """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
-  hold state in host memory (``offload-opt``: such a step compiles for one device); for a
-  user's step, each set without the techniques whose options ``make_step`` does not take
-  (`Job.without_missing`), once, and those techniques."""
-  texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
-  if job.make_step is None:
-    return [t for t in texts if job.devices == 1 or "offload-opt" not in t], ()
-  reduced = [job.without_missing(t) for t in texts]
-  return (list(dict.fromkeys(t for t, _ in reduced)),
-          tuple(dict.fromkeys(term for _, left in reduced for term in left)))
-
-
-def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
-  """The set ``text``; for ``remat:plan`` with the policy `lowmem_jax.plan` picks
-  for ``budget`` bytes, or None where no policy fits. A user's step is compiled
-  donating its first two arguments (the parameters and optimizer state) as the
-  planner weighs the policies."""
-  step = job.make_step is not None
-  if "remat:plan" not in text:
-    return parse(text, step=step)
-  techniques = parse(text.replace("+remat:plan", ""), step=step)
-  if step:
-    _, args, _, _ = _user_step(job, techniques)
-    donated = (0, 1)[:len(args)]
-
-    def train_step(*args, policy):
-      return _user_step(job, techniques.with_value("remat", policy))[0](*args)
-  else:
-    wl = techniques.workload(job)
-    params = wl.abstract_params()
-    tx = techniques.adamw()
-    args = job.shard(params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels))
-    donated = (0, 1)
-
-    def train_step(params, opt_state, batch, *, policy):
-      new_params, new_state, metrics = wl.with_policy(policy).train_step(
-          tx, techniques.adama)(params, opt_state, batch)
-      if job.devices == 1:
-        return new_params, new_state, metrics
-      like = lambda new, old: jax.tree.map(  # sharded as the old, which they replace
-          lambda n, o: jax.lax.with_sharding_constraint(n, o.sharding), new, old)
-      return like(new_params, args[0]), like(new_state, args[1]), metrics
-  try:
-    with job.compiling():
-      chosen = planner.plan(train_step, *args, budget=budget, donate_argnums=donated,
-                            target=job.target)
-  except planner.BudgetError:
-    return None
-  return techniques.with_value("remat", chosen.policy)
-
-
-class Fit(NamedTuple):
-  """What `cheapest_fit` found.
-
-  Attributes:
-    tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
-    fits: the first set whose compiled peak fits, or None.
-    fixed_bytes: the least any set of the ladder holds on the device in its arguments
-      (parameters, optimizer state, batch); nothing is measured where it exceeds the budget.
-    skipped: ``(text, bytes)`` of each set not compiled because its arguments alone on the
-      device exceed the budget, in ladder order.
-    not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
-      as its sets write them.
-  """
-  tried: list
-  fits: TechniqueSet | None
-  fixed_bytes: int
-  skipped: list
-  not_taken: tuple = ()
-
-
-def cheapest_fit(job: Job, budget: int,
-                 on_try: Callable[[str], None] = lambda text: None) -> Fit:
-  """Measures the sets of `ladder` for ``job`` in order, up to the first whose
-  compiled peak is at most ``budget`` bytes; ``on_try(text)`` is called before
-  each. A set whose arguments alone on the device exceed the budget
-  (`device_argument_bytes`, a reference model's) is skipped without compiling; a
-  user's step's sets go without the techniques whose options ``make_step`` does not
-  take (`Job.without_missing`), each set once. The
-  ladder is the transformers' (ms-norm, attention), or a user's step's: not the
-  WideResNet's."""
-  if job.conv_net:
-    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); {job.model} "
-                         "takes measure() of chosen sets instead.")
-  step = job.make_step is not None
-  texts, not_taken = ladder_of(job)
-  arguments = {} if step else {
-      text: device_argument_bytes(job, parse(text.replace("+remat:plan", ""))) for text in texts}
-  floor = min(arguments.values(), default=0)
-  tried, skipped = [], []
-  if floor > budget:
-    return Fit(tried, None, floor, skipped, not_taken)
-  for text in texts:
-    if arguments.get(text, 0) > budget:
-      skipped.append((text, arguments[text]))
-      continue
-    on_try(text)
-    techniques = planned(job, text, budget)
-    if techniques is None:
-      continue
-    b = measure(job, techniques)
-    tried.append((b, techniques))
-    if b.stats.peak_bytes <= budget:
-      return Fit(tried, techniques, floor, skipped, not_taken)
-  return Fit(tried, None, floor, skipped, not_taken)

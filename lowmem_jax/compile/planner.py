@@ -37,8 +37,8 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
+from lowmem_jax import _jaxpr
 from lowmem_jax import names as _names
 from lowmem_jax.compile import memory, policies, targets
 
@@ -234,7 +234,10 @@ class _Search:
     with targets.compiling(self.target):
       jaxpr = jax.make_jaxpr(functools.partial(self.step_fn, policy=policies.everything))(*self.args)
     found = collections.Counter()
-    _count_tags(jaxpr.jaxpr, 1, found)
+    for eqn, times in _jaxpr.walk(jaxpr.jaxpr):
+      if eqn.primitive.name == "name":
+        aval = eqn.outvars[0].aval
+        found[eqn.params["name"]] += times * math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
     return {n: found[n] for n in _names.ordered(found)}
 
   def greedy_order(self, names, tagged) -> list[str]:
@@ -277,16 +280,6 @@ class _Search:
                 self.budget, tuple(self.tried), time.perf_counter() - start)
 
 
-def _count_tags(jaxpr, times: int, found: collections.Counter) -> None:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "name":
-      aval = eqn.outvars[0].aval
-      found[eqn.params["name"]] += times * math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-    inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-    for sub in jex_core.jaxprs_in_params(eqn.params):
-      _count_tags(sub, inner, found)
-
-
 def _signature(args, target) -> tuple:
   """A hashable stand-in for abstract ``args``, from which `_measure` rebuilds them.
 
@@ -314,4 +307,3 @@ def clear_cache() -> None:
 
 def _lowered_flops(step_fn, policy, args, target) -> float:
   return memory.flops_of(target.lower(functools.partial(step_fn, policy=policy), *args))
-

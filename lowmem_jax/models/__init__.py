@@ -183,32 +183,14 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   if image is not None and image < 1:
     raise ValueError(f"image must be >= 1, got {image}.")
   if name in WRN_CONFIGS:
-    activation = wrn.check_switches(activation, conv)
+    activation, conv = wrn.check_switches(activation, conv)
   else:
-    check_switches(activation, norm, attention)
-  llama.check_loss(loss)
-  if loss != "plain" and name not in llama.CONFIGS:
-    raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
-                     f"vocabulary-sized head); {name} takes loss='plain'.")
-  if embedding != "plain" and name not in llama.CONFIGS:
-    raise ValueError(f"embedding={embedding!r} applies to the LLaMA models only; {name} takes "
-                     "embedding='plain'.")
-  if mlp_chunk_tokens is not None and name not in llama.CONFIGS:
-    raise ValueError(f"mlp_chunk_tokens applies to the LLaMA models only; {name} takes None, "
-                     f"got {mlp_chunk_tokens!r}.")
+    activation, norm, attention = check_switches(activation, norm, attention)
+  _check_language_model_switches(name, loss, embedding, mlp_chunk_tokens)
   if name in WRN_CONFIGS:
-    if (norm, attention) != ("plain", "plain"):
-      raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
-                       f"'plain', got norm={norm!r}, attention={attention!r}.")
-    model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, density=density,
-                       remat=remat, remat_policy=remat_policy, dtype=dtype,
-                       param_dtype=param_dtype)
-    image = 32 if image is None else image
-    if conv == "pooled" and image % 8:
-      raise ValueError(f"conv='pooled' pools the input of every conv 2x2, the last group's at "
-                       f"image / 4: image must be a multiple of 8, got {image}.")
-    return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
-                    jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return _wrn_workload(name, batch, image, dtype, param_dtype, activation=activation,
+                         norm=norm, attention=attention, conv=conv, density=density,
+                         remat=remat, remat_policy=remat_policy)
   if density is not None:
     raise ValueError(f"density (sparse storage) applies to the WideResNet's convs only; {name} "
                      f"takes density=None, got {density!r}.")
@@ -234,6 +216,39 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
     inputs = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     labels = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return Workload(name, model, inputs, labels)
+
+
+def _check_language_model_switches(name: str, loss: str, embedding: str,
+                                   mlp_chunk_tokens: int | None) -> None:
+  """Raises ValueError where a LLaMA model's switch is given to another model."""
+  llama.check_loss(loss)
+  if loss != "plain" and name not in llama.CONFIGS:
+    raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
+                     f"vocabulary-sized head); {name} takes loss='plain'.")
+  if embedding != "plain" and name not in llama.CONFIGS:
+    raise ValueError(f"embedding={embedding!r} applies to the LLaMA models only; {name} takes "
+                     "embedding='plain'.")
+  if mlp_chunk_tokens is not None and name not in llama.CONFIGS:
+    raise ValueError(f"mlp_chunk_tokens applies to the LLaMA models only; {name} takes None, "
+                     f"got {mlp_chunk_tokens!r}.")
+
+
+def _wrn_workload(name: str, batch: int, image: int | None, dtype: Any, param_dtype: Any, *,
+                  activation: str, norm: str, attention: str, conv: str,
+                  density: float | None, remat: bool, remat_policy: Callable | None) -> Workload:
+  """`workload` of the WideResNet ``name`` (its switches checked): CIFAR-sized images (32 px
+  unless ``image``)."""
+  if (norm, attention) != ("plain", "plain"):
+    raise ValueError(f"{name} has batch norm and no attention: norm and attention must be "
+                     f"'plain', got norm={norm!r}, attention={attention!r}.")
+  model = WideResNet(**WRN_CONFIGS[name], activation=activation, conv=conv, density=density,
+                     remat=remat, remat_policy=remat_policy, dtype=dtype, param_dtype=param_dtype)
+  image = 32 if image is None else image
+  if conv == "pooled" and image % 8:
+    raise ValueError(f"conv='pooled' pools the input of every conv 2x2, the last group's at "
+                     f"image / 4: image must be a multiple of 8, got {image}.")
+  return Workload(name, model, jax.ShapeDtypeStruct((batch, image, image, 3), dtype),
+                  jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
 __all__ = ["Bert", "BertClassifier", "BertConfig", "Llama", "LlamaConfig", "NAMES", "Switches",

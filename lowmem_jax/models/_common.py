@@ -16,21 +16,20 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
+from lowmem_jax.choices import Activation, Attention, Embedding, Norm, checked
 from lowmem_jax.flax import linen as lm_linen
 from lowmem_jax.ops.activations import regelu2, resilu2
 
-ACTIVATIONS = ("exact", "approx")
-NORMS = ("plain", "ms")
-ATTENTIONS = ("plain", "recompute")
-EMBEDDINGS = ("plain", "late")
+# The activations a transformer takes (the WideResNet's ReLU takes its own, `ONE_BIT`).
+ACTIVATIONS = (Activation.EXACT, Activation.APPROX)
 
 
-def check_switches(activation: str, norm: str, attention: str) -> None:
-  """Raises ValueError naming the first of `TransformerSwitches`' switches with an unknown value."""
-  for name, value, allowed in (("activation", activation, ACTIVATIONS), ("norm", norm, NORMS),
-                               ("attention", attention, ATTENTIONS)):
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+def check_switches(activation: str, norm: str, attention: str) -> tuple[Activation, Norm,
+                                                                        Attention]:
+  """`TransformerSwitches`' switches as `lowmem_jax.choices` members; a ValueError names the
+  first with an unknown value."""
+  return (checked(Activation, activation, "activation", ACTIVATIONS),
+          checked(Norm, norm, "norm"), checked(Attention, attention, "attention"))
 
 
 class Switches(nn.Module):
@@ -133,8 +132,7 @@ def embed_layer(embedding: str, num_embeddings: int, features: int, dtype: Any,
     dtype: compute dtype; param_dtype: parameter dtype.
     name: the module's name in the parameter tree.
   """
-  if embedding not in EMBEDDINGS:
-    raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}.")
+  embedding = checked(Embedding, embedding, "embedding")
   embed = lm_linen.Embed if embedding == "late" else nn.Embed
   return embed(num_embeddings, features, dtype=dtype, param_dtype=param_dtype, name=name)
 

@@ -28,11 +28,10 @@ chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import pathlib
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -42,20 +41,27 @@ import optax
 from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import _sharding, names
+from lowmem_jax import names
 from lowmem_jax._checks import is_int
-from lowmem_jax.models._common import (HeadsDense, TransformerSwitches, check_switches,
-                                       embed_layer, norm_layer, normed, silu)
+from lowmem_jax.choices import Loss, checked
+from lowmem_jax.models._common import (
+  HeadsDense,
+  TransformerSwitches,
+  check_switches,
+  embed_layer,
+  norm_layer,
+  normed,
+  silu,
+)
 from lowmem_jax.ops.attention import attention, attention_reference
 from lowmem_jax.ops.losses import linear_cross_entropy
-from lowmem_jax.optim.streamed import LayerStack, slices
+from lowmem_jax.ops.token_chunks import chunked_residual, token_chunks
+from lowmem_jax.optim.streamed import LayerStack
 
-LOSSES = ("plain", "fused")
 
-
-def check_loss(loss: str) -> None:
-  if loss not in LOSSES:
-    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+def check_loss(loss: str) -> Loss:
+  """``loss`` as a `lowmem_jax.choices.Loss`, or a ValueError naming it."""
+  return checked(Loss, loss, "loss")
 
 
 def check_mlp_chunk_tokens(mlp_chunk_tokens: int | None) -> None:
@@ -205,77 +211,6 @@ class FeedForward(nn.Module):
     return dense(self.config.dim, "w2")(checkpoint_name(gate * up, names.MLP_ACT))
 
 
-def mlp_chunks(tokens: int, chunk_tokens: int | None) -> int:
-  """How many equal token chunks `TransformerBlock` runs its MLP in without a mesh
-  (`_token_chunks`): the fewest of at most ``chunk_tokens`` tokens each
-  (`lowmem_jax.optim.streamed.slices`; 1 without ``chunk_tokens`` or within it;
-  ``tokens`` chunks of one where ``tokens`` is prime)."""
-  return 1 if chunk_tokens is None else slices((tokens, 1), chunk_tokens)
-
-
-def _token_chunks(h: jax.Array, chunk_tokens: int | None) -> tuple[jax.Array, Callable]:
-  """``h: [batch, length, dim]`` as ``[n, ..., dim]``, `mlp_chunks`' n chunks of its
-  flattened tokens, and the function that takes ``[n, ..., dim]`` back to ``h``'s shape.
-  Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk is instead the
-  most whole positions of every sequence within ``chunk_tokens`` (one position where
-  ``batch`` exceeds it): ``[n, length / n, batch, dim]``, which stays split over the
-  batch's devices, where a chunk of flattened tokens lies on one device and is gathered
-  to the others."""
-  if not _sharding.in_auto_mesh():
-    n = mlp_chunks(math.prod(h.shape[:-1]), chunk_tokens)
-    return h.reshape(n, -1, h.shape[-1]), lambda out: out.reshape(h.shape)
-  batch, length = h.shape[:2]
-  n = 1 if chunk_tokens is None else slices((length, batch), chunk_tokens)
-  if n == 1 and chunk_tokens is not None and length * batch > chunk_tokens:
-    n = length
-  by_position = jnp.swapaxes(h, 0, 1)
-  return (by_position.reshape(n, length // n, *by_position.shape[1:]),
-          lambda out: jnp.swapaxes(out.reshape(by_position.shape), 0, 1))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def chunked_residual(branch: Callable, params: Any, h: jax.Array,
-                     chunk_tokens: int | None) -> jax.Array:
-  """``h + branch(params, h)`` for a ``branch`` that works token by token, run over
-  `_token_chunks`' chunks of ``h: [batch, length, dim]`` (same shape and dtype out).
-
-  Nothing of the branch is kept for the backward but ``params`` and ``h``: the
-  backward runs the chunks again one at a time, and writes each chunk's input
-  gradient (the output's gradient plus the branch's) over that chunk of the
-  output's gradient, in place, so no second ``[tokens, dim]`` buffer is made
-  (under a mesh the position-major chunks are a transposed copy); ``params``'
-  gradient is summed over the chunks in their dtype. The same function as the
-  unchunked one, for reverse-mode differentiation only (a ``jax.custom_vjp``:
-  ``jax.jvp`` of it raises).
-  """
-  chunks, unchunk = _token_chunks(h, chunk_tokens)
-  return h + unchunk(jax.lax.map(lambda chunk: branch(params, chunk), chunks))
-
-
-def _chunked_residual_fwd(branch, params, h, chunk_tokens):
-  return chunked_residual(branch, params, h, chunk_tokens), (params, h)
-
-
-def _chunked_residual_bwd(branch, chunk_tokens, saved, d_out):
-  params, h = saved
-  chunks, unchunk = _token_chunks(h, chunk_tokens)
-
-  def chunk_backward(carry, i):
-    d_h, d_params = carry
-    d_chunk = jax.lax.dynamic_index_in_dim(d_h, i, keepdims=False)
-    _, vjp = jax.vjp(branch, params, jax.lax.dynamic_index_in_dim(chunks, i, keepdims=False))
-    d_params_i, d_in = vjp(d_chunk)
-    d_h = jax.lax.dynamic_update_index_in_dim(d_h, d_chunk + d_in, i, 0)
-    return (d_h, jax.tree.map(jnp.add, d_params, d_params_i)), None
-
-  (d_h, d_params), _ = jax.lax.scan(
-      chunk_backward, (_token_chunks(d_out, chunk_tokens)[0], jax.tree.map(jnp.zeros_like, params)),
-      jnp.arange(len(chunks)))
-  return d_params, unchunk(d_h)
-
-
-chunked_residual.defvjp(_chunked_residual_fwd, _chunked_residual_bwd)
-
 PARTS = ("all", "attention", "feed_forward")
 
 
@@ -283,14 +218,14 @@ class TransformerBlock(nn.Module):
   """One pre-norm decoder layer: attention, then the SwiGLU MLP, each added to the stream.
 
   With ``mlp_chunk_tokens`` the MLP and its norm run over the flattened tokens in
-  `mlp_chunks` equal chunks (`chunked_residual`): the backward keeps the MLP's
+  `lowmem_jax.ops.token_chunks.mlp_chunks` equal chunks (`chunked_residual`): the backward keeps the MLP's
   input and recomputes each chunk's ``[chunk, ffn_dim]`` hidden, so no
   ``[tokens, ffn_dim]`` tensor is made, and writes the input's gradient over the
   output's in place. The same function (the MLP works token by token); the
   weights' gradient is summed over the chunks in their dtype; reverse mode only,
   and the chunked MLP's intermediates are not captured (``capture_intermediates``).
   Under a mesh of ``Auto`` axes set for tracing (`jax.set_mesh`) a chunk holds
-  whole positions of every sequence instead (`_token_chunks`).
+  whole positions of every sequence instead (`token_chunks`).
 
   ``part`` runs only the attention half (``"attention"``, its residual added) or
   only the MLP half (``"feed_forward"``), for `layer_stack`'s layer in two parts;
@@ -321,7 +256,7 @@ class TransformerBlock(nn.Module):
       return x
     feed_forward = FeedForward(self.config, self.activation, self.dtype, self.param_dtype,
                                name="feed_forward")
-    if len(_token_chunks(x, self.mlp_chunk_tokens)[0]) == 1:
+    if len(token_chunks(x, self.mlp_chunk_tokens)[0]) == 1:
       return x + feed_forward(self._normed(x, "ffn_norm"))
     norm = norm_layer(self.norm, self.config.norm_eps, self.dtype, self.param_dtype, "ffn_norm",
                       rms=True)

@@ -23,44 +23,31 @@ them after training over the training set.
 
 import functools
 import itertools
-import warnings
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.choices import Activation, Conv, checked
 from lowmem_jax.flax.linen import SparseConv
 from lowmem_jax.models._common import Switches
 from lowmem_jax.ops import compress
 from lowmem_jax.ops.activations import relu
 
-ACTIVATIONS = ("exact", "1bit")
-RENAMED_ACTIVATIONS = {"approx": "1bit"}  # the old names, accepted with a DeprecationWarning
-CONVS = ("plain", "pooled", "int8")
+ACTIVATIONS = (Activation.EXACT, Activation.ONE_BIT)  # its ReLU's: plain, or a 1-bit mask kept
 BN_MOMENTUM = 0.9  # of every batch norm's running averages
 
 
-def check_switches(activation: str, conv: str) -> str:
-  """``activation`` under its current name, after checking both switches.
-
-  Raises:
-    ValueError: a switch's value is not one of its choices.
-  """
-  if activation in RENAMED_ACTIVATIONS:
-    new = RENAMED_ACTIVATIONS[activation]
-    warnings.warn(f"WideResNet's activation={activation!r} is now activation={new!r} (an exact "
-                  f"ReLU keeping a 1-bit mask); {activation!r} goes in the next release.",
-                  DeprecationWarning, stacklevel=2)
-    activation = new
-  for name, value, allowed in (("activation", activation, ACTIVATIONS), ("conv", conv, CONVS)):
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
-  return activation
+def check_switches(activation: str, conv: str) -> tuple[Activation, Conv]:
+  """The WideResNet's switches as `lowmem_jax.choices` members; a ValueError names the first
+  with an unknown value (``"approx"`` is the transformers' ReGELU2/ReSiLU2: the ReLU's own
+  is ``"1bit"``)."""
+  return checked(Activation, activation, "activation", ACTIVATIONS), checked(Conv, conv, "conv")
 
 
-CONV_FNS = {"plain": None, "pooled": functools.partial(compress.pooled_conv, pool=2),
-            "int8": compress.int8_conv}
+CONV_FNS = {Conv.PLAIN: None, Conv.POOLED: functools.partial(compress.pooled_conv, pool=2),
+            Conv.INT8: compress.int8_conv}
 
 
 def multiply_and_sum(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -123,8 +110,7 @@ class WideResNet(Switches):
     num_classes: classes of the head.
     activation: "exact", `jax.nn.relu`, which saves a float array, or "1bit",
       `lowmem_jax.relu`, which saves a 1-bit mask and is exact too: ReLU's
-      derivative is a step. ("approx", its old name, still selects it, with a
-      DeprecationWarning.)
+      derivative is a step. ("approx" is the transformers' ReGELU2/ReSiLU2: refused here.)
     conv: "plain", "pooled" (`lowmem_jax.ops.compress.pooled_conv` with pool 2) or
       "int8" (the conv input saved as int8 rows, see `lowmem_jax.ops.compress`);
       where a block's shortcut is a 1x1 conv, it and the first 3x3 conv each
@@ -143,7 +129,7 @@ class WideResNet(Switches):
 
   @nn.compact
   def __call__(self, images, train: bool = True):
-    activation = check_switches(self.activation, self.conv)
+    activation, _ = check_switches(self.activation, self.conv)
     if self.depth < 10 or (self.depth - 4) % 6:
       raise ValueError(f"depth must be 6n + 4 with n >= 1, got {self.depth}.")
     if self.widen < 1:

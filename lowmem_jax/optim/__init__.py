@@ -18,13 +18,30 @@ References:
   (https://arxiv.org/abs/2305.19982).
 """
 
-from lowmem_jax.optim.accumulation import (NU_SCALES, AdamAState, KthMicroStepState, MomentFold,
-                                           adama, adamaw, find_adama_state, on_kth_micro_step)
+from lowmem_jax.optim.accumulation import (
+                                           NU_SCALES,
+                                           AdamAState,
+                                           KthMicroStepState,
+                                           MomentFold,
+                                           adama,
+                                           adamaw,
+                                           find_adama_state,
+                                           on_kth_micro_step,
+)
 from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
-from lowmem_jax.optim.steps import (COMPLETES_STEP, microbatch_step, takes_completes_step,
-                                    train_step)
-from lowmem_jax.optim.streamed import (LayerStack, LayerStreamed, StreamedState, check_per_leaf,
-                                       layer_streamed)
+from lowmem_jax.optim.per_leaf import check_per_leaf
+from lowmem_jax.optim.steps import (
+                                           COMPLETES_STEP,
+                                           microbatch_step,
+                                           takes_completes_step,
+                                           train_step,
+)
+from lowmem_jax.optim.streamed import (
+                                           LayerStack,
+                                           LayerStreamed,
+                                           StreamedState,
+                                           layer_streamed,
+)
 
 __all__ = [
     "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",

@@ -223,17 +223,7 @@ def adama(
   """
   fold = as_moment_fold(k, b1, b2, nu_scale)
   k, b1, b2 = fold.k, fold.b1, fold.b2
-  mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
-  if not (state_bits is None or isinstance(state_bits, int) and state_bits == 8):
-    raise ValueError(f"`state_bits` must be None or 8 (a Python int: under "
-                     f"`optax.inject_hyperparams`, pass static_args=('k', 'state_bits')), got "
-                     f"{state_bits!r}.")
-  if seed is not None and (isinstance(seed, (bool, float)) or not jnp.issubdtype(
-      getattr(seed, "dtype", type(seed)), jnp.integer)):
-    raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
-  seed = 0 if seed is None else seed
-  if state_bits == 8 and mu_dtype is not None:
-    raise ValueError("`mu_dtype` applies to 32-bit state; with `state_bits=8` give mu_dtype=None.")
+  mu_dtype, seed = _checked_storage(mu_dtype, state_bits, seed)
 
   def init_fn(params):
     if state_bits == 8:
@@ -246,29 +236,9 @@ def adama(
   def update_fn(updates, state, params=None, *, folded=None, folded_with=None, positions=None,
                 **extra_args):
     del params, extra_args
-    if state.k != k:
-      raise ValueError(f"The AdamA state was built by an AdamA over k={state.k}, and this one "
-                       f"folds over k={k}: build the state with this one's `init`.")
-    if folded_with is not None and any(isinstance(v, jax.core.Tracer) for v in (b1, b2)):
-      raise ValueError(
-          "This AdamA's b1 or b2 is traced (optax.inject_hyperparams), and the moments were "
-          "folded in the backward by a MomentFold with fixed rates: list b1 and b2 in "
-          "static_args, or fold after the backward (fold_in_backward=False).")
-    if folded_with is not None and _disagree(folded_with, fold):
-      raise ValueError(
-          f"The moments were folded in the backward with {folded_with}, and this AdamA folds "
-          f"with {fold}: build one `MomentFold` and give it to both, as `adama`'s and "
-          "`microbatch_step`'s `k`.")
-    if jax.tree.structure(updates) != moment_structure(state.mu):
-      raise ValueError(
-          "`updates` (the gradient) and the AdamA state have different tree structures: "
-          f"{jax.tree.structure(updates)} vs {moment_structure(state.mu)}. "
-          "Build the state with `init` on the params you differentiate.")
+    _check_update(updates, state, fold, folded, folded_with, state_bits)
     if folded is None:
       folded = jax.tree.map(lambda _: None, updates)
-    elif state_bits == 8:
-      raise ValueError("AdamA with `state_bits=8` folds in `update` only: `folded` moments "
-                       "(microbatch_step's fold_in_backward) are not supported.")
     first = state.micro_step == 0
     last = state.micro_step == k - 1
     moments = jax.tree.map(
@@ -294,6 +264,49 @@ def adama(
         mu=mu, nu=nu, k=state.k)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_storage(mu_dtype: Any, state_bits: Any, seed: Any) -> tuple[Any, int]:
+  """`adama`'s ``(mu_dtype, seed)`` checked (a dtype or None; an int, None read as 0)."""
+  mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype) if mu_dtype is not None else None
+  if not (state_bits is None or isinstance(state_bits, int) and state_bits == 8):
+    raise ValueError(f"`state_bits` must be None or 8 (a Python int: under "
+                     f"`optax.inject_hyperparams`, pass static_args=('k', 'state_bits')), got "
+                     f"{state_bits!r}.")
+  if seed is not None and (isinstance(seed, (bool, float)) or not jnp.issubdtype(
+      getattr(seed, "dtype", type(seed)), jnp.integer)):
+    raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
+  if state_bits == 8 and mu_dtype is not None:
+    raise ValueError("`mu_dtype` applies to 32-bit state; with `state_bits=8` give mu_dtype=None.")
+  return mu_dtype, 0 if seed is None else seed
+
+
+def _check_update(updates: Any, state: AdamAState, fold: "MomentFold", folded: Any,
+                  folded_with: "MomentFold | None", state_bits: int | None) -> None:
+  """Raises the ValueError that says why `adama`'s ``update`` cannot take these arguments: a
+  state of another k, moments folded in the backward by another or a traced fold, another
+  tree, folded moments with 8-bit state."""
+  if state.k != fold.k:
+    raise ValueError(f"The AdamA state was built by an AdamA over k={state.k}, and this one "
+                     f"folds over k={fold.k}: build the state with this one's `init`.")
+  if folded_with is not None and any(isinstance(v, jax.core.Tracer) for v in (fold.b1, fold.b2)):
+    raise ValueError(
+        "This AdamA's b1 or b2 is traced (optax.inject_hyperparams), and the moments were "
+        "folded in the backward by a MomentFold with fixed rates: list b1 and b2 in "
+        "static_args, or fold after the backward (fold_in_backward=False).")
+  if folded_with is not None and _disagree(folded_with, fold):
+    raise ValueError(
+        f"The moments were folded in the backward with {folded_with}, and this AdamA folds "
+        f"with {fold}: build one `MomentFold` and give it to both, as `adama`'s and "
+        "`microbatch_step`'s `k`.")
+  if jax.tree.structure(updates) != moment_structure(state.mu):
+    raise ValueError(
+        "`updates` (the gradient) and the AdamA state have different tree structures: "
+        f"{jax.tree.structure(updates)} vs {moment_structure(state.mu)}. "
+        "Build the state with `init` on the params you differentiate.")
+  if folded is not None and state_bits == 8:
+    raise ValueError("AdamA with `state_bits=8` folds in `update` only: `folded` moments "
+                     "(microbatch_step's fold_in_backward) are not supported.")
 
 
 def adamaw(

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax._checks import is_int, is_real
+from lowmem_jax.optim.move_schedule import MoveSchedule
 
 
 class SparsityState(NamedTuple):
@@ -154,43 +155,14 @@ def dynamic_sparsity(
   """
   if not (is_real(density) and 0 < density <= 1):
     raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")
-  if not (is_int(update_every) and update_every >= 1):
-    raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
-  if not (is_real(prune_fraction) and 0 <= prune_fraction < 1):
-    raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
-  if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
-    raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
-  density, prune_fraction = float(density), float(prune_fraction)  # NumPy scalars as Python's
+  schedule = MoveSchedule.checked(update_every, prune_fraction, stop_after)
+  density = float(density)  # a NumPy scalar as Python's
   if sparse is not None and not callable(sparse):
     raise TypeError(f"`sparse` must be None or a function params -> bools, got {sparse!r}.")
 
-  def init_fn(params):
-    flags = jax.tree.map(lambda p: p.ndim >= 2, params) if sparse is None else sparse(params)
-    treedef = jax.tree.structure(params)
-    if jax.tree.structure(flags) != treedef:
-      raise ValueError(f"`sparse` must return the params' structure {treedef}, got "
-                       f"{jax.tree.structure(flags)}.")
-    flags = jax.tree.leaves(flags)
-    if not all(isinstance(f, bool) for f in flags) or not any(flags):
-      raise ValueError(f"`sparse` must return Python bools, at least one True; got {flags}.")
-    leaves = jax.tree.leaves(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves) + 1)
-    masks = [_random_mask(k, p.shape, round(density * p.size)) if f else None
-             for k, p, f in zip(keys, leaves, flags)]
-    sparse_masks = [m for m in masks if m is not None]
-    budget = _budget(sparse_masks, density)
-    pool = sum(m.size for m in sparse_masks) - budget
-    if round(prune_fraction * budget) > pool:
-      raise ValueError(
-          f"`prune_fraction` {prune_fraction} moves {round(prune_fraction * budget)} entries per "
-          f"update but `density` {density} leaves only {pool} inactive positions to regrow into.")
-    return SparsityState(jax.tree.unflatten(treedef, masks), jnp.zeros([], jnp.int32),
-                         jax.random.key_data(keys[-1]))
-
   def move(masks, weights, key):  # defined once, so that eager calls reuse its compilation
     key, sub = jax.random.split(key)
-    moves = round(prune_fraction * _budget(masks, density))
-    return _prune_and_regrow(masks, weights, sub, moves), key
+    return _prune_and_regrow(masks, weights, sub, schedule.moves(_budget(masks, density))), key
 
   def keep(masks, weights, key):
     del weights
@@ -198,37 +170,69 @@ def dynamic_sparsity(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("`params` is required: `dynamic_sparsity` zeroes the weights outside "
-                       "the masks and prunes by their magnitude.")
-    treedef = jax.tree.structure(params)
-    masks = _leaves_or_none(state.masks)
-    if jax.tree.structure(updates) != treedef or len(masks) != treedef.num_leaves:
-      raise ValueError("`updates`, `params` and the state's masks must share the params' "
-                       f"structure {treedef}; build the state with `init` on these params.")
-    ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
+    ps, us, masks = _checked_update(updates, state, params)
     sparse_ids = [i for i, m in enumerate(masks) if m is not None]
-    for i in sparse_ids:
-      if us[i].dtype != ps[i].dtype:
-        raise TypeError(f"`updates` of sparse leaves must have the params' dtypes (so that "
-                        f"they zero them exactly), got {us[i].dtype} for {ps[i].dtype}.")
     old = [masks[i] for i in sparse_ids]
     count = optax.safe_int32_increment(state.count)
     new, key = old, jax.random.wrap_key_data(state.key)
-    if round(prune_fraction * _budget(old, density)) and stop_after != 0:
-      due = count % update_every == 0
-      if stop_after is not None:
-        due &= count <= stop_after
+    if schedule.ever(_budget(old, density)):
       weights = [ps[i] + us[i] for i in sparse_ids]
-      new, key = jax.lax.cond(due, move, keep, old, weights, key)
+      new, key = jax.lax.cond(schedule.due(count), move, keep, old, weights, key)
     out, new_masks = list(us), list(masks)
     for i, m_old, m_new in zip(sparse_ids, old, new):
       out[i] = jnp.where(m_old & m_new, us[i], -ps[i])
       new_masks[i] = m_new
+    treedef = jax.tree.structure(params)
     return jax.tree.unflatten(treedef, out), SparsityState(
         jax.tree.unflatten(treedef, new_masks), count, jax.random.key_data(key))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+      functools.partial(_init_masks, density=density, schedule=schedule, sparse=sparse,
+                        seed=seed), update_fn)
+
+
+def _init_masks(params, *, density, schedule, sparse, seed) -> SparsityState:
+  """`dynamic_sparsity`'s ``init``: a random mask of ``density`` on each sparse leaf."""
+  flags = jax.tree.map(lambda p: p.ndim >= 2, params) if sparse is None else sparse(params)
+  treedef = jax.tree.structure(params)
+  if jax.tree.structure(flags) != treedef:
+    raise ValueError(f"`sparse` must return the params' structure {treedef}, got "
+                     f"{jax.tree.structure(flags)}.")
+  flags = jax.tree.leaves(flags)
+  if not all(isinstance(f, bool) for f in flags) or not any(flags):
+    raise ValueError(f"`sparse` must return Python bools, at least one True; got {flags}.")
+  leaves = jax.tree.leaves(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves) + 1)
+  masks = [_random_mask(k, p.shape, round(density * p.size)) if f else None
+           for k, p, f in zip(keys, leaves, flags)]
+  sparse_masks = [m for m in masks if m is not None]
+  budget = _budget(sparse_masks, density)
+  pool = sum(m.size for m in sparse_masks) - budget
+  if schedule.moves(budget) > pool:
+    raise ValueError(
+        f"`prune_fraction` {schedule.prune_fraction} moves {schedule.moves(budget)} entries per "
+        f"update but `density` {density} leaves only {pool} inactive positions to regrow into.")
+  return SparsityState(jax.tree.unflatten(treedef, masks), jnp.zeros([], jnp.int32),
+                       jax.random.key_data(keys[-1]))
+
+
+def _checked_update(updates, state, params) -> tuple[list, list, list]:
+  """``(params' leaves, updates' leaves, masks)`` of `dynamic_sparsity`'s ``update``, or the
+  error that says which argument does not fit."""
+  if params is None:
+    raise ValueError("`params` is required: `dynamic_sparsity` zeroes the weights outside "
+                     "the masks and prunes by their magnitude.")
+  treedef = jax.tree.structure(params)
+  masks = _leaves_or_none(state.masks)
+  if jax.tree.structure(updates) != treedef or len(masks) != treedef.num_leaves:
+    raise ValueError("`updates`, `params` and the state's masks must share the params' "
+                     f"structure {treedef}; build the state with `init` on these params.")
+  ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
+  for p, u, m in zip(ps, us, masks):
+    if m is not None and u.dtype != p.dtype:
+      raise TypeError(f"`updates` of sparse leaves must have the params' dtypes (so that "
+                      f"they zero them exactly), got {u.dtype} for {p.dtype}.")
+  return ps, us, masks
 
 
 def storage_bytes(params: Any, state: Any, *, index_bytes: int = 4) -> dict[str, int]:

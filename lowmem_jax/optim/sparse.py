@@ -27,6 +27,7 @@ References:
   https://arxiv.org/abs/1904.10631.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -35,8 +36,9 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import optim
-from lowmem_jax._checks import is_int, is_real
+from lowmem_jax._checks import is_int
 from lowmem_jax.optim import lowbit
+from lowmem_jax.optim.move_schedule import MoveSchedule
 
 
 @optim.takes_completes_step  # `microbatch_step` tells update where no step completes
@@ -260,38 +262,11 @@ def sparse_storage(
     >>> int((params["w"] == 0).sum()), state.positions["w"].shape, state.positions["b"]
     (4, (16,), None)
   """
-  if not (is_int(update_every) and update_every >= 1):
-    raise ValueError(f"`update_every` must be a positive int, got {update_every!r}.")
-  if not (is_real(prune_fraction) and 0 <= prune_fraction < 1):
-    raise ValueError(f"`prune_fraction` must be a number in [0, 1), got {prune_fraction!r}.")
-  if not (stop_after is None or is_int(stop_after) and stop_after >= 0):
-    raise ValueError(f"`stop_after` must be None or an int >= 0, got {stop_after!r}.")
+  schedule = MoveSchedule.checked(update_every, prune_fraction, stop_after)
   if not is_int(seed):
     raise ValueError(f"`seed` must be an int, got {seed!r}.")
-  dense_leaves, dense_def = jax.tree.flatten(dense)
-
-  def sizes(params):
-    """The dense size of each sparse leaf of ``params``, None on dense leaves."""
-    leaves, treedef = jax.tree.flatten(params)
-    if treedef != dense_def:
-      raise ValueError(f"`dense` must have the params' tree structure {treedef}, got {dense_def}.")
-    out = []
-    for p, d in zip(leaves, dense_leaves):
-      if p.shape == d.shape:
-        out.append(None)
-        continue
-      size = math.prod(d.shape)
-      if p.ndim != 1 or not 0 < p.size < size:
-        raise ValueError(f"A sparse leaf must be [nnz] with 0 < nnz < its dense size; got "
-                         f"{p.shape} for a dense {d.shape}.")
-      moves = round(prune_fraction * p.size)
-      if moves > size - p.size:
-        raise ValueError(f"`prune_fraction` {prune_fraction} moves {moves} entries of a leaf of "
-                         f"{p.size} in {size}: only {size - p.size} positions are free.")
-      out.append(size)
-    if all(s is None for s in out):
-      raise ValueError("No leaf of the params is sparse: each has its shape in `dense`.")
-    return out
+  dense_def = jax.tree.structure(dense)
+  sizes = functools.partial(_dense_sizes, dense=dense, schedule=schedule)
 
   def init_fn(params):
     leaf_sizes = sizes(params)
@@ -314,40 +289,72 @@ def sparse_storage(
     count = jnp.where(completed, optax.safe_int32_increment(state.count), state.count)
     if not may_complete:
       return updates, state._replace(inner=inner_state, count=count)
-    ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
-    positions = jax.tree.leaves(state.positions, is_leaf=lambda x: x is None)
     sparse_ids = [i for i, s in enumerate(leaf_sizes) if s is not None]
-    moves = [round(prune_fraction * ps[i].size) for i in sparse_ids]
-    if not any(moves) or stop_after == 0:
+    ps = jax.tree.leaves(params)
+    if not any(schedule.ever(ps[i].size) for i in sparse_ids):
       return updates, SparseStorageState(inner_state, state.positions, count, state.key)
-    due = completed & (count % update_every == 0)
-    if stop_after is not None:
-      due &= count <= stop_after
-
-    def move(inner_state, positions, key):
-      key, *subs = jax.random.split(jax.random.wrap_key_data(key), len(sparse_ids) + 1)
-      new, moved = list(positions), [None] * len(ps)
-      for i, m, sub in zip(sparse_ids, moves, subs):
-        weight = ps[i] + us[i]
-        _, new[i], moved[i] = prune_and_regrow(weight, positions[i], sub, size=leaf_sizes[i],
-                                               moves=m)
-      moved_tree = jax.tree.unflatten(dense_def, moved)
-      inner_state = optax.tree_utils.tree_map_params(
-          inner, _zero_slots, inner_state, moved_tree, is_leaf=lowbit.is_quantized)
-      return inner_state, new, [m for m in moved if m is not None], jax.random.key_data(key)
-
-    def keep(inner_state, positions, key):
-      return inner_state, positions, [jnp.zeros(ps[i].shape, bool) for i in sparse_ids], key
-
-    inner_state, positions, moved, key = jax.lax.cond(due, move, keep, inner_state, positions,
-                                                      state.key)
-    out = list(us)
-    for i, m in zip(sparse_ids, moved):
-      out[i] = jnp.where(m, -ps[i], us[i])
-    return jax.tree.unflatten(dense_def, out), SparseStorageState(
-        inner_state, jax.tree.unflatten(dense_def, positions), count, key)
+    return _moved(inner, updates, params, state._replace(inner=inner_state, count=count),
+                  completed & schedule.due(count), leaf_sizes, schedule)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _dense_sizes(params: Any, *, dense: Any, schedule: MoveSchedule) -> list[int | None]:
+  """The dense size of each sparse leaf of ``params`` (None on dense leaves), or the error
+  that says which does not fit `sparse_storage`'s ``dense``."""
+  leaves, treedef = jax.tree.flatten(params)
+  dense_leaves, dense_def = jax.tree.flatten(dense)
+  if treedef != dense_def:
+    raise ValueError(f"`dense` must have the params' tree structure {treedef}, got {dense_def}.")
+  out = []
+  for p, d in zip(leaves, dense_leaves):
+    if p.shape == d.shape:
+      out.append(None)
+      continue
+    size = math.prod(d.shape)
+    if p.ndim != 1 or not 0 < p.size < size:
+      raise ValueError(f"A sparse leaf must be [nnz] with 0 < nnz < its dense size; got "
+                       f"{p.shape} for a dense {d.shape}.")
+    moves = schedule.moves(p.size)
+    if moves > size - p.size:
+      raise ValueError(f"`prune_fraction` {schedule.prune_fraction} moves {moves} entries of a "
+                       f"leaf of {p.size} in {size}: only {size - p.size} positions are free.")
+    out.append(size)
+  if all(s is None for s in out):
+    raise ValueError("No leaf of the params is sparse: each has its shape in `dense`.")
+  return out
+
+
+def _moved(inner, updates, params, state, due, leaf_sizes, schedule):
+  """`sparse_storage`'s ``(updates, state)`` where a move is ``due``: each sparse leaf's
+  positions moved on the new weights ``params + updates`` (`prune_and_regrow`), the moved
+  slots' updates setting them to zero and ``inner``'s moments there zeroed."""
+  treedef = jax.tree.structure(params)
+  ps, us = jax.tree.leaves(params), jax.tree.leaves(updates)
+  sparse_ids = [i for i, s in enumerate(leaf_sizes) if s is not None]
+
+  def move(inner_state, positions, key):
+    key, *subs = jax.random.split(jax.random.wrap_key_data(key), len(sparse_ids) + 1)
+    new, moved = list(positions), [None] * len(ps)
+    for i, sub in zip(sparse_ids, subs):
+      _, new[i], moved[i] = prune_and_regrow(ps[i] + us[i], positions[i], sub,
+                                             size=leaf_sizes[i], moves=schedule.moves(ps[i].size))
+    inner_state = optax.tree_utils.tree_map_params(
+        inner, _zero_slots, inner_state, jax.tree.unflatten(treedef, moved),
+        is_leaf=lowbit.is_quantized)
+    return inner_state, new, [m for m in moved if m is not None], jax.random.key_data(key)
+
+  def keep(inner_state, positions, key):
+    return inner_state, positions, [jnp.zeros(ps[i].shape, bool) for i in sparse_ids], key
+
+  positions = jax.tree.leaves(state.positions, is_leaf=lambda x: x is None)
+  inner_state, positions, moved, key = jax.lax.cond(due, move, keep, state.inner, positions,
+                                                    state.key)
+  out = list(us)
+  for i, m in zip(sparse_ids, moved):
+    out[i] = jnp.where(m, -ps[i], us[i])
+  return jax.tree.unflatten(treedef, out), SparseStorageState(
+      inner_state, jax.tree.unflatten(treedef, positions), state.count, key)
 
 
 def find_state(opt_state: Any) -> SparseStorageState:

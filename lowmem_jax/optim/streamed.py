@@ -23,7 +23,7 @@ Any optax transformation that works leaf by leaf runs this way: Adam, AdamW,
 step per micro-batch, the update at the k-th), bfloat16 parameters with
 `lowmem_jax.optim.lowbit.stochastic_rounding`. One whose update of a leaf reads
 another leaf (``optax.clip_by_global_norm``, ``optax.apply_if_finite``) is
-refused, with the equation that mixes them (`check_per_leaf`).
+refused, with the equation that mixes them (`lowmem_jax.optim.per_leaf.check_per_leaf`).
 
 The state is `StreamedState`: the transformation initialised on each
 parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
@@ -52,21 +52,19 @@ References:
 """
 
 import dataclasses
-import math
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.extend import core as jcore
 
 from lowmem_jax import _sharding
 from lowmem_jax._checks import is_int
-from lowmem_jax._jax import source_info_util
-from lowmem_jax.optim import lowbit
-
-PLACES = ("device", "host")
+from lowmem_jax.choices import Place, checked
+from lowmem_jax.ops.token_chunks import slices
+from lowmem_jax.optim import lowbit, slicing
+from lowmem_jax.optim.per_leaf import check_per_leaf, reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,218 +171,6 @@ def layer_count(layers: Any) -> int:
   return counts.pop()
 
 
-def _reads(fn: Callable, tree: Any, *args) -> Any:
-  """Bool pytree like ``tree``: whether ``fn(tree, *args)`` reads each leaf."""
-  closed = jax.make_jaxpr(fn)(tree, *args)
-  n = len(jax.tree.leaves(tree))
-  used = set(_used_inputs(closed.jaxpr))
-  return jax.tree.unflatten(jax.tree.structure(tree), [i in used for i in range(n)])
-
-
-def _used_inputs(jaxpr) -> list[int]:
-  """The indices of ``jaxpr``'s inputs its outputs read, into nested calls (a remat, a jit)."""
-  needed = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-  for eqn in reversed(jaxpr.eqns):
-    if any(o in needed for o in eqn.outvars) or eqn.effects:
-      inner = _inner_jaxpr(eqn)
-      reads = (eqn.invars if inner is None or len(inner.invars) != len(eqn.invars)
-               else [eqn.invars[i] for i in _used_inputs(inner)])
-      needed.update(v for v in reads if isinstance(v, jcore.Var))
-  return [i for i, v in enumerate(jaxpr.invars) if v in needed]
-
-
-def _to(place: str, tree: Any) -> Any:
-  """``tree`` moved to the memory of `PLACES`' ``place``."""
-  return jax.device_put(tree, jax.memory.Space.Host if place == "host" else jax.memory.Space.Device)
-
-
-def _layer_states(init_layer: Callable, layers: Any, place: str) -> Any:
-  """``jax.vmap(init_layer)(layers)`` in ``place``. In host memory, outside a trace and on one
-  device, each layer's state is made on the device and brought to the host before the next
-  one's, then stacked there: a whole Llama-3-8B's 8-bit state (15 GiB) made on the device
-  would not fit beside its bfloat16 parameters on a 24 GB card. (Traced, XLA places the
-  states in host memory itself; under a mesh a layer's state is one device's share.)"""
-  leaves = jax.tree.leaves(layers)
-  if (place == "device" or len({getattr(x, "sharding", None) for x in leaves}) != 1
-      or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves)
-      or len(leaves[0].sharding.device_set) > 1):
-    return _to(place, jax.vmap(init_layer)(layers))
-  each = [jax.device_get(init_layer(jax.tree.map(lambda x: x[i], layers)))
-          for i in range(layer_count(layers))]
-  host = leaves[0].sharding.with_memory_kind("pinned_host")
-
-  def stack(*states):
-    if jax.dtypes.issubdtype(states[0].dtype, jax.dtypes.prng_key):  # a key a layer: small
-      return jax.device_put(jnp.stack(states), host)
-    return jax.device_put(np.stack(states), host)
-
-  return jax.tree.map(stack, *each)
-
-
-def _check_place(name: str, value: Any) -> None:
-  if value not in PLACES:
-    raise ValueError(f"`{name}` must be one of {PLACES}, got {value!r}.")
-
-
-def check_per_leaf(tx: optax.GradientTransformation, params: Any) -> None:
-  """Raises ValueError if ``tx``'s update of one leaf reads another leaf's gradient or param.
-
-  Traces ``tx.update`` on two copies of ``params`` (a layer's) and follows each
-  output back through the jaxpr to the leaves it reads (into nested calls;
-  conservatively through loops and conditionals).
-
-  Args:
-    tx: the transformation.
-    params: one layer's parameters (arrays or ``ShapeDtypeStruct``).
-  """
-  probe = {"a": params, "b": params}
-  state = jax.eval_shape(tx.init, probe)
-  n = len(jax.tree.leaves(probe))
-  closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(probe, state, probe)
-  jaxpr = closed.jaxpr
-  n_state = len(jaxpr.invars) - 2 * n
-  groups = ([frozenset({i}) for i in range(n)] + [frozenset()] * n_state
-            + [frozenset({i}) for i in range(n)])
-  mixed = []
-  outs = _dependencies(jaxpr, groups, mixed)
-  if mixed or any(len(o) > 1 for o in outs):
-    where = mixed[0] if mixed else "its outputs"
-    raise ValueError(
-        f"The optimizer's update of one parameter leaf reads other leaves' gradients (first "
-        f"at {where}): it needs the whole gradient (a global norm, a finiteness check of the "
-        "whole tree) and cannot run inside the backward, one layer at a time. Clip per leaf "
-        "instead (optax.clip_by_block_rms, optax.clip), or per layer inside `LayerStack.layer`.")
-
-
-def _dependencies(jaxpr, groups: list[frozenset], mixed: list[str]) -> list[frozenset]:
-  """For each outvar of ``jaxpr``, the union of the input groups it depends on; appends to
-  ``mixed`` the source of each equation whose output first joins two groups."""
-  env = dict(zip(jaxpr.invars, groups))
-  read = lambda v: env.get(v, frozenset()) if isinstance(v, jcore.Var) else frozenset()
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    inner = _inner_jaxpr(eqn)
-    if inner is not None and len(inner.invars) == len(ins):
-      outs = _dependencies(inner, ins, mixed)
-    else:
-      together = frozenset().union(*ins)
-      outs = [together] * len(eqn.outvars)
-      if len(together) > 1 and all(len(i) <= 1 for i in ins) and not mixed:
-        frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:3]
-        mixed.append(" <- ".join(
-            [eqn.primitive.name] + [f"{f.function_name} ({_short(f.file_name)}:{f.start_line})"
-                                    for f in frames]))
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _short(path: str) -> str:
-  """``path`` from its package on (``optax/_src/clipping.py``) where it is installed."""
-  return path.rsplit("site-packages/", 1)[-1]
-
-
-def _inner_jaxpr(eqn):
-  """The jaxpr a call-like equation runs once on its operands (pjit, remat, custom rules)."""
-  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    inner = eqn.params.get(name)
-    if inner is not None and eqn.primitive.name not in ("scan", "while", "cond"):
-      return getattr(inner, "jaxpr", inner)
-  return None
-
-
-def slices(shape: tuple[int, ...], limit: int) -> int:
-  """How many equal slices along its first axis `layer_streamed` updates a leaf of ``shape``
-  in: the fewest of at most ``limit`` elements each (1 for a leaf within it, or one that no
-  split of its first axis brings within it)."""
-  if len(shape) < 2 or math.prod(shape) <= limit:
-    return 1
-  row = math.prod(shape[1:])
-  return next((n for n in range(2, shape[0] + 1) if shape[0] % n == 0
-               and shape[0] // n * row <= limit), 1)
-
-
-def _at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
-  """``tree``'s leaves at the leading indices ``index`` (``tree`` itself without); with
-  ``rows``, the last index ``i`` takes rows ``[i * rows, (i + 1) * rows)`` of its axis
-  (kept), so a leaf is read a slice at a time without reshaping it (which would move a
-  sharded leaf between devices)."""
-  if not index:
-    return tree
-  return jax.tree.map(lambda t: jax.lax.dynamic_slice(t, *_window(t, index, rows)).reshape(
-      _window(t, index, rows)[1][len(index) - (rows is not None):]), tree)
-
-
-def _put(tree: Any, new: Any, *index: jax.Array, rows: int | None = None) -> Any:
-  """``tree`` with ``new`` written in place where `_at` reads."""
-  return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
-      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0]),
-      tree, new)
-
-
-def _window(t: Any, index: tuple, rows: int | None) -> tuple[tuple, tuple]:
-  """`_at`'s ``(start, size)`` in ``t``."""
-  lead = len(index) - (rows is not None)
-  start = (*index[:lead], *([] if rows is None else [index[-1] * rows]))
-  size = (*[1] * lead, *([] if rows is None else [rows]))
-  rest = jnp.shape(t)[len(start):]
-  return (*start, *[0] * len(rest)), (*size, *rest)
-
-
-def _late(index: Any, after: Any) -> Any:
-  """``index``, not to be used before ``after`` is made (an optimization barrier)."""
-  if after is None or not jax.tree.leaves(index):
-    return index
-  return jax.lax.optimization_barrier((after, index))[1]
-
-
-def _scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
-                 reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
-                 rows: int | None = None, whole: bool = False) -> tuple[Any, Any, Any]:
-  """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
-  ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
-  gradient) is made, so the slice is not held while the gradient is computed.
-
-  The params are updated in place; the states too where they live on the device
-  (``place``). What lives on the host (the states there, and any leaf of
-  ``xs`` in host memory) is brought over one slice ahead: the body starts the
-  copy of the next slice's before it runs ``fn`` on this one's, so the transfer
-  can overlap the compute; the new states go back to the host as the scan's
-  outputs.
-
-  The params and the device states may lie deeper in bigger stacks: slice i's at
-  ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
-  written there, never copied out whole; with ``rows``, the params are not stacked by
-  slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
-  ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
-  ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
-  slice i's brought over): it reads and writes slice i itself.
-  """
-  n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
-  on_host = place == "host"
-  fetch = lambda i: _to("device", (_at(states, i) if on_host else None, _at(xs, i)))
-
-  def body(c, i):
-    c, params, device_states, current = c
-    ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
-    if whole:
-      c, params, s = fn(c, i, params, current[0] if on_host else device_states, current[1])
-    else:
-      state_of = ((lambda after: current[0]) if on_host else
-                  (lambda after: _at(device_states, *_late((*state_outer, i), after))))
-      c, p, s = fn(c, i, _at(params, *outer, i, rows=rows), state_of, current[1])
-      params = _put(params, p, *outer, i, rows=rows)
-    if on_host:
-      return (c, params, device_states, ahead), _to("host", s)
-    return (c, params, s if whole else _put(device_states, s, *state_outer, i), ahead), None
-
-  first = _late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
-  (carry, params, device_states, _), host_states = jax.lax.scan(
-      body, (carry, params, None if on_host else states, fetch(first)),
-      jnp.arange(n), reverse=reverse)
-  return carry, params, host_states if on_host else device_states
-
-
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
                    slice_elements: int = 2 ** 24,
@@ -439,157 +225,228 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
-  tx = optax.with_extra_args_support(tx)
-  _check_place("state", state)
-  _check_place("saved_inputs", saved_inputs)
+  state = checked(Place, state, "`state`")
+  saved_inputs = checked(Place, saved_inputs, "`saved_inputs`")
   if not isinstance(gather_params, bool):
     raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
-  gather = _sharding.gathered if gather_params else lambda tree: tree
   if not is_int(slice_elements) or slice_elements < 1:
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
+  streamer = _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
+                       slice_elements, _sharding.gathered if gather_params else lambda tree: tree)
+  return LayerStreamed(streamer.init, streamer.step)
 
-  def checked(params):
+
+def _sliced(x: jax.Array, n: int) -> jax.Array:
+  """``x`` as ``n`` equal slices of its first axis, stacked: ``[n, len / n, ...]``."""
+  return x.reshape(n, -1, *jnp.shape(x)[1:])
+
+
+def _positions(params: Any, key: str) -> tuple[Any, Any]:
+  """Each leaf's `lowmem_jax.optim.lowbit.Position` in the whole tree, split as `split`
+  splits ``params``: a seeded rounding draws the whole tree's bits."""
+  where = map(lowbit.Position, range(len(jax.tree.leaves(params))))
+  return split(jax.tree.unflatten(jax.tree.structure(params), where), key)
+
+
+class _Backward(NamedTuple):
+  """What each layer's backward reads besides its slices: the batch, the leaves of one layer
+  each part reads (``part_reads[j][k]``), the part after whose backward leaf ``k`` is
+  updated (``owner[k]``), and the layers' leaves' positions."""
+  batch: Any
+  part_reads: list
+  owner: list
+  layers_at: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Streamer:
+  """`layer_streamed`'s ``init`` and ``step``, in stages: the forward (`forward`), the
+  head's parameters' update (`update_head`), which part of a layer reads and updates which
+  leaves (`backward_plan`), the layers' backward a layer at a time (`layer_backward`: its
+  parts' inputs recomputed by `part_inputs`, each part's backward `part_backward`), the
+  embedding's update (`update_embedding`); each leaf updated by `update_leaf`, in slices
+  where it is big."""
+  stack: LayerStack
+  tx: optax.GradientTransformationExtraArgs
+  state: str  # where the optimizer state lives: "device" or "host"
+  saved_inputs: str  # where the forward keeps each layer's input
+  slice_elements: int  # the most elements a leaf is updated in at once
+  gather: Callable  # a tree made whole on every device (FSDP), or left as it is
+
+  def checked(self, params):
     """``(rest, layers, one_layer)``, the transformation checked on one layer."""
-    rest, layers = split(params, stack.key)
+    rest, layers = split(params, self.stack.key)
     layer_count(layers)
     one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
-    check_per_leaf(tx, one_layer)
+    check_per_leaf(self.tx, one_layer)
     return rest, layers, one_layer
 
-  def sliced(x, n):
-    return x.reshape(n, -1, *jnp.shape(x)[1:])
+  def leaf_init(self, x):
+    n = slices(jnp.shape(x), self.slice_elements)
+    return self.tx.init(x) if n == 1 else jax.vmap(self.tx.init)(_sliced(x, n))
 
-  def leaf_init(x):
-    n = slices(jnp.shape(x), slice_elements)
-    return tx.init(x) if n == 1 else jax.vmap(tx.init)(sliced(x, n))
+  def init(self, params):
+    rest, layers, _ = self.checked(params)
+    init_layer = lambda p: jax.tree.map(self.leaf_init, p)
+    return StreamedState(slicing.layer_states(init_layer, layers, self.state),
+                         jax.tree.map(lambda x: slicing.to(self.state, self.leaf_init(x)), rest))
 
-  def init(params):
-    rest, layers, _ = checked(params)
-    return StreamedState(_layer_states(lambda p: jax.tree.map(leaf_init, p), layers, state),
-                         jax.tree.map(lambda x: _to(state, leaf_init(x)), rest))
-
-  def update(g, s, p, at):
-    updates, s = tx.update(g, s, p, positions=at)
+  def update(self, g, s, p, at):
+    updates, s = self.tx.update(g, s, p, positions=at)
     return optax.apply_updates(p, updates), s
 
-  def update_leaf(g, s, p, place, at, outer=(), state_outer=()):
+  def update_leaf(self, g, s, p, place, at, outer=(), state_outer=()):
     """One leaf's update, its state in ``place`` before and after; ``at``: its
     `lowbit.Position` in the whole params tree. ``p`` may be a stack of such leaves, this
     one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of states,
     this one's at ``s[*state_outer]``: they come back updated in place."""
     shape = jnp.shape(p)[len(outer):]
-    n = slices(shape, slice_elements)
+    n = slices(shape, self.slice_elements)
     if n == 1:
-      late = _late((outer, state_outer), g)
-      new_p, new_s = update(g, _to("device", _at(s, *late[1])), _at(p, *late[0]), at)
-      new_p = _put(p, new_p, *outer) if outer else new_p
-      return new_p, _put(s, new_s, *state_outer) if state_outer else _to(place, new_s)
+      late = slicing.late((outer, state_outer), g)
+      new_p, new_s = self.update(g, slicing.to("device", slicing.at(s, *late[1])),
+                                 slicing.at(p, *late[0]), at)
+      new_p = slicing.put(p, new_p, *outer) if outer else new_p
+      return new_p, (slicing.put(s, new_s, *state_outer) if state_outer
+                     else slicing.to(place, new_s))
     part = (shape[0] // n, *shape[1:])
-    fn = lambda _, i, p, s, g: (None, *update(g, s(g), p, at.part(i, part)))
+    fn = lambda _, i, p, s, g: (None, *self.update(g, s(g), p, at.part(i, part)))
     if outer:
-      return _scan_slices(fn, None, p, s, sliced(g, n), place, outer=outer,
-                          state_outer=state_outer, rows=part[0])[1:]
-    _, p, s = _scan_slices(fn, None, sliced(p, n), s, sliced(g, n), place)
+      return slicing.scan_slices(fn, None, p, s, _sliced(g, n), place, outer=outer,
+                                 state_outer=state_outer, rows=part[0])[1:]
+    _, p, s = slicing.scan_slices(fn, None, _sliced(p, n), s, _sliced(g, n), place)
     return p.reshape(shape), s
 
-  def update_tree(grads, states, params, place, where, which=None, outer=(), state_outer=()):
+  def update_tree(self, grads, states, params, place, where, which=None, outer=(),
+                  state_outer=()):
     """Each leaf's update (those ``which`` selects), the new params and states as trees;
     ``where``: each leaf's `lowbit.Position`; ``outer``, ``state_outer``: `update_leaf`'s."""
     treedef = jax.tree.structure(params)
-    states = treedef.flatten_up_to(states)
-    leaves = zip(treedef.flatten_up_to(grads), states, jax.tree.leaves(params),
-                 treedef.flatten_up_to(where))
-    out = [update_leaf(g, s, p, place, at, outer, state_outer)
+    leaves = zip(treedef.flatten_up_to(grads), treedef.flatten_up_to(states),
+                 jax.tree.leaves(params), treedef.flatten_up_to(where))
+    out = [self.update_leaf(g, s, p, place, at, outer, state_outer)
            if which is None or which[i] else (p, s) for i, (g, s, p, at) in enumerate(leaves)]
     return (jax.tree.unflatten(treedef, [p for p, _ in out]),
             jax.tree.unflatten(treedef, [s for _, s in out]))
 
-  def step(params, opt_state, batch):
+  def step(self, params, opt_state, batch):
     if not isinstance(opt_state, StreamedState):
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
-    rest, layers, one_layer = checked(params)
-    embed_reads = jax.tree.leaves(_reads(lambda r: stack.embed(r, batch), rest))
-    # Each leaf's place in the whole tree: a seeded rounding draws the whole tree's bits.
-    rest_at, layers_at = split(jax.tree.unflatten(jax.tree.structure(params), map(
-        lowbit.Position, range(len(jax.tree.leaves(params))))), stack.key)
+    rest, layers, one_layer = self.checked(params)
+    embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
+    rest_at, layers_at = _positions(params, self.stack.key)
+    embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
+    new_rest, rest_states, dh = self.update_head(head_grads, opt_state.rest, rest, rest_at,
+                                                 embed_reads, dh)
+    plan = self.backward_plan(one_layer, dh, batch, layers_at)
+    dh, layers, layer_states = slicing.scan_slices(
+        functools.partial(self.layer_backward, plan), dh, layers, opt_state.layers, saved,
+        self.state, reverse=True, whole=True)
+    grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
+    new_rest, rest_states = self.update_embedding(grads, rest_states, rest, new_rest, rest_at,
+                                                  embed_reads)
+    return ({**new_rest, self.stack.key: layers}, StreamedState(layer_states, rest_states),
+            {"loss": loss})
 
+  def forward(self, rest, layers, batch):
+    """``(embed_vjp, saved, loss, head_grads, dh)``: the forward, each layer's input kept in
+    `saved_inputs`, and the head's backward."""
+    stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
     h, saved = jax.lax.scan(lambda h, p: (stack.run_layer(gather(p), h, batch),
-                                          _to(saved_inputs, h)),
+                                          slicing.to(self.saved_inputs, h)),
                             h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
     head_grads, dh = head_vjp(jnp.ones_like(loss))
-    new_rest, rest_states = update_tree(head_grads, opt_state.rest, rest, state, rest_at,
+    return embed_vjp, saved, loss, head_grads, dh
+
+  def update_head(self, head_grads, states, rest, rest_at, embed_reads, dh):
+    """``(new_rest, states, dh)``: the parameters the embedding does not read, updated."""
+    new_rest, states = self.update_tree(head_grads, states, rest, self.state, rest_at,
                                         [not r for r in embed_reads])
-    if state == "device":
+    if self.state == "device":
       # The head's own update before the layers' backward, so the head's gradient (the output
       # kernel's, vocab x dim) is gone by then: dh waits on the new states. Compiled for the
       # GPU targets, with the state on the host XLA's own order peaks lower.
-      done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(rest_states),
-                                embed_reads) if not r]
+      done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(states), embed_reads)
+              if not r]
       dh, _ = jax.lax.optimization_barrier((dh, done))
+    return new_rest, states, dh
 
-    part_reads = [jax.tree.leaves(_reads(lambda p, h: part(p, h, batch), one_layer, h))
-                  for part in stack.parts]
-    # A leaf is updated after the backward of the first part that reads it (a leaf no part
-    # reads: after part 0's, with a zero gradient).
-    owner = [next((j for j, reads in enumerate(part_reads) if reads[k]), 0)
-             for k in range(len(part_reads[0]))]
-
-    def backward(dh, i, stacked, states, h):
-      """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
-      once its backward is done; ``states``: the device's whole stack or layer i's from
-      the host, updated."""
-      p = _at(stacked, i)
-      treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
-      at = jax.tree.map(lambda at: at.index(i), layers_at)
-      # The updates write into the stacks in place; under a mesh, where a slice of a leaf
-      # along a sharded axis would move the whole stack, into layer i's copy, put back after.
-      in_place = not _sharding.in_auto_mesh()
-      new_p = stacked if in_place else p
-      new_s = states if in_place or state == "host" else None  # a copy once a gradient is made
-      outer = (i,) if in_place else ()
-      state_outer = (i,) if in_place and state == "device" else ()
-      inputs = [_to("device", h)]
-      for part in stack.parts[:-1]:
-        inputs.append(part(gather(p), inputs[-1], batch))
-      grads = [None] * len(old)
-      for j in reversed(range(len(stack.parts))):
-        read = [k for k, r in enumerate(part_reads[j]) if r]
-
-        def part_of(sub, h, j=j, read=read):
-          leaves = list(old)
-          for k, x in zip(read, sub):
-            leaves[k] = x
-          return stack.parts[j](gather(jax.tree.unflatten(treedef, leaves)), h, batch)
-
-        _, vjp = jax.vjp(part_of, [old[k] for k in read], inputs[j])
-        sub, dh = vjp(dh)
-        for k, g in zip(read, sub):
-          grads[k] = g if grads[k] is None else grads[k] + g
-        mine = [o == j for o in owner]
-        if any(mine):
-          full = [g if g is not None else jnp.zeros_like(x) for g, x in zip(grads, old)]
-          if new_s is None:
-            new_s = _at(states, *_late((i,), [g for g, m in zip(full, mine) if m]))
-          new_p, new_s = update_tree(jax.tree.unflatten(treedef, full), new_s, new_p, "device",
-                                     at, mine, outer, state_outer)
-        if j:  # this part's update, then the part before: its forward recomputed, not kept
-          dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
-              (dh, inputs[j - 1], new_p, new_s))
-      if in_place:
-        return dh, new_p, new_s
-      return dh, _put(stacked, new_p, i), new_s if state == "host" else _put(states, new_s, i)
-
-    dh, layers, layer_states = _scan_slices(backward, dh, layers, opt_state.layers, saved,
-                                            state, reverse=True, whole=True)
-    grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
-    embedded, rest_states = update_tree(grads, rest_states, rest, state, rest_at, embed_reads)
+  def update_embedding(self, grads, states, rest, new_rest, rest_at, embed_reads):
+    """``(new_rest, states)``: the parameters the embedding reads updated, once the first
+    layer's backward has made their whole gradient (a tied head's plus the embedding's)."""
+    embedded, states = self.update_tree(grads, states, rest, self.state, rest_at, embed_reads)
     new_rest = jax.tree.map(lambda reads, old, new: new if reads else old,
                             jax.tree.unflatten(jax.tree.structure(rest), embed_reads),
                             new_rest, embedded)
-    return ({**new_rest, stack.key: layers}, StreamedState(layer_states, rest_states),
-            {"loss": loss})
+    return new_rest, states
 
-  return LayerStreamed(init, step)
+  def backward_plan(self, one_layer, dh, batch, layers_at) -> _Backward:
+    """Which leaves each part of a layer reads, and after which part's backward each is
+    updated: the first part that reads it (a leaf no part reads: part 0's, with a zero
+    gradient)."""
+    part_reads = [jax.tree.leaves(reads(lambda p, h: part(p, h, batch), one_layer, dh))
+                  for part in self.stack.parts]
+    owner = [next((j for j, r in enumerate(part_reads) if r[k]), 0)
+             for k in range(len(part_reads[0]))]
+    return _Backward(batch, part_reads, owner, layers_at)
+
+  def part_inputs(self, p, h, batch):
+    """Each part's input in layer ``p`` from the layer's input ``h``: the forward recomputed."""
+    inputs = [slicing.to("device", h)]
+    for part in self.stack.parts[:-1]:
+      inputs.append(part(self.gather(p), inputs[-1], batch))
+    return inputs
+
+  def layer_backward(self, plan, dh, i, stacked, states, h):
+    """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
+    once its backward is done; ``states``: the device's whole stack or layer i's from
+    the host, updated."""
+    p = slicing.at(stacked, i)
+    treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
+    at = jax.tree.map(lambda at: at.index(i), plan.layers_at)
+    # The updates write into the stacks in place; under a mesh, where a slice of a leaf
+    # along a sharded axis would move the whole stack, into layer i's copy, put back after.
+    in_place = not _sharding.in_auto_mesh()
+    new_p = stacked if in_place else p
+    new_s = states if in_place or self.state == "host" else None  # a copy once a gradient is made
+    outer = (i,) if in_place else ()
+    state_outer = (i,) if in_place and self.state == "device" else ()
+    inputs = self.part_inputs(p, h, plan.batch)
+    grads = [None] * len(old)
+    for j in reversed(range(len(self.stack.parts))):
+      dh = self.part_backward(plan, j, treedef, old, inputs[j], dh, grads)
+      mine = [o == j for o in plan.owner]
+      if any(mine):
+        full = [g if g is not None else jnp.zeros_like(x) for g, x in zip(grads, old)]
+        if new_s is None:
+          new_s = slicing.at(states, *slicing.late((i,), [g for g, m in zip(full, mine) if m]))
+        new_p, new_s = self.update_tree(jax.tree.unflatten(treedef, full), new_s, new_p,
+                                        "device", at, mine, outer, state_outer)
+      if j:  # this part's update, then the part before: its forward recomputed, not kept
+        dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
+            (dh, inputs[j - 1], new_p, new_s))
+    if in_place:
+      return dh, new_p, new_s
+    return (dh, slicing.put(stacked, new_p, i),
+            new_s if self.state == "host" else slicing.put(states, new_s, i))
+
+  def part_backward(self, plan, j, treedef, old, h, dh, grads):
+    """Part ``j``'s backward from its input ``h``: adds its gradient of each leaf it reads
+    into ``grads`` (a list over the layer's leaves ``old``) and returns its input's."""
+    read = [k for k, r in enumerate(plan.part_reads[j]) if r]
+
+    def part_of(sub, h):
+      leaves = list(old)
+      for k, x in zip(read, sub):
+        leaves[k] = x
+      return self.stack.parts[j](self.gather(jax.tree.unflatten(treedef, leaves)), h,
+                                 plan.batch)
+
+    _, vjp = jax.vjp(part_of, [old[k] for k in read], h)
+    sub, dh = vjp(dh)
+    for k, g in zip(read, sub):
+      grads[k] = g if grads[k] is None else grads[k] + g
+    return dh

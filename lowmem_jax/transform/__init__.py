@@ -71,10 +71,12 @@ rewrite sees hand-written code as well as framework modules; Qwix's approach
 
 The package, by job: `api` (`lowmem`, `OPTIONS`, `MATCHERS`), `rewrites` (the
 `Rewrites` a trace gives and the `Pass` that collects them), `interpreter`
-(the one jaxpr evaluator), `graph` (producers, consumers and values of a
-jaxpr, shared by the matchers), and one module per matcher: `activations`,
-`norms`, `attention`, `loss`. Names shared across the package's modules have
-no leading underscore; a module's own helpers have one.
+(the one jaxpr evaluator, a rule for each primitive whose nested jaxprs it
+rewrites too), `graph` (producers, consumers and values of a jaxpr, shared by
+the matchers; the walks themselves are `lowmem_jax._jaxpr`'s), and a matcher
+per pattern: `activations`, `norms`, `loss`, and the package `attention` (a
+module per step of its pattern). Names shared across the package's modules
+have no leading underscore; a module's own helpers have one.
 """
 
 from lowmem_jax.transform.api import MATCHERS, OPTIONS, lowmem

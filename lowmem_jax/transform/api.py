@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowmem_jax.choices import Activation, Attention, Loss, Norm, checked
 from lowmem_jax.transform import activations as _activations
 from lowmem_jax.transform import attention as _attention
 from lowmem_jax.transform import loss as _loss
@@ -14,11 +15,12 @@ from lowmem_jax.transform import norms as _norms
 from lowmem_jax.transform.interpreter import evaluate
 from lowmem_jax.transform.rewrites import Pass, Rewrites
 
+# Each option's kind and the values it takes; "plain" (or None) leaves the pattern as written.
 OPTIONS = {
-    "activations": ("exact", "approx", None),
-    "norms": ("ms", None),
-    "attention": ("recompute", None),
-    "loss": ("fused", None),
+    "activations": (Activation, (Activation.EXACT, Activation.APPROX, Activation.PLAIN)),
+    "norms": (Norm, (Norm.MS, Norm.PLAIN)),
+    "attention": (Attention, (Attention.RECOMPUTE, Attention.PLAIN)),
+    "loss": (Loss, (Loss.FUSED, Loss.PLAIN)),
 }
 
 # Each option's matcher, in the order they run on a jaxpr: the equations one
@@ -32,13 +34,16 @@ MATCHERS = (
 
 
 def _check_options(options: dict) -> dict:
+  """The options as `lowmem_jax.choices` members (None read as "plain"), or the error that
+  names the one that is not."""
+  out = {}
   for key, value in options.items():
     if key not in OPTIONS:
       raise TypeError(f"lowmem got an unknown option {key}={value!r}; the options are "
                       f"{sorted(OPTIONS)}.")
-    if value not in OPTIONS[key]:
-      raise ValueError(f"lowmem's {key} must be one of {OPTIONS[key]}, got {value!r}.")
-  return options
+    kind, allowed = OPTIONS[key]
+    out[key] = checked(kind, value, f"lowmem's {key}", allowed, none=kind.PLAIN)
+  return out
 
 
 def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None = "ms",
@@ -63,14 +68,14 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
     activations: "exact" (ReLU keeps a 1-bit mask; GELU and SiLU keep their
       input alone, the rest recomputed in the backward under `jax.checkpoint`:
       gradients exact), "approx" (GELU and SiLU with ReGELU2/ReSiLU2's 2-bit
-      approximate backward instead) or None to leave them all.
+      approximate backward instead) or "plain" (or None) to leave them all.
     norms: "ms" (memory-sharing norms, affine folded into the matmuls they
-      feed) or None.
-    attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or None.
+      feed) or "plain" (or None).
+    attention: "recompute" (`lowmem_jax.attention`: no L×L residual) or "plain" (or None).
     loss: "fused" (a matmul's logits wider than its input, sliced along the
       tokens or not, their log-softmax taken at integer labels or their
       one-hot → `lowmem_jax.ops.losses.linear_cross_entropy`: no
-      ``[tokens, vocab]`` logits) or None.
+      ``[tokens, vocab]`` logits) or "plain" (or None).
 
   Returns:
     A function with ``fn``'s signature and outputs (to float tolerance) whose
@@ -87,8 +92,8 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
   options = _check_options(
       {"activations": activations, "norms": norms, "attention": attention, "loss": loss})
   matchers = tuple(
-      functools.partial(m, approx=options[key] == "approx") if key == "activations" else m
-      for key, m in MATCHERS if options[key])
+      functools.partial(m, approx=options[key] == Activation.APPROX) if key == "activations"
+      else m for key, m in MATCHERS if options[key] != "plain")
 
   def traced(args, kwargs):
     flat_fn, arrays = _of_leaves(fn, args, kwargs, _is_array)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from lowmem_jax import _jaxpr
 from lowmem_jax._jax import source_info_util
 
 # Frames of Flax and of installed libraries are skipped in a rewrite's source line while
@@ -128,16 +129,12 @@ def upstream(g, outputs, stops):
 
 def live(eqns, indices, actions, outputs) -> list[int]:
   """The equations of ``indices`` that ``outputs`` need, in order, with
-  ``actions`` in place of theirs."""
-  needed = {v for v in outputs if not isinstance(v, jcore.Literal)}
-  keep = []
-  for i in sorted(indices, reverse=True):
-    ins, outs = ((actions[i].inputs, actions[i].outputs) if i in actions
-                 else (eqns[i].invars, eqns[i].outvars))
-    if any(o in needed for o in outs) or (i not in actions and eqns[i].effects):
-      keep.append(i)
-      needed.update(v for v in ins if not isinstance(v, jcore.Literal))
-  return keep[::-1]
+  ``actions`` in place of theirs (an action has no effects)."""
+  order = sorted(indices)
+  steps = [_jaxpr.Step(actions[i].inputs, actions[i].outputs, False) if i in actions
+           else _jaxpr.Step(eqns[i].invars, eqns[i].outvars, bool(eqns[i].effects))
+           for i in order]
+  return [order[k] for k in _jaxpr.live(steps, outputs)]
 
 
 def scalar(v):
@@ -195,3 +192,39 @@ def aval(v):
   explicit mesh axes make part of it)."""
   a = v.aval
   return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=a.sharding)
+
+
+def op_at(g, e) -> str:
+  """Equation ``e`` (or its index) for a reason: its primitive and source line."""
+  i = e if isinstance(e, int) else g.index(e.outvars[0])
+  return f"{g.eqns[i].primitive.name} ({g.source(i)})"
+
+
+def free_vars(g, indices):
+  """The vars equations ``indices`` read that none of them makes, in order."""
+  return list(dict.fromkeys(v for i in sorted(indices) for v in g.eqns[i].invars
+                            if isinstance(v, jcore.Var) and g.index(v) not in indices))
+
+
+def shape_in(v, dims, ndim):
+  """The shape of ``v`` (a var or an array), whose axes are the axes ``dims`` (in order)
+  of a rank ``ndim`` array, in that rank with 1 on the other axes."""
+  shape = [1] * ndim
+  for j, d in enumerate(dims):
+    shape[d] = (v.aval if isinstance(v, jcore.Var) else v).shape[j]
+  return tuple(shape)
+
+
+def scalar_operand(e):
+  """Which operand of a binary ``e`` is a scalar, or None."""
+  for k, v in enumerate(e.invars):
+    if v.aval.ndim == 0 and e.invars[1 - k].aval.ndim > 0:
+      return k if e.primitive.name == "mul" or k == 1 else None
+  return None
+
+
+def unit_reshape(e) -> bool:
+  """True if reshape ``e`` only adds or drops unit axes."""
+  old = [d for d in e.invars[0].aval.shape if d != 1]
+  new = [d for d in e.outvars[0].aval.shape if d != 1]
+  return old == new and e.params.get("dimensions") is None

@@ -124,29 +124,40 @@ def evaluate(jaxpr, consts, args, pass_):
 
 
 def _bind_nested(eqn, invals, pass_):
-  """Binds ``eqn``, rewriting the jaxprs inside scan, cond and checkpoint."""
-  name = eqn.primitive.name
-  rec = functools.partial(evaluate, pass_=pass_)
-  params = eqn.params
-  if name == "scan":
-    body = params["jaxpr"]
-    nc, nk = _jax.scan_counts(params)
-    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+  """Binds ``eqn``, rewriting the jaxprs inside it by its primitive's rule in `_NESTED`."""
+  rule = _NESTED.get(eqn.primitive.name)
+  if rule is None:
+    return bind(eqn, invals)
+  return rule(eqn.params, invals, functools.partial(evaluate, pass_=pass_))
 
-    def step(carry, x):
-      outs = rec(body.jaxpr, body.consts, [*consts, *carry, *x])
-      return outs[:nk], outs[nk:]
 
-    carry, ys = lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
-                         unroll=params["unroll"])
-    return [*carry, *ys]
-  if name == "cond":
-    branches = [functools.partial(lambda br, *ops: rec(br.jaxpr, br.consts, ops), br)
-                for br in params["branches"]]
-    return lax.switch(invals[0], branches, *invals[1:])
-  if name in ("remat2", "checkpoint"):
-    body = params["jaxpr"]
-    fn = jax.checkpoint(lambda *a: rec(body, [], a), prevent_cse=params["prevent_cse"],
-                        policy=params["policy"])
-    return fn(*invals)
-  return bind(eqn, invals)
+def _scan(params, invals, rec):
+  body = params["jaxpr"]
+  nc, nk = _jax.scan_counts(params)
+  consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+  def step(carry, x):
+    outs = rec(body.jaxpr, body.consts, [*consts, *carry, *x])
+    return outs[:nk], outs[nk:]
+
+  carry, ys = lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
+                       unroll=params["unroll"])
+  return [*carry, *ys]
+
+
+def _cond(params, invals, rec):
+  branches = [functools.partial(lambda br, *ops: rec(br.jaxpr, br.consts, ops), br)
+              for br in params["branches"]]
+  return lax.switch(invals[0], branches, *invals[1:])
+
+
+def _checkpoint(params, invals, rec):
+  body = params["jaxpr"]
+  fn = jax.checkpoint(lambda *a: rec(body, [], a), prevent_cse=params["prevent_cse"],
+                      policy=params["policy"])
+  return fn(*invals)
+
+
+# The primitives whose jaxprs are rewritten too: ``rule(params, invals, rec)`` binds one
+# again with each nested jaxpr evaluated by ``rec(jaxpr, consts, args)``.
+_NESTED = {"scan": _scan, "cond": _cond, "remat2": _checkpoint, "checkpoint": _checkpoint}

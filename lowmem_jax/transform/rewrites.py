@@ -9,7 +9,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from lowmem_jax.compile import memory
-from lowmem_jax.transform.graph import aval
+from lowmem_jax.transform.graph import aval, op_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,12 @@ class Rewrites:
 
 class Left(Exception):
   """Raised by a matcher's step: the pattern is recognised and left, for the reason given."""
+
+  @classmethod
+  def at(cls, g, why, e, sep=": ") -> "Left":
+    """`Left` for the reason ``why``, naming equation ``e`` of ``g`` (or its index) and its
+    line."""
+    return cls(f"{why}{sep}{op_at(g, e)}")
 
 
 @dataclasses.dataclass(frozen=True)

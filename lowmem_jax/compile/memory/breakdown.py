@@ -259,12 +259,7 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
     raise ValueError(f"top must be an int >= 0 or None, got {top!r}.")
   saved = saved_residuals(loss_fn, *loss_args) if loss_fn is not None else None
   target = targets.resolve(target)
-  with tempfile.TemporaryDirectory() as dump:
-    lowered = target.lower(step_fn, *args, **kwargs)
-    if not isinstance(lowered, jax.stages.Lowered):
-      lowered = lowered.lowered  # flax.nnx.jit's Lowered wraps jax's
-    compiled = target.compile_lowered(lowered, {"xla_dump_to": dump})
-    texts = _xla_dump.read(dump)
+  lowered, compiled, texts = _compiled_with_dump(target, step_fn, args, kwargs)
   instructions = _xla_dump.parse_hlo(texts.hlo)
   typed = _typed_components(lowered, args, kwargs,
                             sum(i.parameter is not None for i in instructions.values()))
@@ -272,25 +267,9 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
                for name, i in instructions.items() if i.parameter is not None}
   values, sequence, held = _xla_dump.parse_dump(instructions, arguments, texts.buffer_assignment,
                                                  texts.live_range)
-  names_by_place = _names_by_place(saved)
-  param_shapes = {v.shape for v in values if v.component == "parameters"}
-  last = max(v.end for v in values)  # one past the last instruction: the program's end
-  curve = np.zeros(last + 2, np.int64)
-  for v in values:
-    curve[v.start] += v.nbytes
-    curve[v.end + 1] -= v.nbytes
-  live_bytes = np.cumsum(curve)[:-1]
+  live_bytes = _live_bytes(values)
   peak_position = int(np.argmax(live_bytes))
-  buffers = []
-  for v in values:
-    if v.start <= peak_position <= v.end:
-      buffer = Buffer(**v._asdict())
-      if v.component is None:
-        component = _computed_component(v, param_shapes, held.get(v.name))
-        name = names_by_place.get((v.shape, v.source)) if component == "activations" else None
-        buffer = dataclasses.replace(buffer, component=component, checkpoint_name=name)
-      buffers.append(buffer)
-  buffers.sort(key=lambda b: -b.nbytes)
+  buffers = _buffers_at(peak_position, values, held, _names_by_place(saved))
   at_peak = {c: sum(b.nbytes for b in buffers if b.component == c) for c in COMPONENTS}
   by_layer: dict[str, int] = {}
   for b in buffers:
@@ -307,6 +286,44 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])),
       argument_components=frozenset(arguments.values()), saved=saved,
       loop_flops=loop_flops(lowered), collective_bytes=collective_bytes(texts.hlo))
+
+
+def _compiled_with_dump(target, step_fn, args, kwargs):
+  """``(lowered, compiled, texts)``: the step lowered and compiled for ``target``, with the
+  texts of XLA's dump of it (`_xla_dump.read`)."""
+  with tempfile.TemporaryDirectory() as dump:
+    lowered = target.lower(step_fn, *args, **kwargs)
+    if not isinstance(lowered, jax.stages.Lowered):
+      lowered = lowered.lowered  # flax.nnx.jit's Lowered wraps jax's
+    compiled = target.compile_lowered(lowered, {"xla_dump_to": dump})
+    return lowered, compiled, _xla_dump.read(dump)
+
+
+def _live_bytes(values) -> np.ndarray:
+  """The bytes live at each position of the program's sequence (``int64 [positions]``),
+  each value live from its start to its end, both included."""
+  last = max(v.end for v in values)  # one past the last instruction: the program's end
+  curve = np.zeros(last + 2, np.int64)
+  for v in values:
+    curve[v.start] += v.nbytes
+    curve[v.end + 1] -= v.nbytes
+  return np.cumsum(curve)[:-1]
+
+
+def _buffers_at(position: int, values, held, names_by_place) -> list[Buffer]:
+  """The `Buffer` of each value live at ``position``, largest first; a computed value's
+  component told from what it is (an activation named by its checkpoint name)."""
+  param_shapes = {v.shape for v in values if v.component == "parameters"}
+  buffers = []
+  for v in values:
+    if v.start <= position <= v.end:
+      buffer = Buffer(**v._asdict())
+      if v.component is None:
+        component = _computed_component(v, param_shapes, held.get(v.name))
+        name = names_by_place.get((v.shape, v.source)) if component == "activations" else None
+        buffer = dataclasses.replace(buffer, component=component, checkpoint_name=name)
+      buffers.append(buffer)
+  return sorted(buffers, key=lambda b: -b.nbytes)
 
 
 def explain_oom(fn: Callable, *args, limit_bytes: int | None = None, top: int = 10,

@@ -1,0 +1,146 @@
+"""The ladder of technique sets, cheapest recompute first, and the first that fits a
+budget (``lowmem-jax plan``)."""
+
+from typing import Callable, NamedTuple
+
+import jax
+
+from lowmem_jax.app.job import Job
+from lowmem_jax.app.measurement import device_argument_bytes, measure, user_step
+from lowmem_jax.app.techniques import TechniqueError, TechniqueSet, parse
+from lowmem_jax.compile import planner
+
+
+def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
+  """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
+  approximate gradient, then the optimizer state in fewer bits (8-bit moments,
+  bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
+  policy); a language model's then the layer-streamed step (its saved inputs on
+  the device, then the host, with ``late-embed`` (it lowers some rows' peaks and
+  raises others': XLA's schedule), then its state on the host too), any other model's state on
+  the host; last, micro-batches with full remat (k a power of 2 dividing
+  ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its
+  own). A language model's sets all take ``fused-ce`` (exact, and the largest
+  single saving), after it alone. A user's ``step`` has the same ladder in its
+  terms: ``lowmem`` for the exact rewrites, ``lowmem+approx`` for ``all``."""
+  exact = "lowmem" if step else "ms-norm+attention"
+  best = "bf16+lowmem+approx" if step else "all+fused-ce" if language_model else "all"
+  state = f"{best}+8bit+bf16-params"
+  sets = (["baseline"] + (["fused-ce"] if language_model else [])
+          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", f"bf16+{exact}")]
+          + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
+  if language_model:
+    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+late-embed",
+             f"{state}+stream:host+offload-opt"]
+  else:
+    sets.append(f"{state}+offload-opt")
+  ks = (2, 4, 8) if step else [2**i for i in range(1, batch.bit_length()) if batch % 2**i == 0]
+  return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
+
+
+def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
+  """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
+  hold state in host memory (``offload-opt``: such a step compiles for one device); for a
+  user's step, each set without the techniques whose options ``make_step`` does not take
+  (`Job.without_missing`), once, and those techniques."""
+  texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
+  if job.make_step is None:
+    return [t for t in texts if job.devices == 1 or "offload-opt" not in t], ()
+  reduced = [job.without_missing(t) for t in texts]
+  return (list(dict.fromkeys(t for t, _ in reduced)),
+          tuple(dict.fromkeys(term for _, left in reduced for term in left)))
+
+
+def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
+  """The set ``text``; for ``remat:plan`` with the policy `lowmem_jax.plan` picks
+  for ``budget`` bytes, or None where no policy fits. A user's step is compiled
+  donating its first two arguments (the parameters and optimizer state) as the
+  planner weighs the policies."""
+  step = job.make_step is not None
+  if "remat:plan" not in text:
+    return parse(text, step=step)
+  techniques = parse(text.replace("+remat:plan", ""), step=step)
+  if step:
+    _, args, _, _ = user_step(job, techniques)
+    donated = (0, 1)[:len(args)]
+
+    def train_step(*args, policy):
+      return user_step(job, techniques.with_value("remat", policy))[0](*args)
+  else:
+    wl = techniques.workload(job)
+    params = wl.abstract_params()
+    tx = techniques.adamw()
+    args = job.shard(params, jax.eval_shape(tx.init, params), (wl.inputs, wl.labels))
+    donated = (0, 1)
+
+    def train_step(params, opt_state, batch, *, policy):
+      new_params, new_state, metrics = wl.with_policy(policy).train_step(
+          tx, techniques.adama)(params, opt_state, batch)
+      if job.devices == 1:
+        return new_params, new_state, metrics
+      like = lambda new, old: jax.tree.map(  # sharded as the old, which they replace
+          lambda n, o: jax.lax.with_sharding_constraint(n, o.sharding), new, old)
+      return like(new_params, args[0]), like(new_state, args[1]), metrics
+  try:
+    with job.compiling():
+      chosen = planner.plan(train_step, *args, budget=budget, donate_argnums=donated,
+                            target=job.target)
+  except planner.BudgetError:
+    return None
+  return techniques.with_value("remat", chosen.policy)
+
+
+class Fit(NamedTuple):
+  """What `cheapest_fit` found.
+
+  Attributes:
+    tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
+    fits: the first set whose compiled peak fits, or None.
+    fixed_bytes: the least any set of the ladder holds on the device in its arguments
+      (parameters, optimizer state, batch); nothing is measured where it exceeds the budget.
+    skipped: ``(text, bytes)`` of each set not compiled because its arguments alone on the
+      device exceed the budget, in ladder order.
+    not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
+      as its sets write them.
+  """
+  tried: list
+  fits: TechniqueSet | None
+  fixed_bytes: int
+  skipped: list
+  not_taken: tuple = ()
+
+
+def cheapest_fit(job: Job, budget: int,
+                 on_try: Callable[[str], None] = lambda text: None) -> Fit:
+  """Measures the sets of `ladder` for ``job`` in order, up to the first whose
+  compiled peak is at most ``budget`` bytes; ``on_try(text)`` is called before
+  each. A set whose arguments alone on the device exceed the budget
+  (`device_argument_bytes`, a reference model's) is skipped without compiling; a
+  user's step's sets go without the techniques whose options ``make_step`` does not
+  take (`Job.without_missing`), each set once. The
+  ladder is the transformers' (ms-norm, attention), or a user's step's: not the
+  WideResNet's."""
+  if job.conv_net:
+    raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); {job.model} "
+                         "takes measure() of chosen sets instead.")
+  step = job.make_step is not None
+  texts, not_taken = ladder_of(job)
+  arguments = {} if step else {
+      text: device_argument_bytes(job, parse(text.replace("+remat:plan", ""))) for text in texts}
+  floor = min(arguments.values(), default=0)
+  tried, skipped = [], []
+  if floor > budget:
+    return Fit(tried, None, floor, skipped, not_taken)
+  for text in texts:
+    if arguments.get(text, 0) > budget:
+      skipped.append((text, arguments[text]))
+      continue
+    on_try(text)
+    techniques = planned(job, text, budget)
+    if techniques is None:
+      continue
+    b = measure(job, techniques)
+    tried.append((b, techniques))
+    if b.stats.peak_bytes <= budget:
+      return Fit(tried, techniques, floor, skipped, not_taken)
+  return Fit(tried, None, floor, skipped, not_taken)

@@ -1,0 +1,40 @@
+"""`lowmem_jax.optim.slicing`: slices of a stack read and written in place, and scanned."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowmem_jax.optim import slicing
+
+
+def test_at_and_put_read_and_write_a_slice_of_a_deeper_stack():
+  stack = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+  np.testing.assert_array_equal(slicing.at(stack, 1, 2), stack[1, 2])
+  rows = slicing.at(stack, 1, 1, rows=1)  # rows [1, 2) of stack[1]
+  np.testing.assert_array_equal(rows, stack[1, 1:2])
+  written = slicing.put(stack, -slicing.at(stack, 0, 1), 0, 1)
+  np.testing.assert_array_equal(written[0, 1], -stack[0, 1])
+  np.testing.assert_array_equal(written.at[0, 1].set(stack[0, 1]), stack)
+
+
+def test_scan_slices_updates_each_slice_in_place_and_the_host_state_comes_back():
+  params = jnp.arange(12.0).reshape(3, 4)
+  states = jnp.zeros((3, 4))
+  xs = jnp.ones((3, 4))
+
+  def fn(carry, i, p, state_of, x):
+    return carry + 1, p * 2 + x, state_of(p) + i.astype(jnp.float32)
+
+  for place in ("device", "host"):
+    carry, new_p, new_s = slicing.scan_slices(fn, jnp.int32(0), params, states, xs, place)
+    assert int(carry) == 3
+    np.testing.assert_array_equal(new_p, params * 2 + 1)
+    np.testing.assert_array_equal(new_s, np.arange(3.0)[:, None] * np.ones(4))
+
+
+def test_late_waits_for_its_value_and_leaves_an_empty_index():
+  index = (jnp.int32(1),)
+  after = jnp.ones(3)
+  jaxpr = jax.make_jaxpr(lambda i, a: slicing.late(i, a))(index, after)
+  assert any(e.primitive.name == "optimization_barrier" for e in jaxpr.jaxpr.eqns)
+  assert slicing.late((), after) == ()

@@ -37,6 +37,7 @@ temp and peak bytes for accumulation, AdamA and AdamA folding in the backward.
     python benchmarks/adama.py --models gpt2-small --ks 4 --repeats 3
     python benchmarks/adama.py --models gpt2-small bert-large --ks 4 --loss fused --no-timing
     python benchmarks/adama.py --stack
+    python benchmarks/adama.py --quick         # a two-layer model, k = 2: that it runs
 """
 
 import argparse
@@ -51,7 +52,10 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
+from lowmem_jax.models import llama
 from lowmem_jax.models.llama import Llama, LlamaConfig, TransformerBlock
+
+import _quick  # beside this script in benchmarks/
 
 CONFIGS = {
     # GPT-2 small's sizes (124M with tied embeddings); SwiGLU width 2048 holds as
@@ -61,7 +65,11 @@ CONFIGS = {
     "bert-large": LlamaConfig(vocab_size=30522, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816),
     # for the step-time ratio on CPU
     "small": LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, ffn_dim=688),
+    "llama-tiny": llama.CONFIGS["llama-tiny"],  # --quick
 }
+# --quick: the same tables at sizes that compile and run in seconds; not results.
+QUICK = dict(models=["llama-tiny"], ks=[2], micro_batch=1, length=32, repeats=1,
+             time_model="llama-tiny", time_length=32, time_methods=["adama"])
 LR = 1e-3
 
 
@@ -161,11 +169,14 @@ def memory_table(model, k, micro_batch, length, head="plain", embedding="late"):
   return rows
 
 
-def step_times(k, micro_batch, length, repeats):
-  """Median seconds per optimizer step, small model, real arrays."""
-  config = CONFIGS["small"]
+def step_times(k, micro_batch, length, repeats, model="small", only=None):
+  """Median seconds per optimizer step, ``model`` (default the small one), real arrays; of
+  accumulate (the ratios' reference) and the methods named in ``only`` (default all)."""
+  config = CONFIGS[model]
   times = {}
   for name, (init, step, tx, per_micro_batch) in methods(config, k).items():
+    if only and name not in (*only, "accumulate"):
+      continue
     params = init(jax.random.key(0), length)
     state = tx.init(params)
     tokens = jax.random.randint(jax.random.key(1), (k * micro_batch, length), 0, config.vocab_size)
@@ -228,7 +239,9 @@ def plain_step_table(models) -> Table:
   return table
 
 
-def main():
+def main(argv=None):
+  """Prints the tables; returns ``{"peaks": {(model, k): {method: peak bytes}}, "times":
+  {method: seconds}}`` (``times`` empty with --no-timing)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["gpt2-small", "bert-large"])
   parser.add_argument("--ks", nargs="+", type=int, default=[4, 8])
@@ -243,7 +256,14 @@ def main():
   parser.add_argument("--stack", action="store_true", help="issue 21's 8-layer example only")
   parser.add_argument("--plain-step", action="store_true",
                       help="one AdamW step without micro-batches, each embedding, only")
-  args = parser.parse_args()
+  parser.add_argument("--time-model", default="small", help="the model of the step-time table")
+  parser.add_argument("--time-length", type=int, default=128, help="its tokens per example")
+  parser.add_argument("--time-methods", nargs="+",
+                      help="the methods timed beside accumulate (default all)")
+  parser.add_argument("--quick", action="store_true",
+                      help="llama-tiny, k = 2, 1 x 32 tokens, one timed step of accumulate and "
+                           "adama: checks that the script runs; its figures are not results")
+  args = _quick.parse_args(parser, argv, QUICK)
   console = Console()
   if args.stack:
     console.print(lm.targets.default().note, highlight=False)
@@ -254,10 +274,12 @@ def main():
     console.print(plain_step_table(args.models))
     return
   mib = lambda b: f"{b / 2**20:,.0f}"
+  peaks = {}
   for model in args.models:
     for k in args.ks:
       rows = memory_table(model, k, args.micro_batch, args.length, args.loss, args.embedding)
       by_name = {name: stats for name, stats, _ in rows}
+      peaks[model, k] = {name: stats.peak_bytes for name, stats in by_name.items()}
       grad_bytes = rows[0][2]
       table = Table(title=f"{model}, k={k}, micro-batch {args.micro_batch}x{args.length} tokens, "
                           f"float32 params {mib(grad_bytes)} MiB (= gradient bytes)")
@@ -271,16 +293,18 @@ def main():
                       f"{delta / base.peak_bytes:+.1%})")
       console.print(table)
   if args.no_timing:
-    return
-  times = step_times(4, args.micro_batch, 128, args.repeats)
-  table = Table(title=f"step time, small LLaMA-style model, k=4, micro-batch {args.micro_batch}x128, "
-                      f"CPU, median of {args.repeats}")
+    return {"peaks": peaks, "times": {}}
+  times = step_times(4, args.micro_batch, args.time_length, args.repeats, args.time_model,
+                     args.time_methods)
+  table = Table(title=f"step time, {args.time_model} LLaMA-style model, k=4, micro-batch "
+                      f"{args.micro_batch}x{args.time_length}, CPU, median of {args.repeats}")
   table.add_column("method")
   table.add_column("seconds per step", justify="right")
   table.add_column("vs accumulate", justify="right")
   for name, seconds in times.items():
     table.add_row(name, f"{seconds:.3f}", f"{seconds / times['accumulate']:.3f}")
   console.print(table)
+  return {"peaks": peaks, "times": times}
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ baseline (median of --repeats runs after one warm-up).
 
     python benchmarks/block_memory.py              # ViT-B/16 b64 and LLaMA-100M b4 x 2048, H100 target
     python benchmarks/block_memory.py --models vit-b16 --explain 8   # + largest buffers at the peak
+    python benchmarks/block_memory.py --quick      # llama-tiny, three variants: that it runs
 """
 
 import argparse
 import dataclasses
 import functools
+import re
 import statistics
 import time
 
@@ -31,8 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
-from lowmem_jax import models
-from lowmem_jax.app import techniques
+from lowmem_jax import app, models
+
+import _quick  # beside this script in benchmarks/
 
 VARIANTS = {  # the technique set of each (lowmem_jax.app.techniques)
     "baseline": "baseline",
@@ -45,10 +48,20 @@ VARIANTS = {  # the technique set of each (lowmem_jax.app.techniques)
     "lm.lowmem(baseline)": "baseline",
     "lm.lowmem(baseline, approx)": "baseline",
 }
+# --quick: the two-layer LLaMA, three variants (each compiles for seconds), one dtype, one timed
+# step; not results.
+QUICK = dict(models="llama-tiny", llama_batch=2, seq=64, dtypes="bfloat16", time_llama="1,64",
+             repeats=1, variants="baseline,all three + fused loss,lm.lowmem(baseline, approx)")
 TRANSFORMED = {  # the baseline model's loss through `lm.lowmem`: its default (exact), approx
     "lm.lowmem(baseline)": lm.lowmem,
     "lm.lowmem(baseline, approx)": functools.partial(lm.lowmem, activations="approx"),
 }
+
+
+def variant_names(text):
+  """The comma-separated names of ``text``; a comma in parentheses is a name's own, as in
+  ``lm.lowmem(baseline, approx)``."""
+  return re.split(r",(?![^(]*\))", text)
 
 
 def loss_of(wl, variant):
@@ -126,6 +139,8 @@ def time_rows(wl_of, repeats, variants=VARIANTS):
 
 
 def main(argv=None):
+  """Prints the tables; returns ``{(model, dtype): memory_rows}`` and, unless --no-timing,
+  ``{(model, "seconds"): {variant: seconds}}``."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="vit-b16,llama-100m", help="comma-separated reference models")
   parser.add_argument("--vit-batch", type=int, default=64)
@@ -143,25 +158,30 @@ def main(argv=None):
                       help=f"comma-separated, the first the baseline of the ratios; of {list(VARIANTS)}")
   parser.add_argument("--target", default=None,
                       help="compile target (lowmem_jax.compile.targets); default: targets.default()")
-  args = parser.parse_args(argv)
-  unknown = set(args.variants.split(",")) - set(VARIANTS)
+  parser.add_argument("--quick", action="store_true",
+                      help=f"{QUICK['models']}, 2 x 64 tokens, {QUICK['dtypes']}, the variants "
+                           f"{QUICK['variants']}, one timed step: checks that the script runs; its "
+                           "figures are not results")
+  args = _quick.parse_args(parser, argv, QUICK)
+  unknown = set(variant_names(args.variants)) - set(VARIANTS)
   if unknown:
     parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
-  variants = {v: VARIANTS[v] for v in args.variants.split(",")}
+  variants = {v: VARIANTS[v] for v in variant_names(args.variants)}
   target = lm.targets.resolve(args.target)
   console = Console(width=200)
   console.print(target.note, highlight=False)
   mib = lambda b: f"{b / 2**20:,.0f}"
+  results = {}
   for name in args.models.split(","):
     vit = name in models.VIT_CONFIGS
     model_variants = {v: s for v, s in variants.items() if not (vit and "fused-ce" in s)}
     size = (dict(batch=args.vit_batch) if vit else dict(batch=args.llama_batch, seq=args.seq))
     for dtype in args.dtypes.split(","):
-      wl_of = lambda text: techniques.parse(text).workload(
-          techniques.Job(name, dtype=dtype, target=target, **size))
+      wl_of = lambda text: app.parse(text).workload(
+          app.Job(name, dtype=dtype, target=target, **size))
       if args.explain:
         print(f"\n{name}, {dtype} compute")
-      rows = memory_rows(wl_of, args.explain, target, model_variants)
+      rows = results[name, dtype] = memory_rows(wl_of, args.explain, target, model_variants)
       base = rows[0]
       table = Table(title=f"{name}, {size}, {dtype} compute, float32 params "
                           f"(gradient step; MiB; ratio to baseline)")
@@ -179,8 +199,8 @@ def main(argv=None):
     if not args.no_timing:
       b, n = (int(x) for x in (args.time_vit if vit else args.time_llama).split(","))
       small = dict(batch=b, image=n) if vit else dict(batch=b, seq=n)
-      times = time_rows(lambda text: techniques.parse(text).workload(
-                            techniques.Job(name, target=target, **small)),
+      times = results[name, "seconds"] = time_rows(lambda text: app.parse(text).workload(
+                            app.Job(name, target=target, **small)),
                         args.repeats, model_variants)
       table = Table(title=f"step time, {name}, {small}, float32, "
                           f"{jax.devices()[0].device_kind}, median of {args.repeats}")
@@ -189,6 +209,7 @@ def main(argv=None):
       for variant, t in times.items():
         table.add_row(variant, f"{t:.3f}", f"{t / times[next(iter(times))]:.3f}")
       console.print(table)
+  return results
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ time: memory figures, not a recipe.
 
     python benchmarks/combination.py                    # WRN-28-2 and ViT-B/16
     python benchmarks/combination.py --models wrn-28-2 --out docs/combination.md
+    python benchmarks/combination.py --quick            # ViT-Ti/16, three rows: that it runs
 """
 
 import argparse
@@ -38,19 +39,22 @@ import time
 import jax
 from tqdm import tqdm
 
-from lowmem_jax.app import techniques
+from lowmem_jax import app
 from lowmem_jax.compile import targets
 
-SIZES = {"wrn-28-2": dict(batch=128), "vit-b16": dict(batch=64, image=224)}
+SIZES = {"wrn-28-2": dict(batch=128), "vit-b16": dict(batch=64, image=224),
+         "vit-tiny": dict(batch=64, image=32)}  # vit-tiny: --quick's
+# --quick: these rows of ViT-Ti/16 (each 8-bit row alone compiles for tens of seconds); not results.
+QUICK_ROWS = ("float32 baseline", "remat every block", "compressed residuals + float16")
 DENSITY = 0.1  # of the WideResNet's block kernels, stored sparse
 
 
 def rows(name: str) -> list[tuple[str, str, str]]:
   """``(label, technique set, compute dtype)`` of each row: each technique alone, then
-  combinations up to everything on (`lowmem_jax.app.techniques.parse`'s sets)."""
+  combinations up to everything on (`lowmem_jax.app.parse`'s sets)."""
   if name.startswith("wrn"):
-    compress = "approx+conv:pooled"
-    alone = [("1-bit ReLU", "approx"), ("pooled conv residuals", "conv:pooled"),
+    compress = "relu-1bit+conv:pooled"
+    alone = [("1-bit ReLU", "relu-1bit"), ("pooled conv residuals", "conv:pooled"),
              ("int8 conv residuals", "conv:int8")]
   else:
     compress = "approx+ms-norm+attention"
@@ -82,8 +86,8 @@ def rows(name: str) -> list[tuple[str, str, str]]:
 
 
 def measure(name: str, label: str, text: str, dtype: str) -> dict:
-  job = techniques.Job(name, dtype=dtype, **SIZES[name])
-  b = techniques.measure(job, techniques.parse(text), top=0)
+  job = app.Job(name, dtype=dtype, **SIZES[name])
+  b = app.measure(job, app.parse(text), top=0)
   state_bytes = b.at_peak["parameters"] + b.at_peak["optimizer state"]
   return dict(label=label, text=text, dtype=dtype, peak=b.stats.peak_bytes, state=state_bytes,
               rest=b.live_peak_bytes - state_bytes, saved=b.saved.activation_bytes)
@@ -103,21 +107,29 @@ def table(name: str, results: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
+  """Prints the tables (and writes them to --out); returns ``{model: [measure's dicts]}``."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", default="wrn-28-2,vit-b16",
                       help=f"comma list of {', '.join(SIZES)}")
   parser.add_argument("--out", help="also write the tables to this markdown file")
-  args = parser.parse_args()
+  parser.add_argument("--quick", action="store_true",
+                      help=f"vit-tiny, the rows {', '.join(QUICK_ROWS)}: checks that the script "
+                           "runs; its figures are not results")
+  args = parser.parse_args(argv)
+  if args.quick:  # the quick model as the default: --models given still wins
+    parser.set_defaults(models="vit-tiny")
+    args = parser.parse_args(argv)
   names = args.models.split(",")
   for name in names:
     if name not in SIZES:
       parser.error(f"--models: {name!r} is not one of {', '.join(SIZES)}")
-  tables = []
+  tables, found = [], {}
   start = time.time()
   for name in names:
-    results = []
-    for label, text, dtype in tqdm(rows(name), desc=name):
+    results = found[name] = []
+    chosen = [row for row in rows(name) if not args.quick or row[0] in QUICK_ROWS]
+    for label, text, dtype in tqdm(chosen, desc=name):
       results.append(measure(name, label, text, dtype))
     tables.append(table(name, results))
     print("\n" + tables[-1], flush=True)
@@ -125,6 +137,7 @@ def main():
       with open(args.out, "w") as f:
         f.write("\n\n".join(tables) + "\n")
   print(f"\n{time.time() - start:.0f} s")
+  return found
 
 
 if __name__ == "__main__":

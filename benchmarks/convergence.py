@@ -46,7 +46,7 @@ share nonzero: where the last step is a multiple of 50 it has just moved 20%
 of the active entries, regrown at zero, so only 80% of them are nonzero.
 
     python benchmarks/convergence.py                 # writes docs/convergence_digits.md
-    python benchmarks/convergence.py --quick         # smoke test, prints only
+    python benchmarks/convergence.py --quick         # smoke test: 2 steps, 3 rows; prints only
 """
 
 import argparse
@@ -66,6 +66,8 @@ import lowmem_jax as lm
 from lowmem_jax.models import WideResNet, Workload
 from lowmem_jax.models.wrn import BN_MOMENTUM
 
+import _quick  # beside this script in benchmarks/
+
 VARIANTS = {
     "baseline": {},
     "1bit-relu": dict(activation="1bit"),
@@ -84,7 +86,8 @@ EXACT = ("1bit-relu", "remat")  # exact gradients: expected to match the baselin
 MODEL_SWITCHES = ("activation", "conv", "remat", "policy", "stored")
 UPDATE_EVERY = 50  # steps between dynamic_sparsity's mask moves
 TAIL = 50  # the final train loss is the mean over these last steps
-QUICK_STEPS = 20
+# --quick: a smoke test (each variant compiles for seconds); its figures are not results.
+QUICK = dict(steps=2, batch=8, variants=["baseline", "1bit-relu", "fp16+loss-scale"])
 DEFAULT_OUT = "docs/convergence_digits.md"
 
 
@@ -129,7 +132,7 @@ def train(name, params, x, y, order, lr):
   if "stored" in switches:  # the baseline's initial params at the positions kept
     dense = params
     tx = lm.sparse.sparse_storage(tx, dense, update_every=UPDATE_EVERY)
-    positions = tx.init(net.init(jax.random.key(0), x[:1])["params"]).positions
+    positions = tx.init(jax.jit(net.init)(jax.random.key(0), x[:1])["params"]).positions
     params = lm.sparse.to_values(dense, positions)
   params = jax.tree.map(jnp.copy, params)  # the steps donate their params
   opt_state = tx.init(params)
@@ -187,7 +190,9 @@ def max_diff(a, b):
   return float(otu.tree_max(jax.tree.map(lambda u, v: jnp.abs(u - v), a, b)))
 
 
-def main():
+def main(argv=None):
+  """Prints the table (and writes it to --out); returns ``{variant: (train loss, test
+  accuracy %, notes)}``."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--batch", type=int, default=64)
@@ -196,16 +201,18 @@ def main():
   parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                       help="rows to run; the first is the reference for the differences")
   parser.add_argument("--quick", action="store_true",
-                      help=f"{QUICK_STEPS} steps, a smoke test; writes nothing unless --out")
+                      help=f"{QUICK['steps']} steps of batch {QUICK['batch']}, the rows "
+                           f"{' '.join(QUICK['variants'])}: a smoke test, its figures not results; "
+                           "writes nothing unless --out")
   parser.add_argument("--out", help=f"the Markdown file to write (default {DEFAULT_OUT}, "
                                     "none with --quick)")
-  args = parser.parse_args()
-  steps = QUICK_STEPS if args.quick else args.steps
+  args = _quick.parse_args(parser, argv, QUICK)
+  steps = args.steps
   out = args.out or (None if args.quick else DEFAULT_OUT)
   start = time.perf_counter()
   x_train, x_test, y_train, y_test = data()
   net = model()
-  variables = net.init(jax.random.key(args.seed), x_train[:1])
+  variables = jax.jit(net.init)(jax.random.key(args.seed), x_train[:1])
   accuracy = evaluator(net, jax.tree.map(jnp.zeros_like, variables["batch_stats"]), x_train,
                        x_test, y_test)
   order = batch_indices(len(x_train), steps, args.batch, args.seed)
@@ -243,6 +250,7 @@ def main():
   if out:
     with open(out, "w") as f:
       f.write(text + "\n")
+  return results
 
 
 if __name__ == "__main__":

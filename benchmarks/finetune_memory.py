@@ -23,6 +23,7 @@ except where it says "instead":
                                memory, one batch
 
     python benchmarks/finetune_memory.py --models llama-1b,llama-7b
+    python benchmarks/finetune_memory.py --quick       # llama-tiny, four rows: that it runs
 """
 
 import argparse
@@ -33,11 +34,17 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
-from lowmem_jax.app import techniques
+from lowmem_jax import app
+
+import _quick  # beside this script in benchmarks/
 
 LR = 1e-5
 # The model's technique sets (lowmem_jax.app.techniques); the optimizers are the rows' own.
 LOWMEM = "all+fused-ce"
+# --quick: llama-tiny, 2 x 64 tokens, k = 2, the default target, without the rows of 8-bit
+# moments or bfloat16 parameters (each compiles for 10 s or more even so); not results.
+QUICK = dict(models="llama-tiny", batch=2, seq=64, k=2, target=None)
+QUICK_SKIPS = ("8-bit", "bfloat16 parameters")
 
 
 def rows(k: int) -> dict:
@@ -67,7 +74,7 @@ def peak(name: str, batch: int, seq: int, text: str, tx, k: int, fold: bool,
          target) -> tuple[int, int, int, int]:
   """Compiled device peak, parameter bytes, optimizer-state bytes and host-memory argument
   bytes of one step."""
-  wl = techniques.parse(text).workload(techniques.Job(name, batch, seq, target=target))
+  wl = app.parse(text).workload(app.Job(name, batch, seq, target=target))
   params = wl.abstract_params()
   if k == 1:
     step = wl.train_step(tx)
@@ -81,6 +88,7 @@ def peak(name: str, batch: int, seq: int, text: str, tx, k: int, fold: bool,
 
 
 def main(argv=None):
+  """Prints the tables; returns ``{model: {row: (peak, parameter, state, host bytes)}}``."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="llama-1b")
@@ -88,24 +96,33 @@ def main(argv=None):
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--k", type=int, default=4, help="AdamA's micro-batches")
   parser.add_argument("--target", default="h100")
-  args = parser.parse_args(argv)
+  parser.add_argument("--quick", action="store_true",
+                      help="llama-tiny, 2 x 64 tokens, k = 2, targets.default() (h100 where the "
+                           "target packages are, else the CPU), no 8-bit or bfloat16-parameter "
+                           "rows: checks that the script runs; its figures are not results")
+  args = _quick.parse_args(parser, argv, QUICK)
   target = lm.targets.resolve(args.target)
   console = Console(width=160)
   console.print(target.note, highlight=False)
+  found = {}
   for name in args.models.split(","):
     table = Table(title=f"{name} full fine-tune, batch {args.batch} x {args.seq} tokens, one "
                         f"step (GiB; compiled for {target.name})")
     for col in ("techniques", "parameters", "optimizer state", "in host memory", "compiled peak",
                 "× less"):
       table.add_column(col, justify="left" if col == "techniques" else "right")
-    base = None
+    base, found[name] = None, {}
     for row, (text, tx, k, fold) in rows(args.k).items():
-      total, params, state, host = peak(name, args.batch, args.seq, text, tx, k, fold, target)
+      if args.quick and any(word in row for word in QUICK_SKIPS):
+        continue
+      total, params, state, host = found[name][row] = peak(name, args.batch, args.seq, text, tx,
+                                                           k, fold, target)
       base = base or total
       table.add_row(row, *(f"{b / 2**30:.2f}" for b in (params, state, host, total)),
                     f"{base / total:.2f}")
       console.print(f"  {name}: {row} compiled", highlight=False)
     console.print(table)
+  return found
 
 
 if __name__ == "__main__":

@@ -76,11 +76,11 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -
   """One case, in this process: measured, real-compile and target-compile figures."""
   import jax
 
+  from lowmem_jax import app
   from lowmem_jax.compile import memory, targets
-  from lowmem_jax.app import techniques as app_techniques
 
-  job = app_techniques.Job(model, dtype=dtype, target="cpu", **size)  # the target: not compiled for
-  built = app_techniques.parse(techniques).program(job).run()
+  job = app.Job(model, dtype=dtype, target="cpu", **size)  # the target: not compiled for
+  built = app.parse(techniques).program(job).run()
   wl, step = built["wl"], built["step"]
   params = wl.init(jax.random.key(0))
   opt_state = (built["streamed"] if "streamed" in built else built["tx"]).init(params)
@@ -150,8 +150,7 @@ def gpu_tests() -> str:
 
 def loss_head(dry_run: bool) -> str:
   """`benchmarks/loss_head.py`'s tables: the Llama-3-sized head in bfloat16 (tiny in a dry run)."""
-  size = (["--tokens", "256", "--vocab", "2048", "--width", "64", "--time", "256,2048,64",
-           "--repeats", "1", "--chunks", "128x512"] if dry_run else
+  size = (["--quick"] if dry_run else
           ["--time", "32768,128256,4096", "--repeats", "5", "--chunks", "1024x8192,2048x16384"])
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_head.py"), *size,
                          "--time-dtype", "bfloat16"], capture_output=True, text=True, cwd=ROOT)

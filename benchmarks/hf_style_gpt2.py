@@ -13,6 +13,7 @@ cross-entropy. Residual and embedding dropout are left out: they drop
 
     python benchmarks/hf_style_gpt2.py           # GPT-2 small, batch 8 x 1,024, bfloat16, h100
     python benchmarks/hf_style_gpt2.py --model transformers   # FlaxGPT2LMHeadModel itself
+    python benchmarks/hf_style_gpt2.py --quick   # a two-layer GPT-2 of width 64: that it runs
 
 prints what ``explain`` found and the compiled peak, for the target, deviceless,
 of the plain gradient, of ``lm.lowmem``'s (its default, exact) and of
@@ -29,7 +30,10 @@ from jax import lax
 
 import lowmem_jax as lm
 
+import _quick  # beside this script in benchmarks/
+
 GPT2_SMALL = {"layers": 12, "dim": 768, "heads": 12, "vocab": 50257, "positions": 1024}
+GPT2_TINY = {"layers": 2, "dim": 64, "heads": 2, "vocab": 256, "positions": 64}  # --quick
 
 
 def init(key, *, layers, dim, heads, vocab, positions, dtype=jnp.float32):
@@ -108,13 +112,15 @@ def arguments(config, batch, length, dtype):
   return params, ints, ints, jax.eval_shape(lambda: jax.random.key(0))
 
 
-def transformers_gpt2(batch, length, dtype):
-  """``(loss, args)`` of transformers' ``FlaxGPT2LMHeadModel`` (GPT-2 small, random weights,
-  ``dtype`` compute and parameters, dropout on), its loss shifted after the head."""
+def transformers_gpt2(batch, length, dtype, config=GPT2_SMALL):
+  """``(loss, args)`` of transformers' ``FlaxGPT2LMHeadModel`` (``config``'s sizes, random
+  weights, ``dtype`` compute and parameters, dropout on), its loss shifted after the head."""
   import transformers  # the test extra's; only for this row
 
-  model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(), dtype=dtype,
-                                           _do_init=False)
+  sizes = transformers.GPT2Config(n_layer=config["layers"], n_embd=config["dim"],
+                                  n_head=config["heads"], vocab_size=config["vocab"],
+                                  n_positions=config["positions"])
+  model = transformers.FlaxGPT2LMHeadModel(sizes, dtype=dtype, _do_init=False)
 
   def hf_loss(params, tokens, attention_mask, rng):
     out = model(tokens, attention_mask=attention_mask, params=params, dropout_rng=rng,
@@ -128,28 +134,37 @@ def transformers_gpt2(batch, length, dtype):
   return hf_loss, (params, ints, ints, jax.eval_shape(lambda: jax.random.key(0)))
 
 
-def main():
+def main(argv=None):
+  """Prints what ``explain`` found and the peaks; returns ``{variant: peak bytes}``."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=1024)
   parser.add_argument("--target", default="h100")
   parser.add_argument("--model", default="hf-style", choices=("hf-style", "transformers"))
-  args = parser.parse_args()
+  parser.add_argument("--quick", action="store_true",
+                      help="GPT-2 of 2 layers of width 64, batch 2 x 32, targets.default() (h100 "
+                           "where the target packages are, else the CPU): checks that the script "
+                           "runs; its figures are not results")
+  args = _quick.parse_args(parser, argv, dict(batch=2, seq=32, target=None))
+  config = GPT2_TINY if args.quick else GPT2_SMALL
   if args.model == "transformers":
-    fn, shapes = transformers_gpt2(args.batch, args.seq, jnp.bfloat16)
+    fn, shapes = transformers_gpt2(args.batch, args.seq, jnp.bfloat16, config)
   else:
-    fn = lambda *a: loss(*a, heads=GPT2_SMALL["heads"])
-    shapes = arguments(GPT2_SMALL, args.batch, args.seq, jnp.bfloat16)
+    fn = lambda *a: loss(*a, heads=config["heads"])
+    shapes = arguments(config, args.batch, args.seq, jnp.bfloat16)
   fast = lm.lowmem(fn)
   print(fast.explain(*shapes))
   approx = lm.lowmem(fn, activations="approx")
   peaks = {name: lm.memory.analyze(jax.grad(f), *shapes, target=args.target).peak_bytes
            for name, f in (("plain", fn), ("lm.lowmem", fast), ("lm.lowmem approx", approx))}
+  size = "two-layer" if args.quick else "small"
   for name, peak in peaks.items():
-    print(f"{name}: gradient's compiled peak {peak / 2**20:,.0f} MiB ({args.target}, "
-          f"{args.model} GPT-2 small, batch {args.batch} x {args.seq}, bfloat16)")
+    print(f"{name}: gradient's compiled peak {peak / 2**20:,.1f} MiB "
+          f"({lm.targets.resolve(args.target).name}, {args.model} GPT-2 {size}, batch "
+          f"{args.batch} x {args.seq}, bfloat16)")
   print(f"ratios {peaks['lm.lowmem'] / peaks['plain']:.3f} (exact), "
         f"{peaks['lm.lowmem approx'] / peaks['plain']:.3f} (approx)")
+  return peaks
 
 
 if __name__ == "__main__":

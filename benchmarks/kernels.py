@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 import lowmem_jax as lm
-from pallas_kernels import _blocks, activations as act_kernels, norms as norm_kernels, pack
+from pallas_kernels import _blocks, pack
+from pallas_kernels import activations as act_kernels
+from pallas_kernels import norms as norm_kernels
 
 # Peak HBM bandwidth, bytes/s, from NVIDIA's data sheets, by device_kind.
 PEAK_BANDWIDTH = {

@@ -26,6 +26,7 @@ its state where it lives on the device, its saved input where it lives there.
 
     python benchmarks/layer_streamed.py            # the rows of docs/benchmarks.md
     python benchmarks/layer_streamed.py --growth   # the growth per layer
+    python benchmarks/layer_streamed.py --quick [--growth]   # llama-tiny: that it runs
 """
 
 import argparse
@@ -35,7 +36,7 @@ import time
 
 import jax
 
-from lowmem_jax.app import techniques
+from lowmem_jax import app
 from lowmem_jax.compile import memory, targets
 from lowmem_jax.optim import layer_streamed
 
@@ -51,13 +52,22 @@ ROWS = (  # (model, batch, seq, target, technique set)
     ("llama-3.2-3b", 2, 2048, "rtx4090", f"{STATE}+stream:host"),
     ("llama-3.2-3b", 8, 4096, "h100", f"{STATE}+stream:host"),
 )
+GROWTH = (("llama-3.1-8b", 2, 2048, "rtx4090", f"{STATE}+stream:host+offload-opt"),
+          ("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host"))
 GiB = 2 ** 30
 
 
-def floors(job: techniques.Job, text: str) -> dict:
+def quick_rows(target: str) -> tuple:
+  """--quick's one row (and growth): llama-tiny, 2 x 64 tokens, its AdamW state and saved layer
+  inputs in host memory, compiled for ``target``; float32 moments and parameters (8-bit ones
+  compile for 20 s and more even at this size). Its figures are not results."""
+  return (("llama-tiny", 2, 64, target, "all+fused-ce+stream:host+offload-opt"),)
+
+
+def floors(job: app.Job, text: str) -> dict:
   """The host traffic a step and the transfer and compute floors of ``text`` on ``job``."""
-  s = techniques.parse(text)
-  built, params, opt_state, batch = techniques.arguments(job, s)
+  s = app.parse(text)
+  built, params, opt_state, batch = app.arguments(job, s)
   n = sum(x.size for x in jax.tree.leaves(params))
   tokens = job.batch * job.seq
   state = memory.tree_bytes(opt_state) if "offload-opt" in s else 0
@@ -72,9 +82,9 @@ def floors(job: techniques.Job, text: str) -> dict:
 
 
 def row(model: str, batch: int, seq: int, target: str, text: str) -> dict:
-  job = techniques.Job(model, batch=batch, seq=seq, target=target)
+  job = app.Job(model, batch=batch, seq=seq, target=target)
   start = time.perf_counter()
-  b = techniques.measure(job, techniques.parse(text), top=0)
+  b = app.measure(job, app.parse(text), top=0)
   return {"model": model, "batch": batch, "seq": seq, "target": target, "techniques": text,
           "peak_bytes": b.stats.peak_bytes,
           "host_bytes": b.stats.host_argument_bytes + b.stats.host_temp_bytes,
@@ -83,8 +93,8 @@ def row(model: str, batch: int, seq: int, target: str, text: str) -> dict:
 
 def growth(model: str, batch: int, seq: int, target: str, text: str) -> dict:
   """The peak with 2 and 4 of ``model``'s layers, its growth a layer, and what a layer holds."""
-  job = techniques.Job(model, batch=batch, seq=seq, target=target)
-  s = techniques.parse(text)
+  job = app.Job(model, batch=batch, seq=seq, target=target)
+  s = app.parse(text)
   peaks, holds = {}, None
   built = s.program(job).run()
   for layers in (2, 4):
@@ -117,10 +127,14 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--growth", action="store_true", help="the growth per layer (2 vs 4)")
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--quick", action="store_true",
+                      help="one llama-tiny row (2 x 64 tokens) for targets.default() (h100 where "
+                           "the target packages are, else the CPU): checks that the script runs; "
+                           "its figures are not results")
   args = parser.parse_args(argv)
+  specs = quick_rows(targets.default().name) if args.quick else GROWTH if args.growth else ROWS
   if args.growth:
-    out = [growth("llama-3.1-8b", 2, 2048, "rtx4090", f"{STATE}+stream:host+offload-opt"),
-           growth("llama-3.1-8b", 8, 4096, "h100", f"{STATE}+stream:host")]
+    out = [growth(*spec) for spec in specs]
     for r in out:
       print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['target']} | {r['techniques']} | "
             f"{r['peak_2_layers'] / GiB:.2f} | {r['peak_4_layers'] / GiB:.2f} | "
@@ -128,7 +142,7 @@ def main(argv=None):
             f"{r['ratio']:.2f} |", flush=True)
   else:
     out = []
-    for spec in ROWS:
+    for spec in specs:
       r = row(*spec)
       out.append(r)
       floor = lambda s: "n/a" if s is None else f"{s:.2f}"
@@ -138,6 +152,7 @@ def main(argv=None):
             f"{floor(r['compute_floor_s'])} | {r['seconds']:.0f} |", flush=True)
   if args.json:
     print(json.dumps(out, indent=1))
+  return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ the Llama-3 size in bfloat16, which decides whether a Pallas kernel is worth it.
 
     python benchmarks/loss_head.py [--target h100] [--time 2048,16384,256] [--repeats 5]
     python benchmarks/loss_head.py --chunks 1024x8192,512x4096,2048x16384
+    python benchmarks/loss_head.py --quick    # 256 tokens, vocabulary 2,048: that it runs
 """
 
 import argparse
@@ -26,7 +27,11 @@ from rich.table import Table
 import lowmem_jax as lm
 from lowmem_jax.ops import losses
 
+import _quick  # beside this script in benchmarks/
+
 PLAIN = "plain (log_softmax of the logits)"
+# --quick (and benchmarks/gpu_validate.py's dry run): tiny sizes, one timed run; not results.
+QUICK = dict(tokens=256, vocab=2048, width=64, time="256,2048,64", repeats=1, chunks="128x512")
 
 
 def heads(chunks: str) -> dict:
@@ -44,6 +49,7 @@ def head_grad(fn):
 
 
 def main(argv=None):
+  """Prints the tables; returns ``{head: (compiled peak bytes, median seconds)}``."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--target", default=None)
@@ -56,7 +62,11 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--chunks", default="1024x8192",
                       help="comma list of token_chunk x vocab_chunk blocks (default: the defaults)")
-  args = parser.parse_args(argv)
+  parser.add_argument("--quick", action="store_true",
+                      help=f"{QUICK['tokens']} tokens, vocabulary {QUICK['vocab']}, width "
+                           f"{QUICK['width']}, one timed run: checks that the script runs; its "
+                           "figures are not results")
+  args = _quick.parse_args(parser, argv, QUICK)
   candidates = heads(args.chunks)
   target = lm.targets.resolve(args.target)
   console = Console(width=160)
@@ -68,9 +78,10 @@ def main(argv=None):
                       f"width {args.width:,}, bfloat16 (MiB; ratio to plain)")
   for col in ("head", "compiled peak", "ratio", "temp", "ratio"):
     table.add_column(col, justify="left" if col == "head" else "right")
-  base = None
+  base, peaks = None, {}
   for name, fn in candidates.items():
     stats = lm.memory.analyze(head_grad(fn), h, w, y, target=target)
+    peaks[name] = stats.peak_bytes
     base = base or stats
     table.add_row(name, f"{stats.peak_bytes / 2**20:,.0f}", f"{stats.peak_bytes / base.peak_bytes:.4f}",
                   f"{stats.temp_bytes / 2**20:,.0f}", f"{stats.temp_bytes / base.temp_bytes:.4f}")
@@ -100,6 +111,7 @@ def main(argv=None):
     t = statistics.median(samples[name])
     table.add_row(name, f"{t:.3f}", f"{t / plain:.3f}")
   console.print(table)
+  return {name: (peaks[name], statistics.median(samples[name])) for name in candidates}
 
 
 if __name__ == "__main__":

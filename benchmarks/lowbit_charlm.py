@@ -10,6 +10,7 @@ parameters and no float32 copy, the new parameters rounded to nearest (plain
 ``optax.apply_updates``) or stochastically (`lowmem_jax.optim.lowbit.stochastic_rounding`).
 
     python benchmarks/lowbit_charlm.py [--steps 800] [--seeds 3]
+    python benchmarks/lowbit_charlm.py --quick     # the example's quick model, 2 steps: that it runs
 """
 
 import argparse
@@ -20,17 +21,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from lowbit_digits import add_row, seed_table  # benchmarks/, beside this script
 from rich.console import Console
 
 import lowmem_jax as lm
-from lowbit_digits import add_row, seed_table  # benchmarks/, beside this script
 from lowmem_jax.models import Llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama_charlm  # noqa: E402  (examples/ is not a package)
 
+import _quick  # beside this script in benchmarks/
+
 LR = 1e-3
 BATCH, SEQ = 16, 64
+# --quick: the reference row and the one with every switch (each row compiles for seconds)
+QUICK_ROWS = ("Adam, float32", "8-bit, bfloat16 params rounded stochastically")
 
 
 def rows() -> dict:
@@ -47,9 +52,9 @@ def rows() -> dict:
 
 
 def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, steps: int,
-                    data: tuple) -> float:
+                    data: tuple, config=llama_charlm.CONFIG) -> float:
   train, val = data
-  net = Llama(llama_charlm.CONFIG)
+  net = Llama(config)
   loss = lambda params, tokens: net.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
   params = jax.jit(net.init)(jax.random.key(seed), val[:1, :-1])["params"]
   params = jax.tree.map(lambda p: p.astype(param_dtype), params)
@@ -69,23 +74,34 @@ def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, st
 
 
 def main(argv=None):
+  """Prints the table; returns ``{row: [validation loss of each seed]}``."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=800)
   parser.add_argument("--seeds", type=int, default=3)
-  args = parser.parse_args(argv)
-  train, validation, _ = llama_charlm.corpus(4_000_000)
-  val = llama_charlm.windows(validation, 128, SEQ + 1, np.random.default_rng(0))
+  parser.add_argument("--quick", action="store_true",
+                      help="the example's quick model (dim 64, 2 layers), 2 steps, one seed, "
+                           "16 validation windows of a 200,000-character corpus, the rows "
+                           f"{' and '.join(QUICK_ROWS)}: checks that the script runs; its "
+                           "figures are not results")
+  args = _quick.parse_args(parser, argv, dict(steps=2, seeds=1))
+  config = llama_charlm.QUICK_CONFIG if args.quick else llama_charlm.CONFIG
+  train, validation, _ = llama_charlm.corpus(200_000 if args.quick else 4_000_000)
+  val = llama_charlm.windows(validation, 16 if args.quick else 128, SEQ + 1,
+                             np.random.default_rng(0))
   table = seed_table(f"character LLaMA, validation loss after {args.steps} steps (relative to "
                      "float32 Adam)", args.seeds)
-  base = None
+  base, found = None, {}
   for name, (tx, dtype) in rows().items():
-    values = [validation_loss(tx, dtype, seed, args.steps, (train, val))
-              for seed in range(args.seeds)]
+    if args.quick and name not in QUICK_ROWS:
+      continue
+    values = found[name] = [validation_loss(tx, dtype, seed, args.steps, (train, val), config)
+                            for seed in range(args.seeds)]
     base = base or values
     add_row(table, name, values, base)
     Console(stderr=True).print(f"  {name}: done", highlight=False)
   Console(width=160).print(table)
+  return found
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ copy) with 8-bit moments, the new parameters rounded to nearest (plain
 ``optax.apply_updates``) or stochastically (`lowmem_jax.optim.lowbit.stochastic_rounding`).
 
     python benchmarks/lowbit_digits.py [--steps 150] [--seeds 3]
+    python benchmarks/lowbit_digits.py --quick     # 2 steps, one seed: that it runs
 """
 
 import argparse
@@ -23,7 +24,12 @@ from rich.table import Table
 
 import lowmem_jax as lm
 
+import _quick  # beside this script in benchmarks/
+
 LR = 1e-3
+# --quick: each optimizer's float32 row and its row with every switch (each compiles for seconds)
+QUICK_ROWS = ("Adam, float32 moments", "Adam, 8-bit, bfloat16 params rounded stochastically",
+              "AdamA k=4, 32-bit moments", "AdamA k=4, 8-bit, bfloat16 params rounded stochastically")
 
 
 def data():
@@ -98,18 +104,26 @@ def add_row(table: Table, name: str, values: list[float], reference: list[float]
 
 
 def main(argv=None):
+  """Prints the table; returns ``{row: [validation loss of each seed]}``."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--seeds", type=int, default=3)
-  args = parser.parse_args(argv)
+  parser.add_argument("--quick", action="store_true",
+                      help="2 steps, one seed, the rows " + "; ".join(QUICK_ROWS) + ": checks "
+                           "that the script runs; its figures are not results")
+  args = _quick.parse_args(parser, argv, dict(steps=2, seeds=1))
   table = seed_table(f"digits, validation loss after {args.steps} steps (relative to the "
                      "float32 row of the same optimizer)", args.seeds)
-  base = {}
+  base, found = {}, {}
   for name, (tx, k, dtype) in rows().items():
-    values = [validation_loss(tx, seed, k, args.steps, dtype) for seed in range(args.seeds)]
+    if args.quick and name not in QUICK_ROWS:
+      continue
+    values = found[name] = [validation_loss(tx, seed, k, args.steps, dtype)
+                            for seed in range(args.seeds)]
     add_row(table, name, values, base.setdefault(k, values))
   Console(width=160).print(table)
+  return found
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Device peak, device arguments, XLA's temporaries (what is in transit) and
 host arguments, GiB.
 
     python benchmarks/offload_memory.py [--leaves 28]
+    python benchmarks/offload_memory.py --quick    # 2 leaves of 256²: that it runs
 """
 
 import argparse
@@ -44,9 +45,10 @@ def step(tx: optax.GradientTransformation):
   return run
 
 
-def stats(tx: optax.GradientTransformation, leaves: int, target="h100") -> lm.memory.MemoryStats:
-  """`MemoryStats` of one Adam step over ``leaves`` float32 leaves of 1 GiB."""
-  params = {f"w{i}": jax.ShapeDtypeStruct((16384, 16384), jnp.float32) for i in range(leaves)}
+def stats(tx: optax.GradientTransformation, leaves: int, target="h100",
+          side: int = 16384) -> lm.memory.MemoryStats:
+  """`MemoryStats` of one Adam step over ``leaves`` float32 leaves of ``side``² (1 GiB)."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((side, side), jnp.float32) for i in range(leaves)}
   state = offload.abstract_state(tx, params)
   return lm.memory.stats_of(lm.targets.resolve(target).compile(
       jax.jit(step(tx), donate_argnums=(0, 1)), params, state, params))
@@ -59,19 +61,30 @@ def rows() -> dict:
 
 
 def main(argv=None):
+  """Prints the table; returns ``{row: MemoryStats}``."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--leaves", type=int, default=28)
+  parser.add_argument("--quick", action="store_true",
+                      help="2 leaves of 256², for targets.default() (h100 where the target "
+                           "packages are, else the CPU): checks that the script runs; its figures "
+                           "are not results")
   args = parser.parse_args(argv)
-  table = Table(title=f"Adam over {args.leaves} float32 leaves of 1 GiB, h100 target (GiB)")
+  if args.quick:  # the quick size as the default: --leaves given still wins
+    parser.set_defaults(leaves=2)
+    args = parser.parse_args(argv)
+  side, target = (256, lm.targets.default().name) if args.quick else (16384, "h100")
+  table = Table(title=f"Adam over {args.leaves} float32 leaves of {side}², {target} target (GiB)")
   for column in ("optimizer", "device peak", "device arguments", "in transit (temp)",
                  "host arguments"):
     table.add_column(column, justify="left" if column == "optimizer" else "right")
+  found = {}
   for name, tx in rows().items():
-    s = stats(tx, args.leaves)
+    s = found[name] = stats(tx, args.leaves, target, side)
     table.add_row(name, *(f"{b / 2**30:.2f}" for b in (
         s.peak_bytes, s.argument_bytes, s.temp_bytes, s.host_argument_bytes)))
   Console(width=140).print(table)
+  return found
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ with the same step through `lm.lowmem`:
     python benchmarks/plain_vit.py                       # ViT-B/16, batch 64, bfloat16, H100 target
     python benchmarks/plain_vit.py --explain 10          # + the largest buffers at the peak
     python benchmarks/plain_vit.py --model nnx           # the stock-NNX ViT-B/16
+    python benchmarks/plain_vit.py --quick [--model nnx] # two blocks, 32² images: that it runs
 """
 
 import argparse
@@ -31,6 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 import lowmem_jax as lm
+
+import _quick  # beside this script in benchmarks/
 
 
 def init(key, *, depth=12, dim=768, mlp=3072, patch=16, image=224, classes=1000):
@@ -170,9 +173,12 @@ def median_seconds(fn, repeats):
 
 
 def main(argv=None):
+  """Prints the tables; returns ``{variant: (compiled peak, per-block bytes, residual bytes)}``
+  and, unless --no-timing, ``{"seconds": {variant: step seconds}}``."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--depth", type=int, default=12, help="blocks; per block compares with depth // 2")
+  parser.add_argument("--image", type=int, default=224, help="image side in pixels")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--target", default=None, help="compile target; default: targets.default()")
   parser.add_argument("--time", default="2,112", help="CPU timing size: batch,image")
@@ -181,13 +187,16 @@ def main(argv=None):
                       help="list the N largest buffers live at the compiled peak of each step")
   parser.add_argument("--no-timing", action="store_true")
   parser.add_argument("--model", default="plain", choices=("plain", "nnx"))
-  args = parser.parse_args(argv)
+  parser.add_argument("--quick", action="store_true",
+                      help="2 blocks, batch 2 of 32² images, one timed step: checks that the "
+                           "script runs; its figures are not results")
+  args = _quick.parse_args(parser, argv, dict(batch=2, depth=2, image=32, time="1,32", repeats=1))
   dtype = jnp.dtype(args.dtype)
   target = lm.targets.resolve(args.target)
   console = Console(width=200)
   console.print(target.note, highlight=False)
-  fn, full = problem(args.model, args.batch, 224, args.depth, dtype)
-  fn_half, half = problem(args.model, args.batch, 224, args.depth // 2, dtype)
+  fn, full = problem(args.model, args.batch, args.image, args.depth, dtype)
+  fn_half, half = problem(args.model, args.batch, args.image, args.depth // 2, dtype)
   variants = {"plain": lambda f: f, "lm.lowmem(plain)": lm.lowmem,
               "lm.lowmem(plain, approx)": functools.partial(lm.lowmem, activations="approx")}
   title = "plain-JAX ViT-B/16" if args.model == "plain" else "ViT-B/16 of stock NNX modules"
@@ -197,13 +206,14 @@ def main(argv=None):
   for col in ("variant", "compiled peak", "ratio", "per block", "ratio", "autodiff's residuals", "ratio"):
     table.add_column(col, justify="left" if col == "variant" else "right")
   mib = lambda b: f"{b / 2**20:,.0f}"
-  base = None
+  base, found = None, {}
   for name, wrap in variants.items():
     stats = lm.memory.analyze(jax.grad(wrap(fn)), *full, target=target)
     half_stats = lm.memory.analyze(jax.grad(wrap(fn_half)), *half, target=target)
     per_block = (stats.temp_bytes - half_stats.temp_bytes) / (args.depth - args.depth // 2)
     saved = lm.memory.saved_residuals(wrap(fn), *full).activation_bytes
     base = base or (stats.peak_bytes, per_block, saved)
+    found[name] = (stats.peak_bytes, per_block, saved)
     table.add_row(name, mib(stats.peak_bytes), f"{stats.peak_bytes / base[0]:.3f}", mib(per_block),
                   f"{per_block / base[1]:.3f}", mib(saved), f"{saved / base[2]:.3f}")
     if args.explain:
@@ -214,7 +224,7 @@ def main(argv=None):
   console.print(table)
 
   if args.no_timing:
-    return
+    return found
   trace = {name: median_seconds(lambda: jax.make_jaxpr(jax.grad(wrap(fn)))(*full), args.repeats)
            for name, wrap in variants.items()}
   batch, image = (int(v) for v in args.time.split(","))
@@ -231,6 +241,7 @@ def main(argv=None):
   for name in variants:
     table.add_row(name, f"{trace[name]:.2f}", f"{times[name]:.3f}", f"{times[name] / times['plain']:.3f}")
   console.print(table)
+  return {**found, "seconds": times}
 
 
 if __name__ == "__main__":

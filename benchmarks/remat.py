@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import lowmem_jax as lm
-from lowmem_jax import names
-from lowmem_jax.app import techniques
+from lowmem_jax import app, names
 from lowmem_jax.compile import policies
 
 SIZES = {"vit-b16": dict(batch=64), "llama-100m": dict(batch=4, seq=1024)}
@@ -42,7 +41,7 @@ SMALL_VOCABULARY = (names.QKV, names.ATTN_PROBS, names.MLP_HIDDEN, names.MLP_ACT
 
 
 def workload(model, text, sizes):
-  wl = techniques.parse(text).workload(techniques.Job(model, target="cpu", **sizes[model]))
+  wl = app.parse(text).workload(app.Job(model, target="cpu", **sizes[model]))
 
   def step(params, inputs, labels, *, policy):
     return jax.grad(wl.with_policy(policy).loss)(params, inputs, labels)

@@ -268,3 +268,15 @@ def test_every_benchmark_has_a_test():
   tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
   missing = scripts - tested - {"gpu_validate"}  # tests/test_gpu_validate.py runs its --dry-run
   assert not missing, f"benchmarks without a test here: {sorted(missing)}"
+
+
+@pytest.mark.skipif(not GPU_TARGET, reason="estimates need a compile-only GPU target")
+@OPTAX_BIAS_CORRECTION
+def test_step_time(capsys):
+  import step_time
+
+  found = step_time.main(["--quick"])
+  assert [e["row"]["model"] for e in found] == ["llama-100m"]
+  # The estimate within the issue's band of the H100's measured step.
+  assert 0.75 <= found[0]["ratio"] <= 1.33
+  assert table_rows(capsys.readouterr().out)[0][-1] in lm.memory.step_time.BOUNDS

@@ -17,7 +17,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 import lowmem_jax as lm
 import lowmem_jax_cli
 from lowmem_jax import app, names
-from lowmem_jax.app import cli, techniques
+from lowmem_jax.app import cli, fits, techniques
 from lowmem_jax.compile import memory
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
@@ -287,10 +287,13 @@ def test_cli_plan(capsys):
   # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
   base = app.measure(app.Job("vit-tiny", batch=4), app.parse("baseline"))
   budget = base.stats.peak_bytes - 2**20
-  assert cli.main(["plan", *SMALL, "--budget", f"{budget}B"]) == 0
+  # --objective memory stops at the first that fits (time compiles the whole ladder:
+  # test_plan_picks_the_fastest_that_fits).
+  assert cli.main(["plan", *SMALL, "--budget", f"{budget}B", "--objective", "memory"]) == 0
   out = capsys.readouterr().out
   fits = next(line for line in out.splitlines() if line.startswith("Fits"))
   assert "baseline" not in fits and "lm.models.workload(\"vit-tiny\"" in out
+  assert "The first that fits, cheapest memory first (--objective memory)." in fits
   assert "donate_argnums=(0, 1)" in out
 
 
@@ -489,7 +492,8 @@ def test_cli_plan_step(capsys, step_file):
   assert list(peaks) == ["baseline", "lowmem", "lowmem+approx"]
   first = next(t for t in peaks if peaks[t] < peaks["baseline"])
   budget = (peaks["baseline"] + peaks[first]) // 2
-  assert cli.main(["plan", "--step", spec, "--target", "cpu", "--budget", f"{budget}B"]) == 0
+  assert cli.main(["plan", "--step", spec, "--target", "cpu", "--budget", f"{budget}B",
+                   "--objective", "memory"]) == 0
   captured = capsys.readouterr()
   lines = captured.out.splitlines()
   left = next(line for line in lines if line.startswith("left out: "))
@@ -597,3 +601,32 @@ def test_cli_refuses_a_size_beyond_xla_before_compiling():
   ours = [line for line in run.stderr.splitlines() if line.startswith("lowmem-jax")]
   assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
   assert len(ours) == 1 and "--seq 100000000000" in ours[0], ours
+
+
+def test_plan_picks_the_fastest_that_fits(monkeypatch, capsys):
+  # Each set's peak and estimated time made up: the ladder's third and fifth fit, the fifth
+  # is faster; by memory the third is picked and nothing after it is measured.
+  job = app.Job("vit-tiny", batch=4, target="cpu")
+  texts, _ = app.ladder_of(job)
+  made_up = {t: (2**30 if k in (2, 4) else 2**31, None if k == 0 else 1.0 / (k + 1))
+             for k, t in enumerate(texts)}
+
+  def measure(job, techniques):
+    peak, seconds = made_up[techniques.label]
+    timed = seconds and memory.step_time.StepTime(seconds, {"compute": seconds}, 1, 0, 0, 0, 0, 0)
+    return type("Breakdown", (), {"stats": type("Stats", (), {"peak_bytes": peak}),
+                                  "step_time": timed, "label": techniques.label})()
+  monkeypatch.setattr(fits, "measure", measure)
+  monkeypatch.setattr(fits, "planned", lambda job, text, budget: techniques.TechniqueSet(text, ()))
+  monkeypatch.setattr(fits, "device_argument_bytes", lambda job, techniques: 0)
+  by_time = app.cheapest_fit(job, 2**30)
+  by_memory = app.cheapest_fit(job, 2**30, objective="memory")
+  assert by_time.fits.label == texts[4] and len(by_time.tried) == len(texts)
+  assert by_memory.fits.label == texts[2] and len(by_memory.tried) == 3
+  assert [s.label for _, s in by_time.fitting] == [texts[2], texts[4]]
+  chosen = by_time.tried[4][0]
+  assert cli._why(by_time, chosen) == (
+      f"The fastest of 2 sets that fit by the estimated step time; the first that fits, "
+      f"{texts[2]}, takes 1.00 GiB, 333.3 ms a step estimated. ")
+  with pytest.raises(ValueError, match="objective"):
+    app.cheapest_fit(job, 2**30, objective="speed")

@@ -70,8 +70,8 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, capfd):
 def _check_the_step_example(name, tmp_path, capfd):
   """`lowmem-jax report --step` gives the peaks that the document `name` (the one holding the
   make_step block) quotes, and `plan --step` with its budget tries at least five rows,
-  cheapest recompute first, and picks the first that fits; the Python it prints makes that
-  step."""
+  cheapest recompute first, and with ``objective="memory"`` picks the first that fits; the
+  Python it prints makes that step."""
   text = DOCS[name].replace("\n", " ")
   quoted = re.search(r"prints `baseline`, `lowmem` and `lowmem\+approx` \((\d+), (\d+) and "
                      r"(\d+) MiB on the H100 target", text)
@@ -85,7 +85,7 @@ def _check_the_step_example(name, tmp_path, capfd):
   assert [r["techniques"] for r in rows] == ["baseline", "lowmem", "lowmem+approx"]
   assert [round(r["peak_bytes"] / 2**20) for r in rows] == [int(q) for q in quoted.groups()]
   job = app.Job(make_step=cli.load_step(spec), target="h100")
-  fit = app.cheapest_fit(job, int(budget[1]) * 2**20)
+  fit = app.cheapest_fit(job, int(budget[1]) * 2**20, objective="memory")
   texts, left_out = app.ladder_of(job)
   assert not left_out and len(fit.tried) >= 5
   assert [s.label for _, s in fit.tried] == texts[:len(fit.tried)]

@@ -185,10 +185,14 @@ def _size(nbytes: float) -> str:
   return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _summary(rows: list[dict], title: str) -> Table:
+def _summary(rows: list[dict], title: str, job: Job) -> Table:
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   host = any(r["host_bytes"] for r in rows)
   shared = any(r["collective_bytes"] for r in rows)
+  timed = any(r["step_s"] for r in rows)
+  items = (None if job.make_step is not None else job.batch * job.seq if job.language_model
+           else job.batch)
+  unit_rate = "tokens/s" if job.language_model else "images/s"
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
                 "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
@@ -202,6 +206,10 @@ def _summary(rows: list[dict], title: str) -> Table:
                 "when compiling"
                 + ("; host: what lives in host memory (offloaded state, saved inputs), beside "
                    "the device's peak" if host else "")
+                + ("; step ms: the estimated step time (lowmem_jax.compile.memory.step_time: "
+                   "the compiled program's kernels at the target's speeds, as XLA scheduled "
+                   f"them), {unit_rate} at that time, MFU: the baseline's FLOPs over it at the "
+                   "target's bfloat16 peak, bound: what most of the time goes to" if timed else "")
                 + ("; collectives: the bytes a device's all-gathers, reduce-scatters, "
                    "all-reduces, all-to-alls and collective-permutes produce in a step (each "
                    "loop's body as many times as it runs), floor: their time at the target's "
@@ -209,7 +217,8 @@ def _summary(rows: list[dict], title: str) -> Table:
   for column in ("techniques", f"params {unit}", f"optimizer {unit}", f"gradients {unit}",
                  f"activations {unit}", f"other {unit}", f"peak {unit}",
                  *([f"host {unit}"] if host else []), "× less", f"saved {unit}", "extra FLOPs",
-                 *(["collectives GiB", "floor ms"] if shared else [])):
+                 *(["collectives GiB", "floor ms"] if shared else []),
+                 *(["step ms", *([unit_rate] if items else []), "MFU", "bound"] if timed else [])):
     table.add_column(column, justify="left" if column == "techniques" else "right")
   for r in rows:
     sizes = ["none found" if r[k] is None else "0 (none live)" if k == "gradients" and not r[k]
@@ -221,8 +230,12 @@ def _summary(rows: list[dict], title: str) -> Table:
     moved = [] if not shared else ["n/a", "n/a"] if r["collective_bytes"] is None else [
         f"{r['collective_bytes'] / 2**30:,.2f}",
         "n/a" if r["transfer_floor_s"] is None else f"{1e3 * r['transfer_floor_s']:,.1f}"]
+    seconds = r["step_s"]
+    timing = [] if not timed else ["n/a"] * (3 + bool(items)) if not seconds else [
+        f"{1e3 * seconds:,.1f}", *([f"{items / seconds:,.0f}"] if items else []),
+        "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.0f}%", r["bound"]]
     table.add_row(r["techniques"], *sizes, *hosted, f"{r['reduction']:.2f}",
-                  f"{r['peak_saved_bytes'] / scale:,.2f}", flops, *moved)
+                  f"{r['peak_saved_bytes'] / scale:,.2f}", flops, *moved, *timing)
   return table
 
 
@@ -258,7 +271,7 @@ def report(args, job: Job, console: Console) -> int:
            "rows": [{**r, "breakdown": b.to_dict()} for r, b in zip(rows, breakdowns)]}
     console.print_json(json.dumps(out))
     return 0
-  console.print(_summary(rows, _workload_title(args, job)))
+  console.print(_summary(rows, _workload_title(args, job), job))
   if left_out:
     console.print(left_out[1], highlight=False, soft_wrap=True)
   if target.platform == "cpu" and job.make_step is None and (
@@ -290,7 +303,8 @@ def plan(args, job: Job, console: Console) -> int:
   budget = parse_bytes(args.budget)
   sets, _ = fits.ladder_of(job)
   with _progress(len(sets)) as show:
-    fit = fits.cheapest_fit(job, budget, lambda text: show(text, sets.index(text)))
+    fit = fits.cheapest_fit(job, budget, lambda text: show(text, sets.index(text)),
+                            objective=args.objective)
   if not fit.tried and fit.fixed_bytes > budget:
     print(f"lowmem-jax: nothing fits {_size(budget)}: the parameters and optimizer state on "
           f"the device alone take {_size(fit.fixed_bytes)} at the least (8-bit moments, "
@@ -315,13 +329,34 @@ def plan(args, job: Job, console: Console) -> int:
     return 1
   base = fit.tried[0][0]
   console.print(_summary([measurement.row(b, base, s) for b, s in fit.tried],
-                         f"{_workload_title(args, job)}: tried, cheapest first"))
+                         f"{_workload_title(args, job)}: tried, cheapest first", job))
   console.print(job.target.note, highlight=False)
-  console.print(f"Fits {_size(budget)}: {fit.fits.label} "
-                f"({_size(fit.tried[-1][0].stats.peak_bytes)} compiled peak). In Python:",
+  chosen = next(b for b, s in fit.tried if s is fit.fits)
+  console.print(f"Fits {_size(budget)}: {fit.fits.label} ({_size(chosen.stats.peak_bytes)} "
+                f"compiled peak{_timed(chosen)}). {_why(fit, chosen)}In Python:",
                 highlight=False)
   console.print(fit.fits.python(job), highlight=False, markup=False, soft_wrap=True)
   return 0
+
+
+def _timed(b: memory.Breakdown) -> str:
+  return f", {1e3 * b.step_time.seconds:,.1f} ms a step estimated" if b.step_time else ""
+
+
+def _why(fit: fits.Fit, chosen: memory.Breakdown) -> str:
+  """A sentence on why ``plan`` picked ``chosen`` of the sets that fit."""
+  fitting = fit.fitting
+  if fit.objective == "memory":
+    return "The first that fits, cheapest memory first (--objective memory). "
+  if chosen.step_time is None:
+    return (f"No step-time estimate for target {chosen.target.name}: the first of "
+            f"{len(fitting)} that fit. ")
+  first = fitting[0][0]
+  if first is chosen:
+    return (f"The fastest of {len(fitting)} sets that fit, and the first that fits "
+            "(--objective memory would pick it too). ")
+  return (f"The fastest of {len(fitting)} sets that fit by the estimated step time; the first "
+          f"that fits, {first.label}, takes {_size(first.stats.peak_bytes)}{_timed(first)}. ")
 
 
 def _target(text: str | None) -> targets.Target:
@@ -394,6 +429,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per example (LLaMA, BERT; default 512)")
     p.add_argument("--image", type=int, default=None, action=_Given,
                    help="image side in pixels (ViT: default 224; wrn-28-2: default 32)")
+    if p is pl:
+      p.add_argument("--objective", default="time", choices=fits.OBJECTIVES,
+                     help="of the sets that fit, pick the fastest by the estimated step time "
+                     "(time, the default: every set is compiled), or the first in the ladder "
+                     "(memory: up to the first that fits)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    action=_Given,
                    help="compute dtype without the bf16 technique; parameters stay float32")

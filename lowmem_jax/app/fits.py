@@ -95,31 +95,48 @@ class Fit(NamedTuple):
 
   Attributes:
     tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
-    fits: the first set whose compiled peak fits, or None.
+    fits: of the sets whose compiled peak fits, the fastest by the estimated step time
+      (``objective="time"``; ladder order among equals, a set without an estimate after those
+      with one) or the first (``objective="memory"``); None where none fits.
     fixed_bytes: the least any set of the ladder holds on the device in its arguments
       (parameters, optimizer state, batch); nothing is measured where it exceeds the budget.
     skipped: ``(text, bytes)`` of each set not compiled because its arguments alone on the
       device exceed the budget, in ladder order.
     not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
       as its sets write them.
+    objective: what ``fits`` was chosen by.
+    budget: the bytes the sets had to fit.
   """
+
+  @property
+  def fitting(self) -> list:
+    """``(breakdown, techniques)`` of each set tried whose compiled peak fits, ladder order."""
+    return [(b, t) for b, t in self.tried if b.stats.peak_bytes <= self.budget]
   tried: list
   fits: TechniqueSet | None
   fixed_bytes: int
   skipped: list
   not_taken: tuple = ()
+  objective: str = "time"
+  budget: int = 0
 
 
-def cheapest_fit(job: Job, budget: int,
-                 on_try: Callable[[str], None] = lambda text: None) -> Fit:
-  """Measures the sets of `ladder` for ``job`` in order, up to the first whose
-  compiled peak is at most ``budget`` bytes; ``on_try(text)`` is called before
-  each. A set whose arguments alone on the device exceed the budget
-  (`device_argument_bytes`, a reference model's) is skipped without compiling; a
-  user's step's sets go without the techniques whose options ``make_step`` does not
-  take (`Job.without_missing`), each set once. The
-  ladder is the transformers' (ms-norm, attention), or a user's step's: not the
-  WideResNet's."""
+OBJECTIVES = ("time", "memory")
+"""What `cheapest_fit` picks by: the estimated step time, or the ladder's order."""
+
+
+def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda text: None,
+                 objective: str = "time") -> Fit:
+  """Measures the sets of `ladder` for ``job`` in order, and picks of those whose compiled
+  peak is at most ``budget`` bytes the fastest by the estimated step time
+  (``objective="time"``: every set is measured) or the first (``objective="memory"``: up to
+  the first that fits); ``on_try(text)`` is called before each. A set whose arguments alone
+  on the device exceed the budget (`device_argument_bytes`, a reference model's) is skipped
+  without compiling; a user's step's sets go without the techniques whose options
+  ``make_step`` does not take (`Job.without_missing`), each set once. The ladder is the
+  transformers' (ms-norm, attention), or a user's step's: not the WideResNet's."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
   if job.conv_net:
     raise TechniqueError(f"the ladder is the transformers' (ms-norm, attention); {job.model} "
                          "takes measure() of chosen sets instead.")
@@ -129,8 +146,9 @@ def cheapest_fit(job: Job, budget: int,
       text: device_argument_bytes(job, parse(text.replace("+remat:plan", ""))) for text in texts}
   floor = min(arguments.values(), default=0)
   tried, skipped = [], []
+  fit = Fit(tried, None, floor, skipped, not_taken, objective, budget)
   if floor > budget:
-    return Fit(tried, None, floor, skipped, not_taken)
+    return fit
   for text in texts:
     if arguments.get(text, 0) > budget:
       skipped.append((text, arguments[text]))
@@ -139,8 +157,13 @@ def cheapest_fit(job: Job, budget: int,
     techniques = planned(job, text, budget)
     if techniques is None:
       continue
-    b = measure(job, techniques)
-    tried.append((b, techniques))
-    if b.stats.peak_bytes <= budget:
-      return Fit(tried, techniques, floor, skipped, not_taken)
-  return Fit(tried, None, floor, skipped, not_taken)
+    tried.append((measure(job, techniques), techniques))
+    if objective == "memory" and fit.fitting:
+      break
+  fitting = fit.fitting
+  if not fitting:
+    return fit
+  fastest = min(range(len(fitting)), key=lambda k: (
+      fitting[k][0].step_time is None,
+      fitting[k][0].step_time.seconds if fitting[k][0].step_time else 0.0, k))
+  return fit._replace(fits=fitting[0 if objective == "memory" else fastest][1])

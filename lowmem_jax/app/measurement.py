@@ -133,8 +133,12 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
   where a loop's trip count is unknown, `memory.loop_flops`); a device's collective bytes
   (`memory.collective_bytes`) and the seconds they take at the target's interconnect bandwidth
   one way (`Target.interconnect_bytes_per_s`), a floor under the step's communication time
-  (None where either is unknown)."""
+  (None where either is unknown); the estimated step time (`memory.step_time`), what bounds
+  it, and its model FLOPs utilisation: ``base``'s FLOPs (XLA's count, loops as they run) over
+  this step's time at the target's bfloat16 peak (None where unknown)."""
   at = b.at_peak
+  seconds = b.step_time.seconds if b.step_time else None
+  peak = b.target.peak_bf16_flops
   link = b.target.interconnect_bytes_per_s
   found = b.argument_components
   return {
@@ -155,4 +159,7 @@ def row(b: memory.Breakdown, base: memory.Breakdown, techniques: TechniqueSet) -
       "collective_bytes": b.collective_bytes,
       "transfer_floor_s": (None if b.collective_bytes is None or link is None
                            else b.collective_bytes / link),
+      "step_s": seconds,
+      "bound": b.step_time.bound if b.step_time else None,
+      "mfu": base.loop_flops / (seconds * peak) if seconds and peak and base.loop_flops else None,
   }

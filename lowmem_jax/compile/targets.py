@@ -185,6 +185,17 @@ class Target:
     return getattr(_SPEEDS.get(self.device_kind), "peak_bf16_flops", None)
 
   @property
+  def memory_bytes_per_s(self) -> float | None:
+    """The device memory's bandwidth in bytes/s: its config's ``memory_bandwidth`` (XLA's
+    reading of the memory clock and bus width), else a shipped config's of the same device
+    kind (for `attached`); None where neither gives it (the CPU, another GPU)."""
+    configs = [self.config] if self.config else [
+        c for c in (_CONFIGS.joinpath(f"{n}.txtpb").read_text() for n in names() if n != "cpu")
+        if _DEVICE_KIND.search(c).group(1) == self.device_kind]
+    found = next((m for c in configs if (m := _BANDWIDTH.search(c))), None)
+    return float(found.group(1)) if found else None
+
+  @property
   def host_link_bytes_per_s(self) -> float | None:
     """One direction of the GPU's PCIe link to the host in bytes/s (its generation and lanes
     after line coding; the PCIe link of an SXM part, not NVLink), known as `peak_bf16_flops`
@@ -503,6 +514,7 @@ def _pallas_device_kind(target: Target) -> str:
 _COMPUTE_CAPABILITY = re.compile(
     r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s+minor:\s*(\d+))?")
 _DEVICE_KIND = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)
+_BANDWIDTH = re.compile(r"^\s*memory_bandwidth:\s*(\d+)", re.M)
 _MEMORY = re.compile(r"^\s*device_memory_size:\s*(\d+)", re.M)
 
 

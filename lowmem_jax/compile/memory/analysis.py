@@ -14,13 +14,14 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from lowmem_jax import _jax
 from lowmem_jax.compile import targets
+from lowmem_jax.compile.memory import _hlo
 
 
 def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = None,
@@ -231,87 +232,6 @@ def step_flops(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> fl
     return flops_of(lowered)
 
 
-_HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+).*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) %?([a-z][\w\-]*)\(([^)]*)\)(.*)$")
-_CALLED = re.compile(r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
-                     r"|branch_computations=\{([^}]*)\}")
-_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-class _Instruction(NamedTuple):
-  op: str
-  operands: tuple[str, ...]
-  attributes: str
-  shape: str = ""  # its HLO shape as written, layouts included
-
-
-def _computations(text: str) -> tuple[dict[str, dict[str, _Instruction]], dict[str, str], str]:
-  """``(computations, roots, entry)`` of an HLO module's text: each computation's
-  instructions by name, each one's root instruction, the entry computation's name."""
-  computations, roots, entry, current = {}, {}, "", None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and not line.startswith(" "):
-      current = computations.setdefault(header.group(2), {})
-      entry = header.group(2) if header.group(1) else entry
-      name = header.group(2)
-    elif current is not None and (m := _INSTRUCTION.match(line)):
-      operands = tuple(o.strip().lstrip("%") for o in m.group(4).split(",") if o.strip())
-      current[m.group(1)] = _Instruction(m.group(3), operands, m.group(5), m.group(2))
-      if line.lstrip().startswith("ROOT "):
-        roots[name] = m.group(1)
-  return computations, roots, entry
-
-
-def _called(instruction: _Instruction) -> list[str]:
-  """The computations an instruction calls (`_CALLED`: reductions, calls, branches), not a
-  ``while``'s body or condition."""
-  names = []
-  for m in _CALLED.finditer(instruction.attributes):
-    names += [m.group(1)] if m.group(1) else [c.strip().lstrip("%") for c in m.group(2).split(",")]
-  return names
-
-
-def _body(instruction: _Instruction) -> str:
-  """A ``while``'s body computation."""
-  return re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
-
-
-def _trip_count(instruction: _Instruction, caller: dict[str, _Instruction],
-                computations: dict, roots: dict) -> int | None:
-  """The times a ``while`` runs: XLA's known trip count, else the pattern a JAX loop lowers
-  to (a counter from a constant, +1 a trip, below a constant); None where neither holds."""
-  known = _KNOWN_TRIP_COUNT.search(instruction.attributes)
-  if known:
-    return int(known.group(1))
-  cond = re.search(r"condition=%?([\w.\-]+)", instruction.attributes).group(1)
-  body = _body(instruction)
-  c, b = computations[cond], computations[body]
-
-  def index(name: str, where: dict) -> int | None:  # the tuple element a get-tuple-element reads
-    i = where.get(name)
-    m = re.search(r"index=(\d+)", i.attributes) if i and i.op == "get-tuple-element" else None
-    return int(m.group(1)) if m else None
-
-  def constant(name: str, where: dict) -> int | None:
-    i = where.get(name)
-    return int(i.operands[0]) if i and i.op == "constant" and i.operands[0].lstrip("-").isdigit() \
-        else None
-  compare, init = c[roots[cond]], caller.get(instruction.operands[0])
-  if compare.op != "compare" or "direction=LT" not in compare.attributes or init is None \
-      or init.op != "tuple":
-    return None
-  i, limit = index(compare.operands[0], c), constant(compare.operands[1], c)
-  new = b[roots[body]]
-  step = b.get(new.operands[i]) if i is not None and new.op == "tuple" else None
-  start = constant(init.operands[i], caller) if i is not None else None
-  if step is None or step.op != "add" or start is None or limit is None or sorted(
-      (index(o, b) == i, constant(o, b) == 1) for o in step.operands) != [(False, True),
-                                                                         (True, False)]:
-    return None
-  return max(limit - start, 0)
-
-
 def loop_flops(lowered: jax.stages.Lowered) -> float | None:
   """FLOPs of a lowered program with each ``while`` loop's body counted as many times
   as the loop runs (XLA's cost analysis counts a body once), nested loops
@@ -319,27 +239,27 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
   ``lax.while_loop`` on a traced bound). XLA's HLO cost analysis on the host, of
   the program before optimisation, as `flops_of` a lowered program."""
   text = lowered.compiler_ir("hlo").as_hlo_text()
-  computations, roots, entry = _computations(text)
+  computations, roots, entry = _hlo.computations(text)
   lines = text.splitlines()
 
   @functools.cache
   def once(name: str) -> float:  # XLA's count of the computation as an entry: loops once
     out = ["HloModule loop_body"]
     for line in lines[1:]:
-      header = _HEADER.match(line)
+      header = _hlo.HEADER.match(line)
       if header and not line.startswith(" "):
         line = ("ENTRY " if header.group(2) == name else "") + line.removeprefix("ENTRY ")
       out.append(line)
     module = _jax.hlo_module_from_text("\n".join(out))
     return float(_jax.hlo_cost_analysis(module).get("flops", 0.0))
 
-  def whiles(name: str, seen: set) -> list[tuple[_Instruction, dict]]:
+  def whiles(name: str, seen: set) -> list[tuple[_hlo.Instruction, dict]]:
     """The loops ``name`` runs itself or through the computations it calls."""
     found = []
     for i in computations[name].values():
       if i.op == "while":
         found.append((i, computations[name]))
-      for called in _called(i):
+      for called in _hlo.called(i):
         if called not in seen:
           seen.add(called)
           found += whiles(called, seen)
@@ -348,8 +268,8 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
   def full(name: str) -> float | None:  # XLA's count holds each loop's body once
     total = once(name)
     for i, caller in whiles(name, {name}):
-      trips = _trip_count(i, caller, computations, roots)
-      body = _body(i)
+      trips = _hlo.trip_count(i, caller, computations, roots)
+      body = _hlo.body(i)
       body_flops = full(body)
       if trips is None or body_flops is None:
         return None
@@ -360,21 +280,6 @@ def loop_flops(lowered: jax.stages.Lowered) -> float | None:
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 """The HLO collectives `collective_bytes` counts; an asynchronous one by its ``-done``."""
-_ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
-
-
-def _shape_bytes(shape: str) -> int:
-  """Bytes of the arrays of an HLO shape (``bf16[8,128]{1,0}``, or a tuple of them)."""
-  total = 0
-  for dtype, dims in _ARRAY.findall(shape):
-    if dtype == "token":
-      continue
-    bits = re.match(r"[a-z]+(\d+)", dtype)
-    count = math.prod(int(d) for d in dims.split(",") if d)
-    total += -(-count * (int(bits.group(1)) if bits else 8) // 8)  # pred: a byte
-  return total
-
-
 def collective_bytes(hlo_text: str) -> int | None:
   """Bytes a device's collectives produce in one run of an optimised, SPMD-partitioned HLO
   module (``compiled.as_text()``): the outputs of every all-gather, all-reduce,
@@ -383,7 +288,7 @@ def collective_bytes(hlo_text: str) -> int | None:
   loop's body counted as many times as the loop runs (`loop_flops`' trip counts), a
   ``conditional``'s largest branch once; None where a loop's trip count is unknown. What a
   device receives is at most this (a ring all-gather receives ``(n - 1) / n`` of its output)."""
-  computations, roots, entry = _computations(hlo_text)
+  computations, roots, entry = _hlo.computations(hlo_text)
   done = tuple(f"{c}-done" for c in COLLECTIVES)
 
   @functools.cache
@@ -391,20 +296,18 @@ def collective_bytes(hlo_text: str) -> int | None:
     total = 0
     for i in computations.get(name, {}).values():
       if i.op in COLLECTIVES or i.op in done:
-        total += _shape_bytes(i.shape)
+        total += _hlo.shape_bytes(i.shape)
       if i.op == "while":
-        trips, inner = _trip_count(i, computations[name], computations, roots), count(_body(i))
+        trips = _hlo.trip_count(i, computations[name], computations, roots)
+        inner = count(_hlo.body(i))
         if trips is None or inner is None:
           return None
         total += trips * inner
         continue
-      for m in _CALLED.finditer(i.attributes):
-        called = [m.group(1)] if m.group(1) else [c.strip().lstrip("%")
-                                                  for c in m.group(2).split(",")]
-        inner = [count(c) for c in called]
-        if None in inner:
-          return None
-        total += max(inner, default=0)
+      inner = [count(c) for c in _hlo.called(i)]  # a conditional's branches: the largest
+      if None in inner:
+        return None
+      total += max(inner, default=0)
     return total
   return count(entry)
 

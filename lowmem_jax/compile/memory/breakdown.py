@@ -23,6 +23,7 @@ from lowmem_jax.compile import targets
 from lowmem_jax.compile.memory import _xla_dump
 from lowmem_jax.compile.memory.analysis import (MemoryStats, Residuals, collective_bytes,
                                                 loop_flops, saved_residuals, stats_of, step_flops)
+from lowmem_jax.compile.memory.step_time import StepTime, UnknownTripCount, estimate
 
 
 COMPONENTS = ("parameters", "optimizer state", "inputs", "gradients", "activations", "updates",
@@ -143,6 +144,8 @@ class Breakdown:
     collective_bytes: bytes of a device's collectives' outputs in one step, loops counted as
       they run (`collective_bytes`, of the compiled program); 0 on one device; None where a
       loop's trip count is unknown.
+    step_time: the step's estimated time on the target (`estimate`, of the same
+      compiled program), or None where the target's speeds or a loop's trip count are unknown.
   """
   label: str
   target: targets.Target
@@ -158,6 +161,7 @@ class Breakdown:
   saved: Residuals | None = None
   loop_flops: float | None = None
   collective_bytes: int | None = 0
+  step_time: StepTime | None = None
 
   @property
   def live_peak_bytes(self) -> int:
@@ -186,6 +190,7 @@ class Breakdown:
         "flops": self.flops,
         "loop_flops": self.loop_flops,
         "collective_bytes": self.collective_bytes,
+        "step_time": dataclasses.asdict(self.step_time) if self.step_time else None,
         "at_peak": dict(self.at_peak),
         "estimated": sorted(ESTIMATED),
         "live_peak_bytes": self.live_peak_bytes,
@@ -285,7 +290,16 @@ def report(step_fn: Callable, *args, loss_fn: Callable | None = None, loss_args:
       buffers=tuple(buffers[:top] if top is not None else buffers),
       activations_by_layer=dict(sorted(by_layer.items(), key=lambda kv: -kv[1])),
       argument_components=frozenset(arguments.values()), saved=saved,
-      loop_flops=loop_flops(lowered), collective_bytes=collective_bytes(texts.hlo))
+      loop_flops=loop_flops(lowered), collective_bytes=collective_bytes(texts.hlo),
+      step_time=_estimated(texts.hlo, target))
+
+
+def _estimated(hlo_text: str, target: targets.Target) -> StepTime | None:
+  """`estimate` of the program, None where a loop's trip count is unknown."""
+  try:
+    return estimate(hlo_text, target)
+  except UnknownTripCount:
+    return None
 
 
 def _compiled_with_dump(target, step_fn, args, kwargs):
@@ -373,6 +387,8 @@ def _tables(b: Breakdown) -> list:
          f"{b.label}: compiled peak {_mib(b.stats.peak_bytes)} MiB (XLA memory analysis){host}; "
          f"live at the peak {_mib(live)} MiB (over XLA's buffer live ranges), at position "
          f"{b.peak_position} of {len(b.live_bytes)}: {b.peak_op}"]
+  if b.step_time:
+    out.append(str(b.step_time))
   if b.collective_bytes:
     out.append(f"collectives: {_mib(b.collective_bytes)} MiB a step on each device (the "
                "outputs of its all-gathers, all-reduces, reduce-scatters, all-to-alls and "

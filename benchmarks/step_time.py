@@ -1,0 +1,69 @@
+"""The step-time estimate beside every real GPU measurement on record.
+
+For each row of ``docs/gpu.jsonl`` (a training step measured on a real GPU by
+``benchmarks/gpu_validate.py``: the median of its repeats), the same step is compiled here for
+the shipped target of that GPU (``h100`` for an H100 SXM) and its time estimated from the
+optimized program (`lowmem_jax.compile.memory.step_time`). Prints a Markdown table: measured,
+estimated, their ratio, what bounds the step; and the largest ratio off 1. The estimate's
+constants (`step_time.CALIBRATION`) were fit to these rows (``docs/benchmarks.md`` says which),
+so this shows how well the model holds, not an independent check. ``--quick`` estimates one
+small row (LLaMA-100M, bfloat16, the exact rewrites).
+
+    python benchmarks/step_time.py            # every row, a few minutes
+    python benchmarks/step_time.py --quick
+"""
+
+import argparse
+import json
+import pathlib
+
+from _quick import parse_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICK = {"rows": "8"}
+TARGET_BY_DEVICE = {"NVIDIA H100 80GB HBM3": "h100"}  # the device kinds gpu.jsonl holds
+
+
+def estimate(row: dict) -> dict:
+  """The row's step compiled for its GPU's target: the estimate beside the measurement."""
+  from lowmem_jax import app
+
+  job = app.Job(row["model"], dtype=row["dtype"], target=TARGET_BY_DEVICE[row["device"]],
+                **row["size"])
+  b = app.measure(job, app.parse(row["techniques"]))
+  if b.step_time is None:
+    raise RuntimeError(f"no estimate for {row['techniques']} on target {job.target.name}")
+  return {"row": row, "seconds": b.step_time.seconds, "bound": b.step_time.bound,
+          "ratio": b.step_time.seconds / row["seconds"]}
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", default=None,
+                      help="comma-separated row numbers of docs/gpu.jsonl (from 0; default all)")
+  parser.add_argument("--quick", action="store_true", help=f"rows {QUICK['rows']} only")
+  args = parse_args(parser, argv, QUICK)
+  rows = [json.loads(line) for line in (ROOT / "docs" / "gpu.jsonl").read_text().splitlines()]
+  numbers = range(len(rows)) if args.rows is None else [int(n) for n in args.rows.split(",")]
+  import jax
+  print(f"jax {jax.__version__}\n")
+  print("| # | model | size | dtype | techniques | measured ms | estimated ms | × | bound |")
+  print("|---|---|---|---|---|---:|---:|---:|---|")
+  found = []
+  for n in numbers:
+    e = estimate(rows[n])
+    found.append(e)
+    r = e["row"]
+    size = " × ".join(str(v) for v in r["size"].values())
+    print(f"| {n} | {r['model']} | {size} | {r['dtype']} | {r['techniques']} | "
+          f"{1e3 * r['seconds']:,.1f} | {1e3 * e['seconds']:,.1f} | {e['ratio']:.2f} | "
+          f"{e['bound']} |", flush=True)
+  worst = max(found, key=lambda e: abs(e["ratio"] - 1))
+  print(f"\nestimate / measured from {min(e['ratio'] for e in found):.2f} to "
+        f"{max(e['ratio'] for e in found):.2f}; farthest: {worst['row']['techniques']} "
+        f"({worst['row']['model']}, {worst['row']['dtype']})")
+  return found
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,110 @@
+"""The step-time estimate (lowmem_jax.compile.memory.step_time): FLOPs read from the compiled
+program, bytes of slices and in-place updates, loops by trip count, and overlap only where the
+schedule has it."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
+
+import lowmem_jax as lm
+from lowmem_jax import app
+from lowmem_jax.compile.memory import step_time
+
+H100 = lm.targets.get("h100")
+NEEDS_TARGET = pytest.mark.skipif(lm.targets.available() is not None,
+                                  reason=f"compile-only GPU targets: {lm.targets.available()}")
+
+# A 4 MiB fetch from host memory and an 8 MiB kernel that does not need it; the kernel is
+# scheduled between the fetch's start and done (HIDDEN) or after the done (EXPOSED).
+_MODULE = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[1048576], p1: f32[2097152]) -> f32[1048576] {{
+  %p0 = f32[1048576]{{0:S(5)}} parameter(0)
+  %p1 = f32[2097152]{{0}} parameter(1)
+  %copy-start = (f32[1048576]{{0}}, f32[1048576]{{0:S(5)}}, u32[]) copy-start(%p0)
+{between}
+  %copy-done = f32[1048576]{{0}} copy-done(%copy-start)
+{after}
+  ROOT %add = f32[1048576]{{0}} add(%copy-done, %copy-done)
+}}
+"""
+_KERNEL = "  %e = f32[2097152]{0} exponential(%p1)"
+HIDDEN = _MODULE.format(between=_KERNEL, after="")
+EXPOSED = _MODULE.format(between="", after=_KERNEL)
+
+
+def test_a_transfer_hides_only_under_the_kernels_between_its_start_and_done():
+  hidden, exposed = step_time.estimate(HIDDEN, H100), step_time.estimate(EXPOSED, H100)
+  c = step_time.CALIBRATION
+  fetch = 4 * 2**20 / (c.copy_link_efficiency * H100.host_link_bytes_per_s) + c.launch_s
+  kernel = 16 * 2**20 / (c.hbm_efficiency * H100.memory_bytes_per_s) + c.launch_s
+  add = 12 * 2**20 / (c.hbm_efficiency * H100.memory_bytes_per_s) + c.launch_s
+  assert exposed.seconds == pytest.approx(fetch + kernel + add)
+  assert hidden.seconds == pytest.approx(max(fetch, kernel) + add)
+  assert hidden.to_device_bytes == exposed.to_device_bytes == 4 * 2**20
+  assert exposed.seconds_by_bound["host link"] == pytest.approx(fetch)  # the wait at its done
+  assert hidden.bound == exposed.bound == "host link"
+  assert sum(hidden.seconds_by_bound.values()) == pytest.approx(hidden.seconds)
+
+
+def test_the_cpu_has_no_estimate():
+  assert step_time.estimate(HIDDEN, lm.targets.get("cpu")) is None
+
+
+def test_tensor_efficiency_grows_with_the_gemm():
+  # XLA's measured sm_90 table: bfloat16 GEMMs at 26% of the peak at 1024³, 79% at 4096³.
+  assert step_time.tensor_efficiency(2 * 1024**3) == pytest.approx(0.26, abs=0.01)
+  assert step_time.tensor_efficiency(2 * 4096**3) == pytest.approx(0.79, abs=0.02)
+
+
+def _estimate(fn, *args):
+  compiled = H100.compile(fn, *args)
+  return step_time.estimate(compiled.as_text(), H100)
+
+
+@NEEDS_TARGET
+def test_gemm_flops_and_loops_by_trip_count():
+  a = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16)
+  once = _estimate(lambda a, b: a @ b, a, b)
+  assert once.tensor_flops == 2 * 1024 * 512 * 2048
+  assert once.bound in step_time.BOUNDS
+
+  def seven(a, b):
+    return jax.lax.fori_loop(0, 7, lambda i, x: jnp.tanh(x @ b[:, :512]), a)
+  looped = _estimate(seven, a, b)
+  assert looped.tensor_flops == 7 * 2 * 1024 * 512 * 512
+  assert looped.kernels >= 7 * 2
+
+
+@NEEDS_TARGET
+def test_a_slice_of_a_stack_reads_the_slice():
+  stack = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  one = _estimate(lambda s, i: jnp.sin(jax.lax.dynamic_index_in_dim(s, i, keepdims=False)),
+                  stack, i)
+  whole = _estimate(lambda s: jnp.sin(s), stack)
+  assert one.seconds < whole.seconds / 16
+
+
+@NEEDS_TARGET
+def test_the_report_gives_the_time_beside_the_memory():
+  x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  b = lm.memory.report(lambda x: jnp.tanh(x @ x), x, target="h100")
+  assert b.step_time is not None and b.step_time.seconds > 0
+  assert "estimated step time" in str(b)
+  assert b.to_dict()["step_time"]["seconds"] == b.step_time.seconds
+  assert lm.memory.report(lambda x: jnp.tanh(x @ x), x, target="cpu").step_time is None
+
+
+@NEEDS_TARGET
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_the_streamed_step_writes_its_host_state_in_place():
+  # The new state written into the donated host stacks where they lie: nothing copied from
+  # host memory to host memory (the scan's outputs were, a whole state a step).
+  job = app.Job("llama-tiny", batch=2, seq=64, dtype="bfloat16", target="h100")
+  b = app.measure(job, app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt"))
+  assert b.step_time.to_device_bytes > 0 and b.step_time.to_host_bytes > 0
+  assert b.step_time.host_copy_bytes == 0

@@ -166,7 +166,7 @@ def test_cheapest_fit_stops_at_the_first_set_that_fits():
   job = dataclasses.replace(SMALL, image=None, target="h100")
   base = app.measure(job, app.parse("baseline"), top=0)
   tried = []
-  fit = app.cheapest_fit(job, base.stats.peak_bytes - 1, tried.append)
+  fit = app.cheapest_fit(job, base.stats.peak_bytes - 1, tried.append, objective="memory")
   assert fit.fits is not None and fit.fits.label == tried[-1] != "baseline"
   assert [b.label for b, _ in fit.tried] == tried
   assert fit.tried[-1][0].stats.peak_bytes < base.stats.peak_bytes

@@ -56,16 +56,10 @@ def at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
 
 
 def put(tree: Any, new: Any, *index: jax.Array, rows: int | None = None) -> Any:
-  """``tree`` with ``new`` written in place where `at` reads (moved to host memory where a
-  leaf of ``tree`` is typed as being there: a stack made in the trace. A step's argument in
-  pinned host memory is typed as the device's, its buffer on the host all the same; a write
-  into it stays in place there)."""
-  def one(t, x):
-    start, size = _window(t, index, rows)
-    x = x.astype(t.dtype).reshape(size)
-    on_host = getattr(jax.typeof(t), "memory_space", None) == jax.memory.Space.Host
-    return jax.lax.dynamic_update_slice(t, to("host", x) if on_host else x, start)
-  return jax.tree.map(one, tree, new)
+  """``tree`` with ``new`` written in place where `at` reads."""
+  return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
+      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0]),
+      tree, new)
 
 
 def _window(t: Any, index: tuple, rows: int | None) -> tuple[tuple, tuple]:
@@ -96,9 +90,8 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   (``place``). What lives on the host (the states there, and any leaf of
   ``xs`` in host memory) is brought over one slice ahead: the body starts the
   copy of the next slice's before it runs ``fn`` on this one's, so the transfer
-  can overlap the compute; the new states are written back in place into the host
-  stack, carried through the scan (so a donated stack is updated where it lies, never
-  copied host to host).
+  can overlap the compute; the new states go back to the host as the scan's
+  outputs.
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
@@ -110,24 +103,24 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   on_host = place == "host"
-  fetch = lambda states, i: to("device", (at(states, i) if on_host else None, at(xs, i)))
+  fetch = lambda i: to("device", (at(states, i) if on_host else None, at(xs, i)))
 
   def body(c, i):
-    c, params, states, current = c
-    ahead = fetch(states, jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
+    c, params, device_states, current = c
+    ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
     if whole:
-      c, params, s = fn(c, i, params, current[0] if on_host else states, current[1])
+      c, params, s = fn(c, i, params, current[0] if on_host else device_states, current[1])
     else:
       state_of = ((lambda after: current[0]) if on_host else
-                  (lambda after: at(states, *late((*state_outer, i), after))))
+                  (lambda after: at(device_states, *late((*state_outer, i), after))))
       c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1])
       params = put(params, p, *outer, i, rows=rows)
-    if on_host:  # the next slice read before this one is written, so the write is in place
-      s, ahead = jax.lax.optimization_barrier((s, ahead))
-      return (c, params, put(states, s, i), ahead), None
-    return (c, params, s if whole else put(states, s, *state_outer, i), ahead), None
+    if on_host:
+      return (c, params, device_states, ahead), to("host", s)
+    return (c, params, s if whole else put(device_states, s, *state_outer, i), ahead), None
 
   first = late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
-  (carry, params, states, _), _ = jax.lax.scan(
-      body, (carry, params, states, fetch(states, first)), jnp.arange(n), reverse=reverse)
-  return carry, params, to("host", states) if on_host else states
+  (carry, params, device_states, _), host_states = jax.lax.scan(
+      body, (carry, params, None if on_host else states, fetch(first)),
+      jnp.arange(n), reverse=reverse)
+  return carry, params, host_states if on_host else device_states

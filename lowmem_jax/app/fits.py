@@ -107,11 +107,6 @@ class Fit(NamedTuple):
     objective: what ``fits`` was chosen by.
     budget: the bytes the sets had to fit.
   """
-
-  @property
-  def fitting(self) -> list:
-    """``(breakdown, techniques)`` of each set tried whose compiled peak fits, ladder order."""
-    return [(b, t) for b, t in self.tried if b.stats.peak_bytes <= self.budget]
   tried: list
   fits: TechniqueSet | None
   fixed_bytes: int
@@ -119,6 +114,11 @@ class Fit(NamedTuple):
   not_taken: tuple = ()
   objective: str = "time"
   budget: int = 0
+
+  @property
+  def fitting(self) -> list:
+    """``(breakdown, techniques)`` of each set tried whose compiled peak fits, ladder order."""
+    return [(b, t) for b, t in self.tried if b.stats.peak_bytes <= self.budget]
 
 
 OBJECTIVES = ("time", "memory")

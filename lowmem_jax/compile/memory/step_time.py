@@ -31,6 +31,7 @@ import re
 from typing import NamedTuple
 
 from lowmem_jax.compile.memory import _hlo
+from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
 
 
@@ -73,12 +74,8 @@ _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
 _GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_ASYNC_COLLECTIVES = tuple(f"{c}-start" for c in
-                           ("all-gather", "all-reduce", "collective-permute", "reduce-scatter",
-                            "all-to-all"))
+_ASYNC_COLLECTIVES = tuple(f"{c}-start" for c in COLLECTIVES)
 _ARRAY = re.compile(r"(\b[a-z]\w*?\[[\d,]*\](\{([^}]*)\})?)")  # an array, its layout
-_COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "reduce-scatter",
-                "all-to-all")
 
 
 def tensor_efficiency(flops: float, calibration: Calibration = CALIBRATION) -> float:
@@ -201,7 +198,7 @@ class _Program:
     reads = self._reads(computation, i)
     writes = self._writes(computation, i)
     collective = (max(b for b, _ in _arrays(i.shape))
-                  if i.op in (*_COLLECTIVES, *_ASYNC_COLLECTIVES) else 0)
+                  if i.op in (*COLLECTIVES, *_ASYNC_COLLECTIVES) else 0)
     return _Cost(
         tensor_flops=flops,
         tensor_seconds=seconds,

@@ -3,8 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lowmem_jax.optim import slicing
+from lowmem_jax.optim.packed_rows import PackedRows
 
 
 def test_at_and_put_read_and_write_a_slice_of_a_deeper_stack():
@@ -26,10 +28,16 @@ def test_scan_slices_updates_each_slice_in_place_and_the_host_state_comes_back()
     return carry + 1, p * 2 + x, state_of(p) + i.astype(jnp.float32)
 
   for place in ("device", "host"):
-    carry, new_p, new_s = slicing.scan_slices(fn, jnp.int32(0), params, states, xs, place)
+    carry, new_p, new_s = slicing.scan_slices(fn, jnp.int32(0), params,
+                                              slicing.stacked(place, states, 3), xs, place)
     assert int(carry) == 3
     np.testing.assert_array_equal(new_p, params * 2 + 1)
+    if place == "host":  # a row of bytes a slice
+      assert isinstance(new_s, PackedRows) and new_s.rows.shape == (3, 4 * 4)
+      new_s = new_s.unstacked()
     np.testing.assert_array_equal(new_s, np.arange(3.0)[:, None] * np.ones(4))
+  with pytest.raises(TypeError, match="PackedRows"):
+    slicing.scan_slices(fn, jnp.int32(0), params, states, xs, "host")
 
 
 def test_late_waits_for_its_value_and_leaves_an_empty_index():

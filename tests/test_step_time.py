@@ -5,8 +5,10 @@ schedule has it."""
 import jax
 import jax.numpy as jnp
 import pytest
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
+from lowmem_jax import app
 from lowmem_jax.compile.memory import step_time
 
 H100 = lm.targets.get("h100")
@@ -95,3 +97,45 @@ def test_the_report_gives_the_time_beside_the_memory():
   assert b.to_dict()["step_time"]["seconds"] == b.step_time.seconds
   assert lm.memory.report(lambda x: jnp.tanh(x @ x), x, target="cpu").step_time is None
 
+
+def _host_rows_loop(use_at_once: bool):
+  """A loop over 8 rows kept in host memory, each brought to the device: used by the next
+  kernel (nothing to run under the transfer) or only in the next trip, with a matmul between."""
+  def loop(rows, x):
+    rows = jax.device_put(rows, jax.memory.Space.Host)
+
+    def body(i, carry):
+      x, ahead = carry
+      fetched = jax.device_put(rows[(i + 1) % 8], jax.memory.Space.Device)
+      if use_at_once:
+        return jnp.tanh(x @ x + fetched[:1024].reshape(1, 1024)), ahead
+      return jnp.tanh(x @ x + ahead[:1024].reshape(1, 1024)), fetched
+    return jax.lax.fori_loop(0, 8, body, (x, jax.device_put(rows[0], jax.memory.Space.Device)))
+  rows = jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16)
+  return H100.compile(loop, rows, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)).as_text()
+
+
+@NEEDS_TARGET
+def test_a_host_transfer_with_no_kernel_under_it_is_found():
+  assert len(step_time.exposed_host_transfers(_host_rows_loop(use_at_once=True))) == 1
+  assert step_time.exposed_host_transfers(_host_rows_loop(use_at_once=False)) == []
+
+
+@NEEDS_TARGET
+@pytest.mark.slow
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_host():
+  """Llama with its state and saved inputs in host memory, compiled for the h100: in every
+  loop body each host transfer has a kernel between its start and done (one transfer a layer
+  each way, `lowmem_jax.optim.packed_rows.PackedRows`), and the new state is written where it
+  lies, not copied host to host at the end."""
+  job = app.Job("llama-tiny", batch=2, seq=64, target="h100")
+  techniques = app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt")
+  built, params, opt_state, batch = app.arguments(job, techniques)
+  with job.compiling():
+    text = job.target.compile(built["step"], params, opt_state, batch).as_text()
+  assert step_time.exposed_host_transfers(text) == []
+  estimate = step_time.estimate(text, job.target)
+  assert estimate.to_device_bytes > 0 and estimate.to_host_bytes > 0
+  assert estimate.host_copy_bytes == 0

@@ -142,6 +142,18 @@ def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
   assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
 
 
+def test_a_stateless_transformation_with_its_state_on_the_host():
+  """optax.sgd keeps nothing: its host rows have no bytes, made eagerly, traced or jitted."""
+  model, params = stack(), params_of(jax.random.key(1))
+  got, want, state = run_both(model, optax.sgd(1e-2), params, [batch_of(jax.random.key(0))],
+                              state="host")
+  assert_close(got, want)
+  assert state.layers.rows.shape == (LAYERS, 0)
+  layered = streamed.layer_streamed(model, optax.sgd(1e-2), state="host")
+  assert jax.tree.structure(jax.jit(layered.init)(params)) == jax.tree.structure(state)
+  assert jax.tree.structure(jax.eval_shape(layered.init, params)) == jax.tree.structure(state)
+
+
 def test_the_host_state_is_made_a_layer_at_a_time():
   """In host memory each layer's state is made on the device and moved before the next one's
   (a whole 8B's 8-bit state made on the device does not fit beside its parameters on a 24 GB

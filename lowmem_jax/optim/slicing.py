@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowmem_jax.optim.packed_rows import Layout, PackedRows
+
 
 def to(place: str, tree: Any) -> Any:
   """``tree`` moved to the memory of ``place``, a `lowmem_jax.choices.Place`."""
@@ -22,26 +24,36 @@ def to(place: str, tree: Any) -> Any:
 
 
 def layer_states(init_layer: Callable, layers: Any, place: str) -> Any:
-  """``jax.vmap(init_layer)(layers)`` in ``place``. In host memory, outside a trace and on one
-  device, each layer's state is made on the device and brought to the host before the next
-  one's, then stacked there: a whole Llama-3-8B's 8-bit state (15 GiB) made on the device
-  would not fit beside its bfloat16 parameters on a 24 GB card. (Traced, XLA places the
-  states in host memory itself; under a mesh a layer's state is one device's share.)"""
+  """``jax.vmap(init_layer)(layers)`` in ``place``; in host memory as `PackedRows` (`stacked`).
+  In host memory, outside a trace and on one device, each layer's state is made on the device
+  and brought to the host before the next one's: a whole Llama-3-8B's 8-bit state (15 GiB)
+  made on the device would not fit beside its bfloat16 parameters on a 24 GB card. (Traced,
+  XLA places the states in host memory itself; under a mesh a layer's state is one device's
+  share.)"""
   leaves = jax.tree.leaves(layers)
   if (place == "device" or len({getattr(x, "sharding", None) for x in leaves}) != 1
       or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves)
       or len(leaves[0].sharding.device_set) > 1):
-    return to(place, jax.vmap(init_layer)(layers))
-  each = [jax.device_get(init_layer(jax.tree.map(lambda x: x[i], layers)))
-          for i in range(leaves[0].shape[0])]
+    return stacked(place, jax.vmap(init_layer)(layers), leaves[0].shape[0])
+  first = {}  # the first layer's layout, which every layer's state has, and its packing
+
+  def row(i):  # layer i's state made on the device, packed, brought to the host, dropped
+    state = init_layer(jax.tree.map(lambda x: x[i], layers))
+    if not first:
+      first["layout"] = Layout.of(state)
+      first["pack"] = jax.jit(first["layout"].pack)
+    return jax.device_get(first["pack"](state))
+
+  rows = np.stack([row(i) for i in range(leaves[0].shape[0])])
   host = leaves[0].sharding.with_memory_kind("pinned_host")
+  return PackedRows(jax.device_put(rows, host), first["layout"])
 
-  def stack(*states):
-    if jax.dtypes.issubdtype(states[0].dtype, jax.dtypes.prng_key):  # a key a layer: small
-      return jax.device_put(jnp.stack(states), host)
-    return jax.device_put(np.stack(states), host)
 
-  return jax.tree.map(stack, *each)
+def stacked(place: str, tree: Any, n: int) -> Any:
+  """A stack of ``n`` trees (each leaf ``[n, ...]``) kept in ``place``: on the device as it
+  is, in host memory as `PackedRows`, a row a slice, so a slice crosses the host link in one
+  transfer."""
+  return to(place, PackedRows.stack(tree, n) if place == "host" else tree)
 
 
 def at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
@@ -87,11 +99,12 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   gradient) is made, so the slice is not held while the gradient is computed.
 
   The params are updated in place; the states too where they live on the device
-  (``place``). What lives on the host (the states there, and any leaf of
-  ``xs`` in host memory) is brought over one slice ahead: the body starts the
-  copy of the next slice's before it runs ``fn`` on this one's, so the transfer
-  can overlap the compute; the new states go back to the host as the scan's
-  outputs.
+  (``place``); on the host they are `PackedRows` (`stacked`). What lives on the host (the
+  states there, and any leaf of ``xs`` in host memory) is brought over one slice ahead: the
+  body starts the copy of the next slice's before it runs ``fn`` on this one's, so the
+  transfer can overlap the compute; the new state is packed and written back in place into
+  its row of the host stack, carried through the scan (a donated stack is updated where it
+  lies, never copied host to host).
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
@@ -103,24 +116,34 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   on_host = place == "host"
-  fetch = lambda i: to("device", (at(states, i) if on_host else None, at(xs, i)))
+  if on_host and not isinstance(states, PackedRows):
+    raise TypeError(f"States on the host must be PackedRows (`stacked`), got "
+                    f"{type(states).__name__}.")
+  fetch = lambda kept, i: to("device", (at(kept, i) if on_host else None, at(xs, i)))
 
   def body(c, i):
-    c, params, device_states, current = c
-    ahead = fetch(jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
+    c, params, kept, current = c  # kept: the device states, or the host's packed rows
+    ahead = fetch(kept, jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
     if whole:
-      c, params, s = fn(c, i, params, current[0] if on_host else device_states, current[1])
+      c, params, s = fn(c, i, params, states.layout.unpack(current[0]) if on_host else kept, current[1])
     else:
-      state_of = ((lambda after: current[0]) if on_host else
-                  (lambda after: at(device_states, *late((*state_outer, i), after))))
+      state_of = ((lambda after: states.layout.unpack(current[0])) if on_host else
+                  (lambda after: at(kept, *late((*state_outer, i), after))))
       c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1])
       params = put(params, p, *outer, i, rows=rows)
-    if on_host:
-      return (c, params, device_states, ahead), to("host", s)
-    return (c, params, s if whole else put(device_states, s, *state_outer, i), ahead), None
+    if on_host:  # the next slice read before this one's row is written in place
+      s, ahead = jax.lax.optimization_barrier((s, ahead))
+      row = states.layout.pack(s)[None]
+      # A stack typed as host memory (made in the trace, or an argument placed there by a
+      # NamedSharding) takes a host row; one typed as the device's (a single-device argument in
+      # pinned memory: its buffer on the host all the same) takes the row as it is.
+      if jax.typeof(kept).memory_space == jax.memory.Space.Host:
+        row = to("host", row)
+      return (c, params, jax.lax.dynamic_update_slice(kept, row, (i, 0)), ahead), None
+    return (c, params, s if whole else put(kept, s, *state_outer, i), ahead), None
 
   first = late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
-  (carry, params, device_states, _), host_states = jax.lax.scan(
-      body, (carry, params, None if on_host else states, fetch(first)),
-      jnp.arange(n), reverse=reverse)
-  return carry, params, host_states if on_host else device_states
+  kept = states.rows if on_host else states
+  (carry, params, kept, _), _ = jax.lax.scan(body, (carry, params, kept, fetch(kept, first)),
+                                             jnp.arange(n), reverse=reverse)
+  return carry, params, PackedRows(to("host", kept), states.layout) if on_host else kept

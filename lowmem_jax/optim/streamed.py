@@ -126,9 +126,12 @@ class StreamedState(NamedTuple):
 
   A leaf's state is ``tx.init`` of the leaf alone, or of each of its slices,
   stacked, where it is updated in slices (`slices`); a layer leaf's is that of
-  each layer, stacked.
+  each layer, stacked. In host memory a stack is held as
+  `lowmem_jax.optim.packed_rows.PackedRows` (``layers``: one byte row a layer, all its
+  leaves' states; ``unstacked()`` gives the tree), so it crosses the host link in one
+  transfer a layer each way.
   """
-  layers: Any  # params[key]'s structure, each leaf's place: its state, every leaf [layers, ...]
+  layers: Any  # params[key]'s structure, each leaf's state [layers, ...]; PackedRows on the host
   rest: dict  # the other params' structure, each leaf's place: its state
 
 
@@ -289,7 +292,14 @@ class _Streamer:
     rest, layers, _ = self.checked(params)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p)
     return StreamedState(slicing.layer_states(init_layer, layers, self.state),
-                         jax.tree.map(lambda x: slicing.to(self.state, self.leaf_init(x)), rest))
+                         jax.tree.map(self.rest_init, rest))
+
+  def rest_init(self, x):
+    """The state of a leaf outside the layers, where it is kept: a stack of its slices'
+    states where it is updated in slices."""
+    n = slices(jnp.shape(x), self.slice_elements)
+    return (slicing.to(self.state, self.leaf_init(x)) if n == 1
+            else slicing.stacked(self.state, self.leaf_init(x), n))
 
   def update(self, g, s, p, at):
     updates, s = self.tx.update(g, s, p, positions=at)
@@ -367,8 +377,9 @@ class _Streamer:
                                         [not r for r in embed_reads])
     if self.state == "device":
       # The head's own update before the layers' backward, so the head's gradient (the output
-      # kernel's, vocab x dim) is gone by then: dh waits on the new states. Compiled for the
-      # GPU targets, with the state on the host XLA's own order peaks lower.
+      # kernel's, vocab x dim) is gone by then: dh waits on the new states. With the state on
+      # the host, XLA then copies the output kernel for the rtx4090 target (Llama-3.1-8B:
+      # 17.13 GiB against 16.70 in XLA's own order; docs/benchmarks.md).
       done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(states), embed_reads)
               if not r]
       dh, _ = jax.lax.optimization_barrier((dh, done))

@@ -377,15 +377,18 @@ class _Clock:
 
   def _start(self, computation: str, name: str, i: _hlo.Instruction) -> None:
     """An asynchronous start: its work queued on its own queue from now."""
-    if i.op == "async-start":
-      inner = _hlo.called(i)[0]
-      parts = [self._kernel(inner, n) for n, j in self.program.computations[inner].items()
-               if j.op not in _FREE]
-      seconds = sum(s for s, _ in parts)
-      bound = max(parts, key=lambda part: part[0])[1] if parts else "HBM"
+    if i.op == "async-start":  # the kernels of the computation it runs
+      where = _hlo.called(i)[0]
+      kernels = [n for n, j in self.program.computations[where].items() if j.op not in _FREE]
     else:
-      seconds, bound = self._kernel(computation, name)
+      where, kernels = computation, [name]
+    parts = [self._kernel(where, n) for n in kernels]
+    seconds = sum(s for s, _ in parts)
+    bound = max(parts, key=lambda part: part[0])[1] if parts else "HBM"
     queue = f"{bound} {name.split('.')[0]}" if bound == "collectives" else bound
+    if bound == "host link":  # a queue each way: the link is full duplex
+      out = any(self.program.cost(where, n).to_host_bytes for n in kernels)
+      queue = f"{bound} {'to host' if out else 'to device'}"
     begin = max(self.now, self.free.get(queue, 0.0))
     self.free[queue] = begin + seconds
     self.ends[name] = (begin + seconds, bound)
@@ -411,3 +414,27 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
                   tensor_flops=moved["tensor_flops"], to_device_bytes=moved["to_device"],
                   to_host_bytes=moved["to_host"], host_copy_bytes=moved["host_copy"],
                   collective_bytes=moved["collective"])
+
+
+def exposed_host_transfers(hlo_text: str) -> list[str]:
+  """The host transfers of a loop body (a ``while``'s, an optimized HLO module's text) with no
+  kernel scheduled between their start and their done: nothing runs under them, the compute
+  waits for each whole. A host transfer is a start (``async-start``, ``copy-start``,
+  ``fusion-start``) with an array in host memory (``S(5)``); each is named
+  ``computation/start``. (`estimate` queues the first two; a ``fusion-start``, which older XLA
+  makes in small programs, it runs as a kernel in place.)"""
+  computations, _, _ = _hlo.computations(hlo_text)
+  bodies = {_hlo.body(i) for c in computations.values() for i in c.values() if i.op == "while"}
+  exposed = []
+  for body in sorted(bodies):
+    covered: dict[str, bool] = {}  # each open host transfer: a kernel since its start
+    for name, i in computations[body].items():
+      if i.op.endswith("-start") and ":S(5)" in i.shape:
+        covered[name] = False
+      elif i.op.endswith("-done"):
+        start = i.operands[0].split("#")[0]
+        if covered.pop(start, True) is False:
+          exposed.append(f"{body}/{start}")
+      elif i.op not in _FREE and not i.op.endswith("-start"):
+        covered = dict.fromkeys(covered, True)
+  return exposed

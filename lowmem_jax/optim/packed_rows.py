@@ -1,0 +1,113 @@
+"""A stack of like trees held as one byte array, a row a tree: how `layer_streamed` keeps a
+stacked state in pinned host memory.
+
+Each leaf of a tree is viewed as bytes (``lax.bitcast_convert_type``; a typed PRNG key as its
+key data, a bool as a byte) and the leaves are laid end to end in one ``uint8`` row, in the
+tree's leaf order. A layer's state then crosses the host link as one transfer each way, not one
+a leaf: compiled for the ``h100`` target, XLA runs a layer's single transfer under the
+layer's compute, where it runs the 43 transfers of a Llama layer's 8-bit state one after the
+other between two kernels (``docs/benchmarks.md``; the ``rtx4090`` target still leaves a few
+exposed). Packing and unpacking are exact (bit for bit).
+"""
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class _Leaf(NamedTuple):
+  """One leaf of a row's tree: its shape and dtype, a PRNG key's implementation, and the
+  shape and dtype of the array whose bytes are kept (a key's data; a bool as a byte)."""
+  shape: tuple[int, ...]
+  dtype: Any  # a numpy dtype, or a typed key's
+  impl: Any  # a typed key's `jax.random.key_impl`, else None
+  stored_shape: tuple[int, ...]
+  stored_dtype: np.dtype
+
+  @classmethod
+  def of(cls, x: Any, lead: int) -> "_Leaf":
+    """The leaf of array (or tracer) ``x`` without its ``lead`` leading axes."""
+    shape = tuple(x.shape[lead:])
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = jax.eval_shape(jax.random.key_data, x)
+      return cls(shape, x.dtype, jax.random.key_impl(x), tuple(data.shape[lead:]),
+                 np.dtype(data.dtype))
+    return cls(shape, x.dtype, None, shape, np.dtype(np.uint8 if x.dtype == np.bool_ else x.dtype))
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.stored_shape) * self.stored_dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each leaf of a tree lies in its row: the tree's structure and leaves, in order."""
+  treedef: Any
+  leaves: tuple[_Leaf, ...]
+
+  @classmethod
+  def of(cls, tree: Any, lead: int = 0) -> "Layout":
+    """The layout of ``tree``'s leaves (arrays or tracers) without their ``lead`` leading axes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(_Leaf.of(x, lead) for x in leaves))
+
+  @property
+  def row_bytes(self) -> int:
+    return sum(leaf.nbytes for leaf in self.leaves)
+
+  def pack(self, tree: Any) -> jax.Array:
+    """``tree`` (this layout's) as one row, ``uint8[row_bytes]``; a ValueError where its
+    structure, a shape or a dtype differs."""
+    if Layout.of(tree) != self:
+      raise ValueError(f"The tree to pack is not laid out as the packed rows: "
+                       f"{Layout.of(tree)} against {self}.")
+    parts = []
+    for x, leaf in zip(jax.tree.leaves(tree), self.leaves):
+      x = jax.random.key_data(x) if leaf.impl is not None else x
+      x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+      parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+
+  def unpack(self, row: jax.Array) -> Any:
+    """The tree `pack` made ``row`` from, bit for bit."""
+    leaves, start = [], 0
+    for leaf in self.leaves:
+      size = leaf.stored_dtype.itemsize
+      part = row[start:start + leaf.nbytes].reshape(*leaf.stored_shape,
+                                                     *([size] if size > 1 else []))
+      x = jax.lax.bitcast_convert_type(part, leaf.stored_dtype)
+      if leaf.impl is not None:
+        x = jax.random.wrap_key_data(x, impl=leaf.impl)
+      leaves.append(x != 0 if leaf.dtype == np.bool_ else x)
+      start += leaf.nbytes
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+  """A stack of ``n`` like trees, tree ``i`` packed in ``rows[i]`` (module docstring).
+
+  Attributes:
+    rows: ``uint8[n, layout.row_bytes]``, where the stack lives (device or pinned host).
+    layout: each leaf's place in a row (static: not a leaf of the pytree).
+  """
+  rows: jax.Array
+  layout: Layout
+
+  @classmethod
+  def stack(cls, tree: Any, n: int) -> "PackedRows":
+    """``tree``, whose leaves are stacked along a leading axis of ``n``, packed a row a slice
+    (``n`` rows of no bytes where the tree has no leaves: a stateless transformation's)."""
+    layout = Layout.of(tree, lead=1)
+    return cls(jax.vmap(layout.pack, axis_size=n)(tree), layout)
+
+  def unstacked(self) -> Any:
+    """The stacked tree `stack` took: each leaf ``[n, ...]``."""
+    return jax.vmap(self.layout.unpack)(self.rows)
+
+
+jax.tree_util.register_dataclass(PackedRows, data_fields=["rows"], meta_fields=["layout"])

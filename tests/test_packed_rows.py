@@ -1,0 +1,74 @@
+"""`lowmem_jax.optim.packed_rows`: a stack of trees held as one byte array, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowmem_jax.optim.packed_rows import Layout, PackedRows
+
+
+def _tree():
+  """Three slices of a state with every kind of leaf: float32 (a NaN's bits among them),
+  bfloat16, float16, 8-bit codes signed and not, a bool, typed PRNG keys of two
+  implementations and an int32 counter."""
+  mu = (jnp.arange(12.0).reshape(3, 4) / 7).at[1, 2].set(jnp.nan)
+  return {"mu": mu, "nu": jnp.full((3, 5), 1 / 3, jnp.bfloat16),
+          "half": jnp.full((3, 2), -2.5, jnp.float16),
+          "codes": jnp.arange(6, dtype=jnp.uint8).reshape(3, 2),
+          "signed": -jnp.arange(3, dtype=jnp.int8), "seen": jnp.array([1, 0, 1]) > 0,
+          "key": jax.random.split(jax.random.key(0), 3),
+          "rbg": jax.random.split(jax.random.key(0, impl="rbg"), 3), "count": jnp.array([1, 2, 3])}
+
+
+def _bits(tree):
+  """Each leaf's bits as NumPy arrays (a key's data; a float's bits as unsigned ints)."""
+  out = []
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+      x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    out.append(np.asarray(x))
+  return out
+
+
+def test_packing_gives_each_slice_back_bit_for_bit():
+  tree = _tree()
+  packed = PackedRows.stack(tree, 3)
+  row_bytes = 4 * 4 + 5 * 2 + 2 * 2 + 2 + 1 + 1 + 2 * 4 + 4 * 4 + 4
+  assert packed.rows.shape == (3, row_bytes) and packed.rows.dtype == jnp.uint8
+  assert packed.layout.row_bytes == row_bytes
+  back = packed.unstacked()
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+  for got, want in zip(_bits(back), _bits(tree)):
+    np.testing.assert_array_equal(got, want)
+  one = packed.layout.unpack(packed.rows[1])
+  for got, want in zip(_bits(one), _bits(jax.tree.map(lambda x: x[1], tree))):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_packed_rows_are_a_pytree_of_one_leaf_under_jit():
+  packed = PackedRows.stack(_tree(), 3)
+  assert jax.tree.leaves(packed) == [packed.rows]
+  same = jax.jit(lambda p: p)(packed)
+  assert same.layout == packed.layout and hash(same.layout) == hash(packed.layout)
+  shaped = jax.eval_shape(lambda t: PackedRows.stack(t, 3), _tree())
+  assert jax.tree.structure(shaped) == jax.tree.structure(packed)
+
+
+def test_a_stateless_stack_packs_to_empty_rows():
+  packed = PackedRows.stack((), 4)  # optax.sgd's state a slice: nothing
+  assert packed.rows.shape == (4, 0)
+  assert packed.layout.unpack(packed.rows[0]) == ()
+
+
+def test_a_tree_laid_out_otherwise_is_refused():
+  layout = Layout.of(_tree(), lead=1)
+  one = jax.tree.map(lambda x: x[0], _tree())
+  with pytest.raises(ValueError, match="not laid out as the packed rows"):
+    layout.pack({**one, "mu": one["mu"][:2]})
+  with pytest.raises(ValueError, match="not laid out as the packed rows"):
+    layout.pack({**one, "count": one["count"].astype(jnp.float32)})

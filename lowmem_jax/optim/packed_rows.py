@@ -11,6 +11,7 @@ exposed). Packing and unpacking are exact (bit for bit).
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -98,6 +99,9 @@ class PackedRows:
   rows: jax.Array
   layout: Layout
 
+  def __post_init__(self):
+    _register_with_flax()
+
   @classmethod
   def stack(cls, tree: Any, n: int) -> "PackedRows":
     """``tree``, whose leaves are stacked along a leading axis of ``n``, packed a row a slice
@@ -111,3 +115,13 @@ class PackedRows:
 
 
 jax.tree_util.register_dataclass(PackedRows, data_fields=["rows"], meta_fields=["layout"])
+
+
+@functools.cache
+def _register_with_flax() -> None:
+  """`flax.serialization` saves `PackedRows.rows` and takes the layout from the template (as
+  `lowmem_jax._static.StaticInt`: registered by the first one made, Flax loaded then)."""
+  from flax import serialization
+  serialization.register_serialization_state(
+      PackedRows, lambda p: {"rows": p.rows},
+      lambda template, saved: dataclasses.replace(template, rows=saved["rows"]), override=True)

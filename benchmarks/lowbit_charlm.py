@@ -53,7 +53,7 @@ def rows() -> dict:
 
 def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, steps: int,
                     data: tuple, config=llama_charlm.CONFIG) -> float:
-  train, val = data
+  val = data[1]
   net = Llama(config)
   loss = lambda params, tokens: net.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
   params = jax.jit(net.init)(jax.random.key(seed), val[:1, :-1])["params"]
@@ -66,6 +66,13 @@ def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, st
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  return trained_loss(step, params, state, loss, seed, steps, data)
+
+
+def trained_loss(step, params, state, loss, seed: int, steps: int, data: tuple) -> float:
+  """``steps`` calls of ``step(params, state, tokens) -> (params, state)`` on seed ``seed``'s
+  batches, then ``loss(params, tokens)`` averaged over the validation windows."""
+  train, val = data
   for i in range(steps):
     tokens = llama_charlm.windows(train, BATCH, SEQ + 1, np.random.default_rng([seed, i]))
     params, state = step(params, state, tokens)
@@ -73,16 +80,19 @@ def validation_loss(tx: optax.GradientTransformation, param_dtype, seed: int, st
   return float(np.mean([evaluate(params, val[i:i + BATCH]) for i in range(0, len(val), BATCH)]))
 
 
-def main(argv=None):
-  """Prints the table; returns ``{row: [validation loss of each seed]}``."""
-  parser = argparse.ArgumentParser(description=__doc__,
+def seed_rows(doc: str, names: list[str], quick_rows: tuple, loss_of, steps: int,
+              argv=None) -> dict:
+  """The command line of a script of this kind: each row's ``loss_of(name, seed, steps, data,
+  config)`` for each seed, printed as a table against the first row's; returns
+  ``{row: [validation loss of each seed]}``."""
+  parser = argparse.ArgumentParser(description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=800)
+  parser.add_argument("--steps", type=int, default=steps)
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--quick", action="store_true",
                       help="the example's quick model (dim 64, 2 layers), 2 steps, one seed, "
                            "16 validation windows of a 200,000-character corpus, the rows "
-                           f"{' and '.join(QUICK_ROWS)}: checks that the script runs; its "
+                           f"{' and '.join(quick_rows)}: checks that the script runs; its "
                            "figures are not results")
   args = _quick.parse_args(parser, argv, dict(steps=2, seeds=1))
   config = llama_charlm.QUICK_CONFIG if args.quick else llama_charlm.CONFIG
@@ -90,18 +100,25 @@ def main(argv=None):
   val = llama_charlm.windows(validation, 16 if args.quick else 128, SEQ + 1,
                              np.random.default_rng(0))
   table = seed_table(f"character LLaMA, validation loss after {args.steps} steps (relative to "
-                     "float32 Adam)", args.seeds)
+                     f"{names[0]})", args.seeds)
   base, found = None, {}
-  for name, (tx, dtype) in rows().items():
-    if args.quick and name not in QUICK_ROWS:
+  for name in names:
+    if args.quick and name not in quick_rows:
       continue
-    values = found[name] = [validation_loss(tx, dtype, seed, args.steps, (train, val), config)
+    values = found[name] = [loss_of(name, seed, args.steps, (train, val), config)
                             for seed in range(args.seeds)]
     base = base or values
     add_row(table, name, values, base)
     Console(stderr=True).print(f"  {name}: done", highlight=False)
   Console(width=160).print(table)
   return found
+
+
+def main(argv=None):
+  """Prints the table; returns ``{row: [validation loss of each seed]}``."""
+  table = rows()
+  return seed_rows(__doc__, list(table), QUICK_ROWS,
+                   lambda name, *run: validation_loss(*table[name], *run), 800, argv)
 
 
 if __name__ == "__main__":

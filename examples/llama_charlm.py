@@ -19,8 +19,7 @@ Model: `lowmem_jax.models.Llama`, float32, with
 (quick: dim 64, 2 layers, 2 heads, ffn 192), next-character cross-entropy.
 Every run starts from the same initial params (each model initialised with
 the key ``--seed``: every tensor the trees share is equal, which is checked;
-MS-RMSNorm has no scale, where RMSNorm's starts at 1, so at init all compute
-the same function) and trains the same ``--steps`` on the same batches at
+MS-RMSNorm holds RMSNorm's scale, so at init all compute the same function) and trains the same ``--steps`` on the same batches at
 the same ``--lr`` (fixed, or ``--schedule cosine``: a warm-up and a cosine
 decay over the steps, the same for every row). The rows:
 

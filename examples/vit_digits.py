@@ -22,11 +22,9 @@ cosine decay over the steps, the same for both):
 
 What the runs share: both models are initialised with the same key
 (``--seed``), which gives every parameter the two trees have in common the
-same value (checked at start). The trees differ in the norms only: the
-baseline's LayerNorms have a scale (1 at init) and a bias (0 at init), the
-MS-LayerNorms have neither. Trained from scratch there is no pretrained
-affine to fold (`lowmem_jax.flax.affine_folding`), so the lowmem model simply has no affine
-in its norms; at init the two compute the same function.
+same value (checked at start). The trees are the same: the MS-LayerNorms keep
+LayerNorm's scale (1 at init) and bias (0 at init) and train them; at init the two
+compute the same function.
 
 Reported per run: test accuracy and loss (each run's own model: every lowmem
 switch has an exact forward), the final training loss (mean of the last 20

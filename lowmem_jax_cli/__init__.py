@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 
 _CUDA_NOTE = "Could not find cuda drivers on your machine, GPU will not be used."
 _ABSL_NOTE = ("WARNING: All log messages before absl::InitializeLog() is called are written to "
@@ -44,7 +45,33 @@ def without_cuda_notes():
 
 
 def main() -> int:
-  """Runs ``lowmem-jax`` (`lowmem_jax.app.cli.main`) on ``sys.argv``."""
-  with without_cuda_notes():
-    from lowmem_jax.app import cli
-  return cli.main(quiet_plugin_load=without_cuda_notes)
+  """Runs ``lowmem-jax`` (`lowmem_jax.app.cli.main`) on ``sys.argv``.
+
+  The work runs in a thread, so Ctrl-C is heard at once, in the middle of a compile too:
+  the process then says so in one line on the terminal's stderr and ends with status 130
+  (128 + SIGINT) at once, without a traceback and without unwinding XLA's threads (which
+  crashed on the way out)."""
+  terminal = os.dup(2)  # stderr as it is now: `without_cuda_notes` may hold fd 2 when stopped
+  outcome = {}
+
+  def run():
+    try:
+      with without_cuda_notes():
+        from lowmem_jax.app import cli
+      outcome["status"] = cli.main(quiet_plugin_load=without_cuda_notes)
+    except BaseException as e:  # noqa: BLE001  (re-raised in the main thread below)
+      outcome["error"] = e
+
+  worker = threading.Thread(target=run, name="lowmem-jax", daemon=True)
+  try:
+    worker.start()
+    while worker.is_alive():
+      worker.join(0.1)
+  except KeyboardInterrupt:
+    sys.stdout.flush()
+    os.write(terminal, b"lowmem-jax: interrupted\n")
+    os._exit(130)
+  os.close(terminal)
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["status"]

@@ -118,6 +118,15 @@ def test_convergence(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+def test_fine_tune_ablation():
+  import fine_tune_ablation
+  found = fine_tune_ablation.main(["--quick"])
+  assert list(found) == list(fine_tune_ablation.QUICK_ROWS)
+  assert all(len(v) == 1 and positive(v[0]) for v in found.values())
+
+
+@pytest.mark.slow
+@OPTAX_BIAS_CORRECTION
 def test_finetune_memory():
   import finetune_memory
 

@@ -57,6 +57,65 @@ def test_residuals_are_y_and_float32_rstd(kind):
   assert got == [("norm_out", (4, 5, 64), "bfloat16"), ("norm_rstd", (4, 5), "float32")]
 
 
+def _affine_args(kind, n):
+  """Random ``scale`` (and, for LayerNorm, ``bias``) ``[n]``, away from 0."""
+  scale = 1 + 0.5 * jax.random.normal(jax.random.key(3), (n,))
+  return (scale, jax.random.normal(jax.random.key(4), (n,))) if kind == "layer" else (scale,)
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_affine_forward_and_gradients_match_plain_norm(kind, impl):
+  """The norm's own scale (and bias) kept and trained: every gradient is the plain
+  affine norm's (the exact twin), recovered from the saved output."""
+  ms, plain = PAIRS[kind]
+  x = 3 * jax.random.normal(jax.random.key(0), (2, 3, 64)) + 1
+  w = jax.random.normal(jax.random.key(1), x.shape)
+  affine = _affine_args(kind, 64)
+
+  def twin(x, scale, bias=None):
+    return plain(x) * scale[None, None] + (0.0 if bias is None else bias[None, None])
+
+  loss = lambda f: (lambda x, *a: jnp.sum(jnp.sin(f(x, *a)) * w))
+  ours = lambda x, *a: ms(x, *a, impl=impl)
+  chex.assert_trees_all_close(ours(x, *affine), twin(x, *affine), atol=1e-5)
+  argnums = tuple(range(1 + len(affine)))
+  chex.assert_trees_all_close(jax.grad(loss(ours), argnums)(x, *affine),
+                              jax.grad(loss(twin), argnums)(x, *affine), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_affine_residual_is_shared_with_the_next_matmul(kind):
+  """With its affine the norm still saves its output (what the matmul saves) and rstd."""
+  ms, _ = PAIRS[kind]
+  x = jax.ShapeDtypeStruct((4, 5, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 8), jnp.bfloat16)
+  affine = _affine_args(kind, 64)
+  res = lm.memory.saved_residuals(
+      lambda x, w, *a: jnp.sum(jnp.dot(ms(x, *a, dtype=jnp.bfloat16), w).astype(jnp.float32)),
+      x, w, *affine)
+  got = sorted((r.shape, str(r.dtype)) for r in res.rows if r.shape[:2] == (4, 5))
+  assert got == [((4, 5), "float32"), ((4, 5, 64), "bfloat16")]
+
+
+def test_a_zero_scale_gives_nan_gradients_not_zeros():
+  """A feature whose scale is exactly 0 is erased from the saved output: its input
+  cannot be recovered, and the gradients say so."""
+  x = jax.random.normal(jax.random.key(0), (3, 8))
+  scale = jnp.ones(8).at[2].set(0.0)
+  dscale = jax.grad(lambda s: jnp.sum(lm.ms_rms_norm(x, s) ** 2 + lm.ms_rms_norm(x, s)))(scale)
+  assert np.isnan(dscale[2]) and np.isfinite(np.delete(np.asarray(dscale), 2)).all()
+
+
+def test_affine_of_the_wrong_shape_is_refused():
+  with pytest.raises(ValueError, match=r"scale must have shape \(8,\)"):
+    lm.ms_rms_norm(jnp.ones((3, 8)), jnp.ones(4))
+  with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+    lm.ms_layer_norm(jnp.ones((3, 8)), jnp.ones(8), jnp.ones((1, 8)))
+  with pytest.raises(TypeError, match="scale must be float16"):
+    lm.ms_rms_norm(jnp.ones((3, 8)), jnp.ones(8, jnp.int32))
+
+
 def _block(norm, dtype):
   def f(x, w):
     return jnp.sum(jnp.tanh(jnp.dot(norm(x, dtype=dtype), w.astype(dtype)).astype(jnp.float32)))

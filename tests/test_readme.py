@@ -88,7 +88,11 @@ def _check_the_step_example(name, tmp_path, capfd):
   fit = app.cheapest_fit(job, int(budget[1]) * 2**20, objective="memory")
   texts, left_out = app.ladder_of(job)
   assert not left_out and len(fit.tried) >= 5
-  assert [s.label for _, s in fit.tried] == texts[:len(fit.tried)]
+  # in ladder order, exact sets only; a remat:plan set is not measured where no policy fits
+  tried = [s.label for _, s in fit.tried]
+  untried = [t for t in texts[:texts.index(tried[-1])] if t not in tried]
+  assert tried == [t for t in texts if t in tried] and all("remat:plan" in t for t in untried)
+  assert fit.fits.exact
   assert all(b.stats.peak_bytes > int(budget[1]) * 2**20 for b, _ in fit.tried[:-1])
   assert fit.tried[-1][0].stats.peak_bytes <= int(budget[1]) * 2**20
   # the Python printed for the fit makes the step measured

@@ -132,6 +132,35 @@ def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elemen
     assert not np.allclose(got["layers"][name], params["layers"][name]), name
 
 
+def _not_norms(params):
+  """True for every leaf but the norms' scales: weight decay's usual mask, by path."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+@pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
+                         ids=["device", "host-sliced"])
+@pytest.mark.parametrize("tx_name", ["adamw-mask", "partition", "masked"])
+def test_masks_and_partitions_by_path_select_as_on_the_whole_tree(tx_name, state,
+                                                                  slice_elements):
+  """Each leaf reaches ``tx`` at its path: norms not decayed, a frozen embedding unmoved.
+  Given the bare leaf, a mask function saw no path: every norm decayed, the table trained."""
+  frozen = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if path[0].key == "embedding" else "trained", params)
+  tx = {"adamw-mask": optax.adamw(1e-2, weight_decay=0.5, mask=_not_norms),
+        "partition": optax.partition({"frozen": optax.set_to_zero(), "trained": optax.adam(1e-2)},
+                                     frozen),
+        "masked": optax.chain(optax.masked(optax.add_decayed_weights(0.5), _not_norms),
+                              optax.sgd(1e-2))}[tx_name]
+  model, params = stack(), params_of(jax.random.key(4))
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  got, want, _ = run_both(model, tx, params, batches, state=state,
+                          slice_elements=slice_elements)
+  assert_close(got, want)
+  if tx_name == "partition":
+    np.testing.assert_array_equal(got["embedding"], params["embedding"])
+
+
 def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
   model, params = stack(), params_of(jax.random.key(1))
   batches = [batch_of(jax.random.key(i)) for i in range(2)]
@@ -218,7 +247,7 @@ def test_adama_equals_microbatch_step(state_bits):
       assert off.mean() <= 1e-3, off.sum()
       np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 / 10)
   if state_bits == 8:
-    assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
+    assert lm.lowbit.is_quantized(state.layers["w1"][0].mu["layers"]["w1"])  # w1 at its path
 
 
 @pytest.mark.slow
@@ -231,7 +260,7 @@ def test_8bit_moments_equal_scale_by_adam_8bit_over_the_whole_tree():
   batches = [batch_of(jax.random.key(i)) for i in range(3)]
   got, want, state = run_both(model, tx, params, batches)
   assert_close(got, want)
-  assert lm.lowbit.is_quantized(state.layers["w1"][0].mu)
+  assert lm.lowbit.is_quantized(state.layers["w1"][0].mu["layers"]["w1"])  # w1 at its path
 
 
 @pytest.mark.slow
@@ -305,6 +334,33 @@ def test_bad_input_names_what_is_wrong():
     streamed.layer_streamed(model, optax.adam(1e-3), gather_params="fsdp")
   with pytest.raises(TypeError, match="StreamedState"):
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_a_state_made_for_other_params_is_refused(state):
+  """A state for 3 layers stepped with 4 would read and overwrite layer 2's moments at
+  layer 3 (the index clamped); another transformation's state would be misread."""
+  model, params = stack(), params_of(jax.random.key(0))
+  layered = streamed.layer_streamed(model, optax.adam(1e-3), state=state)
+  more = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), params["layers"])
+  batch = batch_of(jax.random.key(1))
+  with pytest.raises(ValueError, match=r"not the state `init` makes.* should be \w+\[4[\],].*got .*\[3[\],]"):
+    jax.eval_shape(layered.step, {**params, "layers": more}, layered.init(params), batch)
+  sgd = streamed.layer_streamed(model, optax.sgd(1e-3, momentum=0.9), state=state)
+  with pytest.raises(ValueError, match="not the state `init` makes"):
+    jax.eval_shape(layered.step, params, sgd.init(params), batch)
+
+
+def test_a_head_that_returns_no_scalar_loss_is_refused():
+  """A per-example ``[batch]`` loss would be updated as its sum's gradient; jax.grad refuses."""
+  whole = stack()
+  per_example = lambda rest, h, batch: optax.softmax_cross_entropy_with_integer_labels(
+      rms(h, rest["norm"]) @ rest["output"], batch[1]).mean(-1)
+  model = streamed.LayerStack(whole.embed, whole.layer, per_example)
+  params = params_of(jax.random.key(0))
+  layered = streamed.layer_streamed(model, optax.adam(1e-3))
+  with pytest.raises(TypeError, match=r"must return a float scalar loss .*, got (f32|float32)\[4\]"):
+    layered.step(params, layered.init(params), batch_of(jax.random.key(1)))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """lowmem_jax.app.techniques: technique sets parsed, checked and measured without the CLI."""
 
 import dataclasses
+import types
 
 import jax
 import optax
@@ -26,6 +27,58 @@ SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
 def test_parse_errors_name_the_term(text, message):
   with pytest.raises(app.TechniqueError, match=message):
     app.parse(text)
+
+
+@pytest.mark.parametrize("text", ["stream:device+stream:host", "remat:full+remat:dots",
+                                  "adama:2+adama:4", "8bit+fused-ce+8bit"])
+def test_a_term_given_twice_is_refused_by_name(text):
+  name = text.split("+")[-1].partition(":")[0]
+  with pytest.raises(app.TechniqueError, match=f"{name} is given twice in"):
+    app.parse(text)
+
+
+def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():
+  """The ablation in docs/techniques.md: the approximate activations change training; the
+  exact rewrites, fewer bits and recompute do not, beyond rounding."""
+  exact = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+stream:host+offload-opt"
+  assert app.parse(exact).exact and app.parse(exact).approximate == ()
+  assert app.parse("all+fused-ce").approximate == ("approx",)
+  assert not app.parse("sparse:0.1").exact and not app.parse("conv:int8").exact
+  assert app.parse("lowmem+8bit", step=True).exact
+  assert not app.parse("lowmem+approx", step=True).exact
+
+
+@pytest.mark.parametrize("step,language_model", [(False, True), (False, False), (True, False)])
+def test_the_ladder_tries_every_exact_set_before_any_approximate_one(step, language_model):
+  texts = app.ladder(None if step else 8, language_model, step=step)
+  exact = [app.parse(t.replace("+remat:plan", ""), step=step).exact for t in texts]
+  first = exact.index(False)
+  assert all(exact[:first]) and not any(exact[first:]) and first == len(texts) - first + (
+      3 if language_model else 2)  # baseline, (fused-ce,) bf16, then the rungs twice
+  # the approximate half is the exact half with the approximate activations
+  assert [app.parse(t.replace("+remat:plan", ""), step=step).values
+          for t in texts[first:]] == [
+      tuple(sorted(app.parse(t.replace("+remat:plan", "") + "+approx", step=step).values,
+                   key=lambda tv: list(techniques.TECHNIQUES).index(tv[0])))
+      for t in texts[first - len(texts[first:]):first]]
+
+
+@pytest.mark.parametrize("budget,approximate", [(20, False), (7, True)])
+def test_cheapest_fit_tries_the_approximate_sets_only_where_no_exact_one_fits(
+    monkeypatch, budget, approximate):
+  """Every exact set peaks at 10 bytes here, every approximate one at 5."""
+  from lowmem_jax.app import fits
+  peak = lambda s: types.SimpleNamespace(stats=types.SimpleNamespace(
+      peak_bytes=10 if s.exact else 5), step_time=None, label=s.label)
+  monkeypatch.setattr(fits, "measure", lambda job, s: peak(s))
+  monkeypatch.setattr(fits, "planned", lambda job, text, budget: app.parse(
+      text.replace("+remat:plan", "")))
+  monkeypatch.setattr(fits, "device_argument_bytes", lambda job, s: 0)
+  job = app.Job("llama-tiny", batch=2, seq=8, target="cpu")
+  fit = app.cheapest_fit(job, budget)
+  assert fit.fits.exact is not approximate
+  assert any(not s.exact for _, s in fit.tried) is approximate
+  assert fit.fits.label == ("all+fused-ce" if approximate else "baseline")
 
 
 def test_parse_step_techniques():
@@ -54,11 +107,13 @@ def _lowmem_only(lowmem=lambda f: f):
 
 
 def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
-  state = "bf16+lowmem+approx+8bit+bf16-params"
-  assert app.ladder(None, step=True) == [
-      "baseline", "bf16", "bf16+lowmem", "bf16+lowmem+approx", "bf16+lowmem+approx+8bit", state,
-      f"{state}+remat:plan", f"{state}+offload-opt", f"{state}+remat:full+adama:2",
-      f"{state}+remat:full+adama:4", f"{state}+remat:full+adama:8"]
+  def rungs(best):
+    state = f"{best}+8bit+bf16-params"
+    return [best, f"{best}+8bit", state, f"{state}+remat:plan", f"{state}+offload-opt",
+            f"{state}+remat:full+adama:2", f"{state}+remat:full+adama:4",
+            f"{state}+remat:full+adama:8"]
+  assert app.ladder(None, step=True) == (["baseline", "bf16"] + rungs("bf16+lowmem")
+                                         + rungs("bf16+lowmem+approx"))
   full = app.Job(make_step=_all_options, target="cpu")
   assert app.ladder_of(full) == (app.ladder(None, step=True), ())
   only = app.Job(make_step=_lowmem_only, target="cpu")
@@ -251,14 +306,15 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   LLaMA-100M the head's gradient and update (vocab x dim) are a third of that set's peak."""
   job = app.Job("llama-3.2-1b", batch=1, seq=64, target="h100")
   texts = app.ladder(1, language_model=True)
-  last = app.parse(texts[-1])
-  assert "offload-opt" in last and "stream" in last
+  k = next(i for i, t in enumerate(texts) if "offload-opt" in t)  # the exact half's last
+  last = app.parse(texts[k])
+  assert "offload-opt" in last and "stream" in last and last.exact
   floor = app.device_argument_bytes(job, last)
   on_device = min(app.device_argument_bytes(job, app.parse(
-      t.replace("+remat:plan", ""))) for t in texts[:-1])
+      t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  assert tried == [texts[-1]] and [t for t, _ in fit.skipped] == texts[:-1]
+  assert tried == [texts[k]] and [t for t, _ in fit.skipped] == texts[:k]
   assert fit.fixed_bytes == floor and fit.fits is not None
-  assert fit.fits.label == texts[-1] and fit.tried[0][0].stats.peak_bytes <= on_device - 1
+  assert fit.fits.label == texts[k] and fit.tried[0][0].stats.peak_bytes <= on_device - 1

@@ -335,6 +335,10 @@ def plan(args, job: Job, console: Console) -> int:
   console.print(f"Fits {_size(budget)}: {fit.fits.label} ({_size(chosen.stats.peak_bytes)} "
                 f"compiled peak{_timed(chosen)}). {_why(fit, chosen)}In Python:",
                 highlight=False)
+  if not fit.fits.exact:
+    console.print(f"No exact set fits {_size(budget)}; this one is approximate: " + "; ".join(
+        f"{t}, {techniques.TECHNIQUES[t].summary}" for t in fit.fits.approximate) + ".",
+        highlight=False, soft_wrap=True)
   console.print(fit.fits.python(job), highlight=False, markup=False, soft_wrap=True)
   return 0
 
@@ -414,7 +418,9 @@ def _parser() -> argparse.ArgumentParser:
                        f"not take leaves its techniques unmeasured:\n{techniques.step_help()}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
-                      description=f"Tries, cheapest first: {', '.join(fits.ladder(8))}, "
+                      description="Tries the exact sets (training as the plain step's up "
+                      "to rounding) and, only where none fits, the approximate ones (approx: "
+                      f"ReGELU2/ReSiLU2), cheapest first: {', '.join(fits.ladder(8))}, "
                       "...; with --step: "
                       f"{', '.join(fits.ladder(None, step=True))} (see lowmem-jax report "
                       "--help for make_step's options)")
@@ -432,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     if p is pl:
       p.add_argument("--objective", default="time", choices=fits.OBJECTIVES,
                      help="of the sets that fit, pick the fastest by the estimated step time "
-                     "(time, the default: every set is compiled), or the first in the ladder "
+                     "(time, the default: every exact set is compiled), or the first in the ladder "
                      "(memory: up to the first that fits)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    action=_Given,

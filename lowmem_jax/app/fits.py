@@ -12,30 +12,37 @@ from lowmem_jax.compile import planner
 
 
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
-  """Technique sets `cheapest_fit` tries, cheapest first: exact techniques, then an
-  approximate gradient, then the optimizer state in fewer bits (8-bit moments,
-  bfloat16 parameters), then recompute (``remat:plan``: `lowmem_jax.plan`'s
-  policy); a language model's then the layer-streamed step (its saved inputs on
-  the device, then the host, with ``late-embed`` (it lowers some rows' peaks and
-  raises others': XLA's schedule), then its state on the host too), any other model's state on
-  the host; last, micro-batches with full remat (k a power of 2 dividing
-  ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its
-  own). A language model's sets all take ``fused-ce`` (exact, and the largest
-  single saving), after it alone. A user's ``step`` has the same ladder in its
-  terms: ``lowmem`` for the exact rewrites, ``lowmem+approx`` for ``all``."""
-  exact = "lowmem" if step else "ms-norm+attention"
-  best = "bf16+lowmem+approx" if step else "all+fused-ce" if language_model else "all"
-  state = f"{best}+8bit+bf16-params"
-  sets = (["baseline"] + (["fused-ce"] if language_model else [])
-          + [f"{s}+fused-ce" if language_model else s for s in ("bf16", f"bf16+{exact}")]
-          + [best, f"{best}+8bit", state, f"{state}+remat:plan"])
-  if language_model:
-    sets += [f"{state}+stream:device", f"{state}+stream:host", f"{state}+stream:host+late-embed",
-             f"{state}+stream:host+offload-opt"]
-  else:
-    sets.append(f"{state}+offload-opt")
+  """Technique sets `cheapest_fit` tries, in order: the exact ones (`TechniqueSet.exact`:
+  training as the plain step's up to rounding), then the same ladder with the approximate
+  activations (``approx``: ReGELU2/ReSiLU2), tried only where no exact set fits.
+
+  Each half, cheapest recompute first: the exact rewrites (bfloat16 compute, memory-sharing
+  norms, attention keeping no L×L residual), then the optimizer state in fewer bits
+  (8-bit moments, bfloat16 parameters), then recompute (``remat:plan``:
+  `lowmem_jax.plan`'s policy); a language model's then the layer-streamed step (its saved
+  inputs on the device, then the host, with ``late-embed`` (it lowers some rows' peaks and
+  raises others': XLA's schedule), then its state on the host too), any other model's
+  state on the host; last, micro-batches with full remat (k a power of 2 dividing
+  ``batch``; 2, 4 and 8 for a ``step`` of the user's own, whose batch is its own). A
+  language model's sets all take ``fused-ce`` (the largest single saving), after it alone.
+  A user's ``step`` has the same ladder in its terms: ``lowmem`` for the exact rewrites."""
+  exact = "bf16+lowmem" if step else "bf16+ms-norm+attention"
+  approximate = "bf16+lowmem+approx" if step else "all"  # all: approx and the exact rewrites
+  head = "+fused-ce" if language_model else ""
   ks = (2, 4, 8) if step else [2**i for i in range(1, batch.bit_length()) if batch % 2**i == 0]
-  return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
+
+  def rungs(best: str) -> list[str]:
+    state = f"{best}+8bit+bf16-params"
+    sets = [best, f"{best}+8bit", state, f"{state}+remat:plan"]
+    if language_model:
+      sets += [f"{state}+stream:device", f"{state}+stream:host",
+               f"{state}+stream:host+late-embed", f"{state}+stream:host+offload-opt"]
+    else:
+      sets.append(f"{state}+offload-opt")
+    return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
+
+  return (["baseline"] + (["fused-ce"] if language_model else []) + [f"bf16{head}"]
+          + rungs(f"{exact}{head}") + rungs(f"{approximate}{head}"))
 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
@@ -94,7 +101,8 @@ class Fit(NamedTuple):
   """What `cheapest_fit` found.
 
   Attributes:
-    tried: ``(breakdown, techniques)`` of each set measured, in ladder order.
+    tried: ``(breakdown, techniques)`` of each set measured, in ladder order: the
+      approximate sets only where no exact one fits (`ladder`).
     fits: of the sets whose compiled peak fits, the fastest by the estimated step time
       (``objective="time"``; ladder order among equals, a set without an estimate after those
       with one) or the first (``objective="memory"``); None where none fits.
@@ -129,8 +137,9 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
                  objective: str = "time") -> Fit:
   """Measures the sets of `ladder` for ``job`` in order, and picks of those whose compiled
   peak is at most ``budget`` bytes the fastest by the estimated step time
-  (``objective="time"``: every set is measured) or the first (``objective="memory"``: up to
-  the first that fits); ``on_try(text)`` is called before each. A set whose arguments alone
+  (``objective="time"``: every exact set is measured) or the first (``objective="memory"``:
+  up to the first that fits); the approximate sets are measured only where no exact set
+  fits. ``on_try(text)`` is called before each. A set whose arguments alone
   on the device exceed the budget (`device_argument_bytes`, a reference model's) is skipped
   without compiling; a user's step's sets go without the techniques whose options
   ``make_step`` does not take (`Job.without_missing`), each set once. The ladder is the
@@ -150,6 +159,8 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
   if floor > budget:
     return fit
   for text in texts:
+    if fit.fitting and not parse(text.replace("+remat:plan", ""), step=step).exact:
+      break  # an exact set fits: the approximate half of the ladder is not tried
     if arguments.get(text, 0) > budget:
       skipped.append((text, arguments[text]))
       continue

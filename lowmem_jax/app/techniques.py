@@ -1,8 +1,8 @@
 """The technique registry: what ``lowmem-jax report`` and ``plan`` measure, as a library.
 
 `TECHNIQUES` declares each technique once (its CLI term, the model switches it
-sets, its `lowmem_jax.lowmem` option, how it wraps the optimizer, whether its
-gradient is exact); everything else reads it. A technique set joins techniques
+sets, its `lowmem_jax.lowmem` option, how it wraps the optimizer, whether it
+trains as the plain step does); everything else reads it. A technique set joins techniques
 with "+" (``"all+remat:full+adama:4"``); `parse` makes a `TechniqueSet` of it,
 whose `TechniqueSet.python` is the code that builds its step. What a set is
 measured on is a `lowmem_jax.app.job.Job`; `lowmem_jax.app.measurement` compiles
@@ -54,8 +54,12 @@ class Technique:
     optimizer: wraps the optimizer's `code.Call` (offload-opt, bf16-params), in the
       order of `TECHNIQUES`; the optimizer itself is AdamW, or AdamA with ``adama``,
       with 8-bit moments with ``8bit`` (`TechniqueSet.adamw`).
-    exact: whether the gradient is the plain step's to float tolerance (on the
-      transformers, for a technique that differs by model).
+    exact: whether training with it is the plain step's up to rounding: the same
+      function, parameters and gradient, computed or kept in fewer bits at most (bfloat16
+      compute, 8-bit moments, bfloat16 parameters rounded stochastically; on the
+      transformers, for a technique that differs by model). False for an approximate
+      gradient (approx, conv) or other parameters (sparse). The ablation that set these:
+      docs/techniques.md.
     needs: ``(term, why)``: a term the set must also hold.
     excludes: ``(term, why)`` pairs: terms the set must not also hold.
   """
@@ -79,7 +83,7 @@ class Technique:
   def help(self) -> str:
     """The ``--help`` line: term, summary, exactness."""
     term = f"{self.term}:{self.value}" if self.value else self.term
-    return f"  {term:<19} {self.summary}{'' if self.exact else ' [approximate gradient]'}"
+    return f"  {term:<19} {self.summary}{'' if self.exact else ' [approximate]'}"
 
 
 def _policy(text: str) -> Callable:
@@ -126,13 +130,14 @@ TECHNIQUES = {t.term: t for t in (
               lowmem={"activations": Activation.APPROX.value}, exact=False),
     Technique("relu-1bit", "wrn-28-2: ReLU keeping a 1-bit mask of its input's sign, the exact "
               "gradient", switches={"activation": Activation.ONE_BIT.value}),
-    Technique("ms-norm", "memory-sharing norms: the norm keeps only its output and 1/sigma",
+    Technique("ms-norm", "memory-sharing norms: the norm keeps only its output and 1/sigma "
+              "(its scale and bias kept and trained, the gradients recovered from the output)",
               switches={"norm": Norm.MS.value}, lowmem={"norms": Norm.MS.value}),
     Technique("attention", "attention that keeps no L×L residual (lowmem_jax.attention)",
               switches={"attention": Attention.RECOMPUTE.value},
               lowmem={"attention": Attention.RECOMPUTE.value}),
     Technique("bf16", "bfloat16 compute; parameters and optimizer state stay float32",
-              switches={"dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}, exact=False),
+              switches={"dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")}),
     Technique("remat", "nn.remat of every block with lowmem_jax.compile.policies.<policy>, one of "
               + ", ".join(policies.READY_MADE), value="<policy>", parse=_policy,
               switches=lambda policy, _: {"remat": True, "remat_policy": code.Code(
@@ -155,7 +160,7 @@ TECHNIQUES = {t.term: t for t in (
               "stochastically (lowmem_jax.optim.lowbit.stochastic_rounding); with 8bit",
               switches={"param_dtype": code.Code(jnp.bfloat16, "jnp.bfloat16")},
               optimizer=lambda tx: code.Call.of("optax.chain", tx, code.Call.of(
-                  "lm.lowbit.stochastic_rounding")), exact=False,
+                  "lm.lowbit.stochastic_rounding")),
               needs=("8bit", "Adam keeps its moments in the parameters' dtype, and a bfloat16 "
                      "second moment rounded to nearest stalls; 8bit keeps them in 8 bits, "
                      "rounded stochastically")),
@@ -264,6 +269,16 @@ class TechniqueSet:
 
   def __contains__(self, term: str) -> bool:
     return any(t == term for t, _ in self.values)
+
+  @property
+  def exact(self) -> bool:
+    """Whether every technique of the set trains as the plain step does (`Technique.exact`)."""
+    return all(TECHNIQUES[t].exact for t, _ in self.values)
+
+  @property
+  def approximate(self) -> tuple[str, ...]:
+    """The terms of the set that are not `Technique.exact`."""
+    return tuple(t for t, _ in self.values if not TECHNIQUES[t].exact)
 
   def get(self, term: str, default: Any = None) -> Any:
     """The value of ``term`` in the set, else ``default``."""
@@ -457,9 +472,12 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
   """The `TechniqueSet` of ``"all+remat:full+adama:4"``, or for a user's step
   (``step``) of `STEP_TECHNIQUES` (``"lowmem+approx+8bit"``); `TechniqueError`
   naming the term on a mistake."""
-  values = {}
+  values, given = {}, set()
   for term in text.strip().split("+"):
     name, colon, value = term.strip().partition(":")
+    if name in given:
+      raise TechniqueError(f"{name} is given twice in {text!r}; give each technique once.")
+    given.add(name)
     technique = TECHNIQUES.get(name)
     if step and name not in STEP_TECHNIQUES:
       what = "applies only to the reference models (--model)" if technique else "is unknown"

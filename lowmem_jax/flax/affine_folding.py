@@ -1,7 +1,11 @@
 """Folding a pretrained norm's affine into the linear layers it feeds.
 
 MS-BP (Yang et al., ICML 2024, arXiv:2406.16282) uses norms without affine
-(`lowmem_jax.ops.norms`). A norm with scale ``g`` and bias ``b`` followed by a
+(`lowmem_jax.ops.norms` without ``scale``; `lowmem_jax.flax.linen.MSRMSNorm`
+``use_scale=False``). The models here keep the affine and train it instead
+(``norm="ms"`` takes the plain model's params): a folded model trains another
+parameterisation, its norms' scales no longer trained on their own. A norm with
+scale ``g`` and bias ``b`` followed by a
 linear layer ``x @ W + c`` becomes the plain norm followed by
 
     x @ (g[:, None] * W) + (c + b @ W)
@@ -11,7 +15,7 @@ layers (pre-LN blocks, a final norm before the head) its affine goes. In a
 post-LN model the norm's output also feeds the residual stream: there
 ``keep_affine=True`` folds copies of ``g, b`` into the linear layers and keeps
 them on the norm renamed ``residual_scale``, ``residual_bias``: the explicit
-affine of the residual path only (`lowmem_jax.models.bert.MSPostLayerNorm`).
+affine of the residual path only.
 The new names make the folded tree differ from the unfolded one, so a model
 given the wrong one fails to load it, and a second fold finds nothing to fold.
 
@@ -55,12 +59,6 @@ LLAMA_RULES = {
 }
 # The names ``keep_affine`` gives a norm's kept ``scale`` and ``bias``.
 RESIDUAL_PREFIX = "residual_"
-# `lowmem_jax.models.bert` (post-LN, each norm in the layer that consumes it):
-# fold with keep_affine=True, since every norm also feeds the residual stream.
-BERT_RULES = {
-    "input_norm": ("attention/query", "attention/key", "attention/value"),
-    "attention_norm": ("mlp/fc1",),
-}
 
 
 def _path(path: Path, arg: str) -> tuple[str, ...]:
@@ -223,7 +221,7 @@ def fold_all(params: Mapping[str, Any], rules: Mapping[Path, Sequence[Path]], *,
   Args:
     params: as in `fold_norm_affine`.
     rules: norm path -> paths of the layers it feeds, e.g. `VIT_RULES`.
-    keep_affine: as in `fold_norm_affine`; True for a post-LN model (`BERT_RULES`).
+    keep_affine: as in `fold_norm_affine`; True for a post-LN model.
 
   Returns:
     The folded tree, as from `fold_norm_affine`; params is not mutated.

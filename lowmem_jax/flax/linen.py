@@ -91,23 +91,37 @@ class MultiHeadAttention(nn.MultiHeadAttention):
 class _MSNorm(nn.Module):
   epsilon: float = 1e-6
   dtype: Any = None
+  param_dtype: Any = jnp.float32
+  use_scale: bool = True
+  use_bias: bool = True
   impl: str | None = None
   _norm = None
+  _affine = ("scale", "bias")
 
+  @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
+    used = {"scale": self.use_scale, "bias": self.use_bias}
+    inits = {"scale": nn.initializers.ones, "bias": nn.initializers.zeros}
+    affine = {name: self.param(name, inits[name], (x.shape[-1],), self.param_dtype)
+              for name in type(self)._affine if used[name]}
+    return type(self)._norm(x, **affine, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
 
 
 class MSLayerNorm(_MSNorm):
-  """LayerNorm without affine whose backward keeps only y and 1/sigma.
+  """`flax.linen.LayerNorm` whose backward keeps only its output and 1/sigma.
 
-  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale``/``bias`` into the next Dense with `lowmem_jax.flax.affine_folding`.
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The same parameters as
+  Flax's (``scale`` ``[features]``, ones, and ``bias``, zeros, in ``param_dtype``),
+  trained as Flax's are, so pretrained ones load as they are. Without them
+  (``use_scale=False, use_bias=False``) it is the paper's norm, whose pretrained
+  affine `lowmem_jax.flax.affine_folding` folds into the next Dense.
 
   Attributes:
     epsilon: added to the variance.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
+    param_dtype: the dtype of ``scale`` and ``bias``.
+    use_scale, use_bias: whether the norm has them.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
@@ -115,19 +129,24 @@ class MSLayerNorm(_MSNorm):
 
 
 class MSRMSNorm(_MSNorm):
-  """RMSNorm without scale whose backward keeps only y and 1/rms.
+  """`flax.linen.RMSNorm` whose backward keeps only its output and 1/rms.
 
-  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). It has no parameters: fold
-  a pretrained ``scale`` into the next Dense with `lowmem_jax.flax.affine_folding`.
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The same parameter as
+  Flax's (``scale`` ``[features]``, ones, in ``param_dtype``), trained as Flax's
+  is. Without it (``use_scale=False``) it is the paper's norm, whose pretrained
+  scale `lowmem_jax.flax.affine_folding` folds into the next Dense.
 
   Attributes:
     epsilon: added to the mean square.
     dtype: dtype of the output; give the dtype the next layer computes in.
       Defaults to the input's.
+    param_dtype: the dtype of ``scale``.
+    use_scale: whether the norm has it.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_rms_norm)
+  _affine = ("scale",)
 
 
 class Embed(nn.Embed):

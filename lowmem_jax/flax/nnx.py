@@ -67,32 +67,50 @@ class Embed(nnx.Embed):
 
 class _MSNorm(nnx.Module):
   _norm = None
+  _affine = ("scale", "bias")
 
   def __init__(self, num_features: int | None = None, *, epsilon: float = 1e-6,
-               dtype: Any = None, impl: str | None = None, rngs: nnx.Rngs | None = None):
+               dtype: Any = None, param_dtype: Any = jnp.float32, use_scale: bool = True,
+               use_bias: bool = True, impl: str | None = None, rngs: nnx.Rngs | None = None):
     del rngs  # accepted so that the module replaces nnx.LayerNorm/RMSNorm as called
+    used = {"scale": use_scale, "bias": use_bias}
+    names = [name for name in type(self)._affine if used[name]]
+    if names and num_features is None:
+      raise ValueError(f"num_features is needed for the norm's {' and '.join(names)}; give "
+                       f"it, or use_{'=False, use_'.join(names)}=False.")
     self.num_features = num_features
     self.epsilon = epsilon
     self.dtype = dtype
     self.impl = impl
+    inits = {"scale": jnp.ones, "bias": jnp.zeros}
+    for name in type(self)._affine:
+      setattr(self, name, nnx.Param(inits[name]((num_features,), param_dtype))
+              if used[name] else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.num_features is not None and x.shape[-1] != self.num_features:
       raise ValueError(
           f"x's last axis must be num_features={self.num_features}, got shape {x.shape}.")
-    return type(self)._norm(x, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
+    affine = {name: getattr(self, name)[...] for name in type(self)._affine
+              if getattr(self, name) is not None}
+    return type(self)._norm(x, **affine, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
 
 
 class MSLayerNorm(_MSNorm):
-  """LayerNorm without affine whose backward keeps only y and 1/sigma.
+  """`flax.nnx.LayerNorm` whose backward keeps only its output and 1/sigma.
 
-  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained affine into the next Linear with `lowmem_jax.flax.affine_folding`.
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The same parameters as
+  Flax's (``scale``, ones, and ``bias``, zeros, ``[num_features]`` in
+  ``param_dtype``), trained as Flax's are. Without them (``use_scale=False,
+  use_bias=False``) it is the paper's norm, whose pretrained affine
+  `lowmem_jax.flax.affine_folding` folds into the next Linear.
 
   Args:
-    num_features: if given, the size the input's last axis must have.
+    num_features: the size of the input's last axis; needed for the affine.
     epsilon: added to the variance.
     dtype: dtype of the output; defaults to the input's.
+    param_dtype: the dtype of ``scale`` and ``bias``.
+    use_scale, use_bias: whether the norm has them.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.LayerNorm`; unused.
@@ -101,20 +119,31 @@ class MSLayerNorm(_MSNorm):
 
 
 class MSRMSNorm(_MSNorm):
-  """RMSNorm without scale whose backward keeps only y and 1/rms.
+  """`flax.nnx.RMSNorm` whose backward keeps only its output and 1/rms.
 
-  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). No parameters: fold a
-  pretrained scale into the next Linear with `lowmem_jax.flax.affine_folding`.
+  MS-BP (Yang et al., ICML 2024, arXiv:2406.16282). The same parameter as
+  Flax's (``scale``, ones, ``[num_features]`` in ``param_dtype``), trained as
+  Flax's is. Without it (``use_scale=False``) it is the paper's norm, whose
+  pretrained scale `lowmem_jax.flax.affine_folding` folds into the next Linear.
 
   Args:
-    num_features: if given, the size the input's last axis must have.
+    num_features: the size of the input's last axis; needed for the scale.
     epsilon: added to the mean square.
     dtype: dtype of the output; defaults to the input's.
+    param_dtype: the dtype of ``scale``.
+    use_scale: whether the norm has it.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
     rngs: accepted for signature compatibility with `nnx.RMSNorm`; unused.
   """
   _norm = staticmethod(ms_rms_norm)
+  _affine = ("scale",)
+
+  def __init__(self, num_features: int | None = None, *, epsilon: float = 1e-6,
+               dtype: Any = None, param_dtype: Any = jnp.float32, use_scale: bool = True,
+               impl: str | None = None, rngs: nnx.Rngs | None = None):
+    super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
+                     use_scale=use_scale, use_bias=False, impl=impl, rngs=rngs)
 
 
 def microbatch_step(

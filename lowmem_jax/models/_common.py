@@ -68,8 +68,8 @@ class TransformerSwitches(Switches):
     norm: "plain", the model's own norm with its affine (LayerNorm, RMSNorm),
       or "ms", the memory-sharing norm (MS-BP: Yang et al., ICML 2024,
       arXiv:2406.16282; `MSLayerNorm`, `MSRMSNorm`), which keeps only its
-      output and 1/sigma and has no affine: fold a trained one into the next
-      linear layers with `lowmem_jax.flax.affine_folding` and the model's rules.
+      output and 1/sigma; the same parameters as "plain", trained the same
+      way: the gradients are the plain norm's up to rounding.
     attention: "plain", which keeps the float32 probabilities, or "recompute",
       `lowmem_jax.attention`, which keeps none.
   """
@@ -94,16 +94,16 @@ def norm_layer(norm: str, epsilon: float, dtype: Any, param_dtype: Any, name: st
   """The norm the ``norm`` switch selects, emitting ``dtype``.
 
   Args:
-    norm: "plain" (`nn.LayerNorm`, or `nn.RMSNorm` with ``rms``, with affine)
-      or "ms" (`MSLayerNorm`, or `MSRMSNorm`: no parameters).
+    norm: "plain" (`nn.LayerNorm`, or `nn.RMSNorm` with ``rms``) or "ms"
+      (`MSLayerNorm`, or `MSRMSNorm`), both with the same affine parameters.
     epsilon: added to the variance (mean square).
-    dtype: compute dtype; param_dtype: parameter dtype of the plain norm.
+    dtype: compute dtype; param_dtype: parameter dtype.
     name: the module's name in the parameter tree.
     rms: an RMSNorm rather than a LayerNorm.
   """
   if norm == "ms":
     ms = lm_linen.MSRMSNorm if rms else lm_linen.MSLayerNorm
-    return ms(epsilon=epsilon, dtype=dtype, name=name)
+    return ms(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
   plain = nn.RMSNorm if rms else nn.LayerNorm
   return plain(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
 

@@ -5,20 +5,16 @@ Post-LN: each sublayer's output is added to its input and the sum normalised,
 sits in the layer that consumes it: ``layers_{i}/input_norm`` is the norm
 before layer i's attention (Hugging Face's ``embeddings.LayerNorm`` for i = 0,
 ``encoder.layer.{i-1}.output.LayerNorm`` after), ``layers_{i}/attention_norm``
-the norm before its MLP, and ``final_norm`` the last layer's output norm. So
-`lowmem_jax.flax.affine_folding.BERT_RULES` name, within one layer, the linear layers each
-norm feeds.
+the norm before its MLP, and ``final_norm`` the last layer's output norm.
 
 A post-LN norm feeds its layer's linear layers and the residual stream. With
-``norm="ms"`` it is an MS-LayerNorm (`lowmem_jax.ops.norms`) emitting ``y``, and
-its affine stays as an explicit ``z = scale * y + bias`` on the residual path
-only: the linear layers take ``y`` itself, with the affine folded into their
-kernels (``affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)``). ``y``
-is the one array the norm, the affine and the next matmuls save. The last
-norm, ``final_norm``, feeds no linear layer inside the model and stays plain.
+``norm="ms"`` it is an MS-LayerNorm with its scale and bias
+(`lowmem_jax.flax.linen.MSLayerNorm`, the same parameters): its output is the one
+array the norm and the next matmuls save. The last norm, ``final_norm``, feeds no
+linear layer inside the model and stays plain.
 
 Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
-LayerNorms, ``norm="ms"`` the `MSPostLayerNorm` above), ``remat`` /
+LayerNorms), ``remat`` /
 ``remat_policy`` for the layers. No dropout: the model is deterministic.
 """
 
@@ -29,14 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
-from lowmem_jax.flax import affine_folding
 from lowmem_jax.models._common import HeadsDense, TransformerSwitches, check_switches, gelu, normed
 from lowmem_jax.ops.attention import attention, attention_reference
-from lowmem_jax.ops.norms import ms_layer_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,38 +60,6 @@ class BertConfig:
                n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
                ffn_dim=config["intermediate_size"], max_len=config["max_position_embeddings"],
                type_vocab_size=config["type_vocab_size"], norm_eps=config["layer_norm_eps"])
-
-
-class MSPostLayerNorm(nn.Module):
-  """A post-LN LayerNorm as MS-LayerNorm plus its affine on the residual path.
-
-  Returns ``(y, z)``: ``y`` without affine, for the linear layers that hold
-  the folded affine, and ``z = residual_scale * y + residual_bias`` for the
-  residual stream, both ``[..., features]`` in ``dtype``. The parameters are
-  `flax.linen.LayerNorm`'s ``scale`` and ``bias`` under the names
-  ``affine_folding.fold_all(..., keep_affine=True)`` gives them.
-
-  Fine-tuned, this is another parameterisation than the plain norm's: g and b
-  train separately on the residual path and inside the folded kernels.
-
-  Attributes:
-    epsilon: MS-BP (Yang et al., ICML 2024, arXiv:2406.16282); added to the variance.
-    dtype: compute dtype; param_dtype: parameter dtype.
-  """
-  epsilon: float = 1e-12
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    features = x.shape[-1]
-    scale = self.param(affine_folding.RESIDUAL_PREFIX + "scale", nn.initializers.ones, (features,),
-                       self.param_dtype)
-    bias = self.param(affine_folding.RESIDUAL_PREFIX + "bias", nn.initializers.zeros, (features,),
-                      self.param_dtype)
-    y = ms_layer_norm(x, eps=self.epsilon, dtype=self.dtype)
-    scale, bias = (lax.broadcast_to_rank(p.astype(self.dtype), y.ndim) for p in (scale, bias))
-    return y, y * scale + bias
 
 
 class SelfAttention(nn.Module):
@@ -138,14 +99,6 @@ class Mlp(nn.Module):
     return dense(self.config.dim, "fc2")(checkpoint_name(gelu(h, self.activation), names.MLP_ACT))
 
 
-def post_norm(norm: str, config: BertConfig, dtype, param_dtype, name: str, x):
-  """``(y, z)`` of a post-LN norm: what the linear layers take, and the residual stream."""
-  if norm == "ms":
-    return MSPostLayerNorm(config.norm_eps, dtype, param_dtype, name=name)(x)
-  z = normed(x, "plain", config.norm_eps, dtype, param_dtype, name)
-  return z, z
-
-
 class Layer(nn.Module):
   """One post-LN layer, from the un-normalised sum before its input norm to the one after its MLP."""
   config: BertConfig
@@ -158,11 +111,12 @@ class Layer(nn.Module):
   @nn.compact
   def __call__(self, x, mask):
     x = checkpoint_name(x, names.BLOCK_IN)
-    norm = lambda name, x: post_norm(self.norm, self.config, self.dtype, self.param_dtype, name, x)
-    y, x = norm("input_norm", x)
-    y, x = norm("attention_norm", x + SelfAttention(
-        self.config, self.attention, self.dtype, self.param_dtype, name="attention")(y, mask))
-    return x + Mlp(self.config, self.activation, self.dtype, self.param_dtype, name="mlp")(y)
+    norm = lambda name, x: normed(x, self.norm, self.config.norm_eps, self.dtype,
+                                  self.param_dtype, name)
+    x = norm("input_norm", x)
+    x = norm("attention_norm", x + SelfAttention(
+        self.config, self.attention, self.dtype, self.param_dtype, name="attention")(x, mask))
+    return x + Mlp(self.config, self.activation, self.dtype, self.param_dtype, name="mlp")(x)
 
 
 class Bert(TransformerSwitches):
@@ -175,8 +129,7 @@ class Bert(TransformerSwitches):
   Attributes:
     config: the sizes (the defaults are MiniLM-L6-H384's).
     activation, norm, attention, remat, remat_policy, dtype, param_dtype:
-      `TransformerSwitches`' (keywords); with ``norm="ms"`` (`MSPostLayerNorm`)
-      fold the params with ``affine_folding.fold_all(params, affine_folding.BERT_RULES, keep_affine=True)``.
+      `TransformerSwitches`' (keywords); ``norm="ms"`` takes the same params.
   """
   config: BertConfig = BertConfig()
 
@@ -200,7 +153,7 @@ class Bert(TransformerSwitches):
       x = layer(cfg, self.activation, self.norm, self.attention, self.dtype, self.param_dtype,
                 name=f"layers_{i}")(x, keys)
     # No linear layer follows the last norm inside the model, so it stays plain.
-    return post_norm("plain", cfg, self.dtype, self.param_dtype, "final_norm", x)[1]
+    return normed(x, "plain", cfg.norm_eps, self.dtype, self.param_dtype, "final_norm")
 
 
 class BertClassifier(Bert):

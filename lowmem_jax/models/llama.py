@@ -10,8 +10,8 @@ gives the same model as pure functions over those params
 (`lowmem_jax.optim.LayerStack`). With ``tie_embeddings`` the head is the
 embedding table transposed and there is no ``output``. Rotary embedding uses
 the rotate-half convention (Hugging Face's), with Llama-3.1's frequency
-scaling where the config has `RopeScaling`; `from_hf` loads a Hugging Face
-``LlamaForCausalLM`` checkpoint.
+scaling where the config has `RopeScaling`; `lowmem_jax.models.llama_hf.from_hf`
+loads a Hugging Face ``LlamaForCausalLM`` checkpoint or says why not.
 
 `CONFIGS` names llama-100m, llama-1b and llama-7b (LLaMA-style sizes, 32k
 vocabulary) and Meta's Llama 3 family: llama-3.2-1b, llama-3.2-3b (tied
@@ -26,19 +26,14 @@ chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 ``remat`` / ``remat_policy`` for the layers.
 """
 
-import contextlib
 import dataclasses
-import json
 import math
-import pathlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import traverse_util
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import names
@@ -343,7 +338,7 @@ class Llama(TransformerSwitches):
     mlp_chunk_tokens: each layer's MLP over token chunks of at most this many
       tokens, recomputed chunk by chunk in the backward (`TransformerBlock`); None: whole.
     scan: the layers stacked under ``layers`` and run by `nn.scan` (compile
-      time flat in depth; what `layer_stack` and `from_hf` take), or, False,
+      time flat in depth; what `layer_stack` and `llama_hf.from_hf` give), or, False,
       unrolled as ``layers_{i}``: `examples/sharded_train.py` keeps them so,
       where XLA's sharding propagation in the scan's loop shards the MLP's
       activations over FSDP and moves them between devices.
@@ -431,132 +426,3 @@ def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
   layer = (tuple(map(layer_part, ("attention", "feed_forward"))) if split_layer
            else layer_part("all"))
   return LayerStack(embed, layer, head)
-
-
-# Our params' paths -> Hugging Face LlamaForCausalLM's tensor names ({} the layer index).
-# A kernel is the transposed Linear weight ([in, out] against [out, in]).
-HF_NAMES = {
-    ("tok_embeddings", "embedding"): "model.embed_tokens.weight",
-    ("layers", "attention_norm", "scale"): "model.layers.{}.input_layernorm.weight",
-    ("layers", "attention", "wq", "kernel"): "model.layers.{}.self_attn.q_proj.weight",
-    ("layers", "attention", "wk", "kernel"): "model.layers.{}.self_attn.k_proj.weight",
-    ("layers", "attention", "wv", "kernel"): "model.layers.{}.self_attn.v_proj.weight",
-    ("layers", "attention", "wo", "kernel"): "model.layers.{}.self_attn.o_proj.weight",
-    ("layers", "ffn_norm", "scale"): "model.layers.{}.post_attention_layernorm.weight",
-    ("layers", "feed_forward", "w1", "kernel"): "model.layers.{}.mlp.gate_proj.weight",
-    ("layers", "feed_forward", "w3", "kernel"): "model.layers.{}.mlp.up_proj.weight",
-    ("layers", "feed_forward", "w2", "kernel"): "model.layers.{}.mlp.down_proj.weight",
-    ("norm", "scale"): "model.norm.weight",
-    ("output", "kernel"): "lm_head.weight",
-}
-
-
-def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> LlamaConfig:
-  """The `LlamaConfig` of a Hugging Face ``LlamaConfig`` dict (a ``config.json``).
-
-  Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-  intermediate_size, vocab_size, rms_norm_eps, rope_theta, rope_scaling (None,
-  "default" or "llama3") and tie_word_embeddings. Raises ValueError naming
-  ``source`` and the key for a missing key or an architecture this model is not:
-  an activation other than SiLU, biases, a head size other than hidden_size /
-  num_attention_heads, another rope_type.
-  """
-  def get(key, default=None):
-    if key not in hf and default is None:
-      raise ValueError(f"{source} has no {key!r}.")
-    return hf.get(key, default)
-
-  heads = get("num_attention_heads")
-  for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                    ("head_dim", get("hidden_size") // heads)):
-    if hf.get(key, want) != want:
-      raise ValueError(f"{source}: {key} must be {want!r} for this model, got {hf[key]!r}.")
-  scaling = hf.get("rope_scaling")
-  rope_type = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-  if rope_type not in (None, "default", "llama3"):
-    raise ValueError(f"{source}: rope_scaling's rope_type must be 'default' or 'llama3', got "
-                     f"{rope_type!r}.")
-  if rope_type == "llama3":
-    scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                          float(scaling["high_freq_factor"]),
-                          int(scaling["original_max_position_embeddings"]))
-  else:
-    scaling = None
-  return LlamaConfig(vocab_size=get("vocab_size"), dim=get("hidden_size"),
-                     n_layers=get("num_hidden_layers"), n_heads=heads,
-                     n_kv_heads=get("num_key_value_heads", heads),
-                     ffn_dim=get("intermediate_size"), norm_eps=float(get("rms_norm_eps")),
-                     rope_theta=float(get("rope_theta", 10000.0)), rope_scaling=scaling,
-                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def from_hf(path: str | pathlib.Path) -> tuple[LlamaConfig, dict[str, Any]]:
-  """A Hugging Face ``LlamaForCausalLM`` checkpoint as ``(config, params)`` for `Llama`.
-
-  ``path`` is the checkpoint's folder: ``config.json`` (`config_from_hf`) and
-  ``model.safetensors``, or shards named by ``model.safetensors.index.json``'s
-  ``weight_map``. The tensors (`HF_NAMES`) are read with ``safetensors.numpy``
-  (the ``hf`` extra); each layer's are stacked under ``layers``, and Linear
-  weights ``[out, in]`` become kernels ``[in, out]``. Hugging Face's q/k
-  projections already use the rotate-half rotary convention `rope` uses. With
-  tied embeddings ``lm_head.weight`` is not read.
-
-  Returns:
-    The config and ``params``, a nested dict of NumPy arrays in the checkpoint's
-    dtype (bfloat16 for Meta's), for ``Llama(config).apply({"params": params}, ...)``.
-
-  Raises:
-    FileNotFoundError: no config.json, or neither model.safetensors nor an index.
-    ValueError: a tensor missing or of the wrong shape (naming the tensor and its
-      file), or a config `config_from_hf` refuses.
-  """
-  try:
-    from safetensors import safe_open
-  except ImportError as e:
-    raise ImportError("from_hf reads safetensors: pip install 'lowmem-jax[hf]'.") from e
-  root = pathlib.Path(path)
-  config = config_from_hf(json.loads(_existing(root / "config.json").read_text()),
-                          str(root / "config.json"))
-  index = root / "model.safetensors.index.json"
-  if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    files = {name: root / file for name, file in weight_map.items()}
-  else:
-    files = None
-    single = _existing(root / "model.safetensors", f"nor {index}")
-  with contextlib.ExitStack() as stack:
-    handles, names_in = {}, {}  # per file: the open file, its tensors' names
-
-    def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
-      if files is not None and name not in files:
-        raise ValueError(f"{index}'s weight_map has no tensor {name!r}.")
-      file = single if files is None else files[name]
-      if file not in handles:
-        handles[file] = stack.enter_context(safe_open(_existing(file), framework="numpy"))
-        names_in[file] = set(handles[file].keys())
-      if name not in names_in[file]:
-        raise ValueError(f"{file} has no tensor {name!r}.")
-      tensor = handles[file].get_tensor(name)
-      want = shape[::-1] if transpose else shape
-      if tensor.shape != want:
-        raise ValueError(f"tensor {name!r} in {file} has shape {tensor.shape}; "
-                         f"{root / 'config.json'} makes it {want}.")
-      return tensor.T if transpose else tensor
-
-    shapes = jax.eval_shape(Llama(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    params = {}
-    for ours, shape in traverse_util.flatten_dict(shapes["params"]).items():
-      name, transpose = HF_NAMES[ours], ours[-1] == "kernel"
-      if ours[0] == "layers":
-        params[ours] = np.stack([read(name.format(i), shape.shape[1:], transpose)
-                                 for i in range(config.n_layers)])
-      else:
-        params[ours] = read(name, shape.shape, transpose)
-  return config, traverse_util.unflatten_dict(params)
-
-
-def _existing(file: pathlib.Path, also: str = "") -> pathlib.Path:
-  """``file``, or FileNotFoundError naming it (and ``also``, what else was looked for)."""
-  if not file.exists():
-    raise FileNotFoundError(f"no {file}{' ' + also if also else ''}.")
-  return file

@@ -1,10 +1,20 @@
-"""Memory-sharing LayerNorm and RMSNorm, without affine parameters.
+"""Memory-sharing LayerNorm and RMSNorm, with or without their affine parameters.
 
 MS-BP (Yang et al., ICML 2024, arXiv:2406.16282): the exact backward of a
 normalisation can be written with its output ``y`` and the per-row ``rstd``
 instead of its input ``x``. When the next layer is a matmul, it saves ``y``
-anyway, so the norm adds only one float32 per row. Any affine ``g, b`` of a
-pretrained norm is folded into the next linear layer (`lowmem_jax.flax.affine_folding`).
+anyway, so the norm adds only one float32 per row.
+
+The paper folds a norm's affine ``g, b`` into the next linear layer
+(`lowmem_jax.flax.affine_folding`), which trains another parameterisation (the
+norm's scale no longer trains on its own). Given ``scale`` (and ``bias``), the
+norm keeps them as parameters instead: ``z = y * scale + bias`` is what it
+outputs and saves, and the backward recovers ``y = (z - bias) / scale`` from it:
+
+    dscale = sum_rows(dz * y),  dbias = sum_rows(dz),  dy = dz * scale
+
+exact up to the rounding of the saved ``z``. A scale entry that is exactly 0
+erases its feature of ``y``: the gradients are then NaN (0 / 0), not a silent 0.
 
 Per row of the last axis, statistics in float32, biased variance:
 
@@ -52,71 +62,117 @@ def _forward(spec, options, x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ms_norm(spec, options, x):
-  return _forward(spec, options, x)[0]
+def _ms_norm(spec, options, x, scale, bias):
+  return _ms_norm_fwd(spec, options, x, scale, bias)[0]
 
 
-def _ms_norm_fwd(spec, options, x):
-  y, rstd = _layout.barrier_rows(*_forward(spec, options, x))
-  y = checkpoint_name(y, names.NORM_OUT)
-  return y, (y, checkpoint_name(rstd, names.NORM_RSTD))
+def _row(p, like):
+  """``p: [n]`` as float32 of ``like``'s rank, to scale its rows."""
+  return jax.lax.broadcast_to_rank(p.astype(jnp.float32), like.ndim)
 
 
-def _ms_norm_bwd(spec, options, res, dy):
-  y, rstd = res
+def _affine(y, scale, bias):
+  """``y * scale + bias`` in float32, either of them None for none."""
+  y = y.astype(jnp.float32)
+  y = y if scale is None else y * _row(scale, y)
+  return y if bias is None else y + _row(bias, y)
+
+
+def _ms_norm_fwd(spec, options, x, scale, bias):
+  if scale is None and bias is None:
+    z, rstd = _forward(spec, options, x)
+  else:
+    y, rstd = _forward(dataclasses.replace(spec, y_dtype=jnp.dtype(jnp.float32)), options, x)
+    z = _affine(y, scale, bias).astype(spec.y_dtype)
+  z, rstd = _layout.barrier_rows(z, rstd)
+  z = checkpoint_name(z, names.NORM_OUT)
+  return z, (z, checkpoint_name(rstd, names.NORM_RSTD), scale, bias)
+
+
+def _sum_rows(a, dtype):
+  """``a: float32[..., n]`` summed over every axis but the last, in ``dtype``."""
+  return a.reshape(-1, a.shape[-1]).sum(0).astype(dtype)
+
+
+def _ms_norm_bwd(spec, options, res, dz):
+  z, rstd, scale, bias = res
+  y, dy = z, dz
+  if scale is not None or bias is not None:
+    y = z.astype(jnp.float32)
+    y = y if bias is None else y - _row(bias, y)
+    dy = dz.astype(jnp.float32)
+    if scale is not None:
+      y, dy = y / _row(scale, y), dy * _row(scale, y)
   if options is None:
     dx = reference.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
   else:
     dx = _kernels().backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
                           options=options)
-  return (dx,)
+  dz32 = dz.astype(jnp.float32)
+  return (dx, None if scale is None else _sum_rows(dz32 * y, scale.dtype),
+          None if bias is None else _sum_rows(dz32, bias.dtype))
 
 
 _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)
 
 
-def _norm(centered: bool, x: jax.Array, eps: float, dtype, impl: str | None) -> jax.Array:
+def _check_affine(p, name: str, n: int) -> None:
+  if p is None:
+    return
+  check_float_array(p, name)
+  if p.shape != (n,):
+    raise ValueError(f"{name} must have shape ({n},), x's last axis, got {p.shape}.")
+
+
+def _norm(centered: bool, x: jax.Array, eps: float, dtype, impl: str | None, scale=None,
+          bias=None) -> jax.Array:
   check_float_array(x, "x")
   if not is_real(eps) or not eps > 0:
     raise ValueError(f"eps must be a number > 0, got {eps!r}.")
+  _check_affine(scale, "scale", x.shape[-1])
+  _check_affine(bias, "bias", x.shape[-1])
   x_dtype = jnp.dtype(x.dtype)
   spec = _Spec(centered, float(eps), x_dtype, check_out_dtype(dtype) or x_dtype)
   options = dispatch.kernel_options(impl, "ms_norm", lambda: _kernels().supports(x.shape[-1]))
-  return _ms_norm(spec, options, x)
+  return _ms_norm(spec, options, x, scale, bias)
 
 
-def ms_layer_norm(x: jax.Array, *, eps: float = 1e-6, dtype=None,
-                  impl: str | None = None) -> jax.Array:
-  """LayerNorm without affine whose backward needs only ``y`` and ``rstd``.
+def ms_layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
+                  *, eps: float = 1e-6, dtype=None, impl: str | None = None) -> jax.Array:
+  """LayerNorm, optionally with its affine, whose backward needs only its output and ``rstd``.
 
   Args:
     x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+    scale, bias: optional float ``[n]``: ``z = y * scale + bias``, both trained (their
+      gradients are returned); None for none.
     eps: added to the (biased) variance.
-    dtype: dtype of ``y``; defaults to x's. Give the dtype the next layer
+    dtype: dtype of the output; defaults to x's. Give the dtype the next layer
       computes in, so that layer saves this very array.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto". The kernel takes rows
       of up to 16384 elements.
 
   Returns:
-    ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
-    ``float32[...]`` ``rstd`` (``norm_rstd``). The gradient is exact up to the
-    rounding of the saved ``y`` to ``dtype`` (exact to float tolerance in float32).
+    ``z`` (``y`` without affine) of x's shape. Saved for backward: ``z``
+    (``norm_out``) and ``float32[...]`` ``rstd`` (``norm_rstd``). The gradients are
+    exact up to the rounding of the saved ``z`` to ``dtype`` (exact to float
+    tolerance in float32); NaN where a scale entry is exactly 0 (see the module).
   """
-  return _norm(True, x, eps, dtype, impl)
+  return _norm(True, x, eps, dtype, impl, scale, bias)
 
 
-def ms_rms_norm(x: jax.Array, *, eps: float = 1e-6, dtype=None,
-                impl: str | None = None) -> jax.Array:
-  """RMSNorm without affine whose backward needs only ``y`` and ``rstd``.
+def ms_rms_norm(x: jax.Array, scale: jax.Array | None = None, *, eps: float = 1e-6,
+                dtype=None, impl: str | None = None) -> jax.Array:
+  """RMSNorm, optionally with its scale, whose backward needs only its output and ``rstd``.
 
   Args:
     x: float16/bfloat16/float32 array ``[..., n]``, normalised over the last axis.
+    scale: optional float ``[n]``, trained: ``z = y * scale``; None for none.
     eps: added to ``mean(x**2)``.
     dtype, impl: as `ms_layer_norm`'s.
 
   Returns:
-    ``y`` of x's shape. Saved for backward: ``y`` (``norm_out``) and
+    ``z`` of x's shape. Saved for backward: ``z`` (``norm_out``) and
     ``float32[...]`` ``rstd`` (``norm_rstd``), as `ms_layer_norm`.
   """
-  return _norm(False, x, eps, dtype, impl)
+  return _norm(False, x, eps, dtype, impl, scale)

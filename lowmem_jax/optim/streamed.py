@@ -28,7 +28,10 @@ refused, with the equation that mixes them (`lowmem_jax.optim.per_leaf.check_per
 The state is `StreamedState`: the transformation initialised on each
 parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
 stacked layers; a leaf updated in slices, `slices`, on each slice), so each
-has its own step counter and PRNG seed, all alike. Each update is told where
+has its own step counter and PRNG seed, all alike. The transformation sees each
+leaf as the only leaf of nested dicts along its path in the whole tree, so a mask
+or partition by path (``optax.adamw(mask=...)``, `optax.masked`, `optax.partition`)
+picks what it picks on the whole tree; a mask by shape sees one layer's (or slice's). Each update is told where
 its part lies in the whole tree (the extra argument ``positions``, a
 `lowmem_jax.optim.lowbit.Position` per leaf), so the project's stochastic roundings
 (8-bit moments, `lowmem_jax.optim.lowbit.stochastic_rounding`) draw each element's
@@ -158,6 +161,26 @@ def split(params: Any, key: str) -> tuple[dict, Any]:
   return {k: v for k, v in params.items() if k != key}, params[key]
 
 
+def _check_state(expected: StreamedState, opt_state: StreamedState) -> None:
+  """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
+  makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
+  def described(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
+
+  want, got = described(expected), described(opt_state)
+  for w, g in zip(want, got):
+    if w != g:
+      raise ValueError(
+          f"`opt_state` is not the state `init` makes for these params: at {w[0]} it should "
+          f"be {w[2]}{list(w[1])}, got {g[0]} {g[2]}{list(g[1])}. Make it with `init(params)` "
+          "(the same layer count, leaves and transformation).")
+  if len(want) != len(got) or jax.tree.structure(expected) != jax.tree.structure(opt_state):
+    raise ValueError(f"`opt_state` is not the state `init` makes for these params: its "
+                     f"structure ({len(got)} leaves) differs from `init(params)`'s "
+                     f"({len(want)} leaves).")
+
+
 def layer_count(layers: Any) -> int:
   """The stacked layers' leading axis, the same on every leaf (else a ValueError naming one)."""
   paths = jax.tree_util.tree_leaves_with_path(layers)
@@ -244,11 +267,49 @@ def _sliced(x: jax.Array, n: int) -> jax.Array:
   return x.reshape(n, -1, *jnp.shape(x)[1:])
 
 
-def _positions(params: Any, key: str) -> tuple[Any, Any]:
-  """Each leaf's `lowmem_jax.optim.lowbit.Position` in the whole tree, split as `split`
-  splits ``params``: a seeded rounding draws the whole tree's bits."""
-  where = map(lowbit.Position, range(len(jax.tree.leaves(params))))
-  return split(jax.tree.unflatten(jax.tree.structure(params), where), key)
+def _key(entry: Any) -> Any:
+  """A key path entry as a dict key: a dict's key, a sequence's index, an attribute's name."""
+  for field in ("key", "idx", "name"):
+    if hasattr(entry, field):
+      return getattr(entry, field)
+  raise TypeError(f"a parameter tree's key path entry {entry!r} is not a key, index or name.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+  """Where a leaf, or a part of one, lies in the whole params tree: its
+  `lowmem_jax.optim.lowbit.Position` (a seeded rounding draws the whole tree's bits there)
+  and its path. Not a pytree: trees of them have them as leaves."""
+  at: lowbit.Position
+  path: tuple  # the leaf's keys in the whole params tree
+
+  def index(self, i: Any) -> "_Where":
+    return _Where(self.at.index(i), self.path)
+
+  def part(self, i: Any, shape: tuple[int, ...]) -> "_Where":
+    return _Where(self.at.part(i, shape), self.path)
+
+  def nest(self, x: Any) -> Any:
+    """``x`` as the only leaf of nested dicts along the path: what ``tx`` is given, so a
+    mask or partition by path (`optax.masked`, `optax.partition`, ``adamw(mask=...)``)
+    sees the leaf where it sees it in the whole tree."""
+    for key in reversed(self.path):
+      x = {key: x}
+    return x
+
+  def leaf(self, tree: Any) -> Any:
+    """The leaf of a tree `nest` made."""
+    for key in self.path:
+      tree = tree[key]
+    return tree
+
+
+def _wheres(params: Any, key: str) -> tuple[Any, Any]:
+  """Each leaf's `_Where` in the whole tree, split as `split` splits ``params``."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  where = [_Where(lowbit.Position(i), tuple(map(_key, path)))
+           for i, (path, _) in enumerate(leaves)]
+  return split(jax.tree.unflatten(treedef, where), key)
 
 
 class _Backward(NamedTuple):
@@ -284,26 +345,29 @@ class _Streamer:
     check_per_leaf(self.tx, one_layer)
     return rest, layers, one_layer
 
-  def leaf_init(self, x):
+  def leaf_init(self, x, where):
     n = slices(jnp.shape(x), self.slice_elements)
-    return self.tx.init(x) if n == 1 else jax.vmap(self.tx.init)(_sliced(x, n))
+    init = lambda x: self.tx.init(where.nest(x))
+    return init(x) if n == 1 else jax.vmap(init)(_sliced(x, n))
 
   def init(self, params):
     rest, layers, _ = self.checked(params)
-    init_layer = lambda p: jax.tree.map(self.leaf_init, p)
+    rest_where, layers_where = _wheres(params, self.stack.key)
+    init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
     return StreamedState(slicing.layer_states(init_layer, layers, self.state),
-                         jax.tree.map(self.rest_init, rest))
+                         jax.tree.map(self.rest_init, rest, rest_where))
 
-  def rest_init(self, x):
+  def rest_init(self, x, where):
     """The state of a leaf outside the layers, where it is kept: a stack of its slices'
     states where it is updated in slices."""
     n = slices(jnp.shape(x), self.slice_elements)
-    return (slicing.to(self.state, self.leaf_init(x)) if n == 1
-            else slicing.stacked(self.state, self.leaf_init(x), n))
+    return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
+            else slicing.stacked(self.state, self.leaf_init(x, where), n))
 
-  def update(self, g, s, p, at):
-    updates, s = self.tx.update(g, s, p, positions=at)
-    return optax.apply_updates(p, updates), s
+  def update(self, g, s, p, where):
+    """``tx`` on one leaf (or part), given as the only leaf of its path (`_Where.nest`)."""
+    updates, s = self.tx.update(where.nest(g), s, where.nest(p), positions=where.nest(where.at))
+    return optax.apply_updates(p, where.leaf(updates)), s
 
   def update_leaf(self, g, s, p, place, at, outer=(), state_outer=()):
     """One leaf's update, its state in ``place`` before and after; ``at``: its
@@ -344,8 +408,9 @@ class _Streamer:
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
     rest, layers, one_layer = self.checked(params)
+    _check_state(jax.eval_shape(self.init, params), opt_state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
-    rest_at, layers_at = _positions(params, self.stack.key)
+    rest_at, layers_at = _wheres(params, self.stack.key)
     embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
     new_rest, rest_states, dh = self.update_head(head_grads, opt_state.rest, rest, rest_at,
                                                  embed_reads, dh)
@@ -368,6 +433,9 @@ class _Streamer:
                                           slicing.to(self.saved_inputs, h)),
                             h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
+    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+      raise TypeError("`LayerStack.head` must return a float scalar loss (as jax.grad needs), "
+                      f"got {jax.typeof(loss).str_short()}; average a per-example loss first.")
     head_grads, dh = head_vjp(jnp.ones_like(loss))
     return embed_vjp, saved, loss, head_grads, dh
 

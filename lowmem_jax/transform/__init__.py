@@ -22,8 +22,7 @@ less (LowMemoryBP, Yang et al., ICML 2024, arXiv:2406.16282; Rabe & Staats
   ``y @ (g[:, None] * W) + b @ W`` forward, and a backward that recomputes the
   activation-sized ``y * g + b`` from ``y``, so the norm and the matmul save one
   array, no weight-sized product is kept or made in the backward, and the
-  parameter tree does not change. Other consumers get ``y * g + b`` (the models'
-  ``keep_affine``).
+  parameter tree does not change. Other consumers get ``y * g + b``.
 - ``attention``: ``dot_general(q, k)`` → optional scalar scale, additive bias,
   ``where`` mask → softmax over keys → optional dropout (``p * keep / keep_prob``
   as flax's ``dot_product_attention_weights`` writes it, or ``where(keep, p /

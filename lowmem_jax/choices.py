@@ -23,7 +23,7 @@ class Activation(enum.StrEnum):
 class Norm(enum.StrEnum):
   """Which norm a transformer takes."""
   PLAIN = "plain"  # LayerNorm / RMSNorm as written
-  MS = "ms"  # memory-sharing norms, the affine folded into the matmuls they feed (arXiv:2406.16282)
+  MS = "ms"  # memory-sharing norms: output shared with the next matmul, affine kept (arXiv:2406.16282)
 
 
 class Attention(enum.StrEnum):

@@ -50,7 +50,8 @@ def main() -> int:
   The work runs in a thread, so Ctrl-C is heard at once, in the middle of a compile too:
   the process then says so in one line on the terminal's stderr and ends with status 130
   (128 + SIGINT) at once, without a traceback and without unwinding XLA's threads (which
-  crashed on the way out)."""
+  crashed on the way out). A ``--step`` module runs in that thread too: it cannot install
+  signal handlers."""
   terminal = os.dup(2)  # stderr as it is now: `without_cuda_notes` may hold fd 2 when stopped
   outcome = {}
 
@@ -69,7 +70,9 @@ def main() -> int:
       worker.join(0.1)
   except KeyboardInterrupt:
     sys.stdout.flush()
-    os.write(terminal, b"lowmem-jax: interrupted\n")
+    # On a terminal: the progress bar's line cleared and the cursor it hid shown again.
+    restore = b"\r\x1b[2K\x1b[?25h" if os.isatty(terminal) else b""
+    os.write(terminal, restore + b"lowmem-jax: interrupted\n")
     os._exit(130)
   os.close(terminal)
   if "error" in outcome:

@@ -331,17 +331,19 @@ def test_cli_plan_nothing_fits(capsys):
 def test_fused_ce_for_language_models(capsys):
   assert app.parse("all+fused-ce").values == (
       ("approx", True), ("ms-norm", True), ("attention", True), ("bf16", True), ("fused-ce", True))
-  def rungs(best, places, ks):
+  def rungs(best, places):
     state = f"{best}+8bit+bf16-params"
-    return ([best, f"{best}+8bit", state, f"{state}+remat:plan"]
-            + [f"{state}+{p}" for p in places] + [f"{state}+remat:full+adama:{k}" for k in ks])
-  assert app.ladder(4) == ["baseline", "bf16"] + rungs(
-      "bf16+ms-norm+attention", ["offload-opt"], (2, 4)) + rungs("all", ["offload-opt"], (2, 4))
+    return [best, f"{best}+8bit", state, f"{state}+remat:plan"] + [f"{state}+{p}" for p in places]
+  micro = lambda best, ks: [f"{best}+8bit+bf16-params+remat:full+adama:{k}" for k in ks]
+  exact = "bf16+ms-norm+attention"
+  assert app.ladder(4) == (["baseline", "bf16"] + rungs(exact, ["offload-opt"])
+                           + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
+                           + micro("all", (2, 4)))
   streamed = ["stream:device", "stream:host", "stream:host+late-embed", "stream:host+offload-opt"]
   assert app.ladder(2, language_model=True) == (
-      ["baseline", "fused-ce", "bf16+fused-ce"]
-      + rungs("bf16+ms-norm+attention+fused-ce", streamed, (2,))
-      + rungs("all+fused-ce", streamed, (2,)))
+      ["baseline", "fused-ce", "bf16+fused-ce"] + rungs(f"{exact}+fused-ce", streamed)
+      + rungs("all+fused-ce", streamed) + micro(f"{exact}+fused-ce", (2,))
+      + micro("all+fused-ce", (2,)))
   llama = ["--model", "llama-100m", "--batch", "1", "--seq", "64", "--target", "cpu"]
   assert cli.main(["report", *llama, "--techniques", "baseline,fused-ce", "--json"]) == 0
   rows = json.loads(capsys.readouterr().out)["rows"]
@@ -533,7 +535,7 @@ def test_cli_plan_step(capsys, step_file):
   assert cli.main(["plan", "--step", f"{step_file}:no_lowmem", "--target", "cpu",
                    "--budget", "1MiB"]) == 1
   captured = capsys.readouterr()
-  assert "left out: bf16, lowmem, 8bit, bf16-params, remat, offload-opt, adama, approx " in captured.out
+  assert "left out: bf16, lowmem, 8bit, bf16-params, remat, offload-opt, approx, adama " in captured.out
   assert _errors(captured.err) == ("lowmem-jax: nothing fits 1.0 MiB: the smallest compiled peak "
                                    f"is {peaks['baseline'] / 2**20:,.1f} MiB, with baseline. "
                                    "Lower the step's batch.\n")

@@ -95,7 +95,9 @@ def test_approx_and_ms_variants_save_less():
     return lm.memory.saved_residuals(lambda p, x: wl.loss(p, x, labels), wl.abstract_params(),
                                      wl.inputs)
   base, both = saved(), saved(activation="approx", norm="ms")
-  assert both.activation_bytes < 0.5 * base.activation_bytes  # 0.46 measured
+  # 0.507 measured (0.46 before the MS LayerNorms kept their bias: in bfloat16 they save
+  # their output before the affine besides the one the matmul saves, to stay exact)
+  assert both.activation_bytes < 0.55 * base.activation_bytes
   assert both.by_name()[lm.names.ACT_CODE] > 0
   every = saved(activation="approx", norm="ms", attention="recompute")
   assert lm.names.ATTN_PROBS not in every.by_name()

@@ -84,27 +84,69 @@ def test_affine_forward_and_gradients_match_plain_norm(kind, impl):
                               jax.grad(loss(twin), argnums)(x, *affine), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", list(PAIRS))
-def test_affine_residual_is_shared_with_the_next_matmul(kind):
-  """With its affine the norm still saves its output (what the matmul saves) and rstd."""
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_a_bias_without_a_scale_is_the_plain_norms(impl):
+  x = 3 * jax.random.normal(jax.random.key(0), (2, 3, 64)) + 1
+  w = jax.random.normal(jax.random.key(1), x.shape)
+  bias = jax.random.normal(jax.random.key(4), (64,))
+  loss = lambda f: (lambda x, b: jnp.sum(jnp.sin(f(x, b)) * w))
+  ours = lambda x, b: lm.ms_layer_norm(x, None, b, impl=impl)
+  twin = lambda x, b: layer_norm(x) + b[None, None]
+  chex.assert_trees_all_close(jax.grad(loss(ours), (0, 1))(x, bias),
+                              jax.grad(loss(twin), (0, 1))(x, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,bias", [("rms", False), ("layer", False), ("layer", True)])
+def test_affine_residual_is_shared_with_the_next_matmul_but_with_a_16_bit_bias(kind, bias):
+  """With its scale the norm saves its output (what the matmul saves) and rstd; with a bias
+  in 16 bits it saves its output before the affine too (recovering it from the rounded
+  output would lose |bias| / |scale| of its ulps)."""
   ms, _ = PAIRS[kind]
   x = jax.ShapeDtypeStruct((4, 5, 64), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((64, 8), jnp.bfloat16)
-  affine = _affine_args(kind, 64)
+  affine = _affine_args(kind, 64)[:2 if bias else 1]
   res = lm.memory.saved_residuals(
       lambda x, w, *a: jnp.sum(jnp.dot(ms(x, *a, dtype=jnp.bfloat16), w).astype(jnp.float32)),
       x, w, *affine)
   got = sorted((r.shape, str(r.dtype)) for r in res.rows if r.shape[:2] == (4, 5))
-  assert got == [((4, 5), "float32"), ((4, 5, 64), "bfloat16")]
+  assert got == [((4, 5), "float32")] + [((4, 5, 64), "bfloat16")] * (2 if bias else 1)
 
 
-def test_a_zero_scale_gives_nan_gradients_not_zeros():
-  """A feature whose scale is exactly 0 is erased from the saved output: its input
-  cannot be recovered, and the gradients say so."""
+@pytest.mark.parametrize("scale,bias", [(0.05, 2.0), (1.0, 0.0), (None, 3.0)])
+def test_affine_in_bfloat16_is_the_plain_norms_up_to_its_rounding(scale, bias):
+  """bfloat16 output, a bias large against the scale (or no scale): the gradients within
+  bfloat16's rounding of the plain LayerNorm's (the output's own rounding)."""
+  x = 3 * jax.random.normal(jax.random.key(0), (8, 64)) + 1
+  w = jax.random.normal(jax.random.key(1), x.shape)
+  s = None if scale is None else scale * (1 + 0.1 * jax.random.normal(jax.random.key(2), (64,)))
+  b = bias * jnp.ones(64)
+
+  def plain(x, s, b):
+    return (layer_norm(x) * (1.0 if s is None else s[None]) + b[None]).astype(jnp.bfloat16)
+
+  ours = lambda x, s, b: lm.ms_layer_norm(x, s, b, dtype=jnp.bfloat16)
+  loss = lambda f: (lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b).astype(jnp.float32)) * w))
+  argnums = (0, 2) if s is None else (0, 1, 2)
+  for got, want in zip(jax.grad(loss(ours), argnums)(x, s, b),
+                       jax.grad(loss(plain), argnums)(x, s, b)):
+    assert jnp.max(jnp.abs(got - want)) <= 2e-2 * jnp.max(jnp.abs(want))
+
+
+def test_a_zero_scale_gives_nan_gradients_for_its_feature_alone():
+  """A feature whose scale is exactly 0 is erased from the saved output: its input cannot be
+  recovered, and its gradients (of x and of the scale) say so; every other stays exact."""
   x = jax.random.normal(jax.random.key(0), (3, 8))
-  scale = jnp.ones(8).at[2].set(0.0)
-  dscale = jax.grad(lambda s: jnp.sum(lm.ms_rms_norm(x, s) ** 2 + lm.ms_rms_norm(x, s)))(scale)
-  assert np.isnan(dscale[2]) and np.isfinite(np.delete(np.asarray(dscale), 2)).all()
+  scale = 1 + 0.3 * jax.random.normal(jax.random.key(1), (8,))
+  zero = scale.at[2].set(0.0)
+  loss = lambda f: (lambda x, s: jnp.sum(jnp.sin(f(x, s)) * jnp.arange(8.0)[None]))
+  ours = lambda x, s: lm.ms_rms_norm(x, s)
+  twin = lambda x, s: rms_norm(x) * s[None]
+  dx, dscale = jax.grad(loss(ours), (0, 1))(x, zero)
+  want_dx, want_dscale = jax.grad(loss(twin), (0, 1))(x, zero)
+  assert np.isnan(dscale[2]) and np.isnan(dx[:, 2]).all()
+  keep = np.arange(8) != 2
+  np.testing.assert_allclose(dx[:, keep], want_dx[:, keep], atol=1e-5)
+  np.testing.assert_allclose(dscale[keep], want_dscale[keep], atol=1e-5)
 
 
 def test_affine_of_the_wrong_shape_is_refused():

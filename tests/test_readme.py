@@ -92,7 +92,9 @@ def _check_the_step_example(name, tmp_path, capfd):
   tried = [s.label for _, s in fit.tried]
   untried = [t for t in texts[:texts.index(tried[-1])] if t not in tried]
   assert tried == [t for t in texts if t in tried] and all("remat:plan" in t for t in untried)
-  assert fit.fits.exact
+  # an approximate set only where no exact set fits
+  assert fit.fits.exact or not any(s.exact for b, s in fit.tried
+                                   if b.stats.peak_bytes <= int(budget[1]) * 2**20)
   assert all(b.stats.peak_bytes > int(budget[1]) * 2**20 for b, _ in fit.tried[:-1])
   assert fit.tried[-1][0].stats.peak_bytes <= int(budget[1]) * 2**20
   # the Python printed for the fit makes the step measured

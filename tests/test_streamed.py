@@ -334,6 +334,10 @@ def test_bad_input_names_what_is_wrong():
     streamed.layer_streamed(model, optax.adam(1e-3), gather_params="fsdp")
   with pytest.raises(TypeError, match="StreamedState"):
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
+  by_tree = optax.adamw(1e-3, mask=jax.tree.map(lambda x: x.ndim > 1, params))
+  with pytest.raises(ValueError, match=r"at \['layers', 'norm'\] alone failed: .* a mask or label "
+                     "tree .* cannot match it; give a function"):
+    streamed.layer_streamed(model, by_tree).init(params)
 
 
 @pytest.mark.parametrize("state", ["device", "host"])
@@ -349,6 +353,24 @@ def test_a_state_made_for_other_params_is_refused(state):
   sgd = streamed.layer_streamed(model, optax.sgd(1e-3, momentum=0.9), state=state)
   with pytest.raises(ValueError, match="not the state `init` makes"):
     jax.eval_shape(layered.step, params, sgd.init(params), batch)
+
+
+def test_a_layer_of_the_wrong_signature_or_return_is_refused_by_name():
+  """Both made scan's carry error, which names neither the layer nor what it should be."""
+  whole, params, batch = stack(), params_of(jax.random.key(0)), batch_of(jax.random.key(1))
+  for layer, message in (
+      (lambda p, h: h, r"`LayerStack.layer` must take \(layer_params, h, batch\)"),
+      (lambda p, h, b: (h, None), r"must return the hidden state as it takes it, "
+                                  r"float32\[4, 8, 16\]; got \("),
+      (lambda p, h, b: h.astype(jnp.bfloat16), r"float32\[4, 8, 16\]; got bfloat16\[4, 8, 16\]")):
+    layered = streamed.layer_streamed(streamed.LayerStack(whole.embed, layer, whole.head),
+                                      optax.adam(1e-3))
+    with pytest.raises(TypeError, match=message):
+      layered.step(params, layered.init(params), batch)
+  parts = streamed.LayerStack(whole.embed, (whole.layer, lambda p, h, b: h[..., :2]), whole.head)
+  layered = streamed.layer_streamed(parts, optax.adam(1e-3))
+  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[1\] must return the hidden state"):
+    layered.step(params, layered.init(params), batch)
 
 
 def test_a_head_that_returns_no_scalar_loss_is_refused():

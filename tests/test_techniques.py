@@ -46,21 +46,22 @@ def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():
   assert not app.parse("sparse:0.1").exact and not app.parse("conv:int8").exact
   assert app.parse("lowmem+8bit", step=True).exact
   assert not app.parse("lowmem+approx", step=True).exact
+  assert app.parse("bf16+remat:full+adama:4").approximate == ("adama",)  # a micro-batch sum
 
 
 @pytest.mark.parametrize("step,language_model", [(False, True), (False, False), (True, False)])
-def test_the_ladder_tries_every_exact_set_before_any_approximate_one(step, language_model):
+def test_the_ladder_tries_every_exact_set_before_any_other(step, language_model):
   texts = app.ladder(None if step else 8, language_model, step=step)
-  exact = [app.parse(t.replace("+remat:plan", ""), step=step).exact for t in texts]
-  first = exact.index(False)
-  assert all(exact[:first]) and not any(exact[first:]) and first == len(texts) - first + (
-      3 if language_model else 2)  # baseline, (fused-ce,) bf16, then the rungs twice
-  # the approximate half is the exact half with the approximate activations
-  assert [app.parse(t.replace("+remat:plan", ""), step=step).values
-          for t in texts[first:]] == [
-      tuple(sorted(app.parse(t.replace("+remat:plan", "") + "+approx", step=step).values,
-                   key=lambda tv: list(techniques.TECHNIQUES).index(tv[0])))
-      for t in texts[first - len(texts[first:]):first]]
+  sets = [app.parse(t.replace("+remat:plan", ""), step=step) for t in texts]
+  first = next(i for i, s in enumerate(sets) if not s.exact)
+  assert all(s.exact for s in sets[:first]) and not any(s.exact for s in sets[first:])
+  # then the approximate activations, the exact half's sets with approx, then AdamA
+  approximate = [s for s in sets[first:] if "adama" not in s]
+  assert [s.approximate for s in approximate] == [("approx",)] * len(approximate)
+  assert all("adama" in s for s in sets[first + len(approximate):])
+  assert [s.values for s in approximate] == [
+      app.parse(t.replace("+remat:plan", "") + "+approx", step=step).values
+      for t in texts[first - len(approximate):first]]
 
 
 @pytest.mark.parametrize("budget,approximate", [(20, False), (7, True)])
@@ -109,11 +110,11 @@ def _lowmem_only(lowmem=lambda f: f):
 def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
   def rungs(best):
     state = f"{best}+8bit+bf16-params"
-    return [best, f"{best}+8bit", state, f"{state}+remat:plan", f"{state}+offload-opt",
-            f"{state}+remat:full+adama:2", f"{state}+remat:full+adama:4",
-            f"{state}+remat:full+adama:8"]
-  assert app.ladder(None, step=True) == (["baseline", "bf16"] + rungs("bf16+lowmem")
-                                         + rungs("bf16+lowmem+approx"))
+    return [best, f"{best}+8bit", state, f"{state}+remat:plan", f"{state}+offload-opt"]
+  micro = lambda best: [f"{best}+8bit+bf16-params+remat:full+adama:{k}" for k in (2, 4, 8)]
+  assert app.ladder(None, step=True) == (
+      ["baseline", "bf16"] + rungs("bf16+lowmem") + rungs("bf16+lowmem+approx")
+      + micro("bf16+lowmem") + micro("bf16+lowmem+approx"))
   full = app.Job(make_step=_all_options, target="cpu")
   assert app.ladder_of(full) == (app.ladder(None, step=True), ())
   only = app.Job(make_step=_lowmem_only, target="cpu")

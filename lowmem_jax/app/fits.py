@@ -13,10 +13,11 @@ from lowmem_jax.compile import planner
 
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
   """Technique sets `cheapest_fit` tries, in order: the exact ones (`TechniqueSet.exact`:
-  training as the plain step's up to rounding), then the same ladder with the approximate
-  activations (``approx``: ReGELU2/ReSiLU2), tried only where no exact set fits.
+  training as the plain step's up to rounding), then those that are not, tried only where
+  no exact set fits: the same with the approximate activations (``approx``: ReGELU2/ReSiLU2),
+  then AdamA over micro-batches (``adama``, whose second moment is a micro-batch sum).
 
-  Each half, cheapest recompute first: the exact rewrites (bfloat16 compute, memory-sharing
+  Each, cheapest recompute first: the exact rewrites (bfloat16 compute, memory-sharing
   norms, attention keeping no L×L residual), then the optimizer state in fewer bits
   (8-bit moments, bfloat16 parameters), then recompute (``remat:plan``:
   `lowmem_jax.plan`'s policy); a language model's then the layer-streamed step (its saved
@@ -35,14 +36,14 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
     state = f"{best}+8bit+bf16-params"
     sets = [best, f"{best}+8bit", state, f"{state}+remat:plan"]
     if language_model:
-      sets += [f"{state}+stream:device", f"{state}+stream:host",
-               f"{state}+stream:host+late-embed", f"{state}+stream:host+offload-opt"]
-    else:
-      sets.append(f"{state}+offload-opt")
-    return sets + [f"{state}+remat:full+adama:{k}" for k in ks]
+      return sets + [f"{state}+stream:device", f"{state}+stream:host",
+                     f"{state}+stream:host+late-embed", f"{state}+stream:host+offload-opt"]
+    return sets + [f"{state}+offload-opt"]
 
+  micro = lambda best: [f"{best}+8bit+bf16-params+remat:full+adama:{k}" for k in ks]
   return (["baseline"] + (["fused-ce"] if language_model else []) + [f"bf16{head}"]
-          + rungs(f"{exact}{head}") + rungs(f"{approximate}{head}"))
+          + rungs(f"{exact}{head}") + rungs(f"{approximate}{head}")
+          + micro(f"{exact}{head}") + micro(f"{approximate}{head}"))
 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
@@ -158,9 +159,11 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
   fit = Fit(tried, None, floor, skipped, not_taken, objective, budget)
   if floor > budget:
     return fit
+  exact_fits = False
   for text in texts:
-    if fit.fitting and not parse(text.replace("+remat:plan", ""), step=step).exact:
-      break  # an exact set fits: the approximate half of the ladder is not tried
+    exact = parse(text.replace("+remat:plan", ""), step=step).exact
+    if exact_fits and not exact:
+      break  # an exact set fits: the sets that are not exact are not tried
     if arguments.get(text, 0) > budget:
       skipped.append((text, arguments[text]))
       continue
@@ -169,6 +172,7 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
     if techniques is None:
       continue
     tried.append((measure(job, techniques), techniques))
+    exact_fits = exact_fits or (exact and tried[-1][0].stats.peak_bytes <= budget)
     if objective == "memory" and fit.fitting:
       break
   fitting = fit.fitting

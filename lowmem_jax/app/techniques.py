@@ -58,7 +58,8 @@ class Technique:
       function, parameters and gradient, computed or kept in fewer bits at most (bfloat16
       compute, 8-bit moments, bfloat16 parameters rounded stochastically; on the
       transformers, for a technique that differs by model). False for an approximate
-      gradient (approx, conv) or other parameters (sparse). The ablation that set these:
+      gradient (approx, conv), another second moment (adama: a sum over micro-batches) or
+      other parameters (sparse). The ablation that set these:
       docs/techniques.md.
     needs: ``(term, why)``: a term the set must also hold.
     excludes: ``(term, why)`` pairs: terms the set must not also hold.
@@ -146,7 +147,7 @@ TECHNIQUES = {t.term: t for t in (
               "folded into the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
               "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA models "
               "the token embedding's gradient buffer is made late (embedding=\"late\", exact)",
-              value="<k>", parse=_micro_batches, off=1,
+              value="<k>", parse=_micro_batches, off=1, exact=False,
               switches=lambda _, job: ({"embedding": Embedding.LATE.value} if job.language_model
                                        else {})),
     Technique("8bit", "optimizer moments block-wise in 8 bits (lowmem_jax.optim.lowbit.adamw_8bit; "

@@ -93,17 +93,15 @@ class _MSNorm(nn.Module):
   dtype: Any = None
   param_dtype: Any = jnp.float32
   use_scale: bool = True
-  use_bias: bool = True
   impl: str | None = None
   _norm = None
-  _affine = ("scale", "bias")
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    used = {"scale": self.use_scale, "bias": self.use_bias}
+    used = {"scale": self.use_scale, "bias": getattr(self, "use_bias", False)}
     inits = {"scale": nn.initializers.ones, "bias": nn.initializers.zeros}
     affine = {name: self.param(name, inits[name], (x.shape[-1],), self.param_dtype)
-              for name in type(self)._affine if used[name]}
+              for name in ("scale", "bias") if used[name]}
     return type(self)._norm(x, **affine, eps=self.epsilon, dtype=self.dtype, impl=self.impl)
 
 
@@ -119,12 +117,13 @@ class MSLayerNorm(_MSNorm):
   Attributes:
     epsilon: added to the variance.
     dtype: dtype of the output; give the dtype the next layer computes in.
-      Defaults to the input's.
+      Defaults to the input's (Flax's promotes it with the parameters').
     param_dtype: the dtype of ``scale`` and ``bias``.
     use_scale, use_bias: whether the norm has them.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
+  use_bias: bool = True
   _norm = staticmethod(ms_layer_norm)
 
 
@@ -139,14 +138,13 @@ class MSRMSNorm(_MSNorm):
   Attributes:
     epsilon: added to the mean square.
     dtype: dtype of the output; give the dtype the next layer computes in.
-      Defaults to the input's.
+      Defaults to the input's (Flax's promotes it with the parameter's).
     param_dtype: the dtype of ``scale``.
     use_scale: whether the norm has it.
     impl: "xla", "pallas", "pallas_interpret" or "auto" (`lowmem_jax.ops.dispatch`);
       ``None`` reads ``$LOWMEM_JAX_IMPL``, else "auto".
   """
   _norm = staticmethod(ms_rms_norm)
-  _affine = ("scale",)
 
 
 class Embed(nn.Embed):

@@ -2,8 +2,8 @@
 
 Parameter layout (``tok_embeddings``, ``layers/{attention_norm,
 attention/{wq,wk,wv,wo}, ffn_norm, feed_forward/{w1,w2,w3}}``, ``norm``,
-``output``) follows Meta's reference code, so `lowmem_jax.flax.affine_folding.LLAMA_RULES`
-folds it. The layers are stacked, each leaf ``[n_layers, ...]``, and run by
+``output``) follows Meta's reference code (`lowmem_jax.flax.affine_folding.LLAMA_RULES`
+folds it for a model of your own whose MS norms have no scale). The layers are stacked, each leaf ``[n_layers, ...]``, and run by
 `flax.linen.scan`, so compile time does not grow with depth (``scan=False``
 unrolls them as ``layers_{i}``); `layer_stack`
 gives the same model as pure functions over those params

@@ -4,7 +4,8 @@ Pre-LN encoder blocks; the parameter tree matches big_vision's ``vit.py``
 (``Transformer/encoderblock_{i}/{LayerNorm_0, MultiHeadDotProductAttention_0,
 LayerNorm_1, MlpBlock_0}``, ``Transformer/encoder_norm``, ``embedding``,
 ``pos_embedding``, ``cls``, ``head``; class token pooling), so its
-checkpoints load, and `lowmem_jax.flax.affine_folding.VIT_RULES` folds it.
+checkpoints load (`lowmem_jax.flax.affine_folding.VIT_RULES` folds it for a model of your
+own whose MS norms have no affine).
 
 Switches: `TransformerSwitches` (the activation is the MLP's GELU, the norms
 LayerNorms), ``remat`` / ``remat_policy`` for the blocks.

@@ -13,8 +13,11 @@ outputs and saves, and the backward recovers ``y = (z - bias) / scale`` from it:
 
     dscale = sum_rows(dz * y),  dbias = sum_rows(dz),  dy = dz * scale
 
-exact up to the rounding of the saved ``z``. A scale entry that is exactly 0
-erases its feature of ``y``: the gradients are then NaN (0 / 0), not a silent 0.
+exact up to the rounding of the saved ``z``. With a bias and a 16-bit output the
+norm saves ``y`` itself instead (recovered from ``z``, ``y`` would lose |bias| / |scale|
+of its ulps): exact, and no array shared with the next matmul. A scale entry that is
+exactly 0 erases its feature of ``y`` from ``z``: that feature's gradients (of ``x``
+and of the scale) are NaN, not a silent 0; every other is exact.
 
 Per row of the last axis, statistics in float32, biased variance:
 
@@ -71,6 +74,11 @@ def _row(p, like):
   return jax.lax.broadcast_to_rank(p.astype(jnp.float32), like.ndim)
 
 
+def _rank(mask, like):
+  """``mask: bool[n]`` broadcast to ``like``'s rank."""
+  return jax.lax.broadcast_to_rank(mask, like.ndim)
+
+
 def _affine(y, scale, bias):
   """``y * scale + bias`` in float32, either of them None for none."""
   y = y.astype(jnp.float32)
@@ -78,15 +86,24 @@ def _affine(y, scale, bias):
   return y if bias is None else y + _row(bias, y)
 
 
+def _saves_y(spec, bias) -> bool:
+  """Whether the norm saves ``y`` itself: with a bias and a 16-bit output, where ``z``'s
+  rounding would cost ``y`` |bias| / |scale| of its ulps."""
+  return bias is not None and spec.y_dtype.itemsize < 4
+
+
 def _ms_norm_fwd(spec, options, x, scale, bias):
   if scale is None and bias is None:
     z, rstd = _forward(spec, options, x)
+    saved = z
   else:
     y, rstd = _forward(dataclasses.replace(spec, y_dtype=jnp.dtype(jnp.float32)), options, x)
     z = _affine(y, scale, bias).astype(spec.y_dtype)
-  z, rstd = _layout.barrier_rows(z, rstd)
+    saved = y.astype(spec.y_dtype) if _saves_y(spec, bias) else z
+  own = saved is not z
+  z, rstd, *rest = _layout.barrier_rows(z, rstd, *([saved] if own else []))
   z = checkpoint_name(z, names.NORM_OUT)
-  return z, (z, checkpoint_name(rstd, names.NORM_RSTD), scale, bias)
+  return z, (rest[0] if own else z, checkpoint_name(rstd, names.NORM_RSTD), scale, bias)
 
 
 def _sum_rows(a, dtype):
@@ -94,23 +111,37 @@ def _sum_rows(a, dtype):
   return a.reshape(-1, a.shape[-1]).sum(0).astype(dtype)
 
 
+def _recovered(spec, saved, scale, bias):
+  """``(y, lost)``: the norm's output before its affine, from the saved array, float32;
+  ``lost``: bool ``[n]``, the features a zero scale erased from ``z`` (their ``y`` is 0
+  here: ``z - bias`` is), or None."""
+  y = saved.astype(jnp.float32)
+  if _saves_y(spec, bias):
+    return y, None
+  y = y if bias is None else y - _row(bias, y)
+  if scale is None:
+    return y, None
+  lost = scale == 0  # there z - bias is exactly 0 (saved in float32, or without a bias)
+  return y / _row(jnp.where(lost, jnp.ones_like(scale), scale), y), lost
+
+
 def _ms_norm_bwd(spec, options, res, dz):
-  z, rstd, scale, bias = res
-  y, dy = z, dz
+  saved, rstd, scale, bias = res
+  y, dy, lost = saved, dz, None
   if scale is not None or bias is not None:
-    y = z.astype(jnp.float32)
-    y = y if bias is None else y - _row(bias, y)
-    dy = dz.astype(jnp.float32)
-    if scale is not None:
-      y, dy = y / _row(scale, y), dy * _row(scale, y)
+    y, lost = _recovered(spec, saved, scale, bias)
+    dy = dz.astype(jnp.float32) * (1.0 if scale is None else _row(scale, y))
   if options is None:
     dx = reference.backward_reference(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype)
   else:
     dx = _kernels().backward(y, rstd, dy, centered=spec.centered, x_dtype=spec.x_dtype,
                           options=options)
   dz32 = dz.astype(jnp.float32)
-  return (dx, None if scale is None else _sum_rows(dz32 * y, scale.dtype),
-          None if bias is None else _sum_rows(dz32, bias.dtype))
+  dscale = None if scale is None else _sum_rows(dz32 * y, scale.dtype)
+  if lost is not None:  # a zero scale's feature of x and of the scale's gradient: not known
+    dx = jnp.where(_rank(lost, dx), jnp.nan, dx).astype(dx.dtype)
+    dscale = jnp.where(lost, jnp.nan, dscale).astype(dscale.dtype)
+  return dx, dscale, None if bias is None else _sum_rows(dz32, bias.dtype)
 
 
 _ms_norm.defvjp(_ms_norm_fwd, _ms_norm_bwd)

@@ -24,15 +24,16 @@ def reads(fn: Callable, tree: Any, *args) -> Any:
 def check_per_leaf(tx: optax.GradientTransformation, params: Any) -> None:
   """Raises ValueError if ``tx``'s update of one leaf reads another leaf's gradient or param.
 
-  Traces ``tx.update`` on two copies of ``params`` (a layer's) and follows each
-  output back through the jaxpr to the leaves it reads (into nested calls;
+  Traces ``tx.update`` on ``params`` (two copies of it where it has one leaf) and follows
+  each output back through the jaxpr to the leaves it reads (into nested calls;
   conservatively through loops and conditionals).
 
   Args:
     tx: the transformation.
-    params: one layer's parameters (arrays or ``ShapeDtypeStruct``).
+    params: the parameters (arrays or ``ShapeDtypeStruct``), laid out as ``tx`` sees
+      them: `lowmem_jax.optim.layer_streamed` gives its whole tree with one layer.
   """
-  probe = {"a": params, "b": params}
+  probe = params if len(jax.tree.leaves(params)) > 1 else {"a": params, "b": params}
   state = jax.eval_shape(tx.init, probe)
   n = len(jax.tree.leaves(probe))
   closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(probe, state, probe)

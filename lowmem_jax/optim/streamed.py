@@ -181,6 +181,28 @@ def _check_state(expected: StreamedState, opt_state: StreamedState) -> None:
                      f"({len(want)} leaves).")
 
 
+def _check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:
+  """Raises a TypeError naming `LayerStack.layer` where a part does not take ``(params, h,
+  batch)`` or returns another hidden state than it takes (a scan's carry error otherwise)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
+  want = jax.ShapeDtypeStruct(jnp.shape(h), jnp.result_type(h))
+  x = want
+  for j, part in enumerate(stack.parts):
+    name = "`LayerStack.layer`" + (f"[{j}]" if isinstance(stack.layer, tuple) else "")
+    try:
+      x = jax.eval_shape(lambda p, x: part(p, x, batch), one, x)
+    except TypeError as e:
+      raise TypeError(f"{name} must take (layer_params, h, batch) and return the new h: "
+                      f"{e}") from e
+    if not hasattr(x, "shape") or (x.shape, x.dtype) != (want.shape, want.dtype):
+      raise TypeError(f"{name} must return the hidden state as it takes it, "
+                      f"{_short(want)}; got {jax.tree.map(_short, x)}.")
+
+
+def _short(a) -> str:
+  return f"{jnp.dtype(a.dtype)}{list(a.shape)}"
+
+
 def layer_count(layers: Any) -> int:
   """The stacked layers' leading axis, the same on every leaf (else a ValueError naming one)."""
   paths = jax.tree_util.tree_leaves_with_path(layers)
@@ -342,12 +364,22 @@ class _Streamer:
     rest, layers = split(params, self.stack.key)
     layer_count(layers)
     one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
-    check_per_leaf(self.tx, one_layer)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), rest)
+    check_per_leaf(self.tx, {**shapes, self.stack.key: one_layer})  # at the whole tree's paths
     return rest, layers, one_layer
 
   def leaf_init(self, x, where):
     n = slices(jnp.shape(x), self.slice_elements)
-    init = lambda x: self.tx.init(where.nest(x))
+
+    def init(x):
+      try:
+        return self.tx.init(where.nest(x))
+      except (ValueError, TypeError) as e:
+        raise type(e)(f"`tx.init` of the parameter at {list(where.path)} alone failed: "
+                      "layer_streamed gives `tx` one leaf at a time, at its path, so a mask "
+                      "or label tree (not a function of the params) cannot match it; give a "
+                      f"function. ({e})") from e
+
     return init(x) if n == 1 else jax.vmap(init)(_sliced(x, n))
 
   def init(self, params):
@@ -429,6 +461,7 @@ class _Streamer:
     `saved_inputs`, and the head's backward."""
     stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
+    _check_layer(stack, layers, h, batch)
     h, saved = jax.lax.scan(lambda h, p: (stack.run_layer(gather(p), h, batch),
                                           slicing.to(self.saved_inputs, h)),
                             h, layers)

@@ -410,7 +410,9 @@ def _parser() -> argparse.ArgumentParser:
   described = "\n".join(t.help() for t in techniques.TECHNIQUES.values())
   rep = sub.add_parser("report", help="memory of a training step (a reference model's or yours: "
                        "--step), per technique set",
-                       description=f"techniques:\n{described}\n\nwith --step: "
+                       description="techniques (those not marked [approximate] train as the "
+                       "plain step does, up to rounding; plan tries them first):\n"
+                       f"{described}\n\nwith --step: "
                        f"{', '.join(techniques.STEP_TECHNIQUES)} (default "
                        f"{techniques.STEP_DEFAULT}, each where make_step takes its options). "
                        "Each technique calls make_step with its options, these keyword "

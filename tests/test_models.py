@@ -36,12 +36,17 @@ def test_ms_norm_is_the_plain_model_with_the_same_params(make, inputs):
   if inputs.dtype != jnp.int32:
     inputs = jax.random.normal(jax.random.key(2), inputs.shape)
   ms = make(norm="ms")
-  assert jax.tree.structure(params) == jax.tree.structure(ms.init(jax.random.key(0), inputs)["params"])
+  ms_params = ms.init(jax.random.key(0), inputs)["params"]
+  assert jax.tree.structure(params) == jax.tree.structure(ms_params)
   loss = lambda model: (lambda p: jnp.sum(jnp.sin(model.apply({"params": p}, inputs))))
   chex.assert_trees_all_close(ms.apply({"params": params}, inputs),
                               plain.apply({"params": params}, inputs), atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(jax.grad(loss(ms))(params), jax.grad(loss(plain))(params),
-                              atol=1e-5, rtol=1e-4)
+  # Float32 rounding apart: the sums over tokens in another order, 16 float32 epsilons of a
+  # leaf's largest gradient at least (jax 0.12 moved one of the tiny LLaMA's embedding
+  # gradients, which reach 77, by 2.8e-5).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=max(1e-5, 16 * np.finfo(np.float32).eps * np.max(np.abs(b)))),
+      jax.grad(loss(ms))(params), jax.grad(loss(plain))(params))
 
 
 @pytest.mark.parametrize("make,inputs", [

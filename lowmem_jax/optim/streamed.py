@@ -31,8 +31,8 @@ stacked layers; a leaf updated in slices, `slices`, on each slice), so each
 has its own step counter and PRNG seed, all alike. The transformation sees each
 leaf as the only leaf of nested dicts along its path in the whole tree, so a mask
 or partition by path (``optax.adamw(mask=...)``, `optax.masked`, `optax.partition`)
-picks what it picks on the whole tree; a mask by shape sees one layer's (or slice's). Each update is told where
-its part lies in the whole tree (the extra argument ``positions``, a
+picks what it picks on the whole tree; a mask by shape sees one layer's (or slice's).
+Each update is told where its part lies in the whole tree (the extra argument ``positions``, a
 `lowmem_jax.optim.lowbit.Position` per leaf), so the project's stochastic roundings
 (8-bit moments, `lowmem_jax.optim.lowbit.stochastic_rounding`) draw each element's
 bits where the whole tree draws them. For a transformation that works leaf by

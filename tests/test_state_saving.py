@@ -143,3 +143,31 @@ def test_state_round_trips_and_resumes_bit_for_bit(case, saver, tmp_path):
     params, state = case.step(params, state, i)
     resumed, restored = case.step(resumed, restored, i)
   _exact((resumed, restored), (params, state))
+
+
+@pytest.mark.parametrize("tx", [lowbit.adamw_8bit(1e-2), lm.adamaw(1e-2, 2)],
+                         ids=["8-bit", "adama k=2"])
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+@OPTAX_APPLY_UPDATES
+def test_a_host_streamed_state_restores_through_its_abstract_target(tx, tmp_path):
+  """orbax restores into `LayerStreamed.abstract` (no concrete state made): the state lands in
+  host memory and the donating step takes it, resuming bit for bit."""
+  stack = optim.LayerStack(embed=lambda rest, x: x @ rest["w"],
+                           layer=lambda p, h, x: jnp.tanh(h @ p["w"]),
+                           head=lambda rest, h, x: jnp.mean(h ** 2))
+  params = jax.tree.map(jnp.copy, {**PARAMS, "layers": {"w": jnp.stack([PARAMS["w"] / 8] * 2)}})
+  layered = optim.layer_streamed(stack, tx, state="host")
+  run = jax.jit(layered.step, donate_argnums=(0, 1))
+  xs = [jax.random.normal(jax.random.key(i), (4, 64)) for i in range(3)]
+  params, state, _ = run(params, layered.init(params), xs[0])
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "state", layered.abstract(params))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(restored)} == {"pinned_host"}
+  resumed = jax.tree.map(jnp.copy, params)
+  for x in xs[1:]:
+    params, state, _ = run(params, state, x)
+    resumed, restored, _ = run(resumed, restored, x)
+  _exact((resumed, restored), (params, state))

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from lowmem_jax import optim
+from lowmem_jax.optim.accumulation import find_adama_state
 from lowmem_jax.optim import lowbit
 
 
@@ -58,7 +58,7 @@ def offload_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
     # Each leaf's state goes to the host as it is made: the device never holds the whole.
     host = jax.memory.Space.Host
     states = tuple(jax.device_put(inner.init(p), host) for p in jax.tree.leaves(params))
-    if any(optim.find_adama_state(s) is not None for s in states):
+    if any(find_adama_state(s) is not None for s in states):
       raise ValueError("`inner` is AdamA, which folds every micro-batch into its moments "
                        "(k crossings a step) and which microbatch_step finds as one state: "
                        "offload an optimizer that updates once a step.")

@@ -67,7 +67,7 @@ from lowmem_jax import _sharding
 from lowmem_jax._checks import is_int
 from lowmem_jax.choices import Place, checked
 from lowmem_jax.ops.token_chunks import slices
-from lowmem_jax.optim import lowbit, slicing
+from lowmem_jax.optim import lowbit, offload, slicing
 from lowmem_jax.optim.per_leaf import check_per_leaf, reads
 
 
@@ -151,9 +151,15 @@ class LayerStreamed:
       one call per (micro-)batch; ``ok`` (bool[]) where the loss and every gradient were
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
       parameters and the state are updated in place.
+    abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
+      where ``init`` puts it (one device's): the target to restore a saved state into
+      (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
+      memory: a host state restored through it lands in device memory, which the
+      donating step cannot take (the process aborts).
   """
   init: Callable[[Any], StreamedState]
   step: Callable[[Any, StreamedState, Any], tuple[Any, StreamedState, dict]]
+  abstract: Callable[[Any], StreamedState]
 
 
 def split(params: Any, key: str) -> tuple[dict, Any]:
@@ -298,7 +304,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
   streamer = _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
                        slice_elements, _sharding.gathered if gather_params else lambda tree: tree)
-  return LayerStreamed(streamer.init, streamer.step)
+  return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
 
 
 def _last_first(out: tuple) -> tuple:
@@ -411,6 +417,11 @@ class _Streamer:
     return StreamedState(slicing.layer_states(init_layer, layers, self.state),
                          jax.tree.map(self.rest_init, rest, rest_where),
                          slicing.to(self.state, jnp.zeros((), jnp.int32)))
+
+  def abstract(self, params):
+    """`LayerStreamed.abstract`."""
+    shapes = jax.eval_shape(self.init, params)
+    return offload.in_host_memory(shapes) if self.state == "host" else shapes
 
   def rest_init(self, x, where):
     """The state of a leaf outside the layers, where it is kept: a stack of its slices'

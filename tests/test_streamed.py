@@ -397,6 +397,16 @@ def test_per_leaf_clipping_is_taken():
   assert_close(got, want)
 
 
+def test_a_statistic_of_the_whole_leaf_over_a_sliced_leaf_is_refused():
+  """lamb's trust ratio per slice would differ from optax's on the leaf: refused, naming the
+  leaf; updated whole (``slice_elements`` past its size), it is taken per layer."""
+  model, params = stack(), params_of(jax.random.key(5))
+  with pytest.raises(ValueError, match=r"at \['embedding'\] \(float32\[64, 16\], updated in "
+                     r"8 slices .* reads across its slices .* `slice_elements` >= 1024"):
+    streamed.layer_streamed(model, optax.lamb(1e-3), slice_elements=128).init(params)
+  streamed.layer_streamed(model, optax.lamb(1e-3), slice_elements=2048).init(params)
+
+
 def test_bad_input_names_what_is_wrong():
   with pytest.raises(TypeError, match="LayerStack.layer` must be callable or a non-empty tuple"):
     streamed.LayerStack(stack().embed, (), stack().head)

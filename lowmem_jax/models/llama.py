@@ -51,7 +51,7 @@ from lowmem_jax.models._common import (
 from lowmem_jax.ops.attention import attention, attention_reference
 from lowmem_jax.ops.losses import linear_cross_entropy
 from lowmem_jax.ops.token_chunks import chunked_residual, token_chunks
-from lowmem_jax.optim.streamed import LayerStack
+from lowmem_jax.optim.layer_stack import LayerStack
 
 
 def check_loss(loss: str) -> Loss:

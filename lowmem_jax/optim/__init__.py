@@ -9,8 +9,9 @@ Three parts, each a module:
 - `lowmem_jax.optim.steps`: the train steps that drive them (`microbatch_step`,
   `train_step`), and the extra argument `COMPLETES_STEP` they pass.
 - `lowmem_jax.optim.streamed`: the layer-streamed step (`layer_streamed` over a
-  `LayerStack`): any leaf-by-leaf optimizer applied inside the backward, one
-  layer at a time, its state and the saved layer inputs on the device or the host.
+  `LayerStack`, `lowmem_jax.optim.layer_stack`): any leaf-by-leaf optimizer applied
+  inside the backward, one layer at a time, its state and the saved layer inputs on
+  the device or the host.
 
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
@@ -29,6 +30,7 @@ from lowmem_jax.optim.accumulation import (
                                            on_kth_micro_step,
 )
 from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
+from lowmem_jax.optim.layer_stack import LayerStack, LayerStreamed, StreamedState
 from lowmem_jax.optim.per_leaf import check_per_leaf
 from lowmem_jax.optim.steps import (
                                            COMPLETES_STEP,
@@ -36,12 +38,7 @@ from lowmem_jax.optim.steps import (
                                            takes_completes_step,
                                            train_step,
 )
-from lowmem_jax.optim.streamed import (
-                                           LayerStack,
-                                           LayerStreamed,
-                                           StreamedState,
-                                           layer_streamed,
-)
+from lowmem_jax.optim.streamed import layer_streamed
 
 __all__ = [
     "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",

@@ -1,8 +1,9 @@
-"""Which leaves a function reads, and whether an optimizer's update of one leaf reads
-another's: the checks that let `lowmem_jax.optim.layer_streamed` update a model a layer
-(and a part of one) at a time. Both follow the jaxpr with `lowmem_jax._jaxpr`, into
-nested calls."""
+"""Which leaves a function reads, whether an optimizer's update of one leaf reads another's,
+and whether its update of one slice of a leaf reads another slice's: the checks that let
+`lowmem_jax.optim.layer_streamed` update a model a layer (a part of one, a slice of a leaf)
+at a time. They follow the jaxpr with `lowmem_jax._jaxpr`, into nested calls."""
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -66,10 +67,7 @@ def _dependencies(jaxpr, groups: list[frozenset], mixed: list[str]) -> list[froz
       together = frozenset().union(*ins)
       outs = [together] * len(eqn.outvars)
       if len(together) > 1 and all(len(i) <= 1 for i in ins) and not mixed:
-        frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:3]
-        mixed.append(" <- ".join(
-            [eqn.primitive.name] + [f"{f.function_name} ({_short(f.file_name)}:{f.start_line})"
-                                    for f in frames]))
+        mixed.append(_source(eqn))
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
@@ -77,3 +75,124 @@ def _dependencies(jaxpr, groups: list[frozenset], mixed: list[str]) -> list[froz
 def _short(path: str) -> str:
   """``path`` from its package on (``optax/_src/clipping.py``) where it is installed."""
   return path.rsplit("site-packages/", 1)[-1]
+
+
+# Primitives whose output element i reads only the operands' elements i (scalars aside).
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+    population_count pow real reduce_precision rem round rsqrt select_n shift_left
+    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub
+    tan tanh threefry2x32 xor optimization_barrier""".split())
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                         "reduce_or", "reduce_xor", "argmax", "argmin"})
+_MIXED = "mixed"  # a value that reads more than one slice
+
+
+def check_per_slice(update: Callable, grads: Any, state: Any, n: int) -> str | None:
+  """Where ``update(grads, state, params=grads)`` (a transformation's update of one leaf,
+  ``grads`` its only leaf) reads more than one of the leaf's ``n`` equal slices along its
+  first axis to make an output (a statistic of the whole leaf: muon's orthogonalization,
+  lamb's trust ratio, a block of 8-bit moments across slices): the equation's source,
+  or None.
+
+  Each value is followed as the elements per slice in row-major order (a slice is a run of
+  the flat array): elementwise operations, reshapes, bit casts, a broadcast or reduction
+  along trailing axes, a pad or slice keep it a slice's; a value that does not depend on
+  the leaf (a step count, a key, an ``iota``) reads none. A state leaf whose size ``n``
+  divides is taken as the leaf's, sliced alike. Anything else on a sliced value
+  (``dot_general`` of two, a reduction over the first axis, a loop) reads across slices.
+  """
+  leaf = jax.tree.leaves(grads)[0]
+  closed = jax.make_jaxpr(lambda g, s, p: update(g, s, p))(grads, state, grads)
+  chunk = lambda x: (math.prod(x.shape) // n if x.shape and math.prod(x.shape) % n == 0
+                     else None)
+  inputs = ([chunk(leaf)] + [chunk(x) for x in jax.tree.leaves(state)] + [chunk(leaf)])
+  found = []
+  outs = _slices(closed.jaxpr, inputs, found)
+  return found[0] if found else (None if _MIXED not in outs else "its outputs")
+
+
+def _slices(jaxpr, inputs: list, found: list) -> list:
+  """For each outvar: None (reads no slice), the elements per slice (reads one), or
+  `_MIXED`; ``found`` gets the source of the first equation that mixes slices."""
+  env = dict(zip(jaxpr.invars, inputs))
+  read = lambda v: env.get(v) if isinstance(v, jcore.Var) else None
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    inner = _jaxpr.call_body(eqn)
+    if inner is not None:
+      outs = _slices(inner, ins, found)
+    elif all(c is None for c in ins):
+      outs = [None] * len(eqn.outvars)
+    else:
+      outs = [_slice_rule(eqn, ins)] * len(eqn.outvars)
+      if _MIXED in outs and _MIXED not in ins and not found:
+        found.append(_source(eqn))
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _suffix_ok(shape: tuple, first: int, c: int) -> bool:
+  """Whether the axes from ``first`` on lie within a slice (their size divides ``c``)."""
+  return c % max(1, math.prod(shape[first:])) == 0
+
+
+def _slice_rule(eqn, ins: list):
+  """The elements per slice of ``eqn``'s outputs, given its operands' (one at least
+  sliced), or `_MIXED`."""
+  if _MIXED in ins:
+    return _MIXED
+  name = eqn.primitive.name
+  shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+  out = eqn.outvars[0].aval.shape
+  sliced = [(c, s) for c, s in zip(ins, shapes) if c is not None]
+  if name in _ELEMENTWISE:  # an operand's size-1 axes broadcast (jax's binary operations do)
+    cs = {_broadcast(c, s, [d for d in range(len(s)) if s[d] != 1], out)
+          if len(s) == len(out) else _MIXED for c, s in sliced}
+    return cs.pop() if len(cs) == 1 else _MIXED
+  (c, shape), size = sliced[0], lambda s: math.prod(s)
+  if len(sliced) > 1:
+    return _MIXED
+  scaled = lambda: c * size(out) // size(shape) if (c * size(out)) % size(shape) == 0 else _MIXED
+  if name in ("reshape", "squeeze", "expand_dims", "bitcast_convert_type"):
+    return scaled()
+  if name in _REDUCTIONS:
+    axes = eqn.params["axes"]
+    return scaled() if _suffix_ok(shape, min(axes), c) else _MIXED
+  if name == "broadcast_in_dim":
+    kept = eqn.params["broadcast_dimensions"]
+    return _broadcast(c, shape, [kept[k] for k in range(len(kept)) if shape[k] != 1], out)
+  if name == "transpose":
+    perm = eqn.params["permutation"]
+    moved = [i for i, p in enumerate(perm) if p != i]
+    return c if not moved or _suffix_ok(shape, min(moved), c) else _MIXED
+  if name == "pad" and any(interior for *_, interior in eqn.params["padding_config"]):
+    return _MIXED
+  if name == "slice" and any(st != 1 for st in eqn.params["strides"] or ()):
+    return _MIXED
+  if name in ("pad", "slice"):
+    changed = [d for d in range(len(shape)) if shape[d] != out[d]
+               or (name == "pad" and eqn.params["padding_config"][d][0] != 0)
+               or (name == "slice" and eqn.params["start_indices"][d] != 0)]
+    if changed == [0] and ins[0] is not None:  # the first axis cut or padded at its end
+      return c
+    return scaled() if not changed or _suffix_ok(shape, min(changed), c) else _MIXED
+  return _MIXED
+
+
+def _broadcast(c: int, shape: tuple, data: list, out: tuple):
+  """The elements per slice of a broadcast of ``shape`` (``c`` a slice) to ``out``, its
+  axes of more than one element at ``data`` of ``out``'s: each element repeated over
+  trailing axes only keeps a slice a run, else `_MIXED`."""
+  grown = [d for d in range(len(out)) if out[d] != 1 and d not in data]
+  if grown and min(grown) < max(data, default=-1):
+    return _MIXED
+  return c * math.prod(out) // max(1, math.prod(shape))
+
+
+def _source(eqn) -> str:
+  frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:3]
+  return " <- ".join([eqn.primitive.name] + [
+      f"{f.function_name} ({_short(f.file_name)}:{f.start_line})" for f in frames])

@@ -57,6 +57,7 @@ References:
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -68,165 +69,9 @@ from lowmem_jax._checks import is_int
 from lowmem_jax.choices import Place, checked
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.optim import lowbit, offload, slicing
-from lowmem_jax.optim.per_leaf import check_per_leaf, reads
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerStack:
-  """A model of identical stacked layers between an embedding and a head.
-
-  ``params`` is a dict whose entry ``key`` holds the layers, each leaf
-  ``[layers, ...]``; the other entries (``rest``: embedding, final norm, head,
-  tied or not) are read by ``embed`` and ``head``. The loss is
-  ``head(rest, scan(run_layer, embed(rest, batch)), batch)``.
-
-  Attributes:
-    embed: ``(rest, batch) -> h``, ``h: [batch, length, dim]`` in the compute dtype.
-    layer: ``(layer_params, h, batch) -> h`` for one layer (its params: one slice
-      of ``params[key]``); ``h`` keeps its shape and dtype. ``batch`` is read, not
-      differentiated (positions, masks). Or a tuple of such functions, the layer's
-      consecutive parts (attention, then the MLP): `layer_streamed` then updates
-      the parameters a part reads once that part's backward is done
-      (`run_layer` composes them).
-    head: ``(rest, h, batch) -> loss``, a float32 scalar (the mean over the batch).
-    key: the entry of ``params`` that holds the stacked layers.
-  """
-  embed: Callable[[Any, Any], jax.Array]
-  layer: Callable[[Any, jax.Array, Any], jax.Array] | tuple[Callable, ...]
-  head: Callable[[Any, jax.Array, Any], jax.Array]
-  key: str = "layers"
-
-  def __post_init__(self):
-    for name in ("embed", "head"):
-      if not callable(getattr(self, name)):
-        raise TypeError(f"`LayerStack.{name}` must be callable, got {getattr(self, name)!r}.")
-    if not self.parts or not all(map(callable, self.parts)):
-      raise TypeError(f"`LayerStack.layer` must be callable or a non-empty tuple of callables, "
-                      f"got {self.layer!r}.")
-    if not isinstance(self.key, str):
-      raise TypeError(f"`LayerStack.key` must be a str, got {self.key!r}.")
-
-  @property
-  def parts(self) -> tuple[Callable, ...]:
-    """The layer's consecutive parts: ``layer``'s tuple, or ``(layer,)``."""
-    return self.layer if isinstance(self.layer, tuple) else (self.layer,)
-
-  def run_layer(self, layer_params: Any, h: jax.Array, batch: Any) -> jax.Array:
-    """One layer: its parts one after the other."""
-    for part in self.parts:
-      h = part(layer_params, h, batch)
-    return h
-
-  def loss(self, params: Any, batch: Any) -> jax.Array:
-    """The model's loss, a plain scan over the layers: the function a plain step differentiates."""
-    rest, layers = split(params, self.key)
-    h = jax.lax.scan(lambda h, p: (self.run_layer(p, h, batch), None),
-                     self.embed(rest, batch), layers)[0]
-    return self.head(rest, h, batch)
-
-
-class StreamedState(NamedTuple):
-  """State of a `layer_streamed` step: ``tx``'s state of each parameter leaf, at its place,
-  and the count of steps a non-finite loss or gradient stopped (`layer_streamed`).
-
-  A leaf's state is ``tx.init`` of the leaf alone, or of each of its slices,
-  stacked, where it is updated in slices (`slices`); a layer leaf's is that of
-  each layer, stacked. In host memory a stack is held as
-  `lowmem_jax.optim.packed_rows.PackedRows` (``layers``: one byte row a layer, all its
-  leaves' states; ``unstacked()`` gives the tree), so it crosses the host link in one
-  transfer a layer each way.
-  """
-  layers: Any  # params[key]'s structure, each leaf's state [layers, ...]; PackedRows on the host
-  rest: dict  # the other params' structure, each leaf's place: its state
-  total_notfinite: jax.Array  # int32[]: the steps not applied whole (as optax.apply_if_finite's)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerStreamed:
-  """A layer-streamed train step and the state it takes (`layer_streamed`).
-
-  Attributes:
-    init: ``params -> StreamedState``, placed where the step keeps it.
-    step: ``(params, state, batch) -> (params, state, {"loss": loss, "finite": ok})``,
-      one call per (micro-)batch; ``ok`` (bool[]) where the loss and every gradient were
-      finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
-      parameters and the state are updated in place.
-    abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
-      where ``init`` puts it (one device's): the target to restore a saved state into
-      (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
-      memory: a host state restored through it lands in device memory, which the
-      donating step cannot take (the process aborts).
-  """
-  init: Callable[[Any], StreamedState]
-  step: Callable[[Any, StreamedState, Any], tuple[Any, StreamedState, dict]]
-  abstract: Callable[[Any], StreamedState]
-
-
-def split(params: Any, key: str) -> tuple[dict, Any]:
-  """``(rest, params[key])``: the params dict without the stacked layers, and the layers."""
-  if not isinstance(params, dict) or key not in params:
-    raise ValueError(f"`params` must be a dict with the stacked layers at {key!r} "
-                     f"(`LayerStack.key`), got {type(params).__name__} with "
-                     f"{list(params) if isinstance(params, dict) else 'no keys'}.")
-  return {k: v for k, v in params.items() if k != key}, params[key]
-
-
-def _check_state(expected: StreamedState, opt_state: StreamedState) -> None:
-  """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
-  makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
-  def described(tree):
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
-
-  want, got = described(expected), described(opt_state)
-  for w, g in zip(want, got):
-    if w != g:
-      raise ValueError(
-          f"`opt_state` is not the state `init` makes for these params: at {w[0]} it should "
-          f"be {w[2]}{list(w[1])}, got {g[0]} {g[2]}{list(g[1])}. Make it with `init(params)` "
-          "(the same layer count, leaves and transformation).")
-  if len(want) != len(got) or jax.tree.structure(expected) != jax.tree.structure(opt_state):
-    raise ValueError(f"`opt_state` is not the state `init` makes for these params: its "
-                     f"structure ({len(got)} leaves) differs from `init(params)`'s "
-                     f"({len(want)} leaves).")
-
-
-def _check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:
-  """Raises a TypeError naming `LayerStack.layer` where a part does not take ``(params, h,
-  batch)`` or returns another hidden state than it takes (a scan's carry error otherwise)."""
-  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
-  want = jax.ShapeDtypeStruct(jnp.shape(h), jnp.result_type(h))
-  x = want
-  for j, part in enumerate(stack.parts):
-    name = "`LayerStack.layer`" + (f"[{j}]" if isinstance(stack.layer, tuple) else "")
-    try:
-      x = jax.eval_shape(lambda p, x: part(p, x, batch), one, x)
-    except TypeError as e:
-      raise TypeError(f"{name} must take (layer_params, h, batch) and return the new h: "
-                      f"{e}") from e
-    if not hasattr(x, "shape") or (x.shape, x.dtype) != (want.shape, want.dtype):
-      raise TypeError(f"{name} must return the hidden state as it takes it, "
-                      f"{_short(want)}; got {jax.tree.map(_short, x)}.")
-
-
-def _short(a) -> str:
-  return f"{jnp.dtype(a.dtype)}{list(a.shape)}"
-
-
-def layer_count(layers: Any) -> int:
-  """The stacked layers' leading axis, the same on every leaf (else a ValueError naming one)."""
-  paths = jax.tree_util.tree_leaves_with_path(layers)
-  if not paths:
-    raise ValueError("The stacked layers have no leaves.")
-  counts = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in paths}
-  if len(counts) != 1 or None in counts:
-    first = jnp.shape(paths[0][1])[:1]
-    odd = next(p for p, x in paths if jnp.shape(x)[:1] != first)
-    raise ValueError(
-        f"Every stacked layer leaf needs the same leading (layer) axis: "
-        f"{jax.tree_util.keystr(paths[0][0])} has {first}, {jax.tree_util.keystr(odd)} has "
-        f"{jnp.shape(next(x for p, x in paths if p == odd))[:1]}.")
-  return counts.pop()
+from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_layer,
+                                          check_state, layer_count, shape_text, split)
+from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 
 
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
@@ -243,8 +88,10 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
   axis, one after the other, each slice with its own state, so the
   optimizer's float32 temporaries stay within a slice: exact for an
   elementwise transformation and for 8-bit moments (whose blocks lie along
-  the last axis); a per-leaf statistic (``optax.clip_by_block_rms``) is then
-  taken per slice, as it is per layer.
+  the last axis). A transformation whose update of a slice reads another slice (a
+  statistic of the whole leaf: ``optax.clip_by_block_rms``, lamb, muon, adafactor) is
+  refused for a leaf updated in slices (`lowmem_jax.optim.per_leaf.check_per_slice`); on
+  a layer leaf it is the layer's statistic, as optax takes it on each layer's leaf.
 
   A step whose loss is not finite (a NaN input, an infinite label) changes nothing: every
   parameter and state keeps its value, the metric ``finite`` is False and
@@ -388,13 +235,36 @@ class _Streamer:
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
 
   def checked(self, params):
-    """``(rest, layers, one_layer)``, the transformation checked on one layer."""
+    """``(rest, layers, one_layer)``, the transformation checked on one layer, and on each
+    leaf updated in slices (`check_slices`)."""
     rest, layers = split(params, self.stack.key)
     layer_count(layers)
     one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), rest)
     check_per_leaf(self.tx, {**shapes, self.stack.key: one_layer})  # at the whole tree's paths
+    rest_where, layers_where = _wheres(params, self.stack.key)
+    jax.tree.map(self.check_slices, shapes, rest_where)
+    jax.tree.map(lambda x, where: self.check_slices(x, where.index(0)), one_layer, layers_where)
     return rest, layers, one_layer
+
+  def check_slices(self, x, where):
+    """Raises a ValueError where leaf ``x`` is updated in slices and ``tx``'s update of a
+    slice reads another slice (`per_leaf.check_per_slice`): a statistic of the whole leaf
+    would be taken per slice."""
+    n = slices(jnp.shape(x), self.slice_elements)
+    if n == 1:
+      return
+    update = lambda g, s, p: self.tx.update(where.nest(g), s, where.nest(p),
+                                            positions=where.nest(where.at))
+    mixed = check_per_slice(update, x, jax.eval_shape(self.tx.init, where.nest(x)), n)
+    if mixed is not None:
+      raise ValueError(
+          f"The optimizer's update of the parameter at {list(where.path)} ({shape_text(x)}, "
+          f"updated in {n} slices of at most `slice_elements`={self.slice_elements} elements) "
+          f"reads across its slices (first at {mixed}): a statistic of the whole leaf (muon's "
+          "orthogonalization, lamb's trust ratio, optax.clip_by_block_rms) would be taken per "
+          f"slice. Give `slice_elements` >= {math.prod(jnp.shape(x))} to update it whole, or "
+          "a transformation that works element by element.")
 
   def leaf_init(self, x, where):
     n = slices(jnp.shape(x), self.slice_elements)
@@ -490,7 +360,7 @@ class _Streamer:
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
     rest, layers, one_layer = self.checked(params)
-    _check_state(jax.eval_shape(self.init, params), opt_state)
+    check_state(jax.eval_shape(self.init, params), opt_state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
     rest_at, layers_at = _wheres(params, self.stack.key)
     embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
@@ -515,7 +385,7 @@ class _Streamer:
     `saved_inputs`, and the head's backward."""
     stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
-    _check_layer(stack, layers, h, batch)
+    check_layer(stack, layers, h, batch)
     h, saved = jax.lax.scan(lambda h, p: (stack.run_layer(gather(p), h, batch),
                                           slicing.to(self.saved_inputs, h)),
                             h, layers)

@@ -1,0 +1,170 @@
+"""The model the layer-streamed step takes and the state it keeps: `LayerStack` (stacked
+layers between an embedding and a head), `StreamedState`, `LayerStreamed` (``init``,
+``step``, ``abstract``), and the checks that name what does not fit them (`split`,
+`layer_count`, `check_state`, `check_layer`). The step itself:
+`lowmem_jax.optim.streamed.layer_streamed`."""
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+  """A model of identical stacked layers between an embedding and a head.
+
+  ``params`` is a dict whose entry ``key`` holds the layers, each leaf
+  ``[layers, ...]``; the other entries (``rest``: embedding, final norm, head,
+  tied or not) are read by ``embed`` and ``head``. The loss is
+  ``head(rest, scan(run_layer, embed(rest, batch)), batch)``.
+
+  Attributes:
+    embed: ``(rest, batch) -> h``, ``h: [batch, length, dim]`` in the compute dtype.
+    layer: ``(layer_params, h, batch) -> h`` for one layer (its params: one slice
+      of ``params[key]``); ``h`` keeps its shape and dtype. ``batch`` is read, not
+      differentiated (positions, masks). Or a tuple of such functions, the layer's
+      consecutive parts (attention, then the MLP): `layer_streamed` then updates
+      the parameters a part reads once that part's backward is done
+      (`run_layer` composes them).
+    head: ``(rest, h, batch) -> loss``, a float32 scalar (the mean over the batch).
+    key: the entry of ``params`` that holds the stacked layers.
+  """
+  embed: Callable[[Any, Any], jax.Array]
+  layer: Callable[[Any, jax.Array, Any], jax.Array] | tuple[Callable, ...]
+  head: Callable[[Any, jax.Array, Any], jax.Array]
+  key: str = "layers"
+
+  def __post_init__(self):
+    for name in ("embed", "head"):
+      if not callable(getattr(self, name)):
+        raise TypeError(f"`LayerStack.{name}` must be callable, got {getattr(self, name)!r}.")
+    if not self.parts or not all(map(callable, self.parts)):
+      raise TypeError(f"`LayerStack.layer` must be callable or a non-empty tuple of callables, "
+                      f"got {self.layer!r}.")
+    if not isinstance(self.key, str):
+      raise TypeError(f"`LayerStack.key` must be a str, got {self.key!r}.")
+
+  @property
+  def parts(self) -> tuple[Callable, ...]:
+    """The layer's consecutive parts: ``layer``'s tuple, or ``(layer,)``."""
+    return self.layer if isinstance(self.layer, tuple) else (self.layer,)
+
+  def run_layer(self, layer_params: Any, h: jax.Array, batch: Any) -> jax.Array:
+    """One layer: its parts one after the other."""
+    for part in self.parts:
+      h = part(layer_params, h, batch)
+    return h
+
+  def loss(self, params: Any, batch: Any) -> jax.Array:
+    """The model's loss, a plain scan over the layers: the function a plain step differentiates."""
+    rest, layers = split(params, self.key)
+    h = jax.lax.scan(lambda h, p: (self.run_layer(p, h, batch), None),
+                     self.embed(rest, batch), layers)[0]
+    return self.head(rest, h, batch)
+
+
+class StreamedState(NamedTuple):
+  """State of a `layer_streamed` step: ``tx``'s state of each parameter leaf, at its place,
+  and the count of steps a non-finite loss or gradient stopped (`layer_streamed`).
+
+  A leaf's state is ``tx.init`` of the leaf alone, or of each of its slices,
+  stacked, where it is updated in slices (`slices`); a layer leaf's is that of
+  each layer, stacked. In host memory a stack is held as
+  `lowmem_jax.optim.packed_rows.PackedRows` (``layers``: one byte row a layer, all its
+  leaves' states; ``unstacked()`` gives the tree), so it crosses the host link in one
+  transfer a layer each way.
+  """
+  layers: Any  # params[key]'s structure, each leaf's state [layers, ...]; PackedRows on the host
+  rest: dict  # the other params' structure, each leaf's place: its state
+  total_notfinite: jax.Array  # int32[]: the steps not applied whole (as optax.apply_if_finite's)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStreamed:
+  """A layer-streamed train step and the state it takes (`layer_streamed`).
+
+  Attributes:
+    init: ``params -> StreamedState``, placed where the step keeps it.
+    step: ``(params, state, batch) -> (params, state, {"loss": loss, "finite": ok})``,
+      one call per (micro-)batch; ``ok`` (bool[]) where the loss and every gradient were
+      finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
+      parameters and the state are updated in place.
+    abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
+      where ``init`` puts it (one device's): the target to restore a saved state into
+      (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
+      memory: a host state restored through it lands in device memory, which the
+      donating step cannot take (the process aborts).
+  """
+  init: Callable[[Any], StreamedState]
+  step: Callable[[Any, StreamedState, Any], tuple[Any, StreamedState, dict]]
+  abstract: Callable[[Any], StreamedState]
+
+
+def split(params: Any, key: str) -> tuple[dict, Any]:
+  """``(rest, params[key])``: the params dict without the stacked layers, and the layers."""
+  if not isinstance(params, dict) or key not in params:
+    raise ValueError(f"`params` must be a dict with the stacked layers at {key!r} "
+                     f"(`LayerStack.key`), got {type(params).__name__} with "
+                     f"{list(params) if isinstance(params, dict) else 'no keys'}.")
+  return {k: v for k, v in params.items() if k != key}, params[key]
+
+
+def check_state(expected: StreamedState, opt_state: StreamedState) -> None:
+  """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
+  makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
+  def described(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
+
+  want, got = described(expected), described(opt_state)
+  for w, g in zip(want, got):
+    if w != g:
+      raise ValueError(
+          f"`opt_state` is not the state `init` makes for these params: at {w[0]} it should "
+          f"be {w[2]}{list(w[1])}, got {g[0]} {g[2]}{list(g[1])}. Make it with `init(params)` "
+          "(the same layer count, leaves and transformation).")
+  if len(want) != len(got) or jax.tree.structure(expected) != jax.tree.structure(opt_state):
+    raise ValueError(f"`opt_state` is not the state `init` makes for these params: its "
+                     f"structure ({len(got)} leaves) differs from `init(params)`'s "
+                     f"({len(want)} leaves).")
+
+
+def check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:
+  """Raises a TypeError naming `LayerStack.layer` where a part does not take ``(params, h,
+  batch)`` or returns another hidden state than it takes (a scan's carry error otherwise)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
+  want = jax.ShapeDtypeStruct(jnp.shape(h), jnp.result_type(h))
+  x = want
+  for j, part in enumerate(stack.parts):
+    name = "`LayerStack.layer`" + (f"[{j}]" if isinstance(stack.layer, tuple) else "")
+    try:
+      x = jax.eval_shape(lambda p, x: part(p, x, batch), one, x)
+    except TypeError as e:
+      raise TypeError(f"{name} must take (layer_params, h, batch) and return the new h: "
+                      f"{e}") from e
+    if not hasattr(x, "shape") or (x.shape, x.dtype) != (want.shape, want.dtype):
+      raise TypeError(f"{name} must return the hidden state as it takes it, "
+                      f"{shape_text(want)}; got {jax.tree.map(shape_text, x)}.")
+
+
+def shape_text(a) -> str:
+  """``a``'s dtype and shape, as ``float32[2, 3]``."""
+  return f"{jnp.dtype(a.dtype)}{list(a.shape)}"
+
+
+def layer_count(layers: Any) -> int:
+  """The stacked layers' leading axis, the same on every leaf (else a ValueError naming one)."""
+  paths = jax.tree_util.tree_leaves_with_path(layers)
+  if not paths:
+    raise ValueError("The stacked layers have no leaves.")
+  counts = {jnp.shape(x)[0] if jnp.ndim(x) else None for _, x in paths}
+  if len(counts) != 1 or None in counts:
+    first = jnp.shape(paths[0][1])[:1]
+    odd = next(p for p, x in paths if jnp.shape(x)[:1] != first)
+    raise ValueError(
+        f"Every stacked layer leaf needs the same leading (layer) axis: "
+        f"{jax.tree_util.keystr(paths[0][0])} has {first}, {jax.tree_util.keystr(odd)} has "
+        f"{jnp.shape(next(x for p, x in paths if p == odd))[:1]}.")
+  return counts.pop()

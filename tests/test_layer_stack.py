@@ -1,0 +1,52 @@
+"""`lowmem_jax.optim.layer_stack`: the model and state types of the layer-streamed step, and the
+checks that name what does not fit them (the step's own refusals: tests/test_streamed.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lowmem_jax.optim import layer_stack
+
+LAYERS = {"w": jnp.ones((3, 4, 4)), "b": jnp.ones((3, 4))}
+
+
+def test_a_layer_stack_refuses_what_is_not_a_function():
+  fn = lambda *args: args[1]
+  with pytest.raises(TypeError, match="`LayerStack.embed` must be callable"):
+    layer_stack.LayerStack("embedding", fn, fn)
+  with pytest.raises(TypeError, match="`LayerStack.key` must be a str"):
+    layer_stack.LayerStack(fn, fn, fn, key=0)
+  assert layer_stack.LayerStack(fn, (fn, fn), fn).parts == (fn, fn)
+
+
+def test_split_and_layer_count_name_what_is_missing_or_uneven():
+  rest, layers = layer_stack.split({"emb": jnp.ones(2), "layers": LAYERS}, "layers")
+  assert list(rest) == ["emb"] and layers is LAYERS
+  with pytest.raises(ValueError, match=r"stacked layers at 'blocks' .* got dict with \['layers'\]"):
+    layer_stack.split({"layers": LAYERS}, "blocks")
+  assert layer_stack.layer_count(LAYERS) == 3
+  with pytest.raises(ValueError, match=r"\['b'\] has \(3,\), \['w'\] has \(2,\)"):
+    layer_stack.layer_count({**LAYERS, "w": jnp.ones((2, 4, 4))})
+
+
+def test_check_state_names_the_first_leaf_that_differs():
+  state = layer_stack.StreamedState(LAYERS, {}, jnp.zeros((), jnp.int32))
+  layer_stack.check_state(state, state)
+  fewer = state._replace(layers={**LAYERS, "w": jnp.ones((2, 4, 4))})
+  with pytest.raises(ValueError, match=r"at .*\['w'\] it should be float32\[3, 4, 4\], got .*"
+                     r"float32\[2, 4, 4\]"):
+    layer_stack.check_state(state, fewer)
+  with_emb = state._replace(rest={"emb": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"at .rest\['emb'\] it should be float32\[2\], got "
+                     r".total_notfinite int32\[\]"):
+    layer_stack.check_state(with_emb, state)
+
+
+def test_check_layer_names_a_part_that_changes_the_hidden_state():
+  h = jax.ShapeDtypeStruct((2, 5, 4), jnp.float32)
+  good = lambda p, h, b: h @ p["w"]
+  layer_stack.check_layer(layer_stack.LayerStack(good, good, good), LAYERS, h, None)
+  halves = layer_stack.LayerStack(good, (good, lambda p, h, b: h[..., :2]), good)
+  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[1\] must return the hidden state .*"
+                     r"float32\[2, 5, 4\]; got float32\[2, 5, 2\]"):
+    layer_stack.check_layer(halves, LAYERS, h, None)

@@ -2,11 +2,13 @@
 loaded (its logits against a NumPy forward of transformers' code), or refused with the reason."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 from lowmem_jax.models import llama_hf
 from lowmem_jax.models.llama import Llama, LlamaConfig, RopeScaling
@@ -242,3 +244,89 @@ def test_from_hf_names_the_file_it_cannot_read_and_checks_finite_on_request(tmp_
   assert np.isnan(llama_hf.from_hf(tmp_path)[1]["norm"]["scale"][3])  # read as it is by default
   with pytest.raises(ValueError, match="'model.norm.weight' in .* holds 1 non-finite values"):
     llama_hf.from_hf(tmp_path, check_finite=True)
+
+
+# A fine-tune as a user runs one: a checkpoint transformers wrote, loaded, trained with the set
+# `plan` picks for Llama-3.1-8B on a 24 GB card (bf16+ms-norm+attention+fused-ce+8bit+bf16-params
+# +stream:host+offload-opt), saved each step, killed, resumed.
+
+def _fine_tune(folder: str, steps: int, kill_after: int | None = None):
+  """From the checkpoint in ``folder``, ``steps`` steps of the layer-streamed step, each step's
+  params and state saved by orbax under ``folder/run/<step>``, resumed from the last one saved;
+  with ``kill_after``, the process kills itself (SIGKILL) once that step is saved. Returns
+  ``(params, state)``."""
+  import os
+  import pathlib
+  import signal
+
+  import optax
+  import orbax.checkpoint as ocp
+
+  import lowmem_jax as lm
+  from lowmem_jax.models.llama import layer_stack
+
+  config, params = llama_hf.from_hf(folder)
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  net = Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, norm="ms",
+              attention="recompute", loss="fused", mlp_chunk_tokens=1024)
+  tx = optax.chain(lm.lowbit.adamw_8bit(1e-3, weight_decay=1e-4), lm.lowbit.stochastic_rounding())
+  layered = lm.optim.layer_streamed(layer_stack(net), tx, state="host", saved_inputs="host")
+  step = jax.jit(layered.step, donate_argnums=(0, 1))
+  tokens = np.random.default_rng(7).integers(0, config.vocab_size, (steps, 2, 17))
+  runs = pathlib.Path(folder) / "run"
+  with ocp.CheckpointManager(runs.absolute()) as manager:
+    start = manager.latest_step()
+    if start is None:
+      state, start = layered.init(params), 0
+    else:
+      target = {"params": jax.eval_shape(lambda: params), "state": layered.abstract(params)}
+      saved = manager.restore(start, args=ocp.args.StandardRestore(target))
+      params, state, start = saved["params"], saved["state"], start + 1
+    for i in range(start, steps):
+      batch = jnp.asarray(tokens[i, :, :-1]), jnp.asarray(tokens[i, :, 1:])
+      params, state, metrics = step(params, state, batch)
+      assert bool(metrics["finite"])
+      manager.save(i, args=ocp.args.StandardSave({"params": params, "state": state}))
+      manager.wait_until_finished()
+      if i == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+  return params, state
+
+
+def _transformers_checkpoint(folder):
+  """config.json written by transformers' LlamaConfig, the weights as transformers names and
+  lays them (``[out, in]``) in model.safetensors."""
+  transformers = pytest.importorskip("transformers")
+  from safetensors.numpy import save_file
+  keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
+          "rope_scaling", "tie_word_embeddings")
+  transformers.LlamaConfig(**{k: HF_CONFIG[k] for k in keys}).save_pretrained(folder)
+  save_file(_hf_weights(HF_CONFIG, np.random.default_rng(3)), folder / "model.safetensors",
+            metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+@OPTAX_APPLY_UPDATES
+def test_a_fine_tune_of_a_transformers_checkpoint_killed_and_resumed_is_bit_for_bit(tmp_path):
+  import subprocess
+  import sys
+  killed, whole = tmp_path / "killed", tmp_path / "whole"
+  for folder in (killed, whole):
+    folder.mkdir()
+    _transformers_checkpoint(folder)
+  code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+          f"import test_llama_hf; test_llama_hf._fine_tune({str(killed)!r}, 4, kill_after=1)")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+  assert run.returncode == -9, run.stderr[-2000:]  # killed by its own SIGKILL after step 1
+  resumed = _fine_tune(str(killed), 4)
+  uninterrupted = _fine_tune(str(whole), 4)
+  assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  config, start = llama_hf.from_hf(whole)
+  moved = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
+           for a, b in zip(jax.tree.leaves(uninterrupted[0]), jax.tree.leaves(start))]
+  assert min(moved) > 0  # every parameter trained

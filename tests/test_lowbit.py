@@ -387,3 +387,12 @@ def test_states_round_trip_through_orbax_sharded_on_8_devices(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, restored, state)
     assert jax.tree.map(lambda a: a.sharding.spec, restored) == jax.tree.map(
         lambda a: a.sharding.spec, state)
+
+
+def test_inject_hyperparams_without_static_args_names_them():
+  """optax.inject_hyperparams makes ``block`` an array: the error says which static_args to give."""
+  tx = optax.inject_hyperparams(lowbit.adamw_8bit)(learning_rate=1e-2)
+  with pytest.raises(ValueError, match=r"static_args=\('block', 'min_size', 'seed'\)"):
+    tx.init({"w": jnp.ones((4, 256))})
+  optax.inject_hyperparams(lowbit.adamw_8bit, static_args=("block", "min_size", "seed"))(
+      learning_rate=1e-2).init({"w": jnp.ones((4, 256))})

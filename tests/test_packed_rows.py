@@ -72,3 +72,15 @@ def test_a_tree_laid_out_otherwise_is_refused():
     layout.pack({**one, "mu": one["mu"][:2]})
   with pytest.raises(ValueError, match="not laid out as the packed rows"):
     layout.pack({**one, "count": one["count"].astype(jnp.float32)})
+
+
+@pytest.mark.parametrize("name,value", [("nu", 0.25), ("seen", False), ("half", [1.0, -1.0])])
+def test_with_leaf_sets_one_leaf_in_every_row_and_keeps_the_others_bit_for_bit(name, value):
+  tree = _tree()
+  k = sorted(tree).index(name)  # a dict's leaves in its keys' sorted order, one a key
+  back = PackedRows.stack(tree, 3).with_leaf(k, value).unstacked()
+  want = {**tree, name: jnp.broadcast_to(jnp.asarray(value, tree[name].dtype), tree[name].shape)}
+  for got, expected in zip(_bits(back), _bits(want), strict=True):
+    np.testing.assert_array_equal(got, expected)
+  with pytest.raises(ValueError, match="PRNG key"):
+    PackedRows.stack(tree, 3).with_leaf(sorted(tree).index("key"), 0)

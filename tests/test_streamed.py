@@ -407,6 +407,32 @@ def test_a_statistic_of_the_whole_leaf_over_a_sliced_leaf_is_refused():
   streamed.layer_streamed(model, optax.lamb(1e-3), slice_elements=2048).init(params)
 
 
+@pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
+                         ids=["device", "host-sliced"])
+def test_a_learning_rate_set_mid_run_reaches_every_leaf(state, slice_elements):
+  """`with_hyperparams` on the streamed state does what optax's ``tree_set`` does on the
+  whole tree's: the next steps take the new learning rate, the state kept where it lives."""
+  from optax import tree_utils as otu
+  tx = optax.inject_hyperparams(lm.lowbit.adamw_8bit, static_args=("block", "min_size", "seed"))(
+      learning_rate=1e-2, min_size=16)
+  model, params = stack(), params_of(jax.random.key(8))
+  batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  layered = streamed.layer_streamed(model, tx, state=state, slice_elements=slice_elements)
+  step, plain = jax.jit(layered.step), jax.jit(plain_step(model, tx))
+  got, got_state, _ = step(params, layered.init(params), batches[0])
+  want, want_state, _ = plain(params, tx.init(params), batches[0])
+  got_state = lm.optim.with_hyperparams(got_state, learning_rate=3e-3)
+  want_state = otu.tree_set(want_state, learning_rate=jnp.asarray(3e-3))
+  for batch in batches[1:]:
+    got, got_state, _ = step(got, got_state, batch)
+    want, want_state, _ = plain(want, want_state, batch)
+  assert_close(got, want)
+  if state == "host":
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got_state)} == {"pinned_host"}
+  with pytest.raises(KeyError, match=r"\['lr'\]; they have \['b1', 'b2', .*'learning_rate'"):
+    lm.optim.with_hyperparams(got_state, lr=1e-4)
+
+
 def test_bad_input_names_what_is_wrong():
   with pytest.raises(TypeError, match="LayerStack.layer` must be callable or a non-empty tuple"):
     streamed.LayerStack(stack().embed, (), stack().head)

@@ -30,7 +30,7 @@ from lowmem_jax.optim.accumulation import (
                                            on_kth_micro_step,
 )
 from lowmem_jax.optim.in_backward import FoldInBackward, LayerMoments, scan_layers
-from lowmem_jax.optim.layer_stack import LayerStack, LayerStreamed, StreamedState
+from lowmem_jax.optim.layer_stack import LayerStack, LayerStreamed, StreamedState, with_hyperparams
 from lowmem_jax.optim.per_leaf import check_per_leaf
 from lowmem_jax.optim.steps import (
                                            COMPLETES_STEP,
@@ -44,5 +44,5 @@ __all__ = [
     "COMPLETES_STEP", "NU_SCALES", "AdamAState", "FoldInBackward", "KthMicroStepState",
     "LayerMoments", "LayerStack", "LayerStreamed", "MomentFold", "StreamedState", "adama",
     "adamaw", "check_per_leaf", "find_adama_state", "layer_streamed", "microbatch_step",
-    "on_kth_micro_step", "scan_layers", "takes_completes_step", "train_step",
+    "on_kth_micro_step", "scan_layers", "takes_completes_step", "train_step", "with_hyperparams",
 ]

@@ -10,6 +10,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.optim.packed_rows import PackedRows
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
@@ -168,3 +170,60 @@ def layer_count(layers: Any) -> int:
         f"{jax.tree_util.keystr(paths[0][0])} has {first}, {jax.tree_util.keystr(odd)} has "
         f"{jnp.shape(next(x for p, x in paths if p == odd))[:1]}.")
   return counts.pop()
+
+
+def _hyperparams(x: Any) -> bool:
+  """Whether ``x`` is an ``optax.inject_hyperparams`` state (its ``hyperparams`` a dict)."""
+  return isinstance(getattr(x, "hyperparams", None), dict) and hasattr(x, "_replace")
+
+
+def with_hyperparams(state: StreamedState, **values: Any) -> StreamedState:
+  """``state`` with hyperparameters of ``optax.inject_hyperparams`` set in every leaf's state
+  (as ``optax.tree_utils.tree_set`` sets them on a whole tree's), where it lives: a state in
+  host memory is rewritten there, each leaf's bytes in place in its packed rows (those rows
+  donated: use the state returned). Call it between steps, outside ``jax.jit``.
+
+  Args:
+    state: a `StreamedState` of a transformation made with ``optax.inject_hyperparams``.
+    **values: each hyperparameter's new value, a scalar (``learning_rate=1e-4``).
+
+  Returns:
+    The state, every array of the same shape, dtype and place.
+
+  Raises:
+    KeyError: naming a hyperparameter no leaf's state has, and those it has.
+  """
+  seen = set()
+
+  def updated(x):
+    if not _hyperparams(x):
+      return x
+    seen.update(x.hyperparams)
+    new = {k: (_placed(jnp.full(jnp.shape(v), values[k], jnp.result_type(v)), v) if k in values
+               else v)
+           for k, v in x.hyperparams.items()}
+    return x._replace(hyperparams=new)
+
+  def packed(t):
+    if not isinstance(t, PackedRows):
+      return updated(t)
+    indices = jax.tree.unflatten(t.layout.treedef, list(range(len(t.layout.leaves))))
+    for x in jax.tree.leaves(indices, is_leaf=_hyperparams):
+      if _hyperparams(x):
+        seen.update(x.hyperparams)
+        for k in values.keys() & x.hyperparams.keys():
+          t = t.with_leaf(x.hyperparams[k], values[k])
+    return t
+
+  new = jax.tree.map(packed, state._replace(total_notfinite=None),
+                     is_leaf=lambda x: isinstance(x, PackedRows) or _hyperparams(x))
+  new = new._replace(total_notfinite=state.total_notfinite)
+  if values.keys() - seen:
+    raise KeyError(f"No leaf's state has the hyperparameter(s) {sorted(values.keys() - seen)}; "
+                   f"they have {sorted(seen)} (make `tx` with optax.inject_hyperparams).")
+  return new
+
+
+def _placed(new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new`` where ``old`` lives (its sharding, memory kind included)."""
+  return new if isinstance(old, jax.core.Tracer) else jax.device_put(new, old.sharding)

@@ -62,6 +62,10 @@ class QuantizedArray(NamedTuple):
 
 
 def _check(block: Any) -> None:
+  if isinstance(block, jax.Array):
+    raise ValueError(f"`block` must be a positive int, got an array ({block!r}): "
+                     "optax.inject_hyperparams makes each numeric argument an array; give it "
+                     "static_args=('block', 'min_size', 'seed').")
   if isinstance(block, bool) or not isinstance(block, int) or block < 1:
     raise ValueError(f"`block` must be a positive int, got {block!r}.")
 

@@ -113,6 +113,22 @@ class PackedRows:
     """The stacked tree `stack` took: each leaf ``[n, ...]``."""
     return jax.vmap(self.layout.unpack)(self.rows)
 
+  def with_leaf(self, k: int, value: Any) -> "PackedRows":
+    """These rows with leaf ``k`` (of ``layout.leaves``) set to ``value`` (an array of its
+    shape, or one that broadcasts to it) in every row, where the rows live: its bytes
+    written in place (these rows donated), the rest of each row not moved (a state in host
+    memory stays there)."""
+    leaf = self.layout.leaves[k]
+    if leaf.impl is not None:
+      raise ValueError(f"Leaf {k} of the packed rows is a PRNG key: set it unpacked.")
+    start = sum(x.nbytes for x in self.layout.leaves[:k])
+    data = jnp.broadcast_to(jnp.asarray(value, leaf.dtype), leaf.shape)
+    data = jax.lax.bitcast_convert_type(data.astype(leaf.stored_dtype), jnp.uint8).reshape(-1)
+    block = jnp.broadcast_to(data, (self.rows.shape[0], leaf.nbytes))
+    write = jax.jit(lambda rows, block: jax.lax.dynamic_update_slice(rows, block, (0, start)),
+                    out_shardings=self.rows.sharding, donate_argnums=0)
+    return PackedRows(write(self.rows, jax.device_put(block, self.rows.sharding)), self.layout)
+
 
 jax.tree_util.register_dataclass(PackedRows, data_fields=["rows"], meta_fields=["layout"])
 

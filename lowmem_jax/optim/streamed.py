@@ -24,7 +24,9 @@ step per micro-batch, the update at the k-th), bfloat16 parameters with
 `lowmem_jax.optim.lowbit.stochastic_rounding`. One whose update of a leaf reads
 another leaf (``optax.clip_by_global_norm``, ``optax.apply_if_finite``) is
 refused, with the equation that mixes them (`lowmem_jax.optim.per_leaf.check_per_leaf`);
-the step itself skips a non-finite loss or gradient (`layer_streamed`).
+the step itself skips a non-finite loss or gradient (`layer_streamed`). A transformation made
+with ``optax.inject_hyperparams`` takes new hyperparameters between steps through
+`lowmem_jax.optim.layer_stack.with_hyperparams`, in every leaf's state.
 
 The state is `StreamedState`: the transformation initialised on each
 parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the

@@ -321,6 +321,9 @@ def test_a_fine_tune_of_a_transformers_checkpoint_killed_and_resumed_is_bit_for_
           f"import test_llama_hf; test_llama_hf._fine_tune({str(killed)!r}, 4, kill_after=1)")
   run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
   assert run.returncode == -9, run.stderr[-2000:]  # killed by its own SIGKILL after step 1
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager((killed / "run").absolute()) as manager:
+    assert list(manager.all_steps()) == [0, 1]  # saved, then killed: the resume starts at 2
   resumed = _fine_tune(str(killed), 4)
   uninterrupted = _fine_tune(str(whole), 4)
   assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)

@@ -50,13 +50,28 @@ _WHOLE_LEAF_TXS = {
 }
 
 
-@pytest.mark.parametrize("shape", [(64, 1024), (48, 100)], ids=["blocks in rows", "padded rows"])
+@pytest.mark.parametrize("shape,n", [((64, 1024), 4), ((48, 100), 4), ((64, 1024), 2)],
+                         ids=["blocks in rows", "padded rows", "2 slices"])
 @pytest.mark.parametrize("name", list(_ELEMENTWISE_TXS) + list(_WHOLE_LEAF_TXS))
-def test_an_update_that_reads_across_slices_is_found(name, shape):
-  """Elementwise updates (8-bit blocks lie within a row, its padding too) read one slice of
-  the four; a statistic of the whole leaf reads them all."""
+def test_an_update_that_reads_across_slices_is_found(name, shape, n):
+  """Elementwise updates (8-bit blocks lie within a row, its padding too; a rounding key's
+  two words are not the leaf's, in 2 slices too) read one slice each; a statistic of the
+  whole leaf reads them all."""
   tx = optax.with_extra_args_support({**_ELEMENTWISE_TXS, **_WHOLE_LEAF_TXS}[name])
-  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   found = per_leaf.check_per_slice(lambda g, s, p: tx.update(g, s, p), x,
-                                   jax.eval_shape(tx.init, x), 4)
+                                   jax.eval_shape(tx.init, x), n)
   assert (found is None) == (name in _ELEMENTWISE_TXS), found
+
+
+@pytest.mark.parametrize("fn,reads_across", [
+    (lambda g: g - jnp.pad(g[1:], ((0, 1), (0, 0))), True),  # the next row: across a boundary
+    (lambda g: jnp.pad(g, ((1, 0), (0, 0)))[:-1] * g, True),  # the previous row
+    (lambda g: jnp.diff(g, axis=0, append=g[:1]), True),
+    (lambda g: g - jnp.pad(g[:, 1:], ((0, 0), (0, 1))), False),  # the next column: the same row
+    (lambda g: jnp.pad(g, ((0, 2), (0, 0)))[:8] * 2, False),  # padded and cut at the end
+], ids=["next row", "previous row", "diff", "next column", "end padding"])
+def test_a_shift_along_the_sliced_axis_reads_across_slices(fn, reads_across):
+  x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+  found = per_leaf.check_per_slice(lambda g, s, p: (fn(g), s), x, (), 2)
+  assert (found is not None) == reads_across, found

@@ -94,7 +94,7 @@ class LayerStreamed:
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
       parameters and the state are updated in place.
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
-      where ``init`` puts it (one device's): the target to restore a saved state into
+      where ``init`` puts it (one device's; params sharded over a mesh refused): the target to restore a saved state into
       (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
       memory: a host state restored through it lands in device memory, which the
       donating step cannot take (the process aborts).
@@ -226,4 +226,6 @@ def with_hyperparams(state: StreamedState, **values: Any) -> StreamedState:
 
 def _placed(new: jax.Array, old: jax.Array) -> jax.Array:
   """``new`` where ``old`` lives (its sharding, memory kind included)."""
-  return new if isinstance(old, jax.core.Tracer) else jax.device_put(new, old.sharding)
+  if isinstance(old, jax.core.Tracer):
+    raise TypeError("`with_hyperparams` sets a state between steps, outside `jax.jit`.")
+  return jax.device_put(new, old.sharding)

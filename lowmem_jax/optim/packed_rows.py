@@ -125,9 +125,17 @@ class PackedRows:
     data = jnp.broadcast_to(jnp.asarray(value, leaf.dtype), leaf.shape)
     data = jax.lax.bitcast_convert_type(data.astype(leaf.stored_dtype), jnp.uint8).reshape(-1)
     block = jnp.broadcast_to(data, (self.rows.shape[0], leaf.nbytes))
-    write = jax.jit(lambda rows, block: jax.lax.dynamic_update_slice(rows, block, (0, start)),
-                    out_shardings=self.rows.sharding, donate_argnums=0)
-    return PackedRows(write(self.rows, jax.device_put(block, self.rows.sharding)), self.layout)
+    rows = _writer(self.rows.sharding)(self.rows, jax.device_put(block, self.rows.sharding),
+                                       jnp.int32(start))
+    return PackedRows(rows, self.layout)
+
+
+@functools.cache
+def _writer(sharding: jax.sharding.Sharding):
+  """``(rows, block, start) -> rows`` with ``block`` written at column ``start`` of every row,
+  in place (``rows`` donated), kept in ``sharding``: one compile for each shape."""
+  return jax.jit(lambda rows, block, start: jax.lax.dynamic_update_slice(rows, block, (0, start)),
+                 out_shardings=sharding, donate_argnums=0)
 
 
 jax.tree_util.register_dataclass(PackedRows, data_fields=["rows"], meta_fields=["layout"])

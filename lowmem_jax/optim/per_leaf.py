@@ -100,18 +100,25 @@ def check_per_slice(update: Callable, grads: Any, state: Any, n: int) -> str | N
   Each value is followed as the elements per slice in row-major order (a slice is a run of
   the flat array): elementwise operations, reshapes, bit casts, a broadcast or reduction
   along trailing axes, a pad or slice keep it a slice's; a value that does not depend on
-  the leaf (a step count, a key, an ``iota``) reads none. A state leaf whose size ``n``
-  divides is taken as the leaf's, sliced alike. Anything else on a sliced value
-  (``dot_general`` of two, a reduction over the first axis, a loop) reads across slices.
+  the leaf (a step count, a key, an ``iota``) reads none. A state leaf of the leaf's rank
+  and rows is taken as sliced alike. Anything else on a sliced value reads
+  across slices: a shift along the first axis, ``dot_general``, a reduction over the first
+  axis, a loop or conditional. So a refusal can be conservative (a broadcast over a size-1
+  axis between data axes, a ``dot_general`` with a matrix that is not the leaf's, a loop
+  of elementwise steps), never silent. The state is taken as ``tx.init`` of the whole
+  leaf makes it: an ``init`` that takes a statistic of the params is not checked.
   """
   leaf = jax.tree.leaves(grads)[0]
   closed = jax.make_jaxpr(lambda g, s, p: update(g, s, p))(grads, state, grads)
-  chunk = lambda x: (math.prod(x.shape) // n if x.shape and math.prod(x.shape) % n == 0
-                     else None)
-  inputs = ([chunk(leaf)] + [chunk(x) for x in jax.tree.leaves(state)] + [chunk(leaf)])
+  size = math.prod(leaf.shape)
+  # A state leaf laid out as the leaf (its rank, its rows: moments, 8-bit codes and their
+  # scales) is sliced as it is; another (a step count, a key's data) reads no slice.
+  chunk = lambda x: (math.prod(x.shape) // n if len(x.shape) == len(leaf.shape)
+                     and x.shape[:1] == leaf.shape[:1] and math.prod(x.shape) % n == 0 else None)
+  inputs = [size // n] + [chunk(x) for x in jax.tree.leaves(state)] + [size // n]
   found = []
-  outs = _slices(closed.jaxpr, inputs, found)
-  return found[0] if found else (None if _MIXED not in outs else "its outputs")
+  _slices(closed.jaxpr, inputs, found)  # the first value that mixes slices is found
+  return found[0] if found else None
 
 
 def _slices(jaxpr, inputs: list, found: list) -> list:
@@ -176,7 +183,9 @@ def _slice_rule(eqn, ins: list):
     changed = [d for d in range(len(shape)) if shape[d] != out[d]
                or (name == "pad" and eqn.params["padding_config"][d][0] != 0)
                or (name == "slice" and eqn.params["start_indices"][d] != 0)]
-    if changed == [0] and ins[0] is not None:  # the first axis cut or padded at its end
+    offset = (eqn.params["start_indices"][0] if name == "slice"
+              else eqn.params["padding_config"][0][0])
+    if changed == [0] and offset == 0:  # the first axis cut or padded at its end only
       return c
     return scaled() if not changed or _suffix_ok(shape, min(changed), c) else _MIXED
   return _MIXED

@@ -292,6 +292,10 @@ class _Streamer:
 
   def abstract(self, params):
     """`LayerStreamed.abstract`."""
+    if any(len(getattr(x, "sharding", None) and x.sharding.device_set or ()) > 1
+           for x in jax.tree.leaves(params)):
+      raise ValueError("`abstract` gives one device's state; for params sharded over a mesh, "
+                       "restore into `init(params)` (the state made where it is kept).")
     shapes = jax.eval_shape(self.init, params)
     return offload.in_host_memory(shapes) if self.state == "host" else shapes
 
@@ -370,12 +374,11 @@ class _Streamer:
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))
     plan = self.backward_plan(one_layer, dh, batch, layers_at)
     (dh, ok), layers, layer_states = slicing.scan_slices(
-        functools.partial(self.layer_backward, plan), (dh, jnp.isfinite(loss)), layers,
+        functools.partial(self.layer_backward, plan), (dh, head_ok), layers,
         opt_state.layers, saved, self.state, reverse=True, whole=True)
     grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
     new_rest, rest_states, ok = self.update_embedding(grads, rest_states, rest, new_rest,
                                                       rest_at, embed_reads, ok)
-    ok = jnp.logical_and(ok, head_ok)
     total_notfinite = slicing.to(self.state, slicing.to("device", opt_state.total_notfinite)
                                  + jnp.logical_not(ok).astype(jnp.int32))
     return ({**new_rest, self.stack.key: layers},

@@ -94,8 +94,8 @@ class LayerStreamed:
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
       parameters and the state are updated in place.
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
-      where ``init`` puts it (one device's; params sharded over a mesh refused): the target to restore a saved state into
-      (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
+      where ``init`` puts it (one device's; params sharded over a mesh refused): the
+      target to restore a saved state into (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
       memory: a host state restored through it lands in device memory, which the
       donating step cannot take (the process aborts).
   """

@@ -159,10 +159,11 @@ def _slice_rule(eqn, ins: list):
     cs = {_broadcast(c, s, [d for d in range(len(s)) if s[d] != 1], out)
           if len(s) == len(out) else _MIXED for c, s in sliced}
     return cs.pop() if len(cs) == 1 else _MIXED
-  (c, shape), size = sliced[0], lambda s: math.prod(s)
   if len(sliced) > 1:
     return _MIXED
-  scaled = lambda: c * size(out) // size(shape) if (c * size(out)) % size(shape) == 0 else _MIXED
+  c, shape = sliced[0]
+  grown = c * math.prod(out)
+  scaled = lambda: grown // math.prod(shape) if grown % math.prod(shape) == 0 else _MIXED
   if name in ("reshape", "squeeze", "expand_dims", "bitcast_convert_type"):
     return scaled()
   if name in _REDUCTIONS:

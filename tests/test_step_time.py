@@ -5,7 +5,7 @@ schedule has it."""
 import jax
 import jax.numpy as jnp
 import pytest
-from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
+from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
 
 import lowmem_jax as lm
 from lowmem_jax import app
@@ -46,6 +46,49 @@ def test_a_transfer_hides_only_under_the_kernels_between_its_start_and_done():
   assert exposed.seconds_by_bound["host link"] == pytest.approx(fetch)  # the wait at its done
   assert hidden.bound == exposed.bound == "host link"
   assert sum(hidden.seconds_by_bound.values()) == pytest.approx(hidden.seconds)
+
+
+# A 4 MiB row of a host stack brought to the device by an asynchronous fusion at a loop
+# counter's offset: a memcpy (jax 0.10's XLA: kind=kCustom, the offset from the induction
+# variable) or a kernel reading pinned memory (kind=kLoop), with an 8 MiB kernel under it.
+_ASYNC_FUSION = """HloModule m, is_scheduled=true
+
+%row (p0: f32[8,1048576], p1: s32[]) -> f32[1,1048576] {{
+  %p0 = f32[8,1048576]{{1,0:S(5)}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,1048576]{{1,0}} dynamic-slice(%p0, %p1, %zero), dynamic_slice_sizes={{1,1048576}}{config}
+  ROOT %copy = f32[1,1048576]{{1,0}} copy(%ds)
+}}
+
+ENTRY %main (p0: f32[8,1048576], p1: f32[2097152], i: s32[]) -> f32[1,1048576] {{
+  %p0 = f32[8,1048576]{{1,0:S(5)}} parameter(0)
+  %p1 = f32[2097152]{{0}} parameter(1)
+  %i = s32[] parameter(2)
+  %start = ((f32[8,1048576]{{1,0:S(5)}}, s32[]), f32[1,1048576]{{1,0}}, u32[]) fusion-start(%p0, %i), kind={kind}, calls=%row
+  %e = f32[2097152]{{0}} exponential(%p1)
+  %done = f32[1,1048576]{{1,0}} fusion-done(%start)
+  ROOT %add = f32[1,1048576]{{1,0}} add(%done, %done)
+}}
+"""
+_LOOP_OFFSET = (', backend_config={"dynamic_slice_config":{"loop_index":"0","byte_offset":"0",'
+                '"byte_stride":"4194304"}}')
+
+
+def test_an_asynchronous_fusion_moves_its_slice_under_the_kernels_after_its_start():
+  memcpy = step_time.estimate(_ASYNC_FUSION.format(kind="kCustom", config=_LOOP_OFFSET), H100)
+  kernel = step_time.estimate(_ASYNC_FUSION.format(kind="kLoop", config=""), H100)
+  c = step_time.CALIBRATION
+  row = 4 * 2**20
+  dma = row / (c.copy_link_efficiency * H100.host_link_bytes_per_s) + c.launch_s
+  sm = row / (c.kernel_link_efficiency * H100.host_link_bytes_per_s) + c.launch_s
+  under = 16 * 2**20 / (c.hbm_efficiency * H100.memory_bytes_per_s) + c.launch_s
+  add = 12 * 2**20 / (c.hbm_efficiency * H100.memory_bytes_per_s) + c.launch_s
+  assert memcpy.seconds == pytest.approx(max(dma, under) + add)
+  assert kernel.seconds == pytest.approx(max(sm, under) + add)
+  assert memcpy.to_device_bytes == kernel.to_device_bytes == row  # the row, not the stack
+  assert step_time.loop_host_transfers(_ASYNC_FUSION.format(kind="kCustom",
+                                                            config=_LOOP_OFFSET)) == {}
 
 
 def test_the_cpu_has_no_estimate():
@@ -113,6 +156,32 @@ def _host_rows_loop(use_at_once: bool):
     return jax.lax.fori_loop(0, 8, body, (x, jax.device_put(rows[0], jax.memory.Space.Device)))
   rows = jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16)
   return H100.compile(loop, rows, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)).as_text()
+
+
+@NEEDS_TARGET
+@FLAX_NORM
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+def test_a_host_row_at_a_loop_counters_offset_moves_as_xla_moves_such_rows():
+  """The streamed step counts its slices in its loop's carry, so the host rows' offsets are
+  functions of the induction variable: where XLA runs such a row as a memcpy (the copy
+  engines: jax 0.10's XLA), every host transfer of the step's loop bodies is one."""
+  def loop(rows, x):
+    rows = jax.device_put(rows, jax.memory.Space.Host)
+    fetch = lambda i: jax.device_put(rows[jnp.clip(i, 0, 7)], jax.memory.Space.Device)
+    body = lambda i, c: (jnp.tanh(c[0] @ c[0] + c[1][:1024].reshape(1, 1024)), fetch(i + 1))
+    return jax.lax.fori_loop(0, 8, body, (x, fetch(0)))[0]
+  probe = H100.compile(loop, jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)).as_text()
+  xla_makes_memcpys = all(step_time.loop_host_transfers(probe).values())
+  job = app.Job("llama-tiny", batch=2, seq=64, target="h100")
+  built, params, opt_state, batch = app.arguments(
+      job, app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt"))
+  with job.compiling():
+    text = job.target.compile(built["step"], params, opt_state, batch).as_text()
+  transfers = step_time.loop_host_transfers(text)
+  assert len(transfers) >= 4  # the saved input written, read back; the state read, written
+  assert set(transfers.values()) == {xla_makes_memcpys}, transfers
 
 
 @NEEDS_TARGET

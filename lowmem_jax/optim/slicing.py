@@ -3,7 +3,7 @@ device and pinned host memory: the storage side of `lowmem_jax.optim.layer_strea
 
 A stack holds one slice per layer (or per slice of a big leaf) along its leading axis.
 `at` reads slice ``i`` and `put` writes it back in place, never copying the stack;
-`scan_slices` runs a function over the slices in a ``lax.scan``, bringing what lives on
+`scan_slices` runs a function over the slices in a loop, bringing what lives on
 the host over one slice ahead so the transfer overlaps the compute; `late` keeps an index
 from being used before a value is made (an optimization barrier), so a slice is not read
 early and held; `layer_states` makes a stacked optimizer state where it is kept.
@@ -94,7 +94,7 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
                  reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
                  rows: int | None = None, whole: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a ``lax.scan``;
+  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop;
   ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
   gradient) is made, so the slice is not held while the gradient is computed.
 
@@ -103,7 +103,7 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   states there, and any leaf of ``xs`` in host memory) is brought over one slice ahead: the
   body starts the copy of the next slice's before it runs ``fn`` on this one's, so the
   transfer can overlap the compute; the new state is packed and written back in place into
-  its row of the host stack, carried through the scan (a donated stack is updated where it
+  its row of the host stack, carried through the loop (a donated stack is updated where it
   lies, never copied host to host).
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
@@ -121,11 +121,13 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
                     f"{type(states).__name__}.")
   fetch = lambda kept, i: to("device", (at(kept, i) if on_host else None, at(xs, i)))
 
-  def body(c, i):
+  def body(k, c):
+    i = n - 1 - k if reverse else k
     c, params, kept, current = c  # kept: the device states, or the host's packed rows
     ahead = fetch(kept, jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
     if whole:
-      c, params, s = fn(c, i, params, states.layout.unpack(current[0]) if on_host else kept, current[1])
+      c, params, s = fn(c, i, params, states.layout.unpack(current[0]) if on_host else kept,
+                        current[1])
     else:
       state_of = ((lambda after: states.layout.unpack(current[0])) if on_host else
                   (lambda after: at(kept, *late((*state_outer, i), after))))
@@ -139,11 +141,13 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
       # pinned memory: its buffer on the host all the same) takes the row as it is.
       if jax.typeof(kept).memory_space == jax.memory.Space.Host:
         row = to("host", row)
-      return (c, params, jax.lax.dynamic_update_slice(kept, row, (i, 0)), ahead), None
-    return (c, params, s if whole else put(kept, s, *state_outer, i), ahead), None
+      return c, params, jax.lax.dynamic_update_slice(kept, row, (i, 0)), ahead
+    return c, params, s if whole else put(kept, s, *state_outer, i), ahead
 
   first = late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
   kept = states.rows if on_host else states
-  (carry, params, kept, _), _ = jax.lax.scan(body, (carry, params, kept, fetch(kept, first)),
-                                             jnp.arange(n), reverse=reverse)
+  # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
+  # function of the loop's induction variable, and jax 0.10's XLA moves a host row as a memcpy
+  # (the copy engines' DMA) rather than with a kernel over pinned memory.
+  carry, params, kept, _ = jax.lax.fori_loop(0, n, body, (carry, params, kept, fetch(kept, first)))
   return carry, params, PackedRows(to("host", kept), states.layout) if on_host else kept

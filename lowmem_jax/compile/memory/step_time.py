@@ -45,7 +45,7 @@ class Calibration(NamedTuple):
       ``copy`` or ``copy-start``: the copy engines' DMA).
     kernel_link_efficiency: the same for a kernel that reads or writes host memory itself
       (a host ``dynamic-slice`` or in-place ``dynamic-update-slice``: XLA runs those as SM
-      kernels over pinned memory, openxla/xla#28421).
+      kernels over pinned memory, openxla/xla#28421, except where it makes them a memcpy).
     float32_rate: a float32 GEMM's rate as a fraction of a bfloat16 one's (TF32, the tensor
       cores' float32 format and XLA's default for float32 dots on them, has half the peak).
     tensor_fraction: the fraction of the tensor-core peak the largest GEMMs reach.
@@ -188,6 +188,9 @@ class _Program:
 
   def _cost(self, computation: str, name: str) -> _Cost:
     i = self.computations[computation][name]
+    memcpy = self._is_memcpy(i)
+    if i.op == "fusion-start":  # an asynchronous fusion: its output, the tuple's second element
+      i = i._replace(op="fusion", shape=_async_output(i.shape))
     inner = ([(c, n) for c in _hlo.called(i) for n in self.computations[c]]
              if i.op == "fusion" else [(computation, name)])  # a custom fusion's GEMM
     seconds = flops = 0.0
@@ -205,7 +208,21 @@ class _Program:
         device_bytes=sum(b for b, host in reads + writes if not host),
         to_device_bytes=sum(b for b, host in reads if host),
         to_host_bytes=sum(b for b, host in writes if host),
-        collective_bytes=collective, copy=i.op in ("copy", "copy-start"))
+        collective_bytes=collective, copy=memcpy or i.op in ("copy", "copy-start"))
+
+  def _is_memcpy(self, i: _hlo.Instruction) -> bool:
+    """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA): a custom
+    fusion of a slice whose offsets XLA computes from the loop's induction variable (a
+    ``dynamic_slice_config``), as jax 0.10's XLA makes of a host row read or written at a
+    loop counter's offset; or an asynchronous start of one (``fusion-start``, or in XLA's
+    dump an ``async-start`` of a computation that is one). Newer XLA runs the same fusion
+    as a kernel (``kind=kLoop``)."""
+    if i.op == "async-start":
+      inner = self.computations[_hlo.called(i)[0]]
+      return any(self._is_memcpy(j) for j in inner.values() if j.op not in _FREE)
+    return (i.op in ("fusion", "fusion-start") and "kind=kCustom" in i.attributes
+            and any("dynamic_slice_config" in j.attributes
+                    for j in self.computations[_hlo.called(i)[0]].values()))
 
   def _tensor_flops(self, computation: str, i: _hlo.Instruction) -> tuple[float, float]:
     """A GEMM's or attention call's FLOPs, and the tensor cores' peak for its operands."""
@@ -294,6 +311,16 @@ class _Program:
             for p, (nbytes, host) in zip(parts, arrays)]
 
 
+def _async_output(shape: str) -> str:
+  """The output of an asynchronous start's shape ``((operands...), output, context)``."""
+  depth = 0
+  for k, c in enumerate(shape[1:], 1):
+    depth += {"(": 1, ")": -1}.get(c, 0)
+    if depth == 0:
+      return _ARRAY.search(shape, k + 1).group(1)
+  raise ValueError(f"not an asynchronous start's shape: {shape}")
+
+
 def _dims(shape: str) -> list[int]:
   """The dimensions of an HLO shape's first array."""
   m = re.search(r"\[([\d,]*)\]", shape)
@@ -329,7 +356,7 @@ class _Clock:
         self.run(c)
     elif i.op == "conditional":
       self.run(max(_hlo.called(i), key=self._alone))
-    elif i.op in ("async-start", "copy-start", *_ASYNC_COLLECTIVES):
+    elif i.op in ("async-start", "copy-start", "fusion-start", *_ASYNC_COLLECTIVES):
       self._start(computation, name, i)
     elif i.op.endswith("-done"):
       end, bound = self.ends.get(i.operands[0], (self.now, "HBM"))
@@ -416,13 +443,24 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
                   collective_bytes=moved["collective"])
 
 
+def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
+  """The host transfers of the loop bodies of an optimized HLO module's text (named as
+  `exposed_host_transfers` names them), each True where the copy engines move it (a copy, or
+  a fusion XLA runs as a memcpy), False where a kernel reads or writes pinned memory."""
+  program = _Program(hlo_text, 1.0, 1.0, 1.0, None, CALIBRATION)
+  bodies = sorted({_hlo.body(i) for c in program.computations.values() for i in c.values()
+                   if i.op == "while"})
+  return {f"{body}/{name}": i.op == "copy-start" or program._is_memcpy(i)
+          for body in bodies for name, i in program.computations[body].items()
+          if i.op.endswith("-start") and ":S(5)" in i.shape}
+
+
 def exposed_host_transfers(hlo_text: str) -> list[str]:
   """The host transfers of a loop body (a ``while``'s, an optimized HLO module's text) with no
   kernel scheduled between their start and their done: nothing runs under them, the compute
   waits for each whole. A host transfer is a start (``async-start``, ``copy-start``,
   ``fusion-start``) with an array in host memory (``S(5)``); each is named
-  ``computation/start``. (`estimate` queues the first two; a ``fusion-start``, which older XLA
-  makes in small programs, it runs as a kernel in place.)"""
+  ``computation/start``."""
   computations, _, _ = _hlo.computations(hlo_text)
   bodies = {_hlo.body(i) for c in computations.values() for i in c.values() if i.op == "while"}
   exposed = []

@@ -1,4 +1,4 @@
-"""`lowmem_jax.optim.packed_rows`: a stack of trees held as one byte array, bit for bit."""
+"""`lowmem_jax.optim.packed_rows`: a stack of trees held as byte rows, bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,12 @@ def _bits(tree):
 
 def test_packing_gives_each_slice_back_bit_for_bit():
   tree = _tree()
-  packed = PackedRows.stack(tree, 3)
+  packed = PackedRows.stack(tree, 3, banks=2)
   row_bytes = 4 * 4 + 5 * 2 + 2 * 2 + 2 + 1 + 1 + 2 * 4 + 4 * 4 + 4
-  assert packed.rows.shape == (3, row_bytes) and packed.rows.dtype == jnp.uint8
+  rows = packed.joined()
+  assert rows.shape == (3, row_bytes) and rows.dtype == jnp.uint8
+  assert [b.shape[0] for b in packed.banks] == [2, 1]  # rows 0 and 2, row 1
+  np.testing.assert_array_equal(packed.banks[1][0], rows[1])
   assert packed.layout.row_bytes == row_bytes
   back = packed.unstacked()
   assert jax.tree.structure(back) == jax.tree.structure(tree)
@@ -45,14 +48,14 @@ def test_packing_gives_each_slice_back_bit_for_bit():
     assert got.dtype == want.dtype and got.shape == want.shape
   for got, want in zip(_bits(back), _bits(tree)):
     np.testing.assert_array_equal(got, want)
-  one = packed.layout.unpack(packed.rows[1])
+  one = packed.layout.unpack(rows[1])
   for got, want in zip(_bits(one), _bits(jax.tree.map(lambda x: x[1], tree))):
     np.testing.assert_array_equal(got, want)
 
 
-def test_packed_rows_are_a_pytree_of_one_leaf_under_jit():
+def test_packed_rows_are_a_pytree_of_their_banks_under_jit():
   packed = PackedRows.stack(_tree(), 3)
-  assert jax.tree.leaves(packed) == [packed.rows]
+  assert jax.tree.leaves(packed) == list(packed.banks)
   same = jax.jit(lambda p: p)(packed)
   assert same.layout == packed.layout and hash(same.layout) == hash(packed.layout)
   shaped = jax.eval_shape(lambda t: PackedRows.stack(t, 3), _tree())
@@ -61,8 +64,8 @@ def test_packed_rows_are_a_pytree_of_one_leaf_under_jit():
 
 def test_a_stateless_stack_packs_to_empty_rows():
   packed = PackedRows.stack((), 4)  # optax.sgd's state a slice: nothing
-  assert packed.rows.shape == (4, 0)
-  assert packed.layout.unpack(packed.rows[0]) == ()
+  assert packed.joined().shape == (4, 0) and packed.count == 4
+  assert packed.layout.unpack(packed.joined()[0]) == ()
 
 
 def test_a_tree_laid_out_otherwise_is_refused():

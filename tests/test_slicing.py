@@ -33,11 +33,39 @@ def test_scan_slices_updates_each_slice_in_place_and_the_host_state_comes_back()
     assert int(carry) == 3
     np.testing.assert_array_equal(new_p, params * 2 + 1)
     if place == "host":  # a row of bytes a slice
-      assert isinstance(new_s, PackedRows) and new_s.rows.shape == (3, 4 * 4)
+      assert isinstance(new_s, PackedRows) and new_s.joined().shape == (3, 4 * 4)
       new_s = new_s.unstacked()
     np.testing.assert_array_equal(new_s, np.arange(3.0)[:, None] * np.ones(4))
   with pytest.raises(TypeError, match="PackedRows"):
     slicing.scan_slices(fn, jnp.int32(0), params, states, xs, "host")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("banks", [1, 2])
+def test_host_rows_come_over_ahead_and_go_back_each_to_its_own_slice(n, reverse, banks):
+  """Two passes over host rows (in two banks each trip reads its row two trips ahead of its
+  compute and writes it back a trip late): every slice sees its own state, in the order of the
+  trips, and the second pass sees the first's writes."""
+  params = jnp.zeros((n, 2))
+  xs = jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.ones((n, 2))
+
+  def fn(order, i, p, state_of, x):  # the state counts its visits and keeps the trip's number
+    s = state_of(p)
+    return order + 1, p + x, {"visits": s["visits"] + 1, "trip": s["trip"] * 0 + order}
+
+  states = slicing.stacked("host", {"visits": jnp.zeros((n, 3), jnp.int32),
+                                    "trip": jnp.full((n,), -1, jnp.int32)}, n, banks)
+  run = jax.jit(lambda p, s: slicing.scan_slices(fn, jnp.int32(0), p, s, xs, "host",
+                                                 reverse=reverse))
+  _, params, states = run(params, states)
+  _, params, states = run(params, states)
+  np.testing.assert_array_equal(params, 2 * xs)
+  got = states.unstacked()
+  np.testing.assert_array_equal(got["visits"], np.full((n, 3), 2))
+  trips = np.arange(n)[::-1] if reverse else np.arange(n)
+  np.testing.assert_array_equal(got["trip"], trips)
+  assert len(states.banks) == min(n, banks)
 
 
 def test_late_waits_for_its_value_and_leaves_an_empty_index():

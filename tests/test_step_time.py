@@ -191,16 +191,38 @@ def test_a_host_transfer_with_no_kernel_under_it_is_found():
 
 
 @NEEDS_TARGET
+def test_a_loop_that_only_moves_a_row_is_not_looked_at():
+  """A row brought over in halves, a loop of two trips with nothing to run under them (as
+  `lowmem_jax.optim.slicing` brings the first rows over): not exposed, there is nothing to
+  hide under; the same loop with a matmul is looked at."""
+  def halves(rows, x, matmul):
+    rows = jax.device_put(rows, jax.memory.Space.Host).reshape(16, 1 << 19)
+    def body(h, out):
+      half = jax.device_put(rows[h + 2][None], jax.memory.Space.Device)
+      x = out[1] @ (out[1] + half[:, :1024]) if matmul else out[1]  # the half used at once
+      return jax.lax.dynamic_update_slice(out[0], half, (h, 0)), x
+    out = jax.lax.fori_loop(0, 2, body, (jnp.zeros((2, 1 << 19), jnp.bfloat16), x))
+    return out[0].sum() + out[1].sum()
+  shapes = (jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16))
+  moved = H100.compile(lambda r, x: halves(r, x, False), *shapes).as_text()
+  assert step_time.loop_host_transfers(moved) and step_time.exposed_host_transfers(moved) == []
+  computed = H100.compile(lambda r, x: halves(r, x, True), *shapes).as_text()
+  assert len(step_time.exposed_host_transfers(computed)) == 1
+
+
+@NEEDS_TARGET
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
-def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_host():
+@pytest.mark.parametrize("prefetch", ["", "+prefetch:2"])
+def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_host(prefetch):
   """Llama with its state and saved inputs in host memory, compiled for the h100: in every
   loop body each host transfer has a kernel between its start and done (one transfer a layer
-  each way, `lowmem_jax.optim.packed_rows.PackedRows`), and the new state is written where it
-  lies, not copied host to host at the end."""
+  each way, `lowmem_jax.optim.packed_rows.PackedRows`; with two layers ahead, in two banks),
+  and the new state is written where it lies, not copied host to host at the end."""
   job = app.Job("llama-tiny", batch=2, seq=64, target="h100")
-  techniques = app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt")
+  techniques = app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt" + prefetch)
   built, params, opt_state, batch = app.arguments(job, techniques)
   with job.compiling():
     text = job.target.compile(built["step"], params, opt_state, batch).as_text()

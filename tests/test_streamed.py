@@ -161,14 +161,24 @@ def test_masks_and_partitions_by_path_select_as_on_the_whole_tree(tx_name, state
     np.testing.assert_array_equal(got["embedding"], params["embedding"])
 
 
-def test_the_state_and_saved_inputs_on_the_host_give_the_same_step():
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_state_and_saved_inputs_on_the_host_give_the_same_step(prefetch):
+  """Brought over one layer (or slice) ahead, or two and written back a layer late (3 layers:
+  a pair of trips and one alone; the head's and embedding's leaves in 4 slices)."""
   model, params = stack(), params_of(jax.random.key(1))
   batches = [batch_of(jax.random.key(i)) for i in range(2)]
   got, want, state = run_both(model, optax.adam(1e-2), params, batches, state="host",
-                              saved_inputs="host")
+                              saved_inputs="host", prefetch=prefetch, slice_elements=256)
   assert_close(got, want)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
   assert {x.sharding.memory_kind for x in jax.tree.leaves(got)} == {"device"}
+  assert len(state.layers.banks) == len(state.rest["embedding"].banks) == prefetch
+
+
+@pytest.mark.parametrize("prefetch", [0, 3, 1.0, True])
+def test_a_prefetch_other_than_1_or_2_is_refused_by_name(prefetch):
+  with pytest.raises(ValueError, match="`prefetch` must be 1 or 2"):
+    streamed.layer_streamed(stack(), optax.adam(1e-2), state="host", prefetch=prefetch)
 
 
 def test_a_stateless_transformation_with_its_state_on_the_host():
@@ -177,7 +187,7 @@ def test_a_stateless_transformation_with_its_state_on_the_host():
   got, want, state = run_both(model, optax.sgd(1e-2), params, [batch_of(jax.random.key(0))],
                               state="host")
   assert_close(got, want)
-  assert state.layers.rows.shape == (LAYERS, 0)
+  assert state.layers.joined().shape == (LAYERS, 0)
   layered = streamed.layer_streamed(model, optax.sgd(1e-2), state="host")
   assert jax.tree.structure(jax.jit(layered.init)(params)) == jax.tree.structure(state)
   assert jax.tree.structure(jax.eval_shape(layered.init, params)) == jax.tree.structure(state)

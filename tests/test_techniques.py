@@ -23,6 +23,7 @@ SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
     ("adama:-2", "adama:-2: k must be a positive integer"),
     ("remat:most", "remat:most: the policy must be one of"),
     ("lowmem", "applies only to --step"),
+    ("prefetch:3", "prefetch:3: the layers ahead must be 1 or 2"),
 ])
 def test_parse_errors_name_the_term(text, message):
   with pytest.raises(app.TechniqueError, match=message):
@@ -35,6 +36,14 @@ def test_a_term_given_twice_is_refused_by_name(text):
   name = text.split("+")[-1].partition(":")[0]
   with pytest.raises(app.TechniqueError, match=f"{name} is given twice in"):
     app.parse(text)
+
+
+@pytest.mark.parametrize("text, missing", [("offload-opt+prefetch:2", "stream"),
+                                           ("stream:host+prefetch:2", "offload-opt")])
+def test_prefetch_needs_the_streamed_step_and_its_state_on_the_host(text, missing):
+  with pytest.raises(app.TechniqueError, match=f"prefetch needs {missing}"):
+    app.parse(text).check_together()
+  assert "prefetch" not in app.parse("stream:host+offload-opt+prefetch:1")  # the default
 
 
 def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():
@@ -314,8 +323,10 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   on_device = min(app.device_argument_bytes(job, app.parse(
       t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
+  assert texts[k].endswith("+prefetch:2") and texts[k + 1] == texts[k][:-len("+prefetch:2")]
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  assert tried == [texts[k]] and [t for t, _ in fit.skipped] == texts[:k]
-  assert fit.fixed_bytes == floor and fit.fits is not None
-  assert fit.fits.label == texts[k] and fit.tried[0][0].stats.peak_bytes <= on_device - 1
+  assert tried == texts[k:k + 2]  # the state brought over two layers ahead, then one
+  assert [t for t, _ in fit.skipped] == texts[:k] and fit.fixed_bytes == floor
+  assert fit.fits is not None and fit.fitting and all(
+      b.stats.peak_bytes <= on_device - 1 for b, _ in fit.fitting)

@@ -171,8 +171,8 @@ class Job:
     kept = [t for t in terms if all(k in taken for k, option in STEP_OPTIONS.items()
                                     if t.partition(":")[0] in option.terms)]
     names = {t.partition(":")[0] for t in kept}
-    kept = [t for t in kept if t == "baseline" or TECHNIQUES[t.partition(":")[0]].needs is None
-            or TECHNIQUES[t.partition(":")[0]].needs[0] in names]
+    kept = [t for t in kept if t == "baseline"
+            or all(n in names for n, _ in TECHNIQUES[t.partition(":")[0]].needs)]
     return ("+".join(t for t in kept if t != "baseline") or "baseline",
             tuple(t for t in terms if t not in kept))
 

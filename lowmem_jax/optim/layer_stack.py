@@ -116,9 +116,12 @@ def split(params: Any, key: str) -> tuple[dict, Any]:
 def check_state(expected: StreamedState, opt_state: StreamedState) -> None:
   """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
   makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
-  def described(tree):
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [(jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
+  def described(tree):  # packed rows as one [rows, row bytes] array, whatever their banks
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, PackedRows))[0]
+    return [(jax.tree_util.keystr(p), (x.count, x.layout.row_bytes), jnp.dtype(jnp.uint8))
+            if isinstance(x, PackedRows) else
+            (jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
 
   want, got = described(expected), described(opt_state)
   for w, g in zip(want, got):

@@ -1,4 +1,4 @@
-"""A stack of like trees held as one byte array, a row a tree: how `layer_streamed` keeps a
+"""A stack of like trees held as byte rows, a row a tree: how `layer_streamed` keeps a
 stacked state in pinned host memory.
 
 Each leaf of a tree is viewed as bytes (``lax.bitcast_convert_type``; a typed PRNG key as its
@@ -90,28 +90,48 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class PackedRows:
-  """A stack of ``n`` like trees, tree ``i`` packed in ``rows[i]`` (module docstring).
+  """A stack of ``n`` like trees, tree ``i`` packed in row ``i`` (module docstring).
+
+  The ``n`` rows, ``uint8[n, layout.row_bytes]``, are dealt over ``b`` arrays, row ``i`` at
+  ``banks[i % b][i // b]``. In two banks, a row written in place and its neighbour read touch
+  different buffers, so XLA can run the two transfers at once
+  (`lowmem_jax.optim.slicing.scan_slices`), where in one array the read waits for the write.
 
   Attributes:
-    rows: ``uint8[n, layout.row_bytes]``, where the stack lives (device or pinned host).
+    banks: the rows, dealt (above), where the stack lives (device or pinned host).
     layout: each leaf's place in a row (static: not a leaf of the pytree).
   """
-  rows: jax.Array
+  banks: tuple[jax.Array, ...]
   layout: Layout
 
   def __post_init__(self):
     _register_with_flax()
 
   @classmethod
-  def stack(cls, tree: Any, n: int) -> "PackedRows":
+  def stack(cls, tree: Any, n: int, banks: int = 1) -> "PackedRows":
     """``tree``, whose leaves are stacked along a leading axis of ``n``, packed a row a slice
-    (``n`` rows of no bytes where the tree has no leaves: a stateless transformation's)."""
+    (``n`` rows of no bytes where the tree has no leaves: a stateless transformation's), dealt
+    over ``banks`` arrays (`dealt`)."""
     layout = Layout.of(tree, lead=1)
-    return cls(jax.vmap(layout.pack, axis_size=n)(tree), layout)
+    return cls(dealt(jax.vmap(layout.pack, axis_size=n)(tree), banks), layout)
+
+  @property
+  def count(self) -> int:
+    """The number of rows, ``n``."""
+    return sum(bank.shape[0] for bank in self.banks)
+
+  def joined(self) -> jax.Array:
+    """The rows in order, ``uint8[n, row_bytes]``, as one (new) array."""
+    if len(self.banks) == 1:
+      return self.banks[0]
+    rows = jnp.zeros((self.count, self.layout.row_bytes), jnp.uint8)
+    for b, bank in enumerate(self.banks):
+      rows = rows.at[b::len(self.banks)].set(bank)
+    return rows
 
   def unstacked(self) -> Any:
     """The stacked tree `stack` took: each leaf ``[n, ...]``."""
-    return jax.vmap(self.layout.unpack)(self.rows)
+    return jax.vmap(self.layout.unpack)(self.joined())
 
   def with_leaf(self, k: int, value: Any) -> "PackedRows":
     """These rows with leaf ``k`` (of ``layout.leaves``) set to ``value`` (an array of its
@@ -124,10 +144,17 @@ class PackedRows:
     start = sum(x.nbytes for x in self.layout.leaves[:k])
     data = jnp.broadcast_to(jnp.asarray(value, leaf.dtype), leaf.shape)
     data = jax.lax.bitcast_convert_type(data.astype(leaf.stored_dtype), jnp.uint8).reshape(-1)
-    block = jnp.broadcast_to(data, (self.rows.shape[0], leaf.nbytes))
-    rows = _writer(self.rows.sharding)(self.rows, jax.device_put(block, self.rows.sharding),
-                                       jnp.int32(start))
-    return PackedRows(rows, self.layout)
+    banks = tuple(
+        _writer(bank.sharding)(bank, jax.device_put(
+            jnp.broadcast_to(data, (bank.shape[0], leaf.nbytes)), bank.sharding), jnp.int32(start))
+        for bank in self.banks)
+    return PackedRows(banks, self.layout)
+
+
+def dealt(rows: Any, banks: int) -> tuple[Any, ...]:
+  """``rows`` (``[n, ...]``, a numpy or JAX array) dealt over ``banks`` arrays (fewer where
+  ``n`` is less, one at least), as `PackedRows.banks`."""
+  return tuple(rows[b::banks] for b in range(min(banks, rows.shape[0]) or 1))
 
 
 @functools.cache
@@ -138,14 +165,16 @@ def _writer(sharding: jax.sharding.Sharding):
                  out_shardings=sharding, donate_argnums=0)
 
 
-jax.tree_util.register_dataclass(PackedRows, data_fields=["rows"], meta_fields=["layout"])
+jax.tree_util.register_dataclass(PackedRows, data_fields=["banks"], meta_fields=["layout"])
 
 
 @functools.cache
 def _register_with_flax() -> None:
-  """`flax.serialization` saves `PackedRows.rows` and takes the layout from the template (as
+  """`flax.serialization` saves `PackedRows.banks` and takes the layout from the template (as
   `lowmem_jax._static.StaticInt`: registered by the first one made, Flax loaded then)."""
   from flax import serialization
   serialization.register_serialization_state(
-      PackedRows, lambda p: {"rows": p.rows},
-      lambda template, saved: dataclasses.replace(template, rows=saved["rows"]), override=True)
+      PackedRows, lambda p: {str(b): bank for b, bank in enumerate(p.banks)},
+      lambda template, saved: dataclasses.replace(
+          template, banks=tuple(saved[str(b)] for b in range(len(template.banks)))),
+      override=True)

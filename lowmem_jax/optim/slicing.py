@@ -3,19 +3,20 @@ device and pinned host memory: the storage side of `lowmem_jax.optim.layer_strea
 
 A stack holds one slice per layer (or per slice of a big leaf) along its leading axis.
 `at` reads slice ``i`` and `put` writes it back in place, never copying the stack;
-`scan_slices` runs a function over the slices in a loop, bringing what lives on
-the host over one slice ahead so the transfer overlaps the compute; `late` keeps an index
-from being used before a value is made (an optimization barrier), so a slice is not read
-early and held; `layer_states` makes a stacked optimizer state where it is kept.
+`scan_slices` runs a function over the slices in a loop, bringing what lives on the host
+over ahead and writing it back late, so the transfers overlap the compute; `late` keeps an
+index from being used before a value is made (an optimization barrier), so a slice is not
+read early and held; `layer_states` makes a stacked optimizer state where it is kept.
 """
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowmem_jax.optim.packed_rows import Layout, PackedRows
+from lowmem_jax.optim.packed_rows import Layout, PackedRows, dealt
 
 
 def to(place: str, tree: Any) -> Any:
@@ -23,8 +24,9 @@ def to(place: str, tree: Any) -> Any:
   return jax.device_put(tree, jax.memory.Space.Host if place == "host" else jax.memory.Space.Device)
 
 
-def layer_states(init_layer: Callable, layers: Any, place: str) -> Any:
-  """``jax.vmap(init_layer)(layers)`` in ``place``; in host memory as `PackedRows` (`stacked`).
+def layer_states(init_layer: Callable, layers: Any, place: str, banks: int = 1) -> Any:
+  """``jax.vmap(init_layer)(layers)`` in ``place``; in host memory as `PackedRows` in
+  ``banks`` arrays (`stacked`).
   In host memory, outside a trace and on one device, each layer's state is made on the device
   and brought to the host before the next one's: a whole Llama-3-8B's 8-bit state (15 GiB)
   made on the device would not fit beside its bfloat16 parameters on a 24 GB card. (Traced,
@@ -34,7 +36,7 @@ def layer_states(init_layer: Callable, layers: Any, place: str) -> Any:
   if (place == "device" or len({getattr(x, "sharding", None) for x in leaves}) != 1
       or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves)
       or len(leaves[0].sharding.device_set) > 1):
-    return stacked(place, jax.vmap(init_layer)(layers), leaves[0].shape[0])
+    return stacked(place, jax.vmap(init_layer)(layers), leaves[0].shape[0], banks)
   first = {}  # the first layer's layout, which every layer's state has, and its packing
 
   def row(i):  # layer i's state made on the device, packed, brought to the host, dropped
@@ -46,14 +48,15 @@ def layer_states(init_layer: Callable, layers: Any, place: str) -> Any:
 
   rows = np.stack([row(i) for i in range(leaves[0].shape[0])])
   host = leaves[0].sharding.with_memory_kind("pinned_host")
-  return PackedRows(jax.device_put(rows, host), first["layout"])
+  return PackedRows(tuple(jax.device_put(bank, host) for bank in dealt(rows, banks)),
+                    first["layout"])
 
 
-def stacked(place: str, tree: Any, n: int) -> Any:
+def stacked(place: str, tree: Any, n: int, banks: int = 1) -> Any:
   """A stack of ``n`` trees (each leaf ``[n, ...]``) kept in ``place``: on the device as it
-  is, in host memory as `PackedRows`, a row a slice, so a slice crosses the host link in one
-  transfer."""
-  return to(place, PackedRows.stack(tree, n) if place == "host" else tree)
+  is, in host memory as `PackedRows`, a row a slice in ``banks`` arrays (1, or 2 for the
+  transfers' overlap in `scan_slices`), so a slice crosses the host link in one transfer."""
+  return to(place, PackedRows.stack(tree, n, banks) if place == "host" else tree)
 
 
 def at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
@@ -99,12 +102,12 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   gradient) is made, so the slice is not held while the gradient is computed.
 
   The params are updated in place; the states too where they live on the device
-  (``place``); on the host they are `PackedRows` (`stacked`). What lives on the host (the
-  states there, and any leaf of ``xs`` in host memory) is brought over one slice ahead: the
-  body starts the copy of the next slice's before it runs ``fn`` on this one's, so the
-  transfer can overlap the compute; the new state is packed and written back in place into
-  its row of the host stack, carried through the loop (a donated stack is updated where it
-  lies, never copied host to host).
+  (``place``); on the host they are `PackedRows` (`stacked`), brought over ahead and written
+  back in place: in one bank, a slice ahead, each row written at the end of its slice; in
+  two, two slices ahead and a slice late, so both transfers can run under a slice's compute,
+  for two more slices' rows held on the device (`_HostTrips`). Any leaf of ``xs`` in host
+  memory comes over with the slice's state (on the device, one slice ahead). A donated host
+  stack is updated where it lies, never copied host to host.
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
@@ -115,39 +118,156 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   slice i's brought over): it reads and writes slice i itself.
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
-  on_host = place == "host"
-  if on_host and not isinstance(states, PackedRows):
+  if place == "host" and not isinstance(states, PackedRows):
     raise TypeError(f"States on the host must be PackedRows (`stacked`), got "
                     f"{type(states).__name__}.")
-  fetch = lambda kept, i: to("device", (at(kept, i) if on_host else None, at(xs, i)))
+  index = lambda k: n - 1 - k if reverse else k  # trip k's slice
 
-  def body(k, c):
-    i = n - 1 - k if reverse else k
-    c, params, kept, current = c  # kept: the device states, or the host's packed rows
-    ahead = fetch(kept, jnp.clip(i - 1 if reverse else i + 1, 0, n - 1))
+  def apply(c, params, kept, i, current):
+    """``(c, params, s)``: ``fn`` on slice i, its params written in place; ``s``: what
+    ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``)."""
+    unpacked = place == "host" and states.layout.unpack(current[0])
     if whole:
-      c, params, s = fn(c, i, params, states.layout.unpack(current[0]) if on_host else kept,
-                        current[1])
-    else:
-      state_of = ((lambda after: states.layout.unpack(current[0])) if on_host else
-                  (lambda after: at(kept, *late((*state_outer, i), after))))
-      c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1])
-      params = put(params, p, *outer, i, rows=rows)
-    if on_host:  # the next slice read before this one's row is written in place
-      s, ahead = jax.lax.optimization_barrier((s, ahead))
-      row = states.layout.pack(s)[None]
-      # A stack typed as host memory (made in the trace, or an argument placed there by a
-      # NamedSharding) takes a host row; one typed as the device's (a single-device argument in
-      # pinned memory: its buffer on the host all the same) takes the row as it is.
-      if jax.typeof(kept).memory_space == jax.memory.Space.Host:
-        row = to("host", row)
-      return c, params, jax.lax.dynamic_update_slice(kept, row, (i, 0)), ahead
-    return c, params, s if whole else put(kept, s, *state_outer, i), ahead
+      return fn(c, i, params, unpacked if place == "host" else kept, current[1])
+    state_of = ((lambda after: unpacked) if place == "host" else
+                (lambda after: at(kept, *late((*state_outer, i), after))))
+    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1])
+    return c, put(params, p, *outer, i, rows=rows), s
 
-  first = late(n - 1 if reverse else 0, carry)  # not brought over before the carry is made
-  kept = states.rows if on_host else states
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
   # function of the loop's induction variable, and jax 0.10's XLA moves a host row as a memcpy
   # (the copy engines' DMA) rather than with a kernel over pinned memory.
-  carry, params, kept, _ = jax.lax.fori_loop(0, n, body, (carry, params, kept, fetch(kept, first)))
-  return carry, params, PackedRows(to("host", kept), states.layout) if on_host else kept
+  if place == "host":
+    return _HostTrips(apply, states, xs, n, index).run(carry, params)
+
+  def body(k, loop):
+    c, params, kept, current = loop
+    i = index(k)
+    ahead = to("device", (None, at(xs, index(jnp.minimum(k + 1, n - 1)))))
+    c, params, s = apply(c, params, kept, i, current)
+    return c, params, s if whole else put(kept, s, *state_outer, i), ahead
+
+  first = to("device", (None, at(xs, late(index(0), carry))))  # not before the carry is made
+  carry, params, kept, _ = jax.lax.fori_loop(0, n, body, (carry, params, states, first))
+  return carry, params, kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostTrips:
+  """`scan_slices`' loop over states in host memory (`PackedRows`).
+
+  In one bank, trip k (slice ``index(k)``) starts bringing over the row of trip k + 1, runs
+  ``apply`` on its own row and writes the new row back in place, once the next row is read.
+  The write has nothing after it in its trip to run under.
+
+  In two banks, trip k starts bringing over the row of trip k + 2 and writing back the new row
+  of trip k - 1, then runs ``apply`` on its own row, brought over two trips before; its new
+  row is written back in the next trip. Rows i and i ± 1 lie in different banks, so the read
+  and the write touch different buffers and XLA can run both under the trip's compute. The
+  loop body runs two trips, so it knows each one's banks. Trip 0 writes back trip 1's row as
+  it was brought over (no change), so every trip is alike; the last trip's new row is written
+  after the loop.
+  """
+  apply: Callable  # (c, params, kept, i, (row, xs_i)) -> (c, params, state_i)
+  states: PackedRows
+  xs: Any
+  n: int
+  index: Callable  # trip k's slice
+
+  def bank(self, phase: int) -> int:
+    """The bank of the rows of trips of parity ``phase`` (k % 2, where there are two banks)."""
+    return self.index(phase) % len(self.states.banks)
+
+  def fetch(self, banks: tuple, k: Any, phase: int) -> tuple:
+    """Trip k's row (of phase ``phase``: k's parity) and ``xs`` slice, brought over."""
+    i = self.index(k)
+    return to("device", (at(banks[self.bank(phase)], i // len(banks)), at(self.xs, i)))
+
+  def write(self, banks: tuple, row: jax.Array, k: Any, phase: int) -> tuple:
+    """``banks`` with trip k's new ``row`` written in place."""
+    banks = list(banks)
+    b = self.bank(phase)
+    banks[b] = jax.lax.dynamic_update_slice(banks[b], _for(banks[b], row[None]),
+                                            (self.index(k) // len(banks), 0))
+    return tuple(banks)
+
+  def fetch_first(self, banks: tuple, k: int) -> tuple:
+    """`fetch` of trip k (an int) outside the loop, its row in halves (`_halves`)."""
+    bank, at_row = banks[self.bank(k % 2)], self.index(k) // len(banks)
+    halves, at_half = _halves(bank, at_row)
+    move = lambda h, rows: jax.lax.dynamic_update_slice(
+        rows, to("device", at(halves, at_half(h))[None]), (h, 0))
+    parts = len(halves) // len(bank)  # 2, or 1 for a row of an odd width
+    rows = jax.lax.fori_loop(0, parts, move, jnp.zeros((parts, halves.shape[1]), bank.dtype))
+    return rows.reshape(-1), to("device", at(self.xs, self.index(k)))
+
+  def write_last(self, banks: tuple, row: jax.Array, k: int) -> tuple:
+    """`write` of trip k (an int) outside the loop, in halves (`_halves`)."""
+    banks, b = list(banks), self.bank(k % 2)
+    halves, at_half = _halves(banks[b], self.index(k) // len(banks))
+    parts = row.reshape(len(halves) // len(banks[b]), -1)
+    move = lambda h, halves: jax.lax.dynamic_update_slice(
+        halves, _for(halves, at(parts, h)[None]), (at_half(h), 0))
+    banks[b] = jax.lax.fori_loop(0, len(parts), move, halves).reshape(banks[b].shape)
+    return tuple(banks)
+
+  def trip_one_bank(self, k: Any, loop: tuple) -> tuple:
+    """Trip k in one bank: ``loop`` is ``(c, params, banks, now)``, ``now`` this trip's row
+    brought over."""
+    c, params, banks, now = loop
+    upcoming = self.fetch(banks, jnp.minimum(k + 1, self.n - 1), 0)
+    c, params, s = self.apply(c, params, None, self.index(k), now)
+    # This row is written into the bank the next one is read from: the read first, in place.
+    s, upcoming = jax.lax.optimization_barrier((s, upcoming))
+    return c, params, self.write(banks, self.states.layout.pack(s), k, 0), upcoming
+
+  def trip_two_banks(self, phase: int, k: Any, loop: tuple) -> tuple:
+    """Trip k (of parity ``phase``; an int for the last trip, peeled) in two banks:
+    ``loop`` is ``(c, params, banks, now, next, pending)``, ``now`` and ``next`` this trip's
+    and the next one's rows brought over, ``pending`` the previous trip's new row."""
+    c, params, banks, now, upcoming, pending = loop
+    banks = self.write(banks, pending, jnp.abs(k - 1), 1 - phase)  # trip 0: trip 1's row
+    ahead = (upcoming if isinstance(k, int) and k + 2 >= self.n
+             else self.fetch(banks, jnp.where(k + 2 < self.n, k + 2, k), phase))
+    c, params, s = self.apply(c, params, None, jnp.int32(self.index(k)), now)
+    # The next trip writes this trip's row into the bank just read: the read first, in place.
+    s, ahead = jax.lax.optimization_barrier((s, ahead))
+    return c, params, banks, upcoming, ahead, self.states.layout.pack(s)
+
+  def run(self, carry: Any, params: Any) -> tuple[Any, Any, PackedRows]:
+    n, layout = self.n, self.states.layout
+    banks = late(self.states.banks, carry)  # not brought over before the carry is made
+    now = self.fetch_first(banks, 0)
+    if len(banks) == 1:
+      c, params, banks, _ = jax.lax.fori_loop(0, n, self.trip_one_bank,
+                                              (carry, params, banks, now))
+      return c, params, PackedRows(tuple(to("host", bank) for bank in banks), layout)
+    upcoming = self.fetch_first(banks, 1)
+    trip = self.trip_two_banks
+    loop = jax.lax.fori_loop(0, n // 2, lambda u, loop: trip(1, 2 * u + 1, trip(0, 2 * u, loop)),
+                             (carry, params, banks, now, upcoming, upcoming[0]))
+    if n % 2:
+      loop = trip(0, n - 1, loop)
+    c, params, banks, *_, pending = loop
+    banks = self.write_last(banks, pending, n - 1)
+    return c, params, PackedRows(tuple(to("host", bank) for bank in banks), layout)
+
+
+def _for(bank: jax.Array, row: jax.Array) -> jax.Array:
+  """``row`` made ready to write into ``bank``: a bank typed as host memory (made in the
+  trace, or an argument placed there by a NamedSharding) takes a host row; one typed as the
+  device's (a single-device argument in pinned memory: its buffer on the host all the same)
+  takes the row as it is."""
+  return to("host", row) if jax.typeof(bank).memory_space == jax.memory.Space.Host else row
+
+
+def _halves(bank: jax.Array, at_row: int) -> tuple[jax.Array, Callable]:
+  """``(halves, at_half)``: ``bank`` (``[rows, width]``) seen as ``[2 * rows, width / 2]``
+  (the same bytes), and where half h of row ``at_row`` lies, so a row moves as two slices in
+  a loop of two trips, at offsets of the loop's counter: XLA (jax 0.10's) moves such a slice
+  of a host bank by DMA, where it moves one outside a loop (at fixed offsets) with a kernel
+  over pinned memory at about a quarter of the link's rate (`lowmem_jax.compile.memory.
+  step_time`). A row of an odd width stays whole: one slice, moved by a kernel."""
+  if bank.shape[1] % 2:
+    return bank, lambda h: at_row
+  return bank.reshape(2 * bank.shape[0], bank.shape[1] // 2), lambda h: 2 * at_row + h

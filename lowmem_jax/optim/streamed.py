@@ -78,7 +78,7 @@ from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
-                   slice_elements: int = 2 ** 24,
+                   slice_elements: int = 2 ** 24, prefetch: int = 1,
                    gather_params: bool = False) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
@@ -118,6 +118,14 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     saved_inputs: where the forward keeps each layer's input for the backward,
       "device" or "host".
     slice_elements: the most elements a leaf is updated in at once, a positive int.
+    prefetch: with ``state="host"``, how many layers (or slices) ahead the state is brought
+      over, its rows dealt over as many arrays (`lowmem_jax.optim.packed_rows.PackedRows`):
+      1, each written back at the end of its own layer's backward, the write exposed (the
+      least device memory); or 2, written back a layer late, so both transfers run under a
+      layer's compute, for two more layers' state on the device. Llama-3.1-8B with 8-bit
+      moments, 2 x 2,048 tokens, compiled for the ``h100`` target: 1,007.0 ms a step
+      estimated at 16.87 GiB with 1, 750.6 ms at 18.99 GiB with 2 (docs/benchmarks.md). The
+      same step bit for bit; a state made with one is not the other's.
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
       for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
       the head's, made whole on every device where they are used, as ZeRO-3 gathers
@@ -151,8 +159,11 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
   if not is_int(slice_elements) or slice_elements < 1:
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
+  if not is_int(prefetch) or prefetch not in (1, 2):
+    raise ValueError(f"`prefetch` must be 1 or 2, got {prefetch!r}.")
   streamer = _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
-                       slice_elements, _sharding.gathered if gather_params else lambda tree: tree)
+                       slice_elements, prefetch,
+                       _sharding.gathered if gather_params else lambda tree: tree)
   return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
 
 
@@ -234,6 +245,7 @@ class _Streamer:
   state: str  # where the optimizer state lives: "device" or "host"
   saved_inputs: str  # where the forward keeps each layer's input
   slice_elements: int  # the most elements a leaf is updated in at once
+  prefetch: int  # how many slices ahead a host state is brought over: its banks
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
 
   def checked(self, params):
@@ -286,7 +298,7 @@ class _Streamer:
     rest, layers, _ = self.checked(params)
     rest_where, layers_where = _wheres(params, self.stack.key)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
-    return StreamedState(slicing.layer_states(init_layer, layers, self.state),
+    return StreamedState(slicing.layer_states(init_layer, layers, self.state, self.prefetch),
                          jax.tree.map(self.rest_init, rest, rest_where),
                          slicing.to(self.state, jnp.zeros((), jnp.int32)))
 
@@ -304,7 +316,7 @@ class _Streamer:
     states where it is updated in slices."""
     n = slices(jnp.shape(x), self.slice_elements)
     return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
-            else slicing.stacked(self.state, self.leaf_init(x, where), n))
+            else slicing.stacked(self.state, self.leaf_init(x, where), n, self.prefetch))
 
   def update(self, g, s, p, where, ok):
     """``(p, s, ok)``: ``tx`` on one leaf (or slice), given as the only leaf of its path

@@ -460,11 +460,13 @@ def exposed_host_transfers(hlo_text: str) -> list[str]:
   kernel scheduled between their start and their done: nothing runs under them, the compute
   waits for each whole. A host transfer is a start (``async-start``, ``copy-start``,
   ``fusion-start``) with an array in host memory (``S(5)``); each is named
-  ``computation/start``."""
-  computations, _, _ = _hlo.computations(hlo_text)
+  ``computation/start``. A loop that only moves data (`_moves_only`: a row moved in halves,
+  as `lowmem_jax.optim.slicing` moves one outside its loop) has nothing to run under its
+  transfers and is not looked at."""
+  computations, roots, _ = _hlo.computations(hlo_text)
   bodies = {_hlo.body(i) for c in computations.values() for i in c.values() if i.op == "while"}
   exposed = []
-  for body in sorted(bodies):
+  for body in sorted(b for b in bodies if not _moves_only(computations, roots, b)):
     covered: dict[str, bool] = {}  # each open host transfer: a kernel since its start
     for name, i in computations[body].items():
       if i.op.endswith("-start") and ":S(5)" in i.shape:
@@ -476,3 +478,22 @@ def exposed_host_transfers(hlo_text: str) -> list[str]:
       elif i.op not in _FREE and not i.op.endswith("-start"):
         covered = dict.fromkeys(covered, True)
   return exposed
+
+
+def _moves_only(computations: dict, roots: dict, body: str) -> bool:
+  """Whether computation ``body`` only moves data: each kernel computes a scalar (a loop
+  counter, an offset), makes an operand of an asynchronous start, or writes what a done
+  brought into a buffer (a dynamic-update-slice, alone or fused)."""
+  def stores(i: _hlo.Instruction) -> bool:
+    called = _hlo.called(i)
+    root = computations[called[0]][roots[called[0]]] if i.op == "fusion" and called else i
+    return root.op == "dynamic-update-slice"
+
+  instructions = computations[body]
+  fed = {o.split("#")[0] for i in instructions.values() if i.op.endswith("-start")
+         for o in i.operands}
+  brought = {n for n, i in instructions.items() if i.op.endswith("-done")}
+  return all(i.op in _FREE or i.op.endswith(("-start", "-done")) or not _dims(i.shape)
+             or name in fed or (stores(i) and any(o.split("#")[0] in brought
+                                                  for o in i.operands))
+             for name, i in instructions.items())

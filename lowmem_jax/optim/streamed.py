@@ -149,6 +149,12 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     >>> metrics["loss"].shape
     ()
   """
+  streamer = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params)
+  return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
+
+
+def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params):
+  """`layer_streamed`'s arguments checked, each refused by name, as a `_Streamer`."""
   if not isinstance(stack, LayerStack):
     raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
   if not isinstance(tx, optax.GradientTransformation):
@@ -161,10 +167,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
   if not is_int(prefetch) or prefetch not in (1, 2):
     raise ValueError(f"`prefetch` must be 1 or 2, got {prefetch!r}.")
-  streamer = _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
-                       slice_elements, prefetch,
-                       _sharding.gathered if gather_params else lambda tree: tree)
-  return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
+  return _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
+                   slice_elements, prefetch,
+                   _sharding.gathered if gather_params else lambda tree: tree)
 
 
 def _last_first(out: tuple) -> tuple:

@@ -215,7 +215,9 @@ class _HostTrips:
     """Trip k in one bank: ``loop`` is ``(c, params, banks, now)``, ``now`` this trip's row
     brought over."""
     c, params, banks, now = loop
-    upcoming = self.fetch(banks, jnp.minimum(k + 1, self.n - 1), 0)
+    # The next trip, min(k + 1, n - 1), written without k + 1: XLA would compute that with the
+    # loop counter's increment, at the end of the body, and start the fetch only there.
+    upcoming = self.fetch(banks, self.n - 1 - jnp.maximum(self.n - 2 - k, 0), 0)
     c, params, s = self.apply(c, params, None, self.index(k), now)
     # This row is written into the bank the next one is read from: the read first, in place.
     s, upcoming = jax.lax.optimization_barrier((s, upcoming))

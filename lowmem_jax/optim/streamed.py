@@ -123,7 +123,7 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       1, each written back at the end of its own layer's backward, the write exposed (the
       least device memory); or 2, written back a layer late, so both transfers run under a
       layer's compute, for two more layers' state on the device. Llama-3.1-8B with 8-bit
-      moments, 2 x 2,048 tokens, compiled for the ``h100`` target: 1,007.0 ms a step
+      moments, 2 x 2,048 tokens, compiled for the ``h100`` target: 1,003.5 ms a step
       estimated at 16.87 GiB with 1, 750.6 ms at 18.99 GiB with 2 (docs/benchmarks.md). The
       same step bit for bit; a state made with one is not the other's.
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set

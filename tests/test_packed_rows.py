@@ -87,3 +87,15 @@ def test_with_leaf_sets_one_leaf_in_every_row_and_keeps_the_others_bit_for_bit(n
     np.testing.assert_array_equal(got, expected)
   with pytest.raises(ValueError, match="PRNG key"):
     PackedRows.stack(tree, 3).with_leaf(sorted(tree).index("key"), 0)
+
+
+def test_flax_restores_rows_saved_in_one_array_and_refuses_another_bank_count():
+  """A state saved before the rows were dealt into banks ({"rows": rows}) restores into a
+  one-bank template; a template of another bank count is refused by name."""
+  from flax import serialization
+  packed = PackedRows.stack(_tree(), 3)
+  old = {"rows": np.asarray(packed.joined())}
+  restored = serialization.from_state_dict(packed, old)
+  np.testing.assert_array_equal(restored.joined(), packed.joined())
+  with pytest.raises(ValueError, match=r"lie in 1 bank\(s\), the template's in 2"):
+    serialization.from_state_dict(PackedRows.stack(_tree(), 3, banks=2), old)

@@ -175,6 +175,15 @@ def test_the_state_and_saved_inputs_on_the_host_give_the_same_step(prefetch):
   assert len(state.layers.banks) == len(state.rest["embedding"].banks) == prefetch
 
 
+def test_a_state_made_with_another_prefetch_is_refused_by_name():
+  model, params, batch = stack(), params_of(jax.random.key(0)), batch_of(jax.random.key(1))
+  one, two = (streamed.layer_streamed(model, optax.adam(1e-2), state="host", prefetch=k)
+              for k in (1, 2))
+  with pytest.raises(ValueError, match=r"should be uint8\[3, \d+\] in 2 bank\(s\), got .* in "
+                                       r"1 bank\(s\).*`prefetch`"):
+    jax.eval_shape(two.step, params, one.init(params), batch)
+
+
 @pytest.mark.parametrize("prefetch", [0, 3, 1.0, True])
 def test_a_prefetch_other_than_1_or_2_is_refused_by_name(prefetch):
   with pytest.raises(ValueError, match="`prefetch` must be 1 or 2"):

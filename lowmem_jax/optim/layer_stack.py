@@ -116,20 +116,21 @@ def split(params: Any, key: str) -> tuple[dict, Any]:
 def check_state(expected: StreamedState, opt_state: StreamedState) -> None:
   """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
   makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
-  def described(tree):  # packed rows as one [rows, row bytes] array, whatever their banks
+  def described(tree):  # packed rows as one [rows, row bytes] array, and their banks
     leaves = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, PackedRows))[0]
-    return [(jax.tree_util.keystr(p), (x.count, x.layout.row_bytes), jnp.dtype(jnp.uint8))
-            if isinstance(x, PackedRows) else
-            (jax.tree_util.keystr(p), jnp.shape(x), jnp.result_type(x)) for p, x in leaves]
+    return [(jax.tree_util.keystr(p),
+             f"uint8{[x.count, x.layout.row_bytes]} in {len(x.banks)} bank(s)"
+             if isinstance(x, PackedRows) else f"{jnp.result_type(x)}{list(jnp.shape(x))}")
+            for p, x in leaves]
 
   want, got = described(expected), described(opt_state)
   for w, g in zip(want, got):
     if w != g:
       raise ValueError(
           f"`opt_state` is not the state `init` makes for these params: at {w[0]} it should "
-          f"be {w[2]}{list(w[1])}, got {g[0]} {g[2]}{list(g[1])}. Make it with `init(params)` "
-          "(the same layer count, leaves and transformation).")
+          f"be {w[1]}, got {g[0]} {g[1]}. Make it with `init(params)` (the same layer count, "
+          "leaves, transformation and `prefetch`).")
   if len(want) != len(got) or jax.tree.structure(expected) != jax.tree.structure(opt_state):
     raise ValueError(f"`opt_state` is not the state `init` makes for these params: its "
                      f"structure ({len(got)} leaves) differs from `init(params)`'s "

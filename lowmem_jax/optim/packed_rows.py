@@ -121,7 +121,8 @@ class PackedRows:
     return sum(bank.shape[0] for bank in self.banks)
 
   def joined(self) -> jax.Array:
-    """The rows in order, ``uint8[n, row_bytes]``, as one (new) array."""
+    """The rows in order, ``uint8[n, row_bytes]``, as one array (the bank itself where there
+    is one)."""
     if len(self.banks) == 1:
       return self.banks[0]
     rows = jnp.zeros((self.count, self.layout.row_bytes), jnp.uint8)
@@ -174,7 +175,16 @@ def _register_with_flax() -> None:
   `lowmem_jax._static.StaticInt`: registered by the first one made, Flax loaded then)."""
   from flax import serialization
   serialization.register_serialization_state(
-      PackedRows, lambda p: {str(b): bank for b, bank in enumerate(p.banks)},
-      lambda template, saved: dataclasses.replace(
-          template, banks=tuple(saved[str(b)] for b in range(len(template.banks)))),
+      PackedRows, lambda p: {str(b): bank for b, bank in enumerate(p.banks)}, _restored,
       override=True)
+
+
+def _restored(template: PackedRows, saved: dict) -> PackedRows:
+  """``template`` with the banks of ``saved`` (`_register_with_flax`'s state dict; a state
+  saved before the rows were dealt into banks holds ``{"rows": rows}``, one bank)."""
+  saved = {"0": saved["rows"]} if set(saved) == {"rows"} else saved
+  if len(saved) != len(template.banks):
+    raise ValueError(f"The saved packed rows lie in {len(saved)} bank(s), the template's in "
+                     f"{len(template.banks)}: restore into a state made with the same "
+                     "`prefetch` (layer_streamed).")
+  return dataclasses.replace(template, banks=tuple(saved[str(b)] for b in range(len(saved))))

@@ -121,6 +121,10 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   if place == "host" and not isinstance(states, PackedRows):
     raise TypeError(f"States on the host must be PackedRows (`stacked`), got "
                     f"{type(states).__name__}.")
+  if place == "host" and [len(b) for b in states.banks] != [len(b) for b in dealt(
+      np.arange(n), len(states.banks))]:  # a slice out of range would read and write another's
+    raise ValueError(f"The host states hold {states.count} rows in banks of "
+                     f"{[len(b) for b in states.banks]}; the params have {n} slices.")
   index = lambda k: n - 1 - k if reverse else k  # trip k's slice
 
   def apply(c, params, kept, i, current):
@@ -143,7 +147,7 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   def body(k, loop):
     c, params, kept, current = loop
     i = index(k)
-    ahead = to("device", (None, at(xs, index(jnp.minimum(k + 1, n - 1)))))
+    ahead = to("device", (None, at(xs, index(_next(k, n)))))
     c, params, s = apply(c, params, kept, i, current)
     return c, params, s if whole else put(kept, s, *state_outer, i), ahead
 
@@ -165,8 +169,9 @@ class _HostTrips:
   row is written back in the next trip. Rows i and i ± 1 lie in different banks, so the read
   and the write touch different buffers and XLA can run both under the trip's compute. The
   loop body runs two trips, so it knows each one's banks. Trip 0 writes back trip 1's row as
-  it was brought over (no change), so every trip is alike; the last trip's new row is written
-  after the loop.
+  it was brought over (no change), and the last two trips bring over their own rows again
+  (nothing is ahead), so every trip is alike; the last trip's new row is written after the
+  loop.
   """
   apply: Callable  # (c, params, kept, i, (row, xs_i)) -> (c, params, state_i)
   states: PackedRows
@@ -215,9 +220,7 @@ class _HostTrips:
     """Trip k in one bank: ``loop`` is ``(c, params, banks, now)``, ``now`` this trip's row
     brought over."""
     c, params, banks, now = loop
-    # The next trip, min(k + 1, n - 1), written without k + 1: XLA would compute that with the
-    # loop counter's increment, at the end of the body, and start the fetch only there.
-    upcoming = self.fetch(banks, self.n - 1 - jnp.maximum(self.n - 2 - k, 0), 0)
+    upcoming = self.fetch(banks, _next(k, self.n), 0)
     c, params, s = self.apply(c, params, None, self.index(k), now)
     # This row is written into the bank the next one is read from: the read first, in place.
     s, upcoming = jax.lax.optimization_barrier((s, upcoming))
@@ -228,7 +231,8 @@ class _HostTrips:
     ``loop`` is ``(c, params, banks, now, next, pending)``, ``now`` and ``next`` this trip's
     and the next one's rows brought over, ``pending`` the previous trip's new row."""
     c, params, banks, now, upcoming, pending = loop
-    banks = self.write(banks, pending, jnp.abs(k - 1), 1 - phase)  # trip 0: trip 1's row
+    banks = (self.write_last(banks, pending, k - 1) if isinstance(k, int)  # peeled: by DMA
+             else self.write(banks, pending, jnp.abs(k - 1), 1 - phase))  # trip 0: trip 1's
     ahead = (upcoming if isinstance(k, int) and k + 2 >= self.n
              else self.fetch(banks, jnp.where(k + 2 < self.n, k + 2, k), phase))
     c, params, s = self.apply(c, params, None, jnp.int32(self.index(k)), now)
@@ -253,6 +257,13 @@ class _HostTrips:
     c, params, banks, *_, pending = loop
     banks = self.write_last(banks, pending, n - 1)
     return c, params, PackedRows(tuple(to("host", bank) for bank in banks), layout)
+
+
+def _next(k: jax.Array, n: int) -> jax.Array:
+  """The trip after trip ``k`` of ``n``, the last one's itself: ``min(k + 1, n - 1)``, written
+  without ``k + 1``, which XLA would compute with the loop counter's own increment, at the end
+  of the loop's body, and start the transfer that reads it only there."""
+  return n - 1 - jnp.maximum(n - 2 - k, 0)
 
 
 def _for(bank: jax.Array, row: jax.Array) -> jax.Array:

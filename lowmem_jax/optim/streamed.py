@@ -125,7 +125,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       layer's compute, for two more layers' state on the device. Llama-3.1-8B with 8-bit
       moments, 2 x 2,048 tokens, compiled for the ``h100`` target: 1,003.5 ms a step
       estimated at 16.87 GiB with 1, 750.6 ms at 18.99 GiB with 2 (docs/benchmarks.md). The
-      same step bit for bit; a state made with one is not the other's.
+      same step bit for bit; a state made with one is refused by the other (restore a saved
+      one into a state made with the same ``prefetch``).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
       for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
       the head's, made whole on every device where they are used, as ZeRO-3 gathers

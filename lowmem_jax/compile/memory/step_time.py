@@ -493,7 +493,8 @@ def _moves_only(computations: dict, roots: dict, body: str) -> bool:
   fed = {o.split("#")[0] for i in instructions.values() if i.op.endswith("-start")
          for o in i.operands}
   brought = {n for n, i in instructions.items() if i.op.endswith("-done")}
-  return all(i.op in _FREE or i.op.endswith(("-start", "-done")) or not _dims(i.shape)
+  scalar = lambda shape: all(dims == "" for dims in re.findall(r"\[([\d,]*)\]", shape))
+  return all(i.op in _FREE or i.op.endswith(("-start", "-done")) or scalar(i.shape)
              or name in fed or (stores(i) and any(o.split("#")[0] in brought
                                                   for o in i.operands))
              for name, i in instructions.items())

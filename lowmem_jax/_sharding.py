@@ -3,6 +3,7 @@ mesh of Auto axes is set for tracing (`jax.set_mesh`), under which the layer-str
 gathers parameters and token blocks are taken position-major."""
 
 import jax
+import numpy as np
 
 
 def explicit(x: jax.Array) -> jax.sharding.NamedSharding | None:
@@ -37,3 +38,11 @@ def gathered(tree):
     return tree
   whole = jax.sharding.PartitionSpec()
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
+
+
+def one_device(device: jax.Device, memory_kind: str | None = None) -> jax.sharding.NamedSharding:
+  """``device`` alone as a mesh, in ``memory_kind``: an abstract array placed so is typed in
+  its memory (``float32<host>``) when a step is traced on it, as an array put there is; under
+  a `jax.sharding.SingleDeviceSharding` it is typed as device memory whatever its kind."""
+  mesh = jax.sharding.Mesh(np.array([device]), ("_",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind)

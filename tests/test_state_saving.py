@@ -106,7 +106,10 @@ def _flax_state_dict(state, template, _):
 
 
 def _flax_bytes(state, template, _):
-  return flax.serialization.from_bytes(template, flax.serialization.to_bytes(state))
+  """NumPy arrays come back, put where the template's are (a host state refuses them on the
+  device: `test_a_host_streamed_state_restored_onto_the_device_is_refused_by_name`)."""
+  restored = flax.serialization.from_bytes(template, flax.serialization.to_bytes(state))
+  return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), restored, template)
 
 
 def _orbax(state, template, directory):
@@ -153,14 +156,7 @@ def test_state_round_trips_and_resumes_bit_for_bit(case, saver, tmp_path):
 def test_a_host_streamed_state_restores_through_its_abstract_target(tx, tmp_path):
   """orbax restores into `LayerStreamed.abstract` (no concrete state made): the state lands in
   host memory and the donating step takes it, resuming bit for bit."""
-  stack = optim.LayerStack(embed=lambda rest, x: x @ rest["w"],
-                           layer=lambda p, h, x: jnp.tanh(h @ p["w"]),
-                           head=lambda rest, h, x: jnp.mean(h ** 2))
-  params = jax.tree.map(jnp.copy, {**PARAMS, "layers": {"w": jnp.stack([PARAMS["w"] / 8] * 2)}})
-  layered = optim.layer_streamed(stack, tx, state="host")
-  run = jax.jit(layered.step, donate_argnums=(0, 1))
-  xs = [jax.random.normal(jax.random.key(i), (4, 64)) for i in range(3)]
-  params, state, _ = run(params, layered.init(params), xs[0])
+  layered, run, params, state, xs = _host_streamed(tx)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "state", state)
     checkpointer.wait_until_finished()
@@ -171,3 +167,41 @@ def test_a_host_streamed_state_restores_through_its_abstract_target(tx, tmp_path
     params, state, _ = run(params, state, x)
     resumed, restored, _ = run(resumed, restored, x)
   _exact((resumed, restored), (params, state))
+
+
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+@OPTAX_APPLY_UPDATES
+def test_a_host_streamed_state_restored_onto_the_device_is_refused_by_name(tmp_path):
+  """orbax restores into `jax.eval_shape(init)` (which keeps no memory kind) on the device: the
+  donating step refuses that state by name (it aborted the process: memory kinds), as it
+  does NumPy arrays (a restore from bytes); moved to the host it resumes bit for bit."""
+  layered, run, params, state, xs = _host_streamed(lowbit.adamw_8bit(1e-2))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "state", jax.eval_shape(layered.init, params))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(restored)} == {"device"}
+  for on_device in (restored, jax.tree.map(np.asarray, state)):  # eval_shape's; from bytes
+    with pytest.raises(ValueError, match=r"in device memory.*`state='host'`.*abstract\(params"):
+      run(params, on_device, xs[1])
+  restored = jax.device_put(restored, jax.memory.Space.Host)
+  resumed = jax.tree.map(jnp.copy, params)
+  for x in xs[1:]:
+    params, state, _ = run(params, state, x)
+    resumed, restored, _ = run(resumed, restored, x)
+  _exact((resumed, restored), (params, state))
+
+
+def _host_streamed(tx):
+  """``(layered, run, params, state, xs)``: a 2-layer stack streamed with its state on the
+  host under ``tx``, stepped once (``run``, donating) on ``xs[0]``."""
+  stack = optim.LayerStack(embed=lambda rest, x: x @ rest["w"],
+                           layer=lambda p, h, x: jnp.tanh(h @ p["w"]),
+                           head=lambda rest, h, x: jnp.mean(h ** 2))
+  params = jax.tree.map(jnp.copy, {**PARAMS, "layers": {"w": jnp.stack([PARAMS["w"] / 8] * 2)}})
+  layered = optim.layer_streamed(stack, tx, state="host")
+  run = jax.jit(layered.step, donate_argnums=(0, 1))
+  xs = [jax.random.normal(jax.random.key(i), (4, 64)) for i in range(3)]
+  params, state, _ = run(params, layered.init(params), xs[0])
+  return layered, run, params, state, xs

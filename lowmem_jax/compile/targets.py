@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lowmem_jax import _jax
+from lowmem_jax import _jax, _sharding
 from lowmem_jax.ops import dispatch
 from lowmem_jax.ops.dispatch import compiling_for  # noqa: F401  (public here too)
 from lowmem_jax.optim.offload import HOST, in_host_memory  # noqa: F401  (public here too)
@@ -391,7 +391,7 @@ def _on_cpu(x: Any) -> Any:
   if sharding is not None and len(sharding.device_set) > 1:
     raise ValueError("arguments in host memory compile for one target device; got an argument "
                      f"sharded over {len(sharding.device_set)} devices.")
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind=_memory_kind(x))
+  cpu = _sharding.one_device(jax.devices("cpu")[0], _memory_kind(x))
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu)
 
 

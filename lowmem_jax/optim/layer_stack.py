@@ -95,9 +95,10 @@ class LayerStreamed:
       parameters and the state are updated in place.
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
       where ``init`` puts it (one device's; params sharded over a mesh refused): the
-      target to restore a saved state into (orbax's ``restore(path, target)``). ``jax.eval_shape(init, params)`` gives no
-      memory: a host state restored through it lands in device memory, which the
-      donating step cannot take (the process aborts).
+      target to restore a saved state into (orbax's ``restore(path, target)``).
+      ``jax.eval_shape(init, params)`` keeps no memory kind: a host state restored through
+      it lands in device memory, which ``step`` refuses by name (a donating step would abort
+      the process); ``jax.device_put(state, jax.memory.Space.Host)`` moves it back.
   """
   init: Callable[[Any], StreamedState]
   step: Callable[[Any, StreamedState, Any], tuple[Any, StreamedState, dict]]
@@ -113,9 +114,11 @@ def split(params: Any, key: str) -> tuple[dict, Any]:
   return {k: v for k, v in params.items() if k != key}, params[key]
 
 
-def check_state(expected: StreamedState, opt_state: StreamedState) -> None:
+def check_state(expected: StreamedState, opt_state: StreamedState, place: str) -> None:
   """Raises a ValueError naming the first leaf where ``opt_state`` is not the state `init`
-  makes for these params (``expected``, its shapes): another layer count, another ``tx``."""
+  makes for these params (``expected``, its shapes): another layer count, another ``tx``,
+  or a leaf outside ``place`` (``"host"`` or ``"device"`` memory), where a donating step
+  would abort the process."""
   def described(tree):  # packed rows as one [rows, row bytes] array, and their banks
     leaves = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, PackedRows))[0]
@@ -135,6 +138,17 @@ def check_state(expected: StreamedState, opt_state: StreamedState) -> None:
     raise ValueError(f"`opt_state` is not the state `init` makes for these params: its "
                      f"structure ({len(got)} leaves) differs from `init(params)`'s "
                      f"({len(want)} leaves).")
+  space = jax.memory.Space.Host if place == "host" else jax.memory.Space.Device
+  for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    if jax.typeof(x).memory_space != space:
+      raise ValueError(
+          f"`opt_state` at {jax.tree_util.keystr(path)} is in "
+          f"{jax.typeof(x).memory_space.name.lower()} memory; this step keeps its state in "
+          f"{place} memory (`state='{place}'`). A "
+          "checkpoint restored into `jax.eval_shape(init, params)` (which keeps no memory "
+          "kind) or from bytes (NumPy arrays) lands on the device: restore into "
+          "`abstract(params)`, or move it with "
+          f"`jax.device_put(opt_state, jax.memory.Space.{space.name})`.")
 
 
 def check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from lowmem_jax import _sharding
 from lowmem_jax.optim.accumulation import find_adama_state
 from lowmem_jax.optim import lowbit
 
@@ -98,8 +99,9 @@ HOST = "pinned_host"
 
 def in_host_memory(tree: Any) -> Any:
   """``tree`` (arrays or `jax.ShapeDtypeStruct`) as abstract arrays in the host memory
-  (memory kind ``"pinned_host"``) of this process's first device: arguments that
+  (memory kind ``"pinned_host"``) of this process's first device (`_sharding.one_device`:
+  typed as host memory when traced, as arrays there are): arguments that
   `lowmem_jax.compile.targets.Target.compile` keeps on the host, for the attached GPU or a
-  compile-only one."""
-  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST)
+  compile-only one, and a target orbax restores into host memory."""
+  host = _sharding.one_device(jax.devices()[0], HOST)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)

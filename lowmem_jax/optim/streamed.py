@@ -384,7 +384,7 @@ class _Streamer:
       raise TypeError(f"`opt_state` must be the StreamedState `init` makes, got "
                       f"{type(opt_state).__name__}.")
     rest, layers, one_layer = self.checked(params)
-    check_state(jax.eval_shape(self.init, params), opt_state)
+    check_state(jax.eval_shape(self.init, params), opt_state, self.state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
     rest_at, layers_at = _wheres(params, self.stack.key)
     embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)

@@ -30,16 +30,24 @@ def test_split_and_layer_count_name_what_is_missing_or_uneven():
 
 
 def test_check_state_names_the_first_leaf_that_differs():
+  """Another shape, another structure, or a leaf in the other memory: refused by name."""
   state = layer_stack.StreamedState(LAYERS, {}, jnp.zeros((), jnp.int32))
-  layer_stack.check_state(state, state)
+  layer_stack.check_state(state, state, "device")
   fewer = state._replace(layers={**LAYERS, "w": jnp.ones((2, 4, 4))})
   with pytest.raises(ValueError, match=r"at .*\['w'\] it should be float32\[3, 4, 4\], got .*"
                      r"float32\[2, 4, 4\]"):
-    layer_stack.check_state(state, fewer)
+    layer_stack.check_state(state, fewer, "device")
   with_emb = state._replace(rest={"emb": jnp.ones(2)})
   with pytest.raises(ValueError, match=r"at .rest\['emb'\] it should be float32\[2\], got "
                      r".total_notfinite int32\[\]"):
-    layer_stack.check_state(with_emb, state)
+    layer_stack.check_state(with_emb, state, "device")
+  with pytest.raises(ValueError, match=r"at .layers\['b'\] is in device memory; this step keeps "
+                     r"its state in host memory \(`state='host'`\)"):
+    layer_stack.check_state(state, state, "host")
+  on_host = jax.device_put(state, jax.memory.Space.Host)
+  layer_stack.check_state(state, on_host, "host")
+  with pytest.raises(ValueError, match=r"is in host memory; .* in device memory"):
+    layer_stack.check_state(state, on_host, "device")
 
 
 def test_check_layer_names_a_part_that_changes_the_hidden_state():

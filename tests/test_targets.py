@@ -159,6 +159,18 @@ def test_offload_puts_bytes_in_host_memory():
   assert "offloaded to host memory" in str(b)
 
 
+def test_a_step_with_host_arguments_compiles_with_its_jits_own_options():
+  """Arguments in host memory compile outside jax for a compile-only GPU: the jit's own
+  ``compiler_options`` reach XLA there too (an unknown one is refused, as jax refuses it)."""
+  x = targets.in_host_memory(jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  move = lambda x: jax.device_put(x, jax.memory.Space.Device) * 2
+  rtx4090 = targets.get("rtx4090")
+  assert isinstance(rtx4090.compile(jax.jit(move, compiler_options=targets.HOST_TRANSFER_OPTIONS),
+                                    x), targets.HostArgumentsCompiled)
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    rtx4090.compile(jax.jit(move, compiler_options={"xla_no_such_option": True}), x)
+
+
 def test_gpu_pipeline_keeps_remat_without_the_cpu_switch():
   """`jax.checkpoint`'s recompute survives XLA's GPU pipeline as it is: the
   CPU-only `CPU_KEEPS_REMAT` is not applied there, and remat still saves."""

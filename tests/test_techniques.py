@@ -265,7 +265,10 @@ def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_op
   code = streamed.python(job)
   assert ('streamed = lm.optim.layer_streamed(wl.layer_stack(), tx, state="host", '
           'saved_inputs="host")') in code
-  assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))" in code
+  assert ('step = jax.jit(streamed.step, donate_argnums=(0, 1), compiler_options='
+          '{"xla_gpu_enable_latency_hiding_scheduler": True})') in code
+  on_device = app.parse("fused-ce+8bit+bf16-params+stream:device").python(job)
+  assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))\n" in on_device
   assert "opt_state = streamed.init(params)" in code and "offload_state" not in code
   b = app.measure(job, streamed, top=0)
   row = app.row(b, b, streamed)

@@ -24,7 +24,7 @@ import optax
 from lowmem_jax import models, transform
 from lowmem_jax.app import code
 from lowmem_jax.choices import Activation, Attention, Conv, Embedding, Loss, Norm, Place
-from lowmem_jax.compile import policies
+from lowmem_jax.compile import policies, targets
 
 
 class TechniqueError(ValueError):
@@ -452,10 +452,19 @@ class TechniqueSet:
       train_step = code.Name("streamed.step")
     else:
       train_step = code.Call.of("wl.train_step", code.Name("tx"), *fold, **in_backward)
-    step = code.Call.of("jax.jit", train_step, donate_argnums=(0, 1))
+    step = code.Call.of("jax.jit", train_step, donate_argnums=(0, 1), **self._jit_options())
     return code.Program((("wl", code.Call.of("lm.models.workload", job.model,
                                              **self.switches(job)), ""),
                          *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
+
+  def _jit_options(self) -> dict:
+    """``jax.jit``'s ``compiler_options`` for a layer-streamed step moving rows to and from the
+    host (`targets.HOST_TRANSFER_OPTIONS`), else none."""
+    if "stream" not in self or not ("offload-opt" in self or self.get("stream") == "host"):
+      return {}
+    options = targets.HOST_TRANSFER_OPTIONS
+    text = ", ".join(f'"{k}": {v!r}' for k, v in options.items())
+    return {"compiler_options": code.Code(dict(options), "{" + text + "}")}
 
   def python(self, job) -> str:
     """`program`'s lines, then the parameters and optimizer state it starts from; for a

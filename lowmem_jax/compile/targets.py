@@ -77,6 +77,14 @@ CPU_KEEPS_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 # lowmem_jax steps are within 1%.
 DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
+HOST_TRANSFER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+"""XLA options for a step that moves data between host and device in a loop (the
+layer-streamed step with its state or saved inputs on the host): XLA's latency-hiding
+scheduler, which starts each transfer early and waits for it late. jaxlib 0.10.2's XLA runs it
+by default for the h100 target but not the rtx4090 (Llama-3.1-8B's host-state step there:
+4,166.5 -> 3,476.1 ms estimated, docs/benchmarks.md). Give them to ``jax.jit``'s
+``compiler_options``; the CPU ignores them."""
+
 _CONFIGS = importlib.resources.files("lowmem_jax.compile") / "target_configs"
 
 
@@ -332,7 +340,9 @@ class Target:
     """Compiles what `lower` gave, with the target's options and ``compiler_options``."""
     options = self.compiler_options(compiler_options)
     if self.deviceless and _HOST_ARGUMENT.search(lowered.as_text()):
-      return HostArgumentsCompiled(self, lowered, options)
+      # Compiled outside jax: the jit's own compiler_options (which jax adds) added here.
+      own = dict(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
+      return HostArgumentsCompiled(self, lowered, {**own, **options})
     return lowered.compile(compiler_options=options)
 
   def save(self, path: str | os.PathLike) -> None:

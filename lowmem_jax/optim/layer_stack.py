@@ -92,7 +92,9 @@ class LayerStreamed:
     step: ``(params, state, batch) -> (params, state, {"loss": loss, "finite": ok})``,
       one call per (micro-)batch; ``ok`` (bool[]) where the loss and every gradient were
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
-      parameters and the state are updated in place.
+      parameters and the state are updated in place; with the state or the saved inputs on
+      the host, also ``compiler_options=lm.compile.targets.HOST_TRANSFER_OPTIONS`` (XLA's
+      latency-hiding scheduler, off by default for GPUs before sm_90).
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
       where ``init`` puts it (one device's; params sharded over a mesh refused): the
       target to restore a saved state into (orbax's ``restore(path, target)``).

@@ -108,8 +108,8 @@ def growth(model: str, batch: int, seq: int, target: str, text: str) -> dict:
     opt_state = jax.eval_shape(ls.init, params)
     if state_place == "host":
       opt_state = targets.in_host_memory(opt_state)
-    compiled = job.target.compile(jax.jit(ls.step, donate_argnums=(0, 1)), params, opt_state,
-                                  (wl.inputs, wl.labels))
+    step = jax.jit(ls.step, donate_argnums=(0, 1), compiler_options=s.compiler_options() or None)
+    compiled = job.target.compile(step, params, opt_state, (wl.inputs, wl.labels))
     peaks[layers] = memory.stats_of(compiled).peak_bytes
     first = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     one, layer_state = jax.tree.map(first, (params["layers"], opt_state.layers))

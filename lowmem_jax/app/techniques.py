@@ -457,14 +457,18 @@ class TechniqueSet:
                                              **self.switches(job)), ""),
                          *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
 
-  def _jit_options(self) -> dict:
-    """``jax.jit``'s ``compiler_options`` for a layer-streamed step moving rows to and from the
-    host (`targets.HOST_TRANSFER_OPTIONS`), else none."""
+  def compiler_options(self) -> dict:
+    """The XLA options the step is jitted with: `targets.HOST_TRANSFER_OPTIONS` for a
+    layer-streamed step moving rows to and from the host, else none."""
     if "stream" not in self or not ("offload-opt" in self or self.get("stream") == "host"):
       return {}
-    options = targets.HOST_TRANSFER_OPTIONS
+    return dict(targets.HOST_TRANSFER_OPTIONS)
+
+  def _jit_options(self) -> dict:
+    """`compiler_options` as ``jax.jit``'s keyword, written out in the printed code."""
+    options = self.compiler_options()
     text = ", ".join(f'"{k}": {v!r}' for k, v in options.items())
-    return {"compiler_options": code.Code(dict(options), "{" + text + "}")}
+    return {"compiler_options": code.Code(options, "{" + text + "}")} if options else {}
 
   def python(self, job) -> str:
     """`program`'s lines, then the parameters and optimizer state it starts from; for a

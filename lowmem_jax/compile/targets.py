@@ -80,10 +80,11 @@ DEVICELESS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 HOST_TRANSFER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 """XLA options for a step that moves data between host and device in a loop (the
 layer-streamed step with its state or saved inputs on the host): XLA's latency-hiding
-scheduler, which starts each transfer early and waits for it late. jaxlib 0.10.2's XLA runs it
-by default for the h100 target but not the rtx4090 (Llama-3.1-8B's host-state step there:
-4,166.5 -> 3,476.1 ms estimated, docs/benchmarks.md). Give them to ``jax.jit``'s
-``compiler_options``; the CPU ignores them."""
+scheduler, which starts each transfer early and waits for it late. With jaxlib 0.10.2 it left
+the h100 target's Llama-3.1-8B host-state programs as they were and changed the rtx4090's
+(4,166.5 -> 3,476.1 ms estimated, docs/benchmarks.md); other targets, and the whole-tree
+`offload-opt` step, are not measured with it. Give them to ``jax.jit``'s ``compiler_options``;
+the CPU ignores them."""
 
 _CONFIGS = importlib.resources.files("lowmem_jax.compile") / "target_configs"
 
@@ -340,7 +341,8 @@ class Target:
     """Compiles what `lower` gave, with the target's options and ``compiler_options``."""
     options = self.compiler_options(compiler_options)
     if self.deviceless and _HOST_ARGUMENT.search(lowered.as_text()):
-      # Compiled outside jax: the jit's own compiler_options (which jax adds) added here.
+      # Compiled outside jax: the jit's own compiler_options (which jax adds) added here, from
+      # a private attribute (jax 0.10.2 to 0.12; test_targets fails if it moves).
       own = dict(getattr(getattr(lowered, "_lowering", None), "_compiler_options_kvs", ()))
       return HostArgumentsCompiled(self, lowered, {**own, **options})
     return lowered.compile(compiler_options=options)

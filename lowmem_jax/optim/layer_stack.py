@@ -94,7 +94,7 @@ class LayerStreamed:
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the
       parameters and the state are updated in place; with the state or the saved inputs on
       the host, also ``compiler_options=lm.compile.targets.HOST_TRANSFER_OPTIONS`` (XLA's
-      latency-hiding scheduler, off by default for GPUs before sm_90).
+      latency-hiding scheduler: it changed the rtx4090 target's program, not the h100's).
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
       where ``init`` puts it (one device's; params sharded over a mesh refused): the
       target to restore a saved state into (orbax's ``restore(path, target)``).
@@ -143,14 +143,16 @@ def check_state(expected: StreamedState, opt_state: StreamedState, place: str) -
   space = jax.memory.Space.Host if place == "host" else jax.memory.Space.Device
   for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
     if jax.typeof(x).memory_space != space:
+      why = ("A checkpoint restored into `jax.eval_shape(init, params)` (which keeps no "
+             "memory kind) or from bytes (NumPy arrays) lands on the device: restore into "
+             "`abstract(params)` (shapes for a compile: `abstract(params)` too), or move it "
+             "with `jax.device_put(opt_state, jax.memory.Space.Host)`." if place == "host"
+             else "Move it with `jax.device_put(opt_state, jax.memory.Space.Device)`, or "
+             "make the step with `state='host'`.")
       raise ValueError(
           f"`opt_state` at {jax.tree_util.keystr(path)} is in "
           f"{jax.typeof(x).memory_space.name.lower()} memory; this step keeps its state in "
-          f"{place} memory (`state='{place}'`). A "
-          "checkpoint restored into `jax.eval_shape(init, params)` (which keeps no memory "
-          "kind) or from bytes (NumPy arrays) lands on the device: restore into "
-          "`abstract(params)`, or move it with "
-          f"`jax.device_put(opt_state, jax.memory.Space.{space.name})`.")
+          f"{place} memory (`state='{place}'`). {why}")
 
 
 def check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:

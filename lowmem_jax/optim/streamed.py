@@ -315,7 +315,13 @@ class _Streamer:
       raise ValueError("`abstract` gives one device's state; for params sharded over a mesh, "
                        "restore into `init(params)` (the state made where it is kept).")
     shapes = jax.eval_shape(self.init, params)
-    return offload.in_host_memory(shapes) if self.state == "host" else shapes
+    if self.state == "device":
+      return shapes
+    # The sharding the step gives its new state, so a state restored here does not compile
+    # the step again (a one-device mesh's, `in_host_memory`'s, would); arrays restored in
+    # pinned host memory are typed as host memory under either.
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), shapes)
 
   def rest_init(self, x, where):
     """The state of a leaf outside the layers, where it is kept: a stack of its slices'

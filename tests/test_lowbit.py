@@ -216,6 +216,7 @@ def test_training_on_digits_within_1_percent_of_float32(name):
     assert abs(got - want) / want < 0.01, (seed, got, want)
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 @OPTAX_UPDATE_MOMENT
 def test_bfloat16_params_rounded_to_nearest_stall():

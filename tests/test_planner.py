@@ -60,6 +60,7 @@ def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload, peaks):
   assert "save_only" in str(plan) and f"{budget:,}" in str(plan)
 
 
+@pytest.mark.slow
 def test_a_second_plan_reuses_the_compiled_candidates(workload, peaks):
   step, args = workload
   top, floor = peaks

@@ -157,20 +157,24 @@ def test_state_round_trips_and_resumes_bit_for_bit(case, saver, tmp_path):
 @OPTAX_APPLY_UPDATES
 def test_a_host_streamed_state_restores_through_its_abstract_target(tx, tmp_path):
   """orbax restores into `LayerStreamed.abstract` (no concrete state made): the state lands in
-  host memory and the donating step takes it, resuming bit for bit."""
+  host memory, typed so (a step traced anew on it, as in a new process, takes it), and the
+  donating step resumes bit for bit, compiling once more at most (the step gives its new
+  state a `SingleDeviceSharding`, orbax restores host memory typed so only in a mesh)."""
   layered, run, params, state, xs = _host_streamed(tx)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "state", state)
     checkpointer.wait_until_finished()
     restored = checkpointer.restore(tmp_path / "state", layered.abstract(params))
   assert {x.sharding.memory_kind for x in jax.tree.leaves(restored)} == {"pinned_host"}
+  assert {jax.typeof(x).memory_space for x in jax.tree.leaves(restored)} == {
+      jax.memory.Space.Host}
   resumed = jax.tree.map(jnp.copy, params)
   for x in xs[1:]:
     params, state, _ = run(params, state, x)
   compiles = run._cache_size()
   for x in xs[1:]:
     resumed, restored, _ = run(resumed, restored, x)
-  assert run._cache_size() == compiles  # the restored state compiles the step no more
+  assert run._cache_size() <= compiles + 1
   _exact((resumed, restored), (params, state))
 
 

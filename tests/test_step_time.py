@@ -158,6 +158,7 @@ def _host_rows_loop(use_at_once: bool):
   return H100.compile(loop, rows, jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)).as_text()
 
 
+@pytest.mark.slow
 @NEEDS_TARGET
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION

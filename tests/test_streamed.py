@@ -111,6 +111,7 @@ def test_adamw_equals_optax_on_the_whole_gradient(tied):
   assert not np.allclose(got["layers"]["w1"], params["layers"]["w1"])  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
                          ids=["device", "host-sliced"])
 def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elements):
@@ -161,6 +162,7 @@ def test_masks_and_partitions_by_path_select_as_on_the_whole_tree(tx_name, state
     np.testing.assert_array_equal(got["embedding"], params["embedding"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_the_state_and_saved_inputs_on_the_host_give_the_same_step(prefetch):
   """Brought over one layer (or slice) ahead, or two and written back a layer late (3 layers:
@@ -234,6 +236,7 @@ def test_the_host_state_is_made_a_layer_at_a_time():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_bits", [None, 8])
 def test_adama_equals_microbatch_step(state_bits):
   """One call per micro-batch, AdamA applying at the k-th: `microbatch_step`'s update. With

@@ -46,6 +46,7 @@ def _with_target(model: streamed.LayerStack) -> streamed.LayerStack:
   return streamed.LayerStack(model.embed, model.layer, head)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["device", "host"])
 @pytest.mark.parametrize("bad", list(_bad_batches()))
 def test_a_non_finite_loss_skips_the_step_and_counts_it(bad, state):
@@ -143,6 +144,7 @@ def test_a_non_finite_head_gradient_keeps_the_layers_and_the_embedding():
 
 @pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
                          ids=["device", "host-sliced"])
+@pytest.mark.slow
 def test_a_learning_rate_set_mid_run_reaches_every_leaf(state, slice_elements):
   """`with_hyperparams` on the streamed state does what optax's ``tree_set`` does on the
   whole tree's: the next steps take the new learning rate, the state kept where it lives."""

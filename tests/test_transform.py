@@ -626,6 +626,7 @@ def test_memory_report_names_the_rewritten_residuals():
   assert lm.names.NORM_OUT in str(b)
 
 
+@pytest.mark.slow
 def test_default_keeps_the_gradient_and_approx_changes_it():
   """The default rewrites only what keeps the gradient: the GELU and SiLU recomputed from
   their input (one residual each, not autodiff's several), ReLU's 1-bit mask; "approx"

@@ -192,8 +192,13 @@ class _HostTrips:
     """``banks`` with trip k's new ``row`` written in place."""
     banks = list(banks)
     b = self.bank(phase)
-    banks[b] = jax.lax.dynamic_update_slice(banks[b], _for(banks[b], row[None]),
-                                            (self.index(k) // len(banks), 0))
+    # A bank of one row is written in two parts: XLA (jax 0.12's) would take a row written
+    # over the whole bank for the bank itself, a device buffer, and copy it to the host (or,
+    # for a row brought over, fail to compile).
+    cut = banks[b].shape[1] // 2 if banks[b].shape[0] == 1 else 0
+    for start, part in ((0, row[:cut]), (cut, row[cut:])) if cut else ((0, row),):
+      banks[b] = jax.lax.dynamic_update_slice(banks[b], _for(banks[b], part[None]),
+                                              (self.index(k) // len(banks), start))
     return tuple(banks)
 
   def fetch_first(self, banks: tuple, k: int) -> tuple:

@@ -317,11 +317,12 @@ class _Streamer:
     shapes = jax.eval_shape(self.init, params)
     if self.state == "device":
       return shapes
-    # The sharding the step gives its new state, so a state restored here does not compile
-    # the step again (a one-device mesh's, `in_host_memory`'s, would); arrays restored in
-    # pinned host memory are typed as host memory under either.
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=offload.HOST)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), shapes)
+    # In a one-device mesh: orbax builds the arrays it restores with
+    # `jax.make_array_from_single_device_arrays`, which types an array as host memory only
+    # under a `NamedSharding` (under a `SingleDeviceSharding` in pinned host memory it is
+    # typed as device memory, and the step refuses it). The step gives its new state a
+    # `SingleDeviceSharding`, so the first step after a restore compiles once more.
+    return offload.in_host_memory(shapes)
 
   def rest_init(self, x, where):
     """The state of a leaf outside the layers, where it is kept: a stack of its slices'

@@ -97,7 +97,9 @@ class LayerStreamed:
       latency-hiding scheduler: it changed the rtx4090 target's program, not the h100's).
     abstract: ``params -> StreamedState`` of ``jax.ShapeDtypeStruct``, each in the memory
       where ``init`` puts it (one device's; params sharded over a mesh refused): the
-      target to restore a saved state into (orbax's ``restore(path, target)``).
+      target to restore a saved state into (orbax's ``restore(path, target)``). A host
+      state's targets are on a one-device mesh, where orbax types what it restores as host
+      memory; the step's new state is not, so the step compiles once more after a restore.
       ``jax.eval_shape(init, params)`` keeps no memory kind: a host state restored through
       it lands in device memory, which ``step`` refuses by name (a donating step would abort
       the process); ``jax.device_put(state, jax.memory.Space.Host)`` moves it back.

@@ -37,6 +37,7 @@ def table_rows(out: str) -> list[list[str]]:
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_adama():
   import adama
 
@@ -62,6 +63,7 @@ def test_block_memory_variant_names():
 
 @pytest.mark.slow
 @FLAX_NORM
+@pytest.mark.heavy
 def test_block_memory():
   import block_memory
 
@@ -118,6 +120,7 @@ def test_convergence(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_fine_tune_ablation():
   import fine_tune_ablation
   found = fine_tune_ablation.main(["--quick"])
@@ -127,6 +130,7 @@ def test_fine_tune_ablation():
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_finetune_memory():
   import finetune_memory
 
@@ -142,7 +146,7 @@ def test_finetune_memory():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", [
-    "hf-style", pytest.param("transformers", marks=TRANSFORMERS_FLAX)])
+    "hf-style", pytest.param("transformers", marks=[TRANSFORMERS_FLAX, pytest.mark.heavy])])
 def test_hf_style_gpt2(model, capsys):
   if model == "transformers":
     transformers = pytest.importorskip(
@@ -210,6 +214,7 @@ def test_loss_head():
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_lowbit_charlm():
   import lowbit_charlm
 
@@ -249,6 +254,7 @@ def test_offload_memory():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["plain", pytest.param("nnx", marks=NNX_NORM)])
+@pytest.mark.heavy
 def test_plain_vit(model):
   import plain_vit
 
@@ -261,6 +267,7 @@ def test_plain_vit(model):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_remat(capsys):
   import remat  # the planner and memory APIs as they are
 

@@ -307,6 +307,7 @@ def test_cli_usage_errors(capsys, argv, message):
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_cli_plan(capsys):
   # Baseline does not fit 1 MiB less than its own peak; the exact techniques do.
   base = app.measure(app.Job("vit-tiny", batch=4), app.parse("baseline"))
@@ -362,6 +363,7 @@ def test_fused_ce_for_language_models(capsys):
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_optimizer_memory_techniques(capsys):
   """8bit, bf16-params and offload-opt each cut what their name says on the h100 target; the
   printed Python runs and builds the same optimizer state."""
@@ -390,6 +392,7 @@ def test_optimizer_memory_techniques(capsys):
 
 @pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_wrn_in_the_report(capsys):
   assert cli.main(["report", "--model", "wrn-28-2", "--batch", "8", "--target", "h100",
                    "--techniques", "baseline,relu-1bit+conv:int8", "--json"]) == 0

@@ -103,6 +103,7 @@ def test_fsdp_spec_splits_the_largest_divisible_axis():
 @pytest.mark.slow
 @OPTAX_UPDATE_MOMENT
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_report_on_two_devices(capsys):
   """llama-100m FSDP over 2 h100s: each device holds half the parameters, state and batch, its
   peak is below one device's, and its collectives are counted."""

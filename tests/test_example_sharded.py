@@ -92,6 +92,7 @@ def test_bad_sizes_raise_naming_the_argument(argv, name):
     sharded_train.main(["--quick", *argv])
 
 
+@pytest.mark.heavy
 def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_path):
   """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh."""
   with socket.socket() as s:

@@ -9,6 +9,7 @@ import gpu_validate  # benchmarks/, on sys.path in conftest.py
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_dry_run_writes_the_report(tmp_path, monkeypatch):
   out = tmp_path / "gpu.md"
   assert gpu_validate.main(["--dry-run", "--out", str(out), "--repeats", "2"]) == 0

@@ -44,6 +44,7 @@ def test_a_budget_the_step_fits_needs_no_remat(workload, peaks):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_plan_fits_the_budget_at_the_least_recompute_tried(workload, peaks):
   step, args = workload
   top, floor = peaks

@@ -369,6 +369,7 @@ def test_a_move_takes_o_nnz_temporaries_on_the_h100_target():
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_sparse_storage_lowers_the_compiled_peak_on_the_h100_target():
   images = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
   labels = jax.ShapeDtypeStruct((2,), jnp.int32)

@@ -175,10 +175,23 @@ def test_gpu_pipeline_keeps_remat_without_the_cpu_switch():
   """`jax.checkpoint`'s recompute survives XLA's GPU pipeline as it is: the
   CPU-only `CPU_KEEPS_REMAT` is not applied there, and remat still saves."""
   h100 = targets.get("h100")
-  assert h100.compiler_options() == targets.DEVICELESS_OPTIONS
+  assert h100.compiler_options() == {**targets.DEVICELESS_OPTIONS, **targets.UNRUN_CODE_OPTIONS}
   temp = {p: memory.analyze(*_block_stack(p), target=h100).temp_bytes
           for p in (policies.everything, policies.full)}
   assert temp[policies.full] < 0.75 * temp[policies.everything]
+
+
+def test_a_compile_only_gpu_skips_only_the_machine_codes_optimizations():
+  """`UNRUN_CODE_OPTIONS` change nothing but the machine code: the optimized HLO and XLA's
+  memory analysis equal those of the compile without them (the same lowering, XLA's defaults)."""
+  grad, w, x = _block_stack(policies.offload(names.BLOCK_IN))
+  h100 = targets.get("h100")
+  lowered = h100.lower(grad, w, x)
+  fast = h100.compile_lowered(lowered)
+  full = lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS)
+  assert fast.as_text() == full.as_text()
+  assert memory.stats_of(fast) == memory.stats_of(full)
+  assert memory.stats_of(fast).host_temp_bytes > 0
 
 
 def test_sharded_arguments_compile_for_eight_target_devices():

@@ -226,6 +226,7 @@ def test_sparse_is_stored_sparse_on_the_wideresnet_only():
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_cheapest_fit_stops_at_the_first_set_that_fits():
   # on the CPU proxy bfloat16 costs more
   job = dataclasses.replace(SMALL, image=None, target="h100")
@@ -257,6 +258,7 @@ def test_a_set_that_does_not_suit_the_job_raises():
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_opt():
   """The 1B: on LLaMA-100M the head's gradient and update (vocab x dim, after the layers'
   backward with the state on the host) take back half of what the host state saves."""
@@ -313,6 +315,7 @@ def test_stream_takes_a_place():
 @pytest.mark.slow
 @FLAX_NORM
 @OPTAX_BIAS_CORRECTION
+@pytest.mark.heavy
 def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   """A budget under every set's arguments on the device but the one with its state on the
   host: the others are skipped without compiling, that one compiled (and fits). The 1B: on

@@ -586,6 +586,7 @@ def test_attention_compiles_for_the_h100_target_where_cudnn_refuses_the_length()
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
   """benchmarks/plain_vit.py's model (plain JAX, written without the project)
   at width 256, batch 16 x 65 tokens, bfloat16: what one block keeps from its

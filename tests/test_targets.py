@@ -226,7 +226,8 @@ def test_autotune_results_turn_triton_gemm_back_on(tmp_path):
   results = tmp_path / "autotune.textproto"
   results.write_text("version: 3\n")
   options = targets.get("h100", autotune_results=str(results)).compiler_options()
-  assert options == {"xla_gpu_load_autotune_results_from": str(results)}
+  assert options == {"xla_gpu_load_autotune_results_from": str(results),
+                     **targets.UNRUN_CODE_OPTIONS}
 
 
 @pytest.mark.parametrize("missing", ["plugin", "jax_plugins"])

@@ -13,7 +13,8 @@ import jax
 import pytest
 
 import lowmem_jax as lm
-from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION, TRANSFORMERS_FLAX
+from third_party_promotion import (FLAX_NORM, OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION,
+                                   OPTAX_UPDATE_MOMENT, TRANSFORMERS_FLAX)
 
 NNX_NORM = pytest.mark.standard_promotion(
     "flax.nnx.nn.normalization._compute_stats (flax/nnx/nn/normalization.py:97): nnx.LayerNorm's "
@@ -250,6 +251,18 @@ def test_offload_memory():
     on_device, offloaded = found["Adam, state on the device"], found["offload (leaf by leaf)"]
     assert offloaded.argument_bytes < on_device.argument_bytes
     assert offloaded.host_argument_bytes > 0 == on_device.host_argument_bytes
+
+
+@OPTAX_BIAS_CORRECTION
+@OPTAX_UPDATE_MOMENT
+@OPTAX_APPLY_UPDATES
+def test_optimizer_bytes(capsys):
+  import optimizer_bytes
+
+  found = optimizer_bytes.main(["--quick"])
+  assert list(found) == list(optimizer_bytes.optimizers())
+  assert all(positive(m["bytes"]) for m in found.values())
+  assert len(table_rows(capsys.readouterr().out)) == len(found)
 
 
 @pytest.mark.slow

@@ -643,7 +643,7 @@ def test_plan_picks_the_fastest_that_fits(monkeypatch, capsys):
 
   def measure(job, techniques):
     peak, seconds = made_up[techniques.label]
-    timed = seconds and memory.step_time.StepTime(seconds, {"compute": seconds}, 1, 0, 0, 0, 0, 0)
+    timed = seconds and memory.step_time.StepTime(seconds, {"compute": seconds}, 1, 0, 0, 0, 0, 0, 0)
     return type("Breakdown", (), {"stats": type("Stats", (), {"peak_bytes": peak}),
                                   "step_time": timed, "label": techniques.label})()
   monkeypatch.setattr(fits, "measure", measure)

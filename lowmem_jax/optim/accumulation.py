@@ -199,7 +199,7 @@ def adama(
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
       stochastic rounding keyed by
       ``seed``, the step and the micro-step, each element's bits drawn at its
-      place in the tree: `lowmem_jax.optim.lowbit.rounding_bits`; the extra argument
+      place in the tree: `lowmem_jax.optim.lowbit.rounding_words`; the extra argument
       ``positions`` as in `lowmem_jax.optim.lowbit.scale_by_adam_8bit`), dequantised to
       float32 to fold each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
       ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
@@ -241,18 +241,25 @@ def adama(
       folded = jax.tree.map(lambda _: None, updates)
     first = state.micro_step == 0
     last = state.micro_step == k - 1
-    moments = jax.tree.map(
-        lambda g, m, v, done: fold.apply(g, m, v, first) if done is None else done,
-        updates, *lowbit.moments_load(state.mu, state.nu), folded)
-    mu = jax.tree.map(lambda _, mv: mv[0], updates, moments)
-    nu = jax.tree.map(lambda _, mv: mv[1], updates, moments)
+
+    def moments(mu, nu, g):
+      pairs = jax.tree.map(lambda g, m, v, done: fold.apply(g, m, v, first)
+                           if done is None else done, g, mu, nu, folded)
+      return tuple(jax.tree.map(lambda _, mv: mv[i], g, pairs) for i in (0, 1))
+
+    scales = None
+    if state_bits == 8:
+      mu, nu, updates, scales = lowbit.moments_step(moments, state.mu, state.nu, updates)
+    else:
+      mu, nu = moments(state.mu, state.nu, updates)
     count_inc = optax.safe_int32_increment(state.count)
     # With 8-bit moments, in the gradient's dtype, not the dequantised moments' float32.
     direction = lowbit.adam_direction(mu, nu, count_inc, b1=b1, b2=b2, eps=eps,
                                       eps_root=eps_root, like=updates if state_bits == 8 else None)
     if state_bits == 8:
       key = lowbit.step_key(seed, state.count * k + state.micro_step)
-      mu, nu = lowbit.moments_store(mu, nu, updates, key=key, positions=positions)
+      mu, nu = lowbit.moments_store(mu, nu, updates, key=key, positions=positions,
+                                    scales=scales)
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
     if k == 1:

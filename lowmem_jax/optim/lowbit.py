@@ -34,13 +34,18 @@ bfloat16 parameters with no float32 master copy (2 bytes a parameter, not
 ``optax.apply_updates`` rounds each new parameter stochastically; the
 moments' stochastic rounding and the parameters' share one rounding rule.
 Both draw an element's random bits from its place in the parameter tree
-(`Position`, `rounding_bits`), so a part of the tree updated alone, as the
-layer-streamed step updates a layer, rounds as the whole tree would.
+(`Position`, `rounding_words`: one Threefry evaluation an element gives both
+moments' bits), so a part of the tree updated alone, as the layer-streamed
+step updates a layer, rounds as the whole tree would.
+
+An update reads the codes and writes them back in one pass that keeps no
+float32 moment in memory: the new moments are made once for their block
+scales and once more where they are coded (`moments_step`).
 """
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,13 +151,13 @@ def _threefry(key: jax.Array) -> jax.Array:
   return jax.random.wrap_key_data(jax.random.bits(key, (2,), jnp.uint32), impl="threefry2x32")
 
 
-def rounding_bits(key: jax.Array, shape: tuple[int, ...],
-                  position: Position = Position()) -> jax.Array:
-  """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
-  ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`):
-  element ``i`` of row ``r`` of the leaf gets the
-  first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
-  folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
+def rounding_words(key: jax.Array, shape: tuple[int, ...],
+                   position: Position = Position()) -> tuple[jax.Array, jax.Array]:
+  """Two independent ``uint32[shape]`` arrays of uniform bits for the array at ``position``
+  of a tree drawn with ``key`` (another implementation's key made into a Threefry-2x32 one,
+  `_threefry`): element ``i`` of row ``r`` of the leaf gets both words of Threefry-2x32
+  (Salmon et al., 2011) of ``(r, i)`` under ``key`` folded with the leaf's index, as
+  ``jax.random.bits`` hashes a counter. One evaluation an element gives both."""
   key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
@@ -165,7 +170,14 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...],
   row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
   row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  return threefry2x32_p.bind(data[0], data[1], row, within)[0]
+  return tuple(threefry2x32_p.bind(data[0], data[1], row, within))
+
+
+def rounding_bits(key: jax.Array, shape: tuple[int, ...],
+                  position: Position = Position()) -> jax.Array:
+  """`rounding_words`' first word: ``uint32[shape]`` uniform bits for the array at
+  ``position`` of a tree drawn with ``key``."""
+  return rounding_words(key, shape, position)[0]
 
 
 def _rounded(bits: jax.Array, dropped: int, noise: jax.Array | None) -> jax.Array:
@@ -189,12 +201,21 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK, key: jax.Array |
   leave it where it is. The bits are `rounding_bits` of ``x`` at ``position``.
   """
   _check(block)
+  noise = None if key is None else rounding_bits(key, jnp.shape(x), position)
+  return _quantize(x, signed=signed, block=block, noise=noise)
+
+
+def _quantize(x: jax.Array, *, signed: bool, block: int, noise: jax.Array | None,
+              scales: jax.Array | None = None) -> QuantizedArray:
+  """`quantize` with its rounding bits ``noise`` (uint32, ``x``'s shape; None: to nearest)
+  given, and its ``scales`` (`block_scales` of ``x``, made beforehand; None: made here)."""
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes a float array, got {x.dtype}.")
   blocks = _blocks(x.astype(jnp.float32), block)
-  scales = _abs_max(blocks)
-  unit = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
-  noise = None if key is None else _blocks(rounding_bits(key, x.shape, position), block)
+  scales = _abs_max(blocks) if scales is None else scales
+  # Clipped: scales made in another pass of the same arithmetic may differ in the last bit.
+  unit = jnp.clip(blocks / jnp.where(scales > 0, scales, 1.0)[..., None], -1.0, 1.0)
+  noise = None if noise is None else _blocks(noise, block)
   bits = _rounded(jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32), 23 - _MANTISSA, noise)
   exp_bits = _EXP_BITS[signed]
   exponent = (bits >> 23).astype(jnp.int32) - 127 + (2 ** exp_bits - 1)
@@ -207,16 +228,23 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK, key: jax.Array |
   return QuantizedArray(_unblocked(code.astype(jnp.uint8), x.shape), scales)
 
 
+def block_scales(x: jax.Array, *, block: int = BLOCK) -> jax.Array:
+  """float32 ``[..., ceil(n / block)]``: each block's absolute maximum of ``x [..., n]``
+  (float), the scales `quantize` codes ``x`` with."""
+  _check(block)
+  return _abs_max(_blocks(x.astype(jnp.float32), block))
+
+
 def dequantize(q: QuantizedArray, *, signed: bool, block: int = BLOCK,
                dtype: Any = jnp.float32) -> jax.Array:
   """The array `quantize` coded, in ``dtype``, of ``q.codes``' shape."""
   _check(block)
-  code = _blocks(q.codes.astype(jnp.int32), block)
+  code = _blocks(q.codes.astype(jnp.uint32), block)
   exponent = (code >> _MANTISSA) & (2 ** _EXP_BITS[signed] - 1)
   mantissa = code & (2 ** _MANTISSA - 1)
-  magnitude = jnp.where(exponent > 0, (1 + mantissa / 2 ** _MANTISSA)
-                        * jnp.exp2((exponent - (2 ** _EXP_BITS[signed] - 1)).astype(jnp.float32)),
-                        0.0)
+  # (1 + f/8) 2^(e - bias) built as float32 bits: no exp2, which XLA will not compute twice.
+  bits = ((exponent + (127 - (2 ** _EXP_BITS[signed] - 1))) << 23) | (mantissa << (23 - _MANTISSA))
+  magnitude = jnp.where(exponent > 0, jax.lax.bitcast_convert_type(bits, jnp.float32), 0.0)
   value = jnp.where(code >= 1 << 7, -magnitude, magnitude) if signed else magnitude
   return _unblocked(value * q.scales[..., None], q.codes.shape).astype(dtype)
 
@@ -267,16 +295,58 @@ def positions_of(tree: Any, positions: Any = None) -> list[Position]:
   return [at for at, x in zip(every, slots) if not is_masked(x)]
 
 
-def tree_store(values: Any, like: Any, *, signed: bool, key: jax.Array | None,
-               positions: Any = None, min_size: int = MIN_SIZE, block: int = BLOCK) -> Any:
-  """``values`` quantised where ``like``'s leaf has at least ``min_size`` elements, rounding
-  stochastically with ``key`` at each leaf's position (`positions_of`; None key: to
-  nearest)."""
+def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positions: Any = None,
+                  min_size: int = MIN_SIZE, block: int = BLOCK,
+                  scales: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+  """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves (the
+  gradient), rounding stochastically with ``key`` (None: to nearest) at ``positions``
+  (`positions_of`): ``mu`` with the first of `rounding_words`, ``nu`` with the second, one
+  Threefry evaluation an element for both; with ``scales`` (`moments_step`'s; None: made
+  here)."""
   treedef = jax.tree.structure(like)
-  where = jax.tree.unflatten(treedef, positions_of(like, positions))
-  return jax.tree.map(
-      lambda x, p, at: quantize(x, signed=signed, block=block, key=key, position=at)
-      if p.size >= min_size else x, values, like, where)
+  where = treedef.flatten_up_to(jax.tree.unflatten(treedef, positions_of(like, positions)))
+  scales = scales or (None, None)
+  scales = [[None] * treedef.num_leaves if s is None else treedef.flatten_up_to(s)
+            for s in scales]
+  out = []
+  for m, v, p, at, sm, sv in zip(treedef.flatten_up_to(mu), treedef.flatten_up_to(nu),
+                                 treedef.flatten_up_to(like), where, *scales):
+    if p.size < min_size:
+      out.append((m, v))
+      continue
+    words = (None, None) if key is None else rounding_words(key, jnp.shape(p), at)
+    out.append((_quantize(m, signed=True, block=block, noise=words[0], scales=sm),
+                _quantize(v, signed=False, block=block, noise=words[1], scales=sv)))
+  return tuple(jax.tree.unflatten(treedef, [pair[k] for pair in out]) for k in (0, 1))
+
+
+def moments_step(update: Callable, mu: Any, nu: Any, grads: Any, *, min_size: int = MIN_SIZE,
+                 block: int = BLOCK) -> tuple[Any, Any, Any, tuple[Any, Any]]:
+  """The new float32 moments ``update(mu32, nu32, grads) -> (mu32, nu32)`` of the stored
+  moments ``mu``, ``nu`` (`moments_zeros`' trees), made twice so that no float32 copy of
+  them need be kept: once for their block scales alone, then again from the codes, the
+  gradient and the scales passed through an ``optimization_barrier`` (a leaf's own) that
+  keeps XLA from merging the two, where the caller quantises them (`moments_store` with the scales) and
+  takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit AdamW update of a
+  bfloat16 weight, rounded stochastically, then moves about 14 bytes a parameter, not 26
+  (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step, whose update writes
+  three stacks in place, XLA still keeps one float32 copy (``docs/benchmarks.md``).
+
+  Returns:
+    ``(mu32, nu32, grads, scales)``: the moments made again; ``grads`` from the barrier (the
+    same values: use these); and ``(mu, nu)``'s block scales for `moments_store`, a tree of
+    ``grads``' structure each (None where a leaf is under ``min_size`` elements).
+  """
+  first = update(*moments_load(mu, nu, block=block), grads)
+  scales = tuple(jax.tree.map(lambda x, g: block_scales(x, block=block)
+                              if g.size >= min_size else None, m, grads) for m in first)
+  treedef = jax.tree.structure(grads)
+  leaves = zip(*(treedef.flatten_up_to(tree) for tree in (mu, nu, grads, *scales)))
+  # A barrier a leaf: the update of one leaf reads no other's (`lowmem_jax.optim.per_leaf`).
+  kept = [jax.lax.optimization_barrier(leaf) for leaf in leaves]
+  mu, nu, grads, *scales = (jax.tree.unflatten(treedef, [leaf[k] for leaf in kept])
+                            for k in range(5))
+  return *update(*moments_load(mu, nu, block=block), grads), grads, tuple(scales)
 
 
 def moments_zeros(params: Any, *, min_size: int = MIN_SIZE,
@@ -292,17 +362,6 @@ def moments_zeros(params: Any, *, min_size: int = MIN_SIZE,
 def moments_load(mu: Any, nu: Any, *, block: int = BLOCK) -> tuple[Any, Any]:
   """`moments_zeros`' ``(mu, nu)`` (or `moments_store`'s) with every leaf in float32."""
   return tree_load(mu, signed=True, block=block), tree_load(nu, signed=False, block=block)
-
-
-def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positions: Any = None,
-                  min_size: int = MIN_SIZE, block: int = BLOCK) -> tuple[Any, Any]:
-  """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves,
-  rounding stochastically with keys folded from ``key`` (None: to nearest) at
-  ``positions`` (`positions_of`)."""
-  return tuple(tree_store(x, like, signed=signed, min_size=min_size, block=block,
-                          positions=positions,
-                          key=None if key is None else jax.random.fold_in(key, signed))
-               for x, signed in ((mu, True), (nu, False)))
 
 
 def step_key(seed: int, step: Any) -> jax.Array:
@@ -343,10 +402,11 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   does, takes the direction ``m_hat / (sqrt(v_hat + eps_root) + eps)`` and
   quantises them again (first moment signed, second unsigned: module
   docstring), rounding stochastically with a key made from ``seed`` and the step
-  count, each element's bits drawn at its place in the tree (`rounding_bits`), so
-  a step is reproducible and a restored state goes on as the saved one would.
-  (Rounding to nearest, ``v``'s 0.1% steps for b2 = 0.999 round away and it
-  stalls.) Leaves with fewer than
+  count, each element's bits drawn at its place in the tree (`rounding_words`:
+  ``mu`` the first word, ``nu`` the second), so a step is reproducible and a
+  restored state goes on as the saved one would. (Rounding to nearest, ``v``'s
+  0.1% steps for b2 = 0.999 round away and it stalls.) The new moments are made
+  twice, with no float32 copy kept (`moments_step`). Leaves with fewer than
   ``min_size`` elements keep float32 moments. The state is NamedTuples of
   arrays: it serialises and shards like optax's (``codes`` has the
   parameter's shape).
@@ -375,15 +435,20 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None, *, positions=None, **extra_args):
     del params, extra_args
-    mu, nu = moments_load(state.mu, state.nu, block=block)
-    mu = otu.tree_update_moment(updates, mu, b1, 1)
-    nu = otu.tree_update_moment_per_elem_norm(updates, nu, b2, 2)
+
+    def moments(mu, nu, g):
+      return (otu.tree_update_moment(g, mu, b1, 1),
+              otu.tree_update_moment_per_elem_norm(g, nu, b2, 2))
+
+    mu, nu, updates, scales = moments_step(moments, state.mu, state.nu, updates,
+                                           min_size=min_size, block=block)
     count = optax.safe_int32_increment(state.count)
     direction = adam_direction(mu, nu, count, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                like=updates)
     key = step_key(seed, count) if stochastic else None
     return direction, ScaleByAdam8bitState(count, *moments_store(
-        mu, nu, updates, key=key, positions=positions, min_size=min_size, block=block))
+        mu, nu, updates, key=key, positions=positions, min_size=min_size, block=block,
+        scales=scales))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -84,7 +84,7 @@ _ELEMENTWISE = frozenset("""
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
     population_count pow real reduce_precision rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub
-    tan tanh threefry2x32 xor optimization_barrier""".split())
+    tan tanh threefry2x32 xor""".split())
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "reduce_xor", "argmax", "argmin"})
 _MIXED = "mixed"  # a value that reads more than one slice
@@ -99,7 +99,8 @@ def check_per_slice(update: Callable, grads: Any, state: Any, n: int) -> str | N
 
   Each value is followed as the elements per slice in row-major order (a slice is a run of
   the flat array): elementwise operations, reshapes, bit casts, a broadcast or reduction
-  along trailing axes, a pad or slice keep it a slice's; a value that does not depend on
+  along trailing axes, a pad or slice, an optimization barrier (each output its operand)
+  keep it a slice's; a value that does not depend on
   the leaf (a step count, a key, an ``iota``) reads none. A state leaf of the leaf's rank
   and rows is taken as sliced alike. Anything else on a sliced value reads
   across slices: a shift along the first axis, ``dot_general``, a reduction over the first
@@ -133,6 +134,8 @@ def _slices(jaxpr, inputs: list, found: list) -> list:
       outs = _slices(inner, ins, found)
     elif all(c is None for c in ins):
       outs = [None] * len(eqn.outvars)
+    elif eqn.primitive.name == "optimization_barrier":  # each output is its operand
+      outs = ins
     else:
       outs = [_slice_rule(eqn, ins)] * len(eqn.outvars)
       if _MIXED in outs and _MIXED not in ins and not found:

@@ -94,6 +94,7 @@ class StepTime:
       the step waits for a transfer or collective that the kernels did not hide.
     kernels: kernels launched in a step, loops counted as they run.
     tensor_flops: FLOPs of the GEMMs and attention calls.
+    device_bytes: bytes the kernels read and write in the device's memory.
     to_device_bytes, to_host_bytes: bytes over the host link each way.
     host_copy_bytes: bytes copied from host memory to host memory.
     collective_bytes: bytes the collectives produce.
@@ -102,6 +103,7 @@ class StepTime:
   seconds_by_bound: dict
   kernels: int
   tensor_flops: float
+  device_bytes: int
   to_device_bytes: int
   to_host_bytes: int
   host_copy_bytes: int
@@ -339,7 +341,7 @@ class _Clock:
     self.free: dict[str, float] = {}  # when each asynchronous queue is free
     self.ends: dict[str, tuple[float, str]] = {}  # a start's end, and its queue's bound
     self.by_bound = dict.fromkeys(BOUNDS, 0.0)
-    self.moved = dict.fromkeys(("tensor_flops", "to_device", "to_host", "host_copy",
+    self.moved = dict.fromkeys(("tensor_flops", "device", "to_device", "to_host", "host_copy",
                                 "collective"), 0)
 
   def run(self, computation: str) -> None:
@@ -374,6 +376,7 @@ class _Clock:
     cost = self.program.cost(computation, name)
     self.kernels += 1
     self.moved["tensor_flops"] += cost.tensor_flops
+    self.moved["device"] += cost.device_bytes
     copy = self.program.computations[computation][name].op == "copy"
     if copy and cost.to_device_bytes and cost.to_host_bytes:
       self.moved["host_copy"] += cost.to_host_bytes
@@ -438,7 +441,8 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
   clock.run(program.entry)
   moved = clock.moved
   return StepTime(seconds=clock.now, seconds_by_bound=dict(clock.by_bound), kernels=clock.kernels,
-                  tensor_flops=moved["tensor_flops"], to_device_bytes=moved["to_device"],
+                  tensor_flops=moved["tensor_flops"], device_bytes=moved["device"],
+                  to_device_bytes=moved["to_device"],
                   to_host_bytes=moved["to_host"], host_copy_bytes=moved["host_copy"],
                   collective_bytes=moved["collective"])
 

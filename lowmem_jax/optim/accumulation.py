@@ -199,7 +199,7 @@ def adama(
       at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
       stochastic rounding keyed by
       ``seed``, the step and the micro-step, each element's bits drawn at its
-      place in the tree: `lowmem_jax.optim.lowbit.rounding_words`; the extra argument
+      place in the tree: `lowmem_jax.optim.lowbit.rounding_bits`; the extra argument
       ``positions`` as in `lowmem_jax.optim.lowbit.scale_by_adam_8bit`), dequantised to
       float32 to fold each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
       ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`

@@ -34,9 +34,8 @@ bfloat16 parameters with no float32 master copy (2 bytes a parameter, not
 ``optax.apply_updates`` rounds each new parameter stochastically; the
 moments' stochastic rounding and the parameters' share one rounding rule.
 Both draw an element's random bits from its place in the parameter tree
-(`Position`, `rounding_words`: one Threefry evaluation an element gives both
-moments' bits), so a part of the tree updated alone, as the layer-streamed
-step updates a layer, rounds as the whole tree would.
+(`Position`, `rounding_bits`), so a part of the tree updated alone, as the
+layer-streamed step updates a layer, rounds as the whole tree would.
 
 An update reads the codes and writes them back in one pass that keeps no
 float32 moment in memory: the new moments are made once for their block
@@ -151,13 +150,13 @@ def _threefry(key: jax.Array) -> jax.Array:
   return jax.random.wrap_key_data(jax.random.bits(key, (2,), jnp.uint32), impl="threefry2x32")
 
 
-def rounding_words(key: jax.Array, shape: tuple[int, ...],
-                   position: Position = Position()) -> tuple[jax.Array, jax.Array]:
-  """Two independent ``uint32[shape]`` arrays of uniform bits for the array at ``position``
-  of a tree drawn with ``key`` (another implementation's key made into a Threefry-2x32 one,
-  `_threefry`): element ``i`` of row ``r`` of the leaf gets both words of Threefry-2x32
-  (Salmon et al., 2011) of ``(r, i)`` under ``key`` folded with the leaf's index, as
-  ``jax.random.bits`` hashes a counter. One evaluation an element gives both."""
+def rounding_bits(key: jax.Array, shape: tuple[int, ...],
+                  position: Position = Position()) -> jax.Array:
+  """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
+  ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`):
+  element ``i`` of row ``r`` of the leaf gets the
+  first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
+  folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
   key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
@@ -170,14 +169,7 @@ def rounding_words(key: jax.Array, shape: tuple[int, ...],
   row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
   row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  return tuple(threefry2x32_p.bind(data[0], data[1], row, within))
-
-
-def rounding_bits(key: jax.Array, shape: tuple[int, ...],
-                  position: Position = Position()) -> jax.Array:
-  """`rounding_words`' first word: ``uint32[shape]`` uniform bits for the array at
-  ``position`` of a tree drawn with ``key``."""
-  return rounding_words(key, shape, position)[0]
+  return threefry2x32_p.bind(data[0], data[1], row, within)[0]
 
 
 def _rounded(bits: jax.Array, dropped: int, noise: jax.Array | None) -> jax.Array:
@@ -299,10 +291,8 @@ def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positio
                   min_size: int = MIN_SIZE, block: int = BLOCK,
                   scales: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
   """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves (the
-  gradient), rounding stochastically with ``key`` (None: to nearest) at ``positions``
-  (`positions_of`): ``mu`` with the first of `rounding_words`, ``nu`` with the second, one
-  Threefry evaluation an element for both; with ``scales`` (`moments_step`'s; None: made
-  here)."""
+  gradient), rounding stochastically with keys folded from ``key`` (None: to nearest) at
+  ``positions`` (`positions_of`), with ``scales`` (`moments_step`'s; None: made here)."""
   treedef = jax.tree.structure(like)
   where = treedef.flatten_up_to(jax.tree.unflatten(treedef, positions_of(like, positions)))
   scales = scales or (None, None)
@@ -314,9 +304,10 @@ def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positio
     if p.size < min_size:
       out.append((m, v))
       continue
-    words = (None, None) if key is None else rounding_words(key, jnp.shape(p), at)
-    out.append((_quantize(m, signed=True, block=block, noise=words[0], scales=sm),
-                _quantize(v, signed=False, block=block, noise=words[1], scales=sv)))
+    out.append(tuple(
+        _quantize(x, signed=signed, block=block, scales=s, noise=None if key is None else
+                  rounding_bits(jax.random.fold_in(key, signed), jnp.shape(p), at))
+        for x, signed, s in ((m, True, sm), (v, False, sv))))
   return tuple(jax.tree.unflatten(treedef, [pair[k] for pair in out]) for k in (0, 1))
 
 
@@ -326,8 +317,8 @@ def moments_step(update: Callable, mu: Any, nu: Any, grads: Any, *, min_size: in
   moments ``mu``, ``nu`` (`moments_zeros`' trees), made twice so that no float32 copy of
   them need be kept: once for their block scales alone, then again from the codes, the
   gradient and the scales passed through an ``optimization_barrier`` (a leaf's own) that
-  keeps XLA from merging the two, where the caller quantises them (`moments_store` with the scales) and
-  takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit AdamW update of a
+  keeps XLA from merging the two, where the caller quantises them (`moments_store` with
+  the scales) and takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit AdamW update of a
   bfloat16 weight, rounded stochastically, then moves about 14 bytes a parameter, not 26
   (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step, whose update writes
   three stacks in place, XLA still keeps one float32 copy (``docs/benchmarks.md``).
@@ -402,9 +393,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   does, takes the direction ``m_hat / (sqrt(v_hat + eps_root) + eps)`` and
   quantises them again (first moment signed, second unsigned: module
   docstring), rounding stochastically with a key made from ``seed`` and the step
-  count, each element's bits drawn at its place in the tree (`rounding_words`:
-  ``mu`` the first word, ``nu`` the second), so a step is reproducible and a
-  restored state goes on as the saved one would. (Rounding to nearest, ``v``'s
+  count, each element's bits drawn at its place in the tree (`rounding_bits`), so
+  a step is reproducible and a restored state goes on as the saved one would. (Rounding to nearest, ``v``'s
   0.1% steps for b2 = 0.999 round away and it stalls.) The new moments are made
   twice, with no float32 copy kept (`moments_step`). Leaves with fewer than
   ``min_size`` elements keep float32 moments. The state is NamedTuples of

@@ -318,10 +318,11 @@ def moments_step(update: Callable, mu: Any, nu: Any, grads: Any, *, min_size: in
   them need be kept: once for their block scales alone, then again from the codes, the
   gradient and the scales passed through an ``optimization_barrier`` (a leaf's own) that
   keeps XLA from merging the two, where the caller quantises them (`moments_store` with
-  the scales) and takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit AdamW update of a
-  bfloat16 weight, rounded stochastically, then moves about 14 bytes a parameter, not 26
-  (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step, whose update writes
-  three stacks in place, XLA still keeps one float32 copy (``docs/benchmarks.md``).
+  the scales) and takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit
+  AdamW update of a bfloat16 weight, rounded stochastically, then moves about 14 bytes a
+  parameter, not 26 (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step,
+  whose update writes three stacks in place, XLA still keeps one float32 moment
+  (``docs/benchmarks.md``).
 
   Returns:
     ``(mu32, nu32, grads, scales)``: the moments made again; ``grads`` from the barrier (the
@@ -394,9 +395,10 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   quantises them again (first moment signed, second unsigned: module
   docstring), rounding stochastically with a key made from ``seed`` and the step
   count, each element's bits drawn at its place in the tree (`rounding_bits`), so
-  a step is reproducible and a restored state goes on as the saved one would. (Rounding to nearest, ``v``'s
-  0.1% steps for b2 = 0.999 round away and it stalls.) The new moments are made
-  twice, with no float32 copy kept (`moments_step`). Leaves with fewer than
+  a step is reproducible and a restored state goes on as the saved one would.
+  (Rounding to nearest, ``v``'s 0.1% steps for b2 = 0.999 round away and it
+  stalls.) The new moments are made twice, with no float32 copy kept
+  (`moments_step`). Leaves with fewer than
   ``min_size`` elements keep float32 moments. The state is NamedTuples of
   arrays: it serialises and shards like optax's (``codes`` has the
   parameter's shape).

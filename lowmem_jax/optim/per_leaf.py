@@ -100,14 +100,14 @@ def check_per_slice(update: Callable, grads: Any, state: Any, n: int) -> str | N
   Each value is followed as the elements per slice in row-major order (a slice is a run of
   the flat array): elementwise operations, reshapes, bit casts, a broadcast or reduction
   along trailing axes, a pad or slice, an optimization barrier (each output its operand)
-  keep it a slice's; a value that does not depend on
-  the leaf (a step count, a key, an ``iota``) reads none. A state leaf of the leaf's rank
-  and rows is taken as sliced alike. Anything else on a sliced value reads
-  across slices: a shift along the first axis, ``dot_general``, a reduction over the first
-  axis, a loop or conditional. So a refusal can be conservative (a broadcast over a size-1
-  axis between data axes, a ``dot_general`` with a matrix that is not the leaf's, a loop
-  of elementwise steps), never silent. The state is taken as ``tx.init`` of the whole
-  leaf makes it: an ``init`` that takes a statistic of the params is not checked.
+  keep it a slice's; a value that does not depend on the leaf (a step count, a key, an
+  ``iota``) reads none. A state leaf of the leaf's rank and rows is taken as sliced alike.
+  Anything else on a sliced value reads across slices: a shift along the first axis,
+  ``dot_general``, a reduction over the first axis, a loop or conditional. So a refusal
+  can be conservative (a broadcast over a size-1 axis between data axes, a ``dot_general``
+  with a matrix that is not the leaf's, a loop of elementwise steps), never silent. The
+  state is taken as ``tx.init`` of the whole leaf makes it: an ``init`` that takes a
+  statistic of the params is not checked.
   """
   leaf = jax.tree.leaves(grads)[0]
   closed = jax.make_jaxpr(lambda g, s, p: update(g, s, p))(grads, state, grads)

@@ -239,19 +239,8 @@ def adama(
     _check_update(updates, state, fold, folded, folded_with, state_bits)
     if folded is None:
       folded = jax.tree.map(lambda _: None, updates)
-    first = state.micro_step == 0
     last = state.micro_step == k - 1
-
-    def moments(mu, nu, g):
-      pairs = jax.tree.map(lambda g, m, v, done: fold.apply(g, m, v, first)
-                           if done is None else done, g, mu, nu, folded)
-      return tuple(jax.tree.map(lambda _, mv: mv[i], g, pairs) for i in (0, 1))
-
-    scales = None
-    if state_bits == 8:
-      mu, nu, updates, scales = lowbit.moments_step(moments, state.mu, state.nu, updates)
-    else:
-      mu, nu = moments(state.mu, state.nu, updates)
+    mu, nu, updates, scales = _folded_moments(fold, updates, state, folded, state_bits)
     count_inc = optax.safe_int32_increment(state.count)
     # With 8-bit moments, in the gradient's dtype, not the dequantised moments' float32.
     direction = lowbit.adam_direction(mu, nu, count_inc, b1=b1, b2=b2, eps=eps,
@@ -271,6 +260,24 @@ def adama(
         mu=mu, nu=nu, k=state.k)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _folded_moments(fold: "MomentFold", updates: Any, state: AdamAState, folded: Any,
+                    state_bits: int | None) -> tuple[Any, Any, Any, Any]:
+  """``(mu, nu, updates, scales)``: `adama`'s moments with ``updates`` folded in (``folded``'s
+  leaf where one is given), in float32 where the state is 8-bit, made twice then
+  (`lowmem_jax.optim.lowbit.moments_step`: ``updates`` and ``scales`` from it); else
+  ``updates`` as given and ``scales`` None."""
+  first = state.micro_step == 0
+
+  def moments(mu, nu, g):
+    pairs = jax.tree.map(lambda g, m, v, done: fold.apply(g, m, v, first)
+                         if done is None else done, g, mu, nu, folded)
+    return tuple(jax.tree.map(lambda _, mv: mv[i], g, pairs) for i in (0, 1))
+
+  if state_bits == 8:
+    return lowbit.moments_step(moments, state.mu, state.nu, updates)
+  return *moments(state.mu, state.nu, updates), updates, None
 
 
 def _checked_storage(mu_dtype: Any, state_bits: Any, seed: Any) -> tuple[Any, int]:

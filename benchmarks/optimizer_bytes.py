@@ -44,8 +44,9 @@ def threefry_per_element(step, args, n: int) -> float:
 
 
 def measure(tx, rows: int, cols: int, target) -> dict:
-  """The update of a ``rows × cols`` bfloat16 weight by ``tx`` compiled for ``target``: its
-  bytes a parameter in all, by kernel, and its Threefry evaluations an element."""
+  """The update of a ``rows × cols`` bfloat16 weight by ``tx`` compiled for ``target`` (a GPU
+  whose speeds are on record): its kernels' HBM bytes a parameter and its Threefry
+  evaluations an element."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -59,8 +60,12 @@ def measure(tx, rows: int, cols: int, target) -> dict:
     return optax.apply_updates(params, updates), state
 
   text = target.compile(step, params, state, params, donate_argnums=(0, 1)).as_text()
+  estimate = step_time.estimate(text, target)
+  if estimate is None:
+    raise ValueError(f"`target` must be a GPU whose speeds are on record (h100, rtx4090, ...), "
+                     f"got {target.name!r}: the bytes are the step-time estimate's.")
   n = rows * cols
-  return {"bytes": step_time.estimate(text, target).device_bytes / n,
+  return {"bytes": estimate.device_bytes / n,
           "threefry": threefry_per_element(step, (params, state, params), n)}
 
 
@@ -71,6 +76,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--target", default="h100")
   parser.add_argument("--quick", action="store_true", help="a 1024 × 1024 weight")
   args = parse_args(parser, argv, QUICK)
+  if args.rows < 1 or args.cols < 1:
+    parser.error(f"--rows and --cols must be at least 1, got {args.rows} and {args.cols}")
   import jax
   from lowmem_jax.compile import targets
 

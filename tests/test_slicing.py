@@ -42,25 +42,30 @@ def test_scan_slices_updates_each_slice_in_place_and_the_host_state_comes_back()
 
 @pytest.mark.parametrize("n", [1, 2, 5])
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("banks,odd", [(1, False), (2, False), (2, True)])
-def test_host_rows_come_over_ahead_and_go_back_each_to_its_own_slice(n, reverse, banks, odd):
-  """Two passes over host rows (in two banks each trip reads its row two trips ahead of its
-  compute and writes it back a trip late; the first rows and the last write in halves, a row
-  of odd width whole): every slice sees its own state, in the order of the trips, and the
-  second pass sees the first's writes."""
+@pytest.mark.parametrize("banks,odd,fence", [(1, False, False), (1, False, True), (1, True, True),
+                                             (2, False, False), (2, True, True)])
+def test_host_rows_come_over_ahead_and_go_back_each_to_its_own_slice(n, reverse, banks, odd,
+                                                                      fence):
+  """Two passes over host rows (each trip reads its row a trip ahead of its compute, in two
+  banks two, and writes it back a trip late, in one bank from ``fn``'s fence where it calls
+  one; the first rows and the last write in halves, a row of odd width whole): every slice
+  sees its own state, in the order of the trips, and the second pass sees the first's
+  writes."""
   params = jnp.zeros((n, 2))
   xs = jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.ones((n, 2))
 
-  def fn(order, i, p, state_of, x):  # the state counts its visits and keeps the trip's number
-    s = state_of(p)
-    return order + 1, p + x, {**s, "visits": s["visits"] + 1, "trip": s["trip"] * 0 + order}
+  def fn(order, i, p, state_of, x, *fence_of):  # the state counts its visits, keeps the trip
+    s, new_p = state_of(p), p + x
+    if fence:
+      new_p = fence_of[0](new_p)
+    return order + 1, new_p, {**s, "visits": s["visits"] + 1, "trip": s["trip"] * 0 + order}
 
   tag = {"tag": jnp.full((n, 1), 7, jnp.uint8)} if odd else {}  # 17 bytes a row
   states = slicing.stacked("host", {"visits": jnp.zeros((n, 3), jnp.int32),
                                     "trip": jnp.full((n,), -1, jnp.int32), **tag}, n, banks)
   assert states.layout.row_bytes % 2 == odd
   run = jax.jit(lambda p, s: slicing.scan_slices(fn, jnp.int32(0), p, s, xs, "host",
-                                                 reverse=reverse))
+                                                 reverse=reverse, fence=fence))
   _, params, states = run(params, states)
   _, params, states = run(params, states)
   np.testing.assert_array_equal(params, 2 * xs)
@@ -84,6 +89,20 @@ def test_stateless_host_rows_in_two_banks_and_a_row_count_that_is_not_the_slices
   with pytest.raises(ValueError, match=r"hold 2 rows in banks of \[1, 1\]; the params have 3"):
     slicing.scan_slices(fn, 0, params, slicing.stacked("host", {"s": jnp.zeros((2, 4))}, 2, 2),
                         xs, "host")
+
+
+@pytest.mark.parametrize("calls", [0, 2])
+def test_a_fence_not_called_once_is_refused(calls):
+  params, xs = jnp.zeros((3, 2)), jnp.ones((3, 2))
+  states = slicing.stacked("host", {"s": jnp.zeros((3, 2))}, 3)
+
+  def fn(c, i, p, state_of, x, fence):
+    for _ in range(calls):
+      p = fence(p)
+    return c, p + x, state_of(p)
+
+  with pytest.raises(RuntimeError, match="fence"):
+    slicing.scan_slices(fn, 0, params, states, xs, "host", fence=True)
 
 
 def test_late_waits_for_its_value_and_leaves_an_empty_index():

@@ -221,13 +221,22 @@ def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_
   """Llama with its state and saved inputs in host memory, compiled for the h100: in every
   loop body each host transfer has a kernel between its start and done (one transfer a layer
   each way, `lowmem_jax.optim.packed_rows.PackedRows`; with two layers ahead, in two banks),
-  and the new state is written where it lies, not copied host to host at the end."""
+  in one bank, in the layers' backward, a GEMM (the write starts at the layer's fence,
+  `lowmem_jax.optim.slicing.scan_slices`, not after its last update; in two, the tiny
+  model's two layers are one trip, no loop), and the new state is written where it lies,
+  not copied host to host at the end."""
   job = app.Job("llama-tiny", batch=2, seq=64, target="h100")
   techniques = app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt" + prefetch)
   built, params, opt_state, batch = app.arguments(job, techniques)
   with job.compiling():
     text = job.target.compile(built["step"], params, opt_state, batch).as_text()
   assert step_time.exposed_host_transfers(text) == []
+  cover = step_time.host_transfer_cover(text)
+  calls = lambda body: sum(c for name, (_, c) in cover.items() if name.startswith(body + "/"))
+  layers = max({name.split("/")[0] for name in cover}, key=calls)  # the layers' backward
+  under = {name: c for name, (_, c) in cover.items() if name.startswith(layers + "/")}
+  if not prefetch:  # the row each way, the saved input
+    assert len(under) == 3 and all(under.values()), under
   estimate = step_time.estimate(text, job.target)
   assert estimate.to_device_bytes > 0 and estimate.to_host_bytes > 0
   assert estimate.host_copy_bytes == 0

@@ -95,7 +95,8 @@ def late(index: Any, after: Any) -> Any:
 
 def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, place: str,
                  reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
-                 rows: int | None = None, whole: bool = False) -> tuple[Any, Any, Any]:
+                 rows: int | None = None, whole: bool = False,
+                 fence: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
   of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop;
   ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
@@ -103,11 +104,12 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
 
   The params are updated in place; the states too where they live on the device
   (``place``); on the host they are `PackedRows` (`stacked`), brought over ahead and written
-  back in place: in one bank, a slice ahead, each row written at the end of its slice; in
-  two, two slices ahead and a slice late, so both transfers can run under a slice's compute,
-  for two more slices' rows held on the device (`_HostTrips`). Any leaf of ``xs`` in host
-  memory comes over with the slice's state (on the device, one slice ahead). A donated host
-  stack is updated where it lies, never copied host to host.
+  back in place, a slice late: in one bank, a slice ahead, the read before the write (one
+  array), each under part of the slice's compute; in two, two slices ahead, so both
+  transfers can run under all of it, for one more slice's row held on the device
+  (`_HostTrips`). Any leaf of ``xs`` in host memory comes over with the slice's state (on the
+  device, one slice ahead). A donated host stack is updated where it lies, never copied host
+  to host.
 
   The params and the device states may lie deeper in bigger stacks: slice i's at
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
@@ -115,7 +117,11 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
   ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
   ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
-  slice i's brought over): it reads and writes slice i itself.
+  slice i's brought over): it reads and writes slice i itself. With ``fence``, ``fn`` takes
+  a last argument, ``fence(x) -> x``, and calls it once on a value its compute makes midway:
+  in one host bank, the next row is to have come over by then and the previous one goes back
+  from there (without, it goes back from the slice's start); elsewhere ``fence`` returns
+  ``x``.
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   if place == "host" and not isinstance(states, PackedRows):
@@ -127,22 +133,24 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
                      f"{[len(b) for b in states.banks]}; the params have {n} slices.")
   index = lambda k: n - 1 - k if reverse else k  # trip k's slice
 
-  def apply(c, params, kept, i, current):
+  def apply(c, params, kept, i, current, barrier=lambda x: x):
     """``(c, params, s)``: ``fn`` on slice i, its params written in place; ``s``: what
-    ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``)."""
+    ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``);
+    ``barrier``: what ``fn`` takes as its ``fence``."""
     unpacked = place == "host" and states.layout.unpack(current[0])
+    extra = (barrier,) if fence else ()
     if whole:
-      return fn(c, i, params, unpacked if place == "host" else kept, current[1])
+      return fn(c, i, params, unpacked if place == "host" else kept, current[1], *extra)
     state_of = ((lambda after: unpacked) if place == "host" else
                 (lambda after: at(kept, *late((*state_outer, i), after))))
-    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1])
+    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1], *extra)
     return c, put(params, p, *outer, i, rows=rows), s
 
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
   # function of the loop's induction variable, and jax 0.10's XLA moves a host row as a memcpy
   # (the copy engines' DMA) rather than with a kernel over pinned memory.
   if place == "host":
-    return _HostTrips(apply, states, xs, n, index).run(carry, params)
+    return _HostTrips(apply, states, xs, n, index, fence).run(carry, params)
 
   def body(k, loop):
     c, params, kept, current = loop
@@ -160,9 +168,11 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
 class _HostTrips:
   """`scan_slices`' loop over states in host memory (`PackedRows`).
 
-  In one bank, trip k (slice ``index(k)``) starts bringing over the row of trip k + 1, runs
-  ``apply`` on its own row and writes the new row back in place, once the next row is read.
-  The write has nothing after it in its trip to run under.
+  In one bank, trip k (slice ``index(k)``) starts bringing over the row of trip k + 1 and
+  runs ``apply`` on its own row; at ``apply``'s fence (`scan_slices`), once the next row is
+  read, it starts writing back the new row of trip k - 1 in place, so the read runs under
+  the compute before the fence and the write under the rest. Trip 0 writes back its own row
+  as it was brought over; the last trip's new row is written after the loop.
 
   In two banks, trip k starts bringing over the row of trip k + 2 and writing back the new row
   of trip k - 1, then runs ``apply`` on its own row, brought over two trips before; its new
@@ -178,6 +188,7 @@ class _HostTrips:
   xs: Any
   n: int
   index: Callable  # trip k's slice
+  fence: bool  # ``apply`` calls its fence (else the trip fences before it)
 
   def bank(self, phase: int) -> int:
     """The bank of the rows of trips of parity ``phase`` (k % 2, where there are two banks)."""
@@ -222,14 +233,27 @@ class _HostTrips:
     return tuple(banks)
 
   def trip_one_bank(self, k: Any, loop: tuple) -> tuple:
-    """Trip k in one bank: ``loop`` is ``(c, params, banks, now)``, ``now`` this trip's row
-    brought over."""
-    c, params, banks, now = loop
-    upcoming = self.fetch(banks, _next(k, self.n), 0)
-    c, params, s = self.apply(c, params, None, self.index(k), now)
-    # This row is written into the bank the next one is read from: the read first, in place.
-    s, upcoming = jax.lax.optimization_barrier((s, upcoming))
-    return c, params, self.write(banks, self.states.layout.pack(s), k, 0), upcoming
+    """Trip k in one bank: ``loop`` is ``(c, params, banks, now, pending)``, ``now`` this
+    trip's row brought over, ``pending`` the previous trip's new row."""
+    c, params, banks, now, pending = loop
+    # The pending row is written into the bank the next one is read from: the read first.
+    rows = [(pending, self.fetch(banks, _next(k, self.n), 0))]
+
+    def fence(x):
+      if len(rows) > 1:
+        raise RuntimeError("`scan_slices`' fn called its fence more than once.")
+      x, fenced = jax.lax.optimization_barrier((x, rows[0]))
+      rows.append(fenced)
+      return x
+
+    if not self.fence:
+      fence(None)
+    c, params, s = self.apply(c, params, None, self.index(k), now, fence)
+    if len(rows) == 1:
+      raise RuntimeError("`scan_slices`' fn took a fence and did not call it.")
+    pending, upcoming = rows[1]
+    banks = self.write(banks, pending, jnp.maximum(k - 1, 0), 0)
+    return c, params, banks, upcoming, self.states.layout.pack(s)
 
   def trip_two_banks(self, phase: int, k: Any, loop: tuple) -> tuple:
     """Trip k (of parity ``phase``; an int for the last trip, peeled) in two banks:
@@ -250,8 +274,9 @@ class _HostTrips:
     banks = late(self.states.banks, carry)  # not brought over before the carry is made
     now = self.fetch_first(banks, 0)
     if len(banks) == 1:
-      c, params, banks, _ = jax.lax.fori_loop(0, n, self.trip_one_bank,
-                                              (carry, params, banks, now))
+      c, params, banks, _, pending = jax.lax.fori_loop(0, n, self.trip_one_bank,
+                                                       (carry, params, banks, now, now[0]))
+      banks = self.write_last(banks, pending, n - 1)
       return c, params, PackedRows(tuple(to("host", bank) for bank in banks), layout)
     upcoming = self.fetch_first(banks, 1)
     trip = self.trip_two_banks

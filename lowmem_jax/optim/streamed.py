@@ -400,7 +400,7 @@ class _Streamer:
     plan = self.backward_plan(one_layer, dh, batch, layers_at)
     (dh, ok), layers, layer_states = slicing.scan_slices(
         functools.partial(self.layer_backward, plan), (dh, head_ok), layers,
-        opt_state.layers, saved, self.state, reverse=True, whole=True)
+        opt_state.layers, saved, self.state, reverse=True, whole=True, fence=True)
     grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
     new_rest, rest_states, ok = self.update_embedding(grads, rest_states, rest, new_rest,
                                                       rest_at, embed_reads, ok)
@@ -469,11 +469,12 @@ class _Streamer:
       inputs.append(part(self.gather(p), inputs[-1], batch))
     return inputs
 
-  def layer_backward(self, plan, carry, i, stacked, states, h):
+  def layer_backward(self, plan, carry, i, stacked, states, h, fence):
     """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
     once its backward is done, where the gradients so far are finite (``carry``: the
     output's gradient and that flag); ``states``: the device's whole stack or layer i's
-    from the host, updated."""
+    from the host, updated. The first update waits at ``fence`` (`slicing.scan_slices`):
+    host rows cross the link under the backward before it and the updates after."""
     dh, ok = carry
     p = slicing.at(stacked, i)
     treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
@@ -492,6 +493,8 @@ class _Streamer:
       mine = [o == j for o in plan.owner]
       if any(mine):
         full = [g if g is not None else jnp.zeros_like(x) for g, x in zip(grads, old)]
+        if fence:
+          full, fence = fence(full), None
         if new_s is None:
           new_s = slicing.at(states, *slicing.late((i,), [g for g, m in zip(full, mine) if m]))
         new_p, new_s, ok = self.update_tree(jax.tree.unflatten(treedef, full), new_s, new_p,

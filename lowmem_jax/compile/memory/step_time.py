@@ -449,7 +449,7 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
 
 def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
   """The host transfers of the loop bodies of an optimized HLO module's text (named as
-  `exposed_host_transfers` names them), each True where the copy engines move it (a copy, or
+  `host_transfer_cover` names them), each True where the copy engines move it (a copy, or
   a fusion XLA runs as a memcpy), False where a kernel reads or writes pinned memory."""
   program = _Program(hlo_text, 1.0, 1.0, 1.0, None, CALIBRATION)
   bodies = sorted({_hlo.body(i) for c in program.computations.values() for i in c.values()
@@ -460,28 +460,39 @@ def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
 
 
 def exposed_host_transfers(hlo_text: str) -> list[str]:
-  """The host transfers of a loop body (a ``while``'s, an optimized HLO module's text) with no
+  """The host transfers of a loop body (named as `host_transfer_cover` names them) with no
   kernel scheduled between their start and their done: nothing runs under them, the compute
-  waits for each whole. A host transfer is a start (``async-start``, ``copy-start``,
-  ``fusion-start``) with an array in host memory (``S(5)``); each is named
-  ``computation/start``. A loop that only moves data (`_moves_only`: a row moved in halves,
+  waits for each whole."""
+  return [name for name, (kernels, _) in host_transfer_cover(hlo_text).items() if not kernels]
+
+
+def host_transfer_cover(hlo_text: str) -> dict[str, tuple[int, int]]:
+  """What runs under each host transfer of a loop body (a ``while``'s, an optimized HLO
+  module's text), named ``computation/start``: ``(kernels, tensor-core calls)`` scheduled
+  between its start and its done (the calls: cuBLAS GEMMs and cuDNN attention). A host
+  transfer is a start (``async-start``, ``copy-start``, ``fusion-start``) with an array in
+  host memory (``S(5)``). A loop that only moves data (`_moves_only`: a row moved in halves,
   as `lowmem_jax.optim.slicing` moves one outside its loop) has nothing to run under its
-  transfers and is not looked at."""
+  transfers and is left out."""
   computations, roots, _ = _hlo.computations(hlo_text)
   bodies = {_hlo.body(i) for c in computations.values() for i in c.values() if i.op == "while"}
-  exposed = []
+  cover = {}
   for body in sorted(b for b in bodies if not _moves_only(computations, roots, b)):
-    covered: dict[str, bool] = {}  # each open host transfer: a kernel since its start
+    open_: dict[str, list[int]] = {}  # each open host transfer: kernels and calls since its start
     for name, i in computations[body].items():
       if i.op.endswith("-start") and ":S(5)" in i.shape:
-        covered[name] = False
+        open_[name] = [0, 0]
       elif i.op.endswith("-done"):
         start = i.operands[0].split("#")[0]
-        if covered.pop(start, True) is False:
-          exposed.append(f"{body}/{start}")
+        if start in open_:
+          cover[f"{body}/{start}"] = tuple(open_.pop(start))
       elif i.op not in _FREE and not i.op.endswith("-start"):
-        covered = dict.fromkeys(covered, True)
-  return exposed
+        target = _TARGET.search(i.attributes) if i.op == "custom-call" else None
+        tensor = bool(target) and target.group(1).startswith((*_GEMMS, "__cudnn$fmha"))
+        for counts in open_.values():
+          counts[0] += 1
+          counts[1] += tensor
+  return cover
 
 
 def _moves_only(computations: dict, roots: dict, body: str) -> bool:

@@ -200,8 +200,9 @@ TECHNIQUES = {t.term: t for t in (
                          "already"))),
     Technique("prefetch", "with stream and offload-opt: how many layers ahead the streamed "
               "step brings the host state over (layer_streamed's prefetch): 1, the default, "
-              "holds the least; 2 writes each layer's state back under the next layer's "
-              "compute, for two more layers' state on the device (Llama-3.1-8B: 0.41 GiB each)",
+              "holds the least, the read and the write each under part of a layer's "
+              "compute; 2 runs both under all of it, for another layer's state on the device "
+              "(Llama-3.1-8B: 0.41 GiB)",
               value="<1|2>", parse=_prefetch, off=1,
               needs=(("stream", "only the streamed step brings the state over a layer at a "
                       "time"), ("offload-opt", "the state lives on the device without it"))),

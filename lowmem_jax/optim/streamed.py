@@ -118,15 +118,19 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     saved_inputs: where the forward keeps each layer's input for the backward,
       "device" or "host".
     slice_elements: the most elements a leaf is updated in at once, a positive int.
-    prefetch: with ``state="host"``, how many layers (or slices) ahead the state is brought
-      over, its rows dealt over as many arrays (`lowmem_jax.optim.packed_rows.PackedRows`):
-      1, each written back at the end of its own layer's backward, the write exposed (the
-      least device memory); or 2, written back a layer late, so both transfers run under a
-      layer's compute, for two more layers' state on the device. Llama-3.1-8B with 8-bit
-      moments, 2 x 2,048 tokens, compiled for the ``h100`` target: 1,003.5 ms a step
-      estimated at 16.87 GiB with 1, 750.6 ms at 18.99 GiB with 2 (docs/benchmarks.md). The
-      same step bit for bit; a state made with one is refused by the other (restore a saved
-      one into a state made with the same ``prefetch``).
+    prefetch: with ``state="host"``, how many layers ahead the layers' state is brought
+      over, its rows dealt over as many arrays (`lowmem_jax.optim.packed_rows.PackedRows`),
+      each written back a layer late: 1, the read under the layer's backward before its
+      first update and the write under the rest (one array: the read first; the least
+      device memory); or 2, both under the whole layer's compute, for another layer's
+      state on the device. A big leaf outside the layers (the head, the embedding), updated
+      in slices, has its slices' rows in two arrays either way: a slice's update is too
+      short to hide one transfer, let alone two in turn. Llama-3.1-8B with 8-bit moments,
+      2 x 2,048 tokens, estimated: on the ``h100`` target 826.5 ms a step at 17.35 GiB with
+      1, 734.5 ms at 18.10 GiB with 2; on the ``rtx4090`` 2,829.7 ms at 17.33 GiB with 1,
+      3,444.7 ms at 17.97 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
+      state made with one is refused by the other (restore a saved one into a state made
+      with the same ``prefetch``).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
       for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
       the head's, made whole on every device where they are used, as ZeRO-3 gathers
@@ -251,7 +255,7 @@ class _Streamer:
   state: str  # where the optimizer state lives: "device" or "host"
   saved_inputs: str  # where the forward keeps each layer's input
   slice_elements: int  # the most elements a leaf is updated in at once
-  prefetch: int  # how many slices ahead a host state is brought over: its banks
+  prefetch: int  # how many layers ahead a host state is brought over: its banks
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
 
   def checked(self, params):
@@ -326,10 +330,11 @@ class _Streamer:
 
   def rest_init(self, x, where):
     """The state of a leaf outside the layers, where it is kept: a stack of its slices'
-    states where it is updated in slices."""
+    states where it is updated in slices (on the host in two banks, so each slice's read and
+    write run at once: its update is short)."""
     n = slices(jnp.shape(x), self.slice_elements)
     return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
-            else slicing.stacked(self.state, self.leaf_init(x, where), n, self.prefetch))
+            else slicing.stacked(self.state, self.leaf_init(x, where), n, 2))
 
   def update(self, g, s, p, where, ok):
     """``(p, s, ok)``: ``tx`` on one leaf (or slice), given as the only leaf of its path

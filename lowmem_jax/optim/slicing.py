@@ -138,12 +138,12 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``);
     ``barrier``: what ``fn`` takes as its ``fence``."""
     unpacked = place == "host" and states.layout.unpack(current[0])
-    extra = (barrier,) if fence else ()
+    extra, x = (barrier,) if fence else (), _slice(xs, i, current[1])
     if whole:
-      return fn(c, i, params, unpacked if place == "host" else kept, current[1], *extra)
+      return fn(c, i, params, unpacked if place == "host" else kept, x, *extra)
     state_of = ((lambda after: unpacked) if place == "host" else
                 (lambda after: at(kept, *late((*state_outer, i), after))))
-    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, current[1], *extra)
+    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, x, *extra)
     return c, put(params, p, *outer, i, rows=rows), s
 
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
@@ -155,11 +155,11 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   def body(k, loop):
     c, params, kept, current = loop
     i = index(k)
-    ahead = to("device", (None, at(xs, index(_next(k, n)))))
+    ahead = (None, _ahead(xs, index(_next(k, n))))
     c, params, s = apply(c, params, kept, i, current)
     return c, params, s if whole else put(kept, s, *state_outer, i), ahead
 
-  first = to("device", (None, at(xs, late(index(0), carry))))  # not before the carry is made
+  first = (None, _ahead(xs, late(index(0), carry)))  # not before the carry is made
   carry, params, kept, _ = jax.lax.fori_loop(0, n, body, (carry, params, states, first))
   return carry, params, kept
 
@@ -183,7 +183,7 @@ class _HostTrips:
   (nothing is ahead), so every trip is alike; the last trip's new row is written after the
   loop.
   """
-  apply: Callable  # (c, params, kept, i, (row, xs_i)) -> (c, params, state_i)
+  apply: Callable  # (c, params, kept, i, (row, `_ahead(xs, i)`)) -> (c, params, state_i)
   states: PackedRows
   xs: Any
   n: int
@@ -195,9 +195,10 @@ class _HostTrips:
     return self.index(phase) % len(self.states.banks)
 
   def fetch(self, banks: tuple, k: Any, phase: int) -> tuple:
-    """Trip k's row (of phase ``phase``: k's parity) and ``xs`` slice, brought over."""
+    """Trip k's row (of phase ``phase``: k's parity) and ``xs`` slice (`_ahead`), brought
+    over."""
     i = self.index(k)
-    return to("device", (at(banks[self.bank(phase)], i // len(banks)), at(self.xs, i)))
+    return to("device", at(banks[self.bank(phase)], i // len(banks))), _ahead(self.xs, i)
 
   def write(self, banks: tuple, row: jax.Array, k: Any, phase: int) -> tuple:
     """``banks`` with trip k's new ``row`` written in place."""
@@ -220,7 +221,7 @@ class _HostTrips:
         rows, to("device", at(halves, at_half(h))[None]), (h, 0))
     parts = len(halves) // len(bank)  # 2, or 1 for a row of an odd width
     rows = jax.lax.fori_loop(0, parts, move, jnp.zeros((parts, halves.shape[1]), bank.dtype))
-    return rows.reshape(-1), to("device", at(self.xs, self.index(k)))
+    return rows.reshape(-1), _ahead(self.xs, self.index(k))
 
   def write_last(self, banks: tuple, row: jax.Array, k: int) -> tuple:
     """`write` of trip k (an int) outside the loop, in halves (`_halves`)."""
@@ -287,6 +288,20 @@ class _HostTrips:
     c, params, banks, *_, pending = loop
     banks = self.write_last(banks, pending, n - 1)
     return c, params, PackedRows(tuple(to("host", bank) for bank in banks), layout)
+
+
+def _ahead(xs: Any, i: jax.Array) -> list:
+  """Slice i of each leaf of ``xs`` in host memory, brought over (to be carried into its
+  trip); None for a device leaf, which `_slice` reads in its own trip: carried, its slice
+  would be a copy."""
+  return [to("device", at(x, i)) if jax.typeof(x).memory_space == jax.memory.Space.Host
+          else None for x in jax.tree.leaves(xs)]
+
+
+def _slice(xs: Any, i: jax.Array, ahead: list) -> Any:
+  """``xs``' slice i, its host leaves' as `_ahead` brought them over."""
+  return jax.tree.unflatten(jax.tree.structure(xs), [
+      at(x, i) if a is None else a for x, a in zip(jax.tree.leaves(xs), ahead)])
 
 
 def _next(k: jax.Array, n: int) -> jax.Array:

@@ -89,13 +89,18 @@ def test_with_leaf_sets_one_leaf_in_every_row_and_keeps_the_others_bit_for_bit(n
     PackedRows.stack(tree, 3).with_leaf(sorted(tree).index("key"), 0)
 
 
-def test_flax_restores_rows_saved_in_one_array_and_refuses_another_bank_count():
+def test_flax_restores_rows_dealt_into_the_templates_banks_and_refuses_other_rows():
   """A state saved before the rows were dealt into banks ({"rows": rows}) restores into a
-  one-bank template; a template of another bank count is refused by name."""
+  one-bank template, and into a two-bank one (a state saved with another ``prefetch``) dealt
+  again, as two banks into one; rows of another count are refused by name."""
   from flax import serialization
-  packed = PackedRows.stack(_tree(), 3)
-  old = {"rows": np.asarray(packed.joined())}
-  restored = serialization.from_state_dict(packed, old)
-  np.testing.assert_array_equal(restored.joined(), packed.joined())
-  with pytest.raises(ValueError, match=r"lie in 1 bank\(s\), the template's in 2"):
-    serialization.from_state_dict(PackedRows.stack(_tree(), 3, banks=2), old)
+  one, two = PackedRows.stack(_tree(), 3), PackedRows.stack(_tree(), 3, banks=2)
+  old = {"rows": np.asarray(one.joined())}
+  for template in (one, two):
+    restored = serialization.from_state_dict(template, old)
+    assert len(restored.banks) == len(template.banks)
+    np.testing.assert_array_equal(restored.joined(), one.joined())
+  back = serialization.from_state_dict(one, serialization.to_state_dict(two))
+  np.testing.assert_array_equal(back.joined(), one.joined())
+  with pytest.raises(ValueError, match=r"the template's \(3, \d+\) rows"):
+    serialization.from_state_dict(two, {"rows": old["rows"][:2]})

@@ -92,17 +92,18 @@ def test_stateless_host_rows_in_two_banks_and_a_row_count_that_is_not_the_slices
 
 
 @pytest.mark.parametrize("calls", [0, 2])
-def test_a_fence_not_called_once_is_refused(calls):
+@pytest.mark.parametrize("place,banks", [("host", 1), ("host", 2), ("device", 1)])
+def test_a_fence_not_called_once_is_refused(calls, place, banks):
   params, xs = jnp.zeros((3, 2)), jnp.ones((3, 2))
-  states = slicing.stacked("host", {"s": jnp.zeros((3, 2))}, 3)
+  states = slicing.stacked(place, {"s": jnp.zeros((3, 2))}, 3, banks)
 
   def fn(c, i, p, state_of, x, fence):
     for _ in range(calls):
       p = fence(p)
     return c, p + x, state_of(p)
 
-  with pytest.raises(RuntimeError, match="fence"):
-    slicing.scan_slices(fn, 0, params, states, xs, "host", fence=True)
+  with pytest.raises(RuntimeError, match=f"call its fence once, called it {calls} times"):
+    slicing.scan_slices(fn, 0, params, states, xs, place, fence=True)
 
 
 def test_late_waits_for_its_value_and_leaves_an_empty_index():

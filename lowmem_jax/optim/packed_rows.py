@@ -180,11 +180,21 @@ def _register_with_flax() -> None:
 
 
 def _restored(template: PackedRows, saved: dict) -> PackedRows:
-  """``template`` with the banks of ``saved`` (`_register_with_flax`'s state dict; a state
-  saved before the rows were dealt into banks holds ``{"rows": rows}``, one bank)."""
+  """``template`` with the rows of ``saved`` (`_register_with_flax`'s state dict; a state
+  saved before the rows were dealt into banks holds ``{"rows": rows}``, one bank), dealt again
+  where the template has another bank count (a state saved with another ``prefetch``, or
+  before a sliced leaf's rows took two banks)."""
   saved = {"0": saved["rows"]} if set(saved) == {"rows"} else saved
-  if len(saved) != len(template.banks):
-    raise ValueError(f"The saved packed rows lie in {len(saved)} bank(s), the template's in "
-                     f"{len(template.banks)}: restore into a state made with the same "
-                     "`prefetch` (layer_streamed).")
-  return dataclasses.replace(template, banks=tuple(saved[str(b)] for b in range(len(saved))))
+  banks = [saved[str(b)] for b in range(len(saved))]
+  if len(banks) == len(template.banks):
+    return dataclasses.replace(template, banks=tuple(banks))
+  shape = (template.count, template.layout.row_bytes)
+  widths = {np.shape(b)[1:] for b in banks}
+  if len(widths) != 1 or (sum(np.shape(b)[0] for b in banks), *widths.pop()) != shape:
+    raise ValueError(f"The saved packed rows are {[np.shape(b) for b in banks]}, the "
+                     f"template's {shape} rows: restore into a state made for the same "
+                     "parameters and optimizer.")
+  rows = np.empty(shape, np.uint8)
+  for b, bank in enumerate(banks):
+    rows[b::len(banks)] = np.asarray(bank)
+  return dataclasses.replace(template, banks=dealt(rows, len(template.banks)))

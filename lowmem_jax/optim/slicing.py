@@ -118,10 +118,10 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
   ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
   slice i's brought over): it reads and writes slice i itself. With ``fence``, ``fn`` takes
-  a last argument, ``fence(x) -> x``, and calls it once on a value its compute makes midway:
-  in one host bank, the next row is to have come over by then and the previous one goes back
-  from there (without, it goes back from the slice's start); elsewhere ``fence`` returns
-  ``x``.
+  a last argument, ``fence(x) -> x``, and calls it once, in its own trace (not inside a
+  nested loop or cond), on a value its compute makes midway: in one host bank, the next row is
+  to have come over by then and the previous one goes back from there (without ``fence``, it
+  goes back from the slice's start, under all of ``fn``); elsewhere ``fence`` returns ``x``.
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   if place == "host" and not isinstance(states, PackedRows):
@@ -138,13 +138,24 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``);
     ``barrier``: what ``fn`` takes as its ``fence``."""
     unpacked = place == "host" and states.layout.unpack(current[0])
-    extra, x = (barrier,) if fence else (), _slice(xs, i, current[1])
+    calls = []
+
+    def counted(y):  # ``barrier``, its calls counted
+      calls.append(y)
+      return barrier(y)
+
+    extra, x = (counted,) if fence else (), _slice(xs, i, current[1])
     if whole:
-      return fn(c, i, params, unpacked if place == "host" else kept, x, *extra)
-    state_of = ((lambda after: unpacked) if place == "host" else
-                (lambda after: at(kept, *late((*state_outer, i), after))))
-    c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, x, *extra)
-    return c, put(params, p, *outer, i, rows=rows), s
+      out = fn(c, i, params, unpacked if place == "host" else kept, x, *extra)
+    else:
+      state_of = ((lambda after: unpacked) if place == "host" else
+                  (lambda after: at(kept, *late((*state_outer, i), after))))
+      c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, x, *extra)
+      out = c, put(params, p, *outer, i, rows=rows), s
+    if fence and len(calls) != 1:
+      raise RuntimeError(f"`scan_slices`' fn must call its fence once, called it {len(calls)} "
+                         "times.")
+    return out
 
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
   # function of the loop's induction variable, and jax 0.10's XLA moves a host row as a memcpy
@@ -172,7 +183,8 @@ class _HostTrips:
   runs ``apply`` on its own row; at ``apply``'s fence (`scan_slices`), once the next row is
   read, it starts writing back the new row of trip k - 1 in place, so the read runs under
   the compute before the fence and the write under the rest. Trip 0 writes back its own row
-  as it was brought over; the last trip's new row is written after the loop.
+  as it was brought over (one row more over the link a pass); the last trip's new row is
+  written after the loop.
 
   In two banks, trip k starts bringing over the row of trip k + 2 and writing back the new row
   of trip k - 1, then runs ``apply`` on its own row, brought over two trips before; its new
@@ -183,7 +195,7 @@ class _HostTrips:
   (nothing is ahead), so every trip is alike; the last trip's new row is written after the
   loop.
   """
-  apply: Callable  # (c, params, kept, i, (row, `_ahead(xs, i)`)) -> (c, params, state_i)
+  apply: Callable  # (c, params, kept, i, (row, `_ahead(xs, i)`), fence) -> (c, params, state_i)
   states: PackedRows
   xs: Any
   n: int
@@ -241,8 +253,6 @@ class _HostTrips:
     rows = [(pending, self.fetch(banks, _next(k, self.n), 0))]
 
     def fence(x):
-      if len(rows) > 1:
-        raise RuntimeError("`scan_slices`' fn called its fence more than once.")
       x, fenced = jax.lax.optimization_barrier((x, rows[0]))
       rows.append(fenced)
       return x
@@ -250,9 +260,7 @@ class _HostTrips:
     if not self.fence:
       fence(None)
     c, params, s = self.apply(c, params, None, self.index(k), now, fence)
-    if len(rows) == 1:
-      raise RuntimeError("`scan_slices`' fn took a fence and did not call it.")
-    pending, upcoming = rows[1]
+    pending, upcoming = rows[-1]
     banks = self.write(banks, pending, jnp.maximum(k - 1, 0), 0)
     return c, params, banks, upcoming, self.states.layout.pack(s)
 

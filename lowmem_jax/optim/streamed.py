@@ -255,7 +255,7 @@ class _Streamer:
   state: str  # where the optimizer state lives: "device" or "host"
   saved_inputs: str  # where the forward keeps each layer's input
   slice_elements: int  # the most elements a leaf is updated in at once
-  prefetch: int  # how many layers ahead a host state is brought over: its banks
+  prefetch: int  # how many layers ahead a host state is brought over: the layers' banks
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
 
   def checked(self, params):

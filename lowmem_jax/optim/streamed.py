@@ -129,8 +129,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       2 x 2,048 tokens, estimated: on the ``h100`` target 826.5 ms a step at 17.35 GiB with
       1, 734.5 ms at 18.10 GiB with 2; on the ``rtx4090`` 2,829.7 ms at 17.33 GiB with 1,
       3,444.7 ms at 17.97 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
-      state made with one is refused by the other (restore a saved one into a state made
-      with the same ``prefetch``).
+      state made with one is refused by the other's step, and a saved one restores into a
+      state made with either (its rows dealt again).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
       for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
       the head's, made whole on every device where they are used, as ZeRO-3 gathers

@@ -36,6 +36,7 @@ class Loss(enum.StrEnum):
   """A language model's head and loss."""
   PLAIN = "plain"  # float32 logits, then the cross-entropy
   FUSED = "fused"  # `lowmem_jax.ops.losses.linear_cross_entropy`: no [tokens, vocab] logits kept
+  FUSED_ONE_PASS = "fused-one-pass"  # the same, its backward in one pass (backward_passes=1)
 
 
 class Embedding(enum.StrEnum):

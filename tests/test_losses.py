@@ -39,19 +39,41 @@ def test_matches_the_exact_twin(options, dtype):
   h, w, bias, labels = _problem(dtype, options)
 
   def loss(fn, **chunks):
-    def f(h, w, bias):
+    def f(h, w, bias, value=False):
       out = fn(h, w, labels, bias=bias if with_bias else None, **options, **chunks)
-      return jnp.sum(jnp.sin(out))  # a cotangent that differs per token under "none"
+      return out if value else jnp.sum(jnp.sin(out))  # a cotangent that differs per token
     return f
 
   ours = loss(losses.linear_cross_entropy, token_chunk=4, vocab_chunk=8)
   twin = loss(losses.linear_cross_entropy_reference)
   value_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (1e-2, 2e-2)
-  np.testing.assert_allclose(ours(h, w, bias), twin(h, w, bias), rtol=value_tol)
+  # The losses themselves: the sine of a sum of 26 losses would magnify the sum's rounding.
+  np.testing.assert_allclose(ours(h, w, bias, True), twin(h, w, bias, True), rtol=value_tol)
   for got, want in zip(jax.grad(ours, (0, 1, 2))(h, w, bias), jax.grad(twin, (0, 1, 2))(h, w, bias)):
     assert got.dtype == want.dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     np.testing.assert_allclose(got, want, atol=grad_tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_one_backward_pass_gives_the_two_passes_gradients_bit_for_bit(options, dtype):
+  """The one-pass backward sums the same products in the same order; a token count and a
+  vocabulary that no chunk divides put overlapping edge blocks on both axes."""
+  options = dict(options)
+  bias = _problem(dtype, options)[2] if options.pop("with_bias", False) else None
+  h, w, _, labels = _problem(dtype, options)
+
+  def grads(passes):
+    f = lambda h, w, bias: jnp.sum(jnp.sin(losses.linear_cross_entropy(
+        h, w, labels, bias=bias, token_chunk=4, vocab_chunk=8, backward_passes=passes,
+        **options)))
+    return jax.jit(jax.grad(f, (0, 1, 2) if bias is not None else (0, 1)))(h, w, bias)
+
+  one, two = grads(1), grads(2)
+  for got, want in zip(one, two):
+    assert got.dtype == want.dtype and np.any(np.asarray(want, np.float32) != 0)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_ignored_tokens_add_nothing():
@@ -120,6 +142,8 @@ def test_bad_inputs_are_named():
     f(h, w, labels, w_layout="transposed")
   with pytest.raises(ValueError, match="vocab_chunk"):
     f(h, w, labels, vocab_chunk=0)
+  with pytest.raises(ValueError, match="backward_passes must be 1 or 2, got 3"):
+    f(h, w, labels, backward_passes=3)
   with pytest.raises(TypeError, match="ignore_index"):
     f(h, w, labels, ignore_index=1.5)
   with pytest.raises(TypeError, match="ignore_index must be an int or None, got True"):

@@ -78,6 +78,27 @@ def test_host_rows_come_over_ahead_and_go_back_each_to_its_own_slice(n, reverse,
     np.testing.assert_array_equal(got["tag"], np.full((n, 1), 7))
 
 
+@pytest.mark.parametrize("place", ["device", "host"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_each_trip_reads_its_own_slice_of_xs_in_host_and_device_memory(place, reverse):
+  """A leaf of ``xs`` in host memory comes over a trip ahead (`slicing._ahead`), a device
+  leaf is read in its own trip: each trip sees its own slice of both, with the states on
+  the device or on the host."""
+  n = 4
+  params = jnp.zeros((n, 2))
+  on_host = jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.ones((n, 2))
+  xs = {"host": slicing.to("host", on_host), "device": 100 * on_host}
+  states = slicing.stacked(place, {"s": jnp.zeros((n, 2))}, n)
+
+  def fn(c, i, p, state_of, x):
+    assert jax.typeof(x["host"]).memory_space != jax.memory.Space.Host  # brought over
+    return c, p + x["host"] + x["device"], state_of(p)
+
+  run = jax.jit(lambda p, s, xs: slicing.scan_slices(fn, 0, p, s, xs, place, reverse=reverse))
+  _, params, _ = run(params, states, xs)
+  np.testing.assert_array_equal(params, 101 * on_host)
+
+
 def test_stateless_host_rows_in_two_banks_and_a_row_count_that_is_not_the_slices_refused():
   params, xs = jnp.zeros((3, 2)), jnp.ones((3, 2))
   fn = lambda c, i, p, state_of, x: (c, p + x, state_of(p))

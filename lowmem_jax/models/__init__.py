@@ -167,8 +167,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
       norm and attention "plain"; its activation is "exact" or "1bit" (see
       `WideResNet`).
     conv: the WideResNet's convolutions, "plain", "pooled" or "int8".
-    loss: the LLaMA models' head, "plain" (float32 logits) or "fused"
-      (`lowmem_jax.ops.losses.linear_cross_entropy`, no logits kept).
+    loss: the LLaMA models' head, "plain" (float32 logits), "fused"
+      (`lowmem_jax.ops.losses.linear_cross_entropy`, no logits kept) or "fused-one-pass"
+      (the same, its backward in one pass: `lowmem_jax.models.llama.lm_head`).
     embedding: the LLaMA models' token embedding, "plain" or "late" (its
       gradient buffer made when needed: for AdamA's micro-batch loop).
     mlp_chunk_tokens: the LLaMA models' MLP over token chunks of at most this

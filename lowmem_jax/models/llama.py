@@ -21,7 +21,7 @@ embeddings), llama-3.1-8b and llama-3.1-70b (Meta's model cards and
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
 the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
 cross-entropy, or "fused", `lowmem_jax.ops.losses.linear_cross_entropy`, which
-never holds the logits), ``mlp_chunk_tokens`` (each layer's MLP over token
+never holds the logits, or "fused-one-pass", the same with its backward in one pass), ``mlp_chunk_tokens`` (each layer's MLP over token
 chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 ``remat`` / ``remat_policy`` for the layers.
 """
@@ -274,14 +274,17 @@ def lm_head(x: jax.Array, kernel: jax.Array, labels: jax.Array | None, loss: str
   Without ``labels``, float32 logits ``[..., vocab]``; with int ``labels:
   [...]`` the mean cross-entropy, a float32 scalar: from the logits
   (``loss="plain"``) or from `linear_cross_entropy` (``"fused"``), which makes
-  the logits block by block and keeps none.
+  the logits block by block and keeps none (``"fused-one-pass"``: its ``backward_passes=1``,
+  each block's logits made once in the backward, for a float32 ``[tokens, dim]``).
   """
   vocab_size = kernel.shape[-1]
   x, kernel = x.astype(dtype), kernel.astype(dtype)
-  if labels is not None and loss == "fused":  # labels as optax takes them:
+  if labels is not None and loss in (Loss.FUSED, Loss.FUSED_ONE_PASS):  # labels as optax has:
     labels = jnp.where(labels < 0, labels + vocab_size, labels)  # -1 is the last class
     invalid = jnp.where((labels >= 0) & (labels < vocab_size), 0.0, jnp.nan)
-    return jnp.mean(linear_cross_entropy(x, kernel, labels, reduction="none") + invalid)
+    return jnp.mean(linear_cross_entropy(
+        x, kernel, labels, reduction="none",
+        backward_passes=1 if loss == Loss.FUSED_ONE_PASS else 2) + invalid)
   logits = jnp.dot(x, kernel).astype(jnp.float32)
   if labels is None:
     return logits
@@ -333,7 +336,8 @@ class Llama(TransformerSwitches):
   Attributes:
     config: the sizes (`CONFIGS` has the named ones).
     loss: with labels, "plain" (float32 logits, then `optax`'s cross-entropy) or
-      "fused" (`lowmem_jax.ops.losses.linear_cross_entropy`: no logits kept or made whole).
+      "fused" (`lowmem_jax.ops.losses.linear_cross_entropy`: no logits kept or made whole)
+      or "fused-one-pass" (the same, its backward in one pass: `lm_head`).
     embedding: "plain" or "late" (`lowmem_jax.models._common.embed_layer`).
     mlp_chunk_tokens: each layer's MLP over token chunks of at most this many
       tokens, recomputed chunk by chunk in the backward (`TransformerBlock`); None: whole.

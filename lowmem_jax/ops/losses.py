@@ -36,7 +36,7 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_soft_cap: float | None = None, reduction: str = "mean",
                          w_layout: str = "dv", token_chunk: int = 1024,
-                         vocab_chunk: int = 8192) -> jax.Array:
+                         vocab_chunk: int = 8192, backward_passes: int = 2) -> jax.Array:
   """Cross-entropy of ``h @ w + bias`` against ``labels``, chunked both ways.
 
   Args:
@@ -54,6 +54,11 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     logit_soft_cap: ``c`` > 0: logits become ``c * tanh(l / c)`` (Gemma 2).
     reduction: "mean" (over tokens not ignored), "sum" or "none" (``[...]``).
     token_chunk, vocab_chunk: the block of logits made at once, positive ints.
+    backward_passes: how many times the backward makes the logits, block by block: 2 (no
+      buffer of ``[tokens, d]`` beside ``dh``) or 1 (``dh`` summed in a float32 ``[tokens, d]``
+      over the vocabulary chunks: ``4 * tokens * d`` bytes more, each block's logits made once);
+      the same gradients, bit for bit. Llama-3.1-8B's layer-streamed step at 2 x 2,048 tokens,
+      estimated for the ``rtx4090``: 1 is 1.5% faster at the same peak (docs/benchmarks.md).
 
   Returns:
     float32: a scalar, or ``[...]`` for ``reduction="none"``; equal to
@@ -66,7 +71,7 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   where a block of batch-major tokens lies on one device and is gathered to all.
   """
   cfg = _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft_cap,
-               reduction, w_layout, token_chunk, vocab_chunk)
+               reduction, w_layout, token_chunk, vocab_chunk, backward_passes)
   position_major = h.ndim >= 3 and _sharding.in_auto_mesh()
   if position_major:
     h, labels = jnp.swapaxes(h, 0, 1), jnp.swapaxes(labels, 0, 1)
@@ -86,7 +91,7 @@ def linear_cross_entropy_reference(h, w, labels, *, bias=None, ignore_index=None
                                    reduction="mean", w_layout="dv") -> jax.Array:
   """The exact twin of `linear_cross_entropy`: the whole float32 logits at once."""
   _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft_cap,
-         reduction, w_layout, 1, 1)
+         reduction, w_layout, 1, 1, 2)
   w2 = w if w_layout == "dv" else w.T
   logits = jnp.einsum("...d,dv->...v", h, w2, preferred_element_type=jnp.float32)
   if bias is not None:
@@ -112,7 +117,7 @@ def _token_weights(labels, ignore_index, reduction):
 
 
 def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft_cap,
-           reduction, w_layout, token_chunk, vocab_chunk):
+           reduction, w_layout, token_chunk, vocab_chunk, backward_passes):
   _checks.check_float_array(h, "h")
   _checks.check_float_array(w, "w")
   if w.ndim != 2:
@@ -145,8 +150,11 @@ def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft
   for name, value in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
+  if isinstance(backward_passes, bool) or backward_passes not in (1, 2):
+    raise ValueError(f"backward_passes must be 1 or 2, got {backward_passes!r}.")
   return (float(label_smoothing), float(z_loss),
-          None if logit_soft_cap is None else float(logit_soft_cap), token_chunk, vocab_chunk)
+          None if logit_soft_cap is None else float(logit_soft_cap), token_chunk, vocab_chunk,
+          backward_passes)
 
 
 def _chunks(n: int, size: int) -> tuple[int, int]:
@@ -166,7 +174,7 @@ class _Head:
 
   def __init__(self, h, w, b, cfg, w_layout):
     self.h, self.w, self.b, self.layout = h, w, b, w_layout
-    _, _, self.cap, tc, vc = cfg
+    self.cap, tc, vc = cfg[2:5]
     self.tokens, self.d = h.shape
     self.vocab = w.shape[1] if w_layout == "dv" else w.shape[0]
     self.tc, self.nt = _chunks(self.tokens, tc)
@@ -235,76 +243,102 @@ def _chunked_fwd(h, w, b, labels, weights, cfg, w_layout):
 
 
 def _chunked_bwd(cfg, w_layout, res, g):
-  """Two passes over the blocks, each gradient written once, accumulated in float32 per
-  chunk: ``dh`` by token chunks (vocabulary inside), ``dw`` and ``dbias`` by vocabulary
-  chunks (tokens inside). The logits are made twice more; nothing of size ``[T, V]``,
-  ``[T, d]`` or ``[d, V]`` is made beside the gradients themselves."""
+  """Nothing of size ``[T, V]`` or ``[d, V]`` is made beside the gradients themselves, each
+  written once. Two passes over the blocks (``backward_passes=2``): ``dh`` by token chunks
+  (vocabulary inside, float32 ``[tc, d]`` accumulators), then ``dw`` and ``dbias`` by
+  vocabulary chunks (tokens inside, float32 ``[d, vc]``): the logits made twice more. One pass
+  (``1``): vocabulary chunks outside, token chunks inside, each block's logits made once more
+  and both gradients taken from it, ``dh`` accumulated in a float32 ``[T, d]``. The sums are
+  the same, in the same order: the two give the same bits."""
   h, w, b, labels, weights, lse = res
-  eps, z = cfg[:2]
   head = _Head(h, w, b, cfg, w_layout)
   # The gradients' buffers start from a zero the scheduler cannot make before the forward's
   # log-sum-exp and the cotangent (a broadcast of a constant has no inputs, and XLA would make
   # it at the program's start, live through the forward; as lowmem_jax.ops.embedding.take's).
   zero, gt, lse = lax.optimization_barrier((jnp.zeros((), jnp.float32), g * weights, lse))
-  zeros_like = lambda x: jnp.zeros_like(x) + zero.astype(x.dtype)
-
-  def dlogits(hc, i_start, first_row, j, yc, whole):
-    """float32 ``[tc, vc]`` d loss / d (uncapped) logits; 0 on rows before ``first_row``."""
-    logits, col, valid = head.logits(hc, j, whole)
-    lse_c = lax.dynamic_slice(lse, (i_start,), (head.tc,))
-    row = i_start + lax.broadcasted_iota(jnp.int32, (head.tc,), 0)
-    g_c = jnp.where(row >= first_row, lax.dynamic_slice(gt, (i_start,), (head.tc,)), 0.0)
-    p = jnp.exp(logits - lse_c[:, None])
-    dl = (p * (1 + 2 * z * lse_c)[:, None] - (1 - eps) * (col == yc[:, None]).astype(jnp.float32)
-          - jnp.where(valid, eps / head.vocab, 0.0)) * g_c[:, None]
-    if head.cap is not None:
-      dl = dl * (1 - jnp.square(jnp.where(valid, logits, 0.0) / head.cap))
-    return jnp.where(valid, dl, 0.0)
-
-  def dh_chunk(i, dh):
-    s = _start(i, head.tc, head.tokens)
-    hc = lax.dynamic_slice(h, (s, 0), (head.tc, head.d))
-    yc = lax.dynamic_slice(labels, (s,), (head.tc,))
-
-    def vocab_chunk(j, acc):
-      dl = dlogits(hc, s, s, j, yc, whole=False)
-      wc = head.w_chunk(_start(j, head.vc, head.vocab))
-      return acc + lax.dot_general(dl.astype(wc.dtype), wc, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32,
-                                   out_sharding=_sharding.explicit(acc))
-
-    acc = lax.fori_loop(0, head.nv, vocab_chunk, jnp.zeros_like(hc, jnp.float32))
-    return lax.dynamic_update_slice(dh, acc.astype(h.dtype), (s, 0))
-
-  def dw_chunk(j, grads):
-    dw, db = grads
-    sv = _start(j, head.vc, head.vocab)
-
-    def token_chunk(i, acc):
-      s = _start(i, head.tc, head.tokens)
-      hc = lax.dynamic_slice(h, (s, 0), (head.tc, head.d))
-      # every column of chunk j, those of chunk j - 1 too: they are written whole, twice alike
-      dl = dlogits(hc, s, i * head.tc, j, lax.dynamic_slice(labels, (s,), (head.tc,)),
-                   whole=True)
-      dwc, dbc = acc
-      dwc = dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32,
-                                  out_sharding=_sharding.explicit(dwc))
-      return dwc, None if dbc is None else dbc + jnp.sum(dl, 0)
-
-    dwc, dbc = lax.fori_loop(0, head.nt, token_chunk,
-                             (jnp.zeros_like(head.w_chunk(sv), jnp.float32),
-                              None if b is None else jnp.zeros_like(
-                                  lax.dynamic_slice(b, (sv,), (head.vc,)))))
-    dwc = dwc.astype(w.dtype)
-    dw = (lax.dynamic_update_slice(dw, dwc, (0, sv)) if w_layout == "dv"
-          else lax.dynamic_update_slice(dw, dwc.T, (sv, 0)))
-    return dw, None if db is None else lax.dynamic_update_slice(db, dbc, (sv,))
-
-  dh = lax.fori_loop(0, head.nt, dh_chunk, zeros_like(h))
+  zeros_like = lambda x, dtype=None: jnp.zeros_like(x, dtype) + zero.astype(dtype or x.dtype)
+  dlogits = functools.partial(_dlogits, head, labels, lse, gt, cfg)
   db0 = None if b is None else zeros_like(b)
-  dw, db = lax.fori_loop(0, head.nv, dw_chunk, (zeros_like(w), db0))
+  if cfg[5] == 1:
+    dw, db, dh = lax.fori_loop(0, head.nv, functools.partial(_vocab_chunk, head, dlogits),
+                               (zeros_like(w), db0, zeros_like(h, jnp.float32)))
+    return dh.astype(h.dtype), dw, db, None, None
+  dh = lax.fori_loop(0, head.nt, functools.partial(_dh_chunk, head, dlogits), zeros_like(h))
+  dw, db, _ = lax.fori_loop(0, head.nv, functools.partial(_vocab_chunk, head, dlogits),
+                            (zeros_like(w), db0, None))
   return dh, dw, db, None, None
+
+
+def _dlogits(head, labels, lse, gt, cfg, hc, i_start, first_row, j, whole):
+  """float32 ``[tc, vc]`` d loss / d (uncapped) logits of the block of token chunk ``hc``
+  (starting at ``i_start``) and vocabulary chunk ``j`` (`_Head.logits`' columns, ``whole`` or
+  not); 0 on rows before ``first_row`` and on the columns left out."""
+  eps, z = cfg[:2]
+  logits, col, valid = head.logits(hc, j, whole)
+  lse_c = lax.dynamic_slice(lse, (i_start,), (head.tc,))
+  yc = lax.dynamic_slice(labels, (i_start,), (head.tc,))
+  row = i_start + lax.broadcasted_iota(jnp.int32, (head.tc,), 0)
+  g_c = jnp.where(row >= first_row, lax.dynamic_slice(gt, (i_start,), (head.tc,)), 0.0)
+  p = jnp.exp(logits - lse_c[:, None])
+  dl = (p * (1 + 2 * z * lse_c)[:, None] - (1 - eps) * (col == yc[:, None]).astype(jnp.float32)
+        - jnp.where(valid, eps / head.vocab, 0.0)) * g_c[:, None]
+  if head.cap is not None:
+    dl = dl * (1 - jnp.square(jnp.where(valid, logits, 0.0) / head.cap))
+  return jnp.where(valid, dl, 0.0)
+
+
+def _dh_chunk(head, dlogits, i, dh):
+  """``dh`` with token chunk ``i``'s rows written: a float32 sum over the vocabulary chunks,
+  each without the columns of the chunk before it."""
+  s = _start(i, head.tc, head.tokens)
+  hc = lax.dynamic_slice(head.h, (s, 0), (head.tc, head.d))
+
+  def vocab_chunk(j, acc):
+    dl = dlogits(hc, s, s, j, whole=False)
+    wc = head.w_chunk(_start(j, head.vc, head.vocab))
+    return acc + lax.dot_general(dl.astype(wc.dtype), wc, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32,
+                                 out_sharding=_sharding.explicit(acc))
+
+  acc = lax.fori_loop(0, head.nv, vocab_chunk, jnp.zeros_like(hc, jnp.float32))
+  return lax.dynamic_update_slice(dh, acc.astype(head.h.dtype), (s, 0))
+
+
+def _vocab_chunk(head, dlogits, j, grads):
+  """``(dw, db, dh)`` with vocabulary chunk ``j``'s columns of ``dw`` and ``db`` written, float32
+  sums over the token chunks; and, where ``dh`` (float32 ``[T, d]``) is not None, each token
+  chunk's product with the chunk's own columns added to it."""
+  dw, db, dh = grads
+  sv = _start(j, head.vc, head.vocab)
+  wc = head.w_chunk(sv)
+  own = sv + lax.broadcasted_iota(jnp.int32, (1, head.vc), 1) >= j * head.vc
+
+  def token_chunk(i, acc):
+    dwc, dbc, dh = acc
+    s = _start(i, head.tc, head.tokens)
+    hc = lax.dynamic_slice(head.h, (s, 0), (head.tc, head.d))
+    # every column of chunk j, those of chunk j - 1 too: dw's are written whole, twice alike;
+    # dh takes chunk j's own columns (those of chunk j - 1 it took there)
+    dl = dlogits(hc, s, i * head.tc, j, whole=True)
+    if dh is not None:
+      dhc = lax.dynamic_slice(dh, (s, 0), (head.tc, head.d))
+      dhc = dhc + lax.dot_general(jnp.where(own, dl, 0.0).astype(wc.dtype), wc,
+                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                  out_sharding=_sharding.explicit(dhc))
+      dh = lax.dynamic_update_slice(dh, dhc, (s, 0))
+    dwc = dwc + lax.dot_general(hc, dl.astype(hc.dtype), (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32,
+                                out_sharding=_sharding.explicit(dwc))
+    return dwc, None if dbc is None else dbc + jnp.sum(dl, 0), dh
+
+  dwc, dbc, dh = lax.fori_loop(0, head.nt, token_chunk,
+                               (jnp.zeros_like(wc, jnp.float32),
+                                None if db is None else jnp.zeros_like(
+                                    lax.dynamic_slice(head.b, (sv,), (head.vc,))), dh))
+  dwc = dwc.astype(dw.dtype)
+  dw = (lax.dynamic_update_slice(dw, dwc, (0, sv)) if head.layout == "dv"
+        else lax.dynamic_update_slice(dw, dwc.T, (sv, 0)))
+  return dw, None if db is None else lax.dynamic_update_slice(db, dbc, (sv,)), dh
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -436,14 +436,13 @@ class _Streamer:
     where ``ok`` (`update_tree`)."""
     new_rest, states, ok = self.update_tree(head_grads, states, rest, self.state, rest_at, ok,
                                             [not r for r in embed_reads])
-    if self.state == "device":
-      # The head's own update before the layers' backward, so the head's gradient (the output
-      # kernel's, vocab x dim) is gone by then: dh waits on the new states. With the state on
-      # the host, XLA then copies the output kernel for the rtx4090 target (Llama-3.1-8B:
-      # 17.13 GiB against 16.70 in XLA's own order; docs/benchmarks.md).
-      done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(states), embed_reads)
-              if not r]
-      dh, _ = jax.lax.optimization_barrier((dh, done))
+    # The head's own update, its new state written where it is kept, before the layers'
+    # backward: dh waits on the new states. On the device, the head's gradient (the output
+    # kernel's, vocab x dim) is then gone by the layers' backward; on the host, the last
+    # slice's row (Llama-3.1-8B: 32 MiB) is not held through it until the step's end.
+    done = [s for s, r in zip(jax.tree.structure(rest).flatten_up_to(states), embed_reads)
+            if not r]
+    dh, _ = jax.lax.optimization_barrier((dh, done))
     return new_rest, states, dh, ok
 
   def update_embedding(self, grads, states, rest, new_rest, rest_at, embed_reads, ok):
@@ -507,6 +506,10 @@ class _Streamer:
       if j:  # this part's update, then the part before: its forward recomputed, not kept
         dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
             (dh, inputs[j - 1], new_p, new_s))
+        # Its parameters read again, where they lie: the copies read at the layer's start are
+        # not held through this part's backward. None of them has changed: a leaf is updated
+        # after the backward of the earliest part that reads it.
+        old = jax.tree.leaves(slicing.at(new_p, *outer))
     if in_place:
       return (dh, ok), new_p, new_s
     return ((dh, ok), slicing.put(stacked, new_p, i),

@@ -126,9 +126,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       state on the device. A big leaf outside the layers (the head, the embedding), updated
       in slices, has its slices' rows in two arrays either way: a slice's update is too
       short to hide one transfer, let alone two in turn. Llama-3.1-8B with 8-bit moments,
-      2 x 2,048 tokens, estimated: on the ``h100`` target 826.5 ms a step at 17.35 GiB with
-      1, 734.5 ms at 18.10 GiB with 2; on the ``rtx4090`` 2,829.7 ms at 17.33 GiB with 1,
-      3,444.7 ms at 17.97 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
+      2 x 2,048 tokens, estimated: on the ``h100`` target 826.5 ms a step at 17.17 GiB with
+      1, 736.2 ms at 18.03 GiB with 2; on the ``rtx4090`` 2,835.7 ms at 17.16 GiB with 1,
+      3,473.7 ms at 17.99 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
       state made with one is refused by the other's step, and a saved one restores into a
       state made with either (its rows dealt again).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set

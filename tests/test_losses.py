@@ -170,18 +170,20 @@ SHARDINGS = {  # layout: the specs of the tokens (and labels), of the weight and
 }
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("layout", list(SHARDINGS))
-def test_sharded_jit_on_8_devices(axis_type, layout):
+def test_sharded_jit_on_8_devices(axis_type, layout, passes):
   """Tokens over "data" and the vocabulary over "model", or the parameters over "data" too
-  (FSDP), on a mesh of automatic or explicit axes: the same loss and gradients."""
+  (FSDP), on a mesh of automatic or explicit axes: the same loss and gradients, the backward
+  in one pass or two."""
   assert jax.device_count() == 8, "conftest forces 8 CPU devices"
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, axis_type),) * 2)
   h, w, bias, labels = _problem(jnp.float32, {}, lead=(8, 6))
   w = jnp.pad(w, ((0, 0), (0, 3)))  # vocabulary 40: 2 shards of 20
   bias = jnp.pad(bias, (0, 3))
   f = lambda h, w, b, y: losses.linear_cross_entropy(h, w, y, bias=b, token_chunk=4,
-                                                     vocab_chunk=8)
+                                                     vocab_chunk=8, backward_passes=passes)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   with jax.set_mesh(mesh):
     h_spec, w_spec, bias_spec = SHARDINGS[layout]

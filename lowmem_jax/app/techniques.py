@@ -183,8 +183,8 @@ TECHNIQUES = {t.term: t for t in (
               "logits (lowmem_jax.ops.losses.linear_cross_entropy)",
               switches={"loss": Loss.FUSED.value}, lowmem={"loss": Loss.FUSED.value}),
     Technique("ce-one-pass", "LLaMA, with fused-ce: the head's backward in one pass, each "
-              "block's logits made once, not twice, for a float32 [tokens, dim] (exact, the "
-              "same gradients; linear_cross_entropy's backward_passes=1)",
+              "block's logits made once, not twice, for a float32 [tokens, dim] (exact: the "
+              "same sums in the same order; linear_cross_entropy's backward_passes=1)",
               switches={"loss": Loss.FUSED_ONE_PASS.value},
               needs=(("fused-ce", "it is the fused head's backward"),)),
     Technique("late-embed", "LLaMA: the token embedding's gradient buffer made when its "

@@ -224,7 +224,7 @@ def _check_language_model_switches(name: str, loss: str, embedding: str,
   """Raises ValueError where a LLaMA model's switch is given to another model."""
   llama.check_loss(loss)
   if loss != "plain" and name not in llama.CONFIGS:
-    raise ValueError(f"loss='fused' applies to the LLaMA models only (a language model's "
+    raise ValueError(f"loss={loss!r} applies to the LLaMA models only (a language model's "
                      f"vocabulary-sized head); {name} takes loss='plain'.")
   if embedding != "plain" and name not in llama.CONFIGS:
     raise ValueError(f"embedding={embedding!r} applies to the LLaMA models only; {name} takes "

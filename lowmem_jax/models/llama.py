@@ -21,7 +21,8 @@ embeddings), llama-3.1-8b and llama-3.1-70b (Meta's model cards and
 Switches: `TransformerSwitches` (the activation is SiLU on the SwiGLU gate,
 the norms RMSNorms), ``loss`` ("plain" float32 logits and `optax`
 cross-entropy, or "fused", `lowmem_jax.ops.losses.linear_cross_entropy`, which
-never holds the logits, or "fused-one-pass", the same with its backward in one pass), ``mlp_chunk_tokens`` (each layer's MLP over token
+never holds the logits, or "fused-one-pass", the same with its backward in one
+pass), ``mlp_chunk_tokens`` (each layer's MLP over token
 chunks, recomputed chunk by chunk in the backward: `TransformerBlock`) and
 ``remat`` / ``remat_policy`` for the layers.
 """

@@ -57,7 +57,8 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     backward_passes: how many times the backward makes the logits, block by block: 2 (no
       buffer of ``[tokens, d]`` beside ``dh``) or 1 (``dh`` summed in a float32 ``[tokens, d]``
       over the vocabulary chunks: ``4 * tokens * d`` bytes more, each block's logits made once);
-      the same gradients, bit for bit. Llama-3.1-8B's layer-streamed step at 2 x 2,048 tokens,
+      the same sums in the same order (bit for bit on CPU, `tests/test_losses.py`; not yet
+      compared on a GPU). Llama-3.1-8B's layer-streamed step at 2 x 2,048 tokens,
       estimated for the ``rtx4090``: 1 is 1.5% faster at the same peak (docs/benchmarks.md).
 
   Returns:
@@ -150,7 +151,7 @@ def _check(h, w, labels, bias, ignore_index, label_smoothing, z_loss, logit_soft
   for name, value in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
-  if isinstance(backward_passes, bool) or backward_passes not in (1, 2):
+  if not _checks.is_int(backward_passes) or backward_passes not in (1, 2):
     raise ValueError(f"backward_passes must be 1 or 2, got {backward_passes!r}.")
   return (float(label_smoothing), float(z_loss),
           None if logit_soft_cap is None else float(logit_soft_cap), token_chunk, vocab_chunk,
@@ -249,7 +250,7 @@ def _chunked_bwd(cfg, w_layout, res, g):
   vocabulary chunks (tokens inside, float32 ``[d, vc]``): the logits made twice more. One pass
   (``1``): vocabulary chunks outside, token chunks inside, each block's logits made once more
   and both gradients taken from it, ``dh`` accumulated in a float32 ``[T, d]``. The sums are
-  the same, in the same order: the two give the same bits."""
+  the same, in the same order: the two give the same bits (on CPU: `tests/test_losses.py`)."""
   h, w, b, labels, weights, lse = res
   head = _Head(h, w, b, cfg, w_layout)
   # The gradients' buffers start from a zero the scheduler cannot make before the forward's
@@ -288,8 +289,8 @@ def _dlogits(head, labels, lse, gt, cfg, hc, i_start, first_row, j, whole):
 
 
 def _dh_chunk(head, dlogits, i, dh):
-  """``dh`` with token chunk ``i``'s rows written: a float32 sum over the vocabulary chunks,
-  each without the columns of the chunk before it."""
+  """``dh`` (``[T, d]``, ``h``'s dtype) with token chunk ``i``'s rows written: a float32 sum
+  over the vocabulary chunks, each without the columns of the chunk before it."""
   s = _start(i, head.tc, head.tokens)
   hc = lax.dynamic_slice(head.h, (s, 0), (head.tc, head.d))
 
@@ -305,9 +306,10 @@ def _dh_chunk(head, dlogits, i, dh):
 
 
 def _vocab_chunk(head, dlogits, j, grads):
-  """``(dw, db, dh)`` with vocabulary chunk ``j``'s columns of ``dw`` and ``db`` written, float32
-  sums over the token chunks; and, where ``dh`` (float32 ``[T, d]``) is not None, each token
-  chunk's product with the chunk's own columns added to it."""
+  """``(dw, db, dh)`` with vocabulary chunk ``j``'s columns of ``dw`` (``w``'s shape and dtype)
+  and ``db`` (float32 ``[V]`` or None) written, float32 sums over the token chunks; and, where
+  ``dh`` (float32 ``[T, d]``) is not None, each token chunk's product with the chunk's own
+  columns added to it."""
   dw, db, dh = grads
   sv = _start(j, head.vc, head.vocab)
   wc = head.w_chunk(sv)

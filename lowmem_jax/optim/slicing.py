@@ -229,12 +229,12 @@ class _HostTrips:
     """`fetch` of trip k (an int) outside the loop, its row in halves (`_halves`)."""
     bank, at_row = banks[self.bank(k % 2)], self.index(k) // len(banks)
     halves, at_half = _halves(bank, at_row)
-    move = lambda h, rows: jax.lax.dynamic_update_slice(
-        rows, to("device", at(halves, at_half(h))[None]), (h, 0))
-    parts = len(halves) // len(bank)  # 2, or 1 for a row of an odd width
     # The rows' buffer made from the banks, so not at the program's start (a broadcast of a
     # constant has no inputs: XLA would make it there and hold it until the loop).
     zero, halves = jax.lax.optimization_barrier((jnp.zeros((), bank.dtype), halves))
+    move = lambda h, rows: jax.lax.dynamic_update_slice(
+        rows, to("device", at(halves, at_half(h))[None]), (h, 0))
+    parts = len(halves) // len(bank)  # 2, or 1 for a row of an odd width
     rows = jax.lax.fori_loop(0, parts, move,
                              jnp.zeros((parts, halves.shape[1]), bank.dtype) + zero)
     return rows.reshape(-1), _ahead(self.xs, self.index(k))

@@ -260,10 +260,11 @@ def test_a_set_that_does_not_suit_the_job_raises():
 @OPTAX_BIAS_CORRECTION
 @pytest.mark.heavy
 def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_opt():
-  """The 1B: the host state saves the device more than 0.4 of its size (0.44 on the h100
-  target, jax 0.10.2, with the head's and embedding's slices brought over in two banks,
-  `layer_streamed`'s prefetch); on LLaMA-100M the head's gradient and update (vocab x dim,
-  after the layers' backward with the state on the host) take back half of what it saves."""
+  """The 1B: the host state saves the device more than half its size (0.71 on the h100
+  target, jax 0.10.2, compiled peaks, both sets' `app.measure`; 0.44
+  at ca1b749, before the streamed step's buffers held through the layers' backward were
+  freed); on LLaMA-100M the head's gradient and update (vocab x dim, after the layers'
+  backward with the state on the host) take back half of what it saves."""
   job = app.Job("llama-3.2-1b", batch=1, seq=64, target="h100")
   streamed = app.parse("fused-ce+8bit+bf16-params+stream:host+offload-opt")
   code = streamed.python(job)
@@ -283,7 +284,7 @@ def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_op
   on_device = app.measure(job, app.parse("fused-ce+8bit+bf16-params+stream:device"),
                                  top=0)
   assert on_device.stats.host_argument_bytes == 0
-  assert on_device.stats.peak_bytes > b.stats.peak_bytes + 0.4 * lm.memory.tree_bytes(state)
+  assert on_device.stats.peak_bytes > b.stats.peak_bytes + lm.memory.tree_bytes(state) // 2
 
 
 @pytest.mark.parametrize("text,job,message", [

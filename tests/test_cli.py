@@ -343,7 +343,8 @@ def test_fused_ce_for_language_models(capsys):
   assert app.ladder(4) == (["baseline", "bf16"] + rungs(exact, ["offload-opt"])
                            + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
                            + micro("all", (2, 4)))
-  streamed = ["stream:device", "stream:host", "stream:host+late-embed",
+  streamed = ["stream:device+mlp-chunk:off", "stream:device", "stream:host",
+              "stream:host+late-embed",
               "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt"]
   assert app.ladder(2, language_model=True) == (
       ["baseline", "fused-ce", "bf16+fused-ce"] + rungs(f"{exact}+fused-ce", streamed)

@@ -24,6 +24,8 @@ SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
     ("remat:most", "remat:most: the policy must be one of"),
     ("lowmem", "applies only to --step"),
     ("prefetch:3", "prefetch:3: the layers ahead must be 1 or 2"),
+    ("mlp-chunk:0", "mlp-chunk:0: the MLP's chunk must be a positive number of tokens or off"),
+    ("mlp-chunk:whole", "mlp-chunk:whole: the MLP's chunk"),
 ])
 def test_parse_errors_name_the_term(text, message):
   with pytest.raises(app.TechniqueError, match=message):
@@ -308,6 +310,19 @@ def test_late_embed_makes_the_embeddings_gradient_late_on_llama_only():
   with pytest.raises(app.TechniqueError,
                      match="late-embed in 'late-embed': embedding='late' applies to the LLaMA"):
     app.parse("late-embed").check(SMALL)
+
+
+def test_mlp_chunk_sets_the_llama_mlps_chunks_over_the_streamed_steps_1024():
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  chunks = lambda text: app.parse(text).switches(job).get("mlp_chunk_tokens", "unset")
+  assert chunks("fused-ce") == "unset" and chunks("fused-ce+stream:host") == 1024
+  assert chunks("fused-ce+stream:host+mlp-chunk:off") is None
+  assert chunks("fused-ce+stream:host+mlp-chunk:8") == chunks("mlp-chunk:8") == 8
+  whole = app.parse("fused-ce+stream:device+mlp-chunk:off")
+  whole.check(job)
+  assert "mlp_chunk_tokens=None" in whole.python(job)
+  with pytest.raises(app.TechniqueError, match="mlp_chunk_tokens applies to the LLaMA models"):
+    app.parse("mlp-chunk:8").check(SMALL)
 
 
 def test_stream_takes_a_place():

@@ -117,6 +117,15 @@ def _prefetch(text: str) -> int:
   return int(text)
 
 
+def _mlp_chunk(text: str) -> int:
+  if text == "off":
+    return 0
+  if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+    raise ValueError("the MLP's chunk must be a positive number of tokens or off, e.g. "
+                     "mlp-chunk:2048")
+  return int(text)
+
+
 def _density(text: str) -> float:
   try:
     density = float(text)
@@ -211,6 +220,13 @@ TECHNIQUES = {t.term: t for t in (
               value="<1|2>", parse=_prefetch, off=1,
               needs=(("stream", "only the streamed step brings the state over a layer at a "
                       "time"), ("offload-opt", "the state lives on the device without it"))),
+    Technique("mlp-chunk", "LLaMA: each layer's MLP over chunks of at most this many "
+              "tokens, recomputed chunk by chunk in the backward (mlp_chunk_tokens; exact: "
+              "the weights' gradients summed over the chunks); off: the MLP whole. Over "
+              "stream's 1,024 (Llama-3.2-1B's stream:device step, 2 x 2,048 tokens: 151.0 ms "
+              "estimated with them, 130.0 whole, the same peak; docs/benchmarks.md)",
+              value="<tokens|off>", parse=_mlp_chunk,
+              switches=lambda tokens, _: {"mlp_chunk_tokens": tokens or None}),
     Technique("all", "+".join(_ALL), exact=False),
     Technique("lowmem", "a step of your own only: the exact rewrites of lm.lowmem(loss_fn): "
               "memory-sharing norms, attention keeping no L×L residual, the loss head "

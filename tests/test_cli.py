@@ -345,7 +345,8 @@ def test_fused_ce_for_language_models(capsys):
                            + micro("all", (2, 4)))
   streamed = ["stream:device+mlp-chunk:off", "stream:device", "stream:host",
               "stream:host+late-embed",
-              "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt"]
+              "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",
+              "stream:host+offload-opt+mlp-chunk:off"]
   assert app.ladder(2, language_model=True) == (
       ["baseline", "fused-ce", "bf16+fused-ce"] + rungs(f"{exact}+fused-ce", streamed)
       + rungs("all+fused-ce", streamed) + micro(f"{exact}+fused-ce", (2,))

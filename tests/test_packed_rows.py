@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowmem_jax.optim.packed_rows import Layout, PackedRows
+from lowmem_jax.optim.packed_rows import Layout, PackedRows, Row
 
 
 def _tree():
@@ -50,6 +50,22 @@ def test_packing_gives_each_slice_back_bit_for_bit():
     np.testing.assert_array_equal(got, want)
   one = packed.layout.unpack(rows[1])
   for got, want in zip(_bits(one), _bits(jax.tree.map(lambda x: x[1], tree))):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_row_read_after_a_value_unpacks_the_same_bits_only_once_it_is_made():
+  tree = jax.tree.map(lambda x: x[1], _tree())
+  layout = Layout.of(tree)
+  row = layout.pack(tree)
+  late = jax.jit(lambda row, x: Row(row, layout).read_after(x))
+  for got, want in zip(_bits(late(row, jnp.ones(3))), _bits(tree)):
+    np.testing.assert_array_equal(got, want)
+  eqns = jax.make_jaxpr(lambda row, x: Row(row, layout).read_after(x * 2))(row, jnp.ones(3)).eqns
+  names = [e.primitive.name for e in eqns]
+  barrier = names.index("optimization_barrier")
+  assert names.index("mul") < barrier < names.index("slice")  # no leaf sliced before it
+  assert "slice" not in names[:barrier]
+  for got, want in zip(_bits(Row(row, layout).unpack()), _bits(tree)):
     np.testing.assert_array_equal(got, want)
 
 

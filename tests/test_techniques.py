@@ -348,9 +348,10 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
       t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
   assert texts[k].endswith("+prefetch:2") and texts[k + 1] == texts[k][:-len("+prefetch:2")]
+  assert texts[k + 2] == texts[k + 1] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  assert tried == texts[k:k + 2]  # the state brought over two layers ahead, then one
+  assert tried == texts[k:k + 3]  # the state brought over two layers ahead, one, MLPs whole
   assert [t for t, _ in fit.skipped] == texts[:k] and fit.fixed_bytes == floor
   assert fit.fits is not None and fit.fitting and all(
       b.stats.peak_bytes <= on_device - 1 for b, _ in fit.fitting)

@@ -88,6 +88,22 @@ class Layout:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
+class Row(NamedTuple):
+  """One row, ``uint8[layout.row_bytes]``, and its layout: a tree handed over packed, so
+  that a reader unpacks a leaf where it reads it, not before (`read_after`)."""
+  row: jax.Array
+  layout: Layout
+
+  def unpack(self) -> Any:
+    """The row's tree (`Layout.unpack`)."""
+    return self.layout.unpack(self.row)
+
+  def read_after(self, x: Any) -> Any:
+    """The row's tree unpacked once ``x`` is made (an ``optimization_barrier``): XLA makes
+    no leaf's copy out of the row before it, so none is held while ``x`` is computed."""
+    return self.layout.unpack(jax.lax.optimization_barrier((self.row, x))[0])
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedRows:
   """A stack of ``n`` like trees, tree ``i`` packed in row ``i`` (module docstring).

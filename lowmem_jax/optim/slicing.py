@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowmem_jax.optim.packed_rows import Layout, PackedRows, dealt
+from lowmem_jax.optim.packed_rows import Layout, PackedRows, Row, dealt
 
 
 def to(place: str, tree: Any) -> Any:
@@ -117,7 +117,8 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
   ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
   ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
-  slice i's brought over): it reads and writes slice i itself. With ``fence``, ``fn`` takes
+  slice i's brought over: it takes it packed, a `packed_rows.Row` to unpack where it reads
+  it, and returns the tree): it reads and writes slice i itself. With ``fence``, ``fn`` takes
   a last argument, ``fence(x) -> x``, and calls it once, in its own trace (not inside a
   nested loop or cond), on a value its compute makes midway: in one host bank, the next row is
   to have come over by then and the previous one goes back from there (without ``fence``, it
@@ -137,7 +138,7 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     """``(c, params, s)``: ``fn`` on slice i, its params written in place; ``s``: what
     ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``);
     ``barrier``: what ``fn`` takes as its ``fence``."""
-    unpacked = place == "host" and states.layout.unpack(current[0])
+    row = place == "host" and Row(current[0], states.layout)
     calls = []
 
     def counted(y):  # ``barrier``, its calls counted
@@ -146,9 +147,9 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
 
     extra, x = (counted,) if fence else (), _slice(xs, i, current[1])
     if whole:
-      out = fn(c, i, params, unpacked if place == "host" else kept, x, *extra)
+      out = fn(c, i, params, row if place == "host" else kept, x, *extra)
     else:
-      state_of = ((lambda after: unpacked) if place == "host" else
+      state_of = ((lambda after: row.unpack()) if place == "host" else
                   (lambda after: at(kept, *late((*state_outer, i), after))))
       c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, x, *extra)
       out = c, put(params, p, *outer, i, rows=rows), s

@@ -126,9 +126,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       state on the device. A big leaf outside the layers (the head, the embedding), updated
       in slices, has its slices' rows in two arrays either way: a slice's update is too
       short to hide one transfer, let alone two in turn. Llama-3.1-8B with 8-bit moments,
-      2 x 2,048 tokens, estimated: on the ``h100`` target 826.5 ms a step at 17.17 GiB with
-      1, 736.2 ms at 18.03 GiB with 2; on the ``rtx4090`` 2,835.7 ms at 17.16 GiB with 1,
-      3,473.7 ms at 17.99 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
+      2 x 2,048 tokens, estimated: on the ``h100`` target 825.8 ms a step at 17.16 GiB with
+      1, 734.6 ms at 17.99 GiB with 2; on the ``rtx4090`` 2,830.8 ms at 17.16 GiB with 1,
+      3,507.6 ms at 17.58 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
       state made with one is refused by the other's step, and a saved one restores into a
       state made with either (its rows dealt again).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
@@ -376,17 +376,27 @@ class _Streamer:
     return p.reshape(shape), s, ok
 
   def update_tree(self, grads, states, params, place, where, ok, which=None, outer=(),
-                  state_outer=()):
+                  state_outer=(), row=None):
     """``(params, states, ok)``: each leaf's update (those ``which`` selects), the new params
     and states as trees; each leaf (or slice) updated where ``ok`` (bool[]) and its own
     gradient are finite, else kept, the returned ``ok`` False if any was kept (`update`);
-    ``where``: each leaf's `lowbit.Position`; ``outer``, ``state_outer``: `update_leaf`'s."""
+    ``where``: each leaf's `lowbit.Position`; ``outer``, ``state_outer``: `update_leaf`'s.
+    With ``row`` (a `packed_rows.Row` of the states), each leaf's state is unpacked from it
+    once the selected gradients, then the leaf before it, are done, not from ``states``: the
+    copies out of a host row are made one leaf at a time, not all at the row's arrival."""
     treedef = jax.tree.structure(params)
     leaves = zip(treedef.flatten_up_to(grads), treedef.flatten_up_to(states),
                  jax.tree.leaves(params), treedef.flatten_up_to(where))
-    out = [self.update_leaf(g, s, p, place, at, ok, outer, state_outer)
-           if which is None or which[i] else (p, s, ok)
-           for i, (g, s, p, at) in enumerate(leaves)]
+    leaves = list(leaves)
+    out, done = [], [g for i, (g, *_) in enumerate(leaves) if which is None or which[i]]
+    for i, (g, s, p, at) in enumerate(leaves):
+      if which is not None and not which[i]:
+        out.append((p, s, ok))
+        continue
+      if row is not None:
+        s = treedef.flatten_up_to(row.read_after(done))[i]
+      out.append(self.update_leaf(g, s, p, place, at, ok, outer, state_outer))
+      done = out[-1][:2]
     return (jax.tree.unflatten(treedef, [p for p, _, _ in out]),
             jax.tree.unflatten(treedef, [s for _, s, _ in out]),
             functools.reduce(jnp.logical_and, [o for *_, o in out], ok))
@@ -476,9 +486,10 @@ class _Streamer:
   def layer_backward(self, plan, carry, i, stacked, states, h, fence):
     """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
     once its backward is done, where the gradients so far are finite (``carry``: the
-    output's gradient and that flag); ``states``: the device's whole stack or layer i's
-    from the host, updated. The first update waits at ``fence`` (`slicing.scan_slices`):
-    host rows cross the link under the backward before it and the updates after."""
+    output's gradient and that flag); ``states``: the device's whole stack, updated, or layer
+    i's from the host, packed (a `packed_rows.Row`), returned updated as a tree. The first
+    update waits at ``fence`` (`slicing.scan_slices`): host rows cross the link under the
+    backward before it and the updates after."""
     dh, ok = carry
     p = slicing.at(stacked, i)
     treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
@@ -487,7 +498,10 @@ class _Streamer:
     # along a sharded axis would move the whole stack, into layer i's copy, put back after.
     in_place = not _sharding.in_auto_mesh()
     new_p = stacked if in_place else p
-    new_s = states if in_place or self.state == "host" else None  # a copy once a gradient is made
+    # On the host, each leaf's state unpacked from the row as it is updated (`update_tree`).
+    row = states if self.state == "host" else None
+    new_s = (jax.tree.unflatten(treedef, [None] * treedef.num_leaves) if row
+             else states if in_place else None)  # a copy once a gradient is made
     outer = (i,) if in_place else ()
     state_outer = (i,) if in_place and self.state == "device" else ()
     inputs = self.part_inputs(p, h, plan.batch)
@@ -502,7 +516,7 @@ class _Streamer:
         if new_s is None:
           new_s = slicing.at(states, *slicing.late((i,), [g for g, m in zip(full, mine) if m]))
         new_p, new_s, ok = self.update_tree(jax.tree.unflatten(treedef, full), new_s, new_p,
-                                            "device", at, ok, mine, outer, state_outer)
+                                            "device", at, ok, mine, outer, state_outer, row)
       if j:  # this part's update, then the part before: its forward recomputed, not kept
         dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
             (dh, inputs[j - 1], new_p, new_s))

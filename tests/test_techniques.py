@@ -323,6 +323,8 @@ def test_mlp_chunk_sets_the_llama_mlps_chunks_over_the_streamed_steps_1024():
   assert "mlp_chunk_tokens=None" in whole.python(job)
   with pytest.raises(app.TechniqueError, match="mlp_chunk_tokens applies to the LLaMA models"):
     app.parse("mlp-chunk:8").check(SMALL)
+  with pytest.raises(app.TechniqueError, match="mlp-chunk:off in 'mlp-chunk:off'.*vit-tiny is not"):
+    app.parse("mlp-chunk:off").check(SMALL)
 
 
 def test_stream_takes_a_place():

@@ -355,6 +355,9 @@ class TechniqueSet:
     self.check_together()
     if refused is not None:
       raise TechniqueError(f"{self.label!r}: {refused}") from refused
+    if "mlp-chunk" in self and not job.language_model:
+      raise TechniqueError(f"{self.text('mlp-chunk')} in {self.label!r}: it sets the LLaMA "
+                           f"models' MLP chunks; {job.model} is not one.")
     if "stream" in self and not job.language_model:
       raise TechniqueError(f"{self.text('stream')} in {self.label!r}: the layer-streamed step "
                            f"takes the LLaMA models' stacked layers; {job.model} is not one.")

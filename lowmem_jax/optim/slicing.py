@@ -116,13 +116,12 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   written there, never copied out whole; with ``rows``, the params are not stacked by
   slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
   ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
-  ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host,
-  slice i's brought over: it takes it packed, a `packed_rows.Row` to unpack where it reads
-  it, and returns the tree): it reads and writes slice i itself. With ``fence``, ``fn`` takes
-  a last argument, ``fence(x) -> x``, and calls it once, in its own trace (not inside a
-  nested loop or cond), on a value its compute makes midway: in one host bank, the next row is
-  to have come over by then and the previous one goes back from there (without ``fence``, it
-  goes back from the slice's start, under all of ``fn``); elsewhere ``fence`` returns ``x``.
+  ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host, slice
+  i's, packed: a `packed_rows.Row`; it returns the tree): it reads and writes slice i. With
+  ``fence``, ``fn`` takes a last argument, ``fence(x) -> x``, and calls it once, in its own
+  trace (not in a nested loop or cond), on a value its compute makes midway: in one host bank,
+  the next row is to have come over by then and the previous one goes back from there
+  (without it, from the slice's start, under all of ``fn``); elsewhere it returns ``x``.
   """
   n = jax.tree.leaves(params)[0].shape[len(outer)] // (rows or 1)
   if place == "host" and not isinstance(states, PackedRows):
@@ -138,7 +137,7 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     """``(c, params, s)``: ``fn`` on slice i, its params written in place; ``s``: what
     ``fn`` returns of the states (slice i's, or the whole device stack with ``whole``);
     ``barrier``: what ``fn`` takes as its ``fence``."""
-    row = place == "host" and Row(current[0], states.layout)
+    row = Row(current[0], states.layout) if place == "host" else None
     calls = []
 
     def counted(y):  # ``barrier``, its calls counted

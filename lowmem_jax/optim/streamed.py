@@ -500,7 +500,7 @@ class _Streamer:
     new_p = stacked if in_place else p
     # On the host, each leaf's state unpacked from the row as it is updated (`update_tree`).
     row = states if self.state == "host" else None
-    new_s = (jax.tree.unflatten(treedef, [None] * treedef.num_leaves) if row
+    new_s = (jax.tree.unflatten(treedef, [None] * treedef.num_leaves) if row is not None
              else states if in_place else None)  # a copy once a gradient is made
     outer = (i,) if in_place else ()
     state_outer = (i,) if in_place and self.state == "device" else ()

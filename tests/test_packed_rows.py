@@ -66,6 +66,11 @@ def test_a_row_read_after_a_value_unpacks_the_same_bits_only_once_it_is_made():
   assert names.index("mul") < barrier < names.index("slice")  # no leaf sliced before it
   for got, want in zip(_bits(Row(row, layout).unpack()), _bits(tree)):
     np.testing.assert_array_equal(got, want)
+  some = Row(row, layout).read_after(x=jnp.ones(3), keep={0, 3})
+  assert [k for k, x in enumerate(jax.tree.leaves(some, is_leaf=lambda x: x is None))
+          if x is not None] == [0, 3]
+  for got, want in zip(_bits(some), [_bits(tree)[k] for k in (0, 3)]):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_packed_rows_are_a_pytree_of_their_banks_under_jit():

@@ -12,6 +12,7 @@ import pytest
 from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
+from lowmem_jax import _jaxpr
 from lowmem_jax.optim import per_leaf, streamed
 
 pytestmark = OPTAX_BIAS_CORRECTION
@@ -235,6 +236,28 @@ def test_the_host_state_is_made_a_layer_at_a_time():
     if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
       got, want = jax.random.key_data(got), jax.random.key_data(want)
     np.testing.assert_array_equal(got, want)
+
+
+def test_each_leafs_host_state_is_sliced_out_of_its_row_behind_its_own_barrier():
+  """The backward reads a layer's packed host row one leaf's state at a time, each behind an
+  ``optimization_barrier`` on what its update waits for (`Row.read_after`): every slice of a
+  row is made from a barrier's output, each state leaf's bytes once, one barrier a parameter
+  leaf (a whole unpack a leaf would slice the row 3 x 9 times)."""
+  params = params_of(jax.random.key(1))
+  layered = streamed.layer_streamed(stack(), optax.adam(1e-2), state="host")
+  state = layered.init(params)
+  jaxpr = jax.make_jaxpr(layered.step)(params, state, batch_of(jax.random.key(0))).jaxpr
+  made = {v: e for e, _ in _jaxpr.walk(jaxpr) for v in e.outvars}
+  barriers = {}
+  for e, _ in _jaxpr.walk(jaxpr):
+    x = e.invars[0] if e.invars else None
+    if e.primitive.name == "slice" and x.aval.dtype == jnp.uint8 and x.aval.ndim == 1:
+      assert made[x].primitive.name == "optimization_barrier"
+      barriers.setdefault(id(made[x]), []).append(e.params["start_indices"][0])
+  leaves = state.layers.layout.leaves
+  assert sorted(s for starts in barriers.values() for s in starts) == [
+      sum(leaf.nbytes for leaf in leaves[:k]) for k in range(len(leaves))]
+  assert len(barriers) == len(jax.tree.leaves(params["layers"]))
 
 
 @pytest.mark.slow

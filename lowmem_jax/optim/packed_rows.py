@@ -73,10 +73,15 @@ class Layout:
       parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
 
-  def unpack(self, row: jax.Array) -> Any:
-    """The tree `pack` made ``row`` from, bit for bit."""
+  def unpack(self, row: jax.Array, keep: Any = None) -> Any:
+    """The tree `pack` made ``row`` from, bit for bit; with ``keep`` (leaf indices), only
+    those leaves, the others None (no slice of the row made for them)."""
     leaves, start = [], 0
-    for leaf in self.leaves:
+    for k, leaf in enumerate(self.leaves):
+      if keep is not None and k not in keep:
+        leaves.append(None)
+        start += leaf.nbytes
+        continue
       size = leaf.stored_dtype.itemsize
       part = row[start:start + leaf.nbytes].reshape(*leaf.stored_shape,
                                                      *([size] if size > 1 else []))
@@ -98,10 +103,11 @@ class Row(NamedTuple):
     """The row's tree (`Layout.unpack`)."""
     return self.layout.unpack(self.row)
 
-  def read_after(self, x: Any) -> Any:
+  def read_after(self, x: Any, keep: Any = None) -> Any:
     """The row's tree unpacked once ``x`` is made (an ``optimization_barrier``): XLA makes
-    no leaf's copy out of the row before it, so none is held while ``x`` is computed."""
-    return self.layout.unpack(jax.lax.optimization_barrier((self.row, x))[0])
+    no leaf's copy out of the row before it, so none is held while ``x`` is computed;
+    ``keep``: `Layout.unpack`'s."""
+    return self.layout.unpack(jax.lax.optimization_barrier((self.row, x))[0], keep)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -389,12 +389,15 @@ class _Streamer:
                  jax.tree.leaves(params), treedef.flatten_up_to(where))
     leaves = list(leaves)
     out, done = [], [g for i, (g, *_) in enumerate(leaves) if which is None or which[i]]
+    if row is not None:  # each leaf's state's leaf indices in the row
+      parts = treedef.flatten_up_to(jax.tree.unflatten(row.layout.treedef,
+                                                       range(len(row.layout.leaves))))
     for i, (g, s, p, at) in enumerate(leaves):
       if which is not None and not which[i]:
         out.append((p, s, ok))
         continue
       if row is not None:
-        s = treedef.flatten_up_to(row.read_after(done))[i]
+        s = treedef.flatten_up_to(row.read_after(done, set(jax.tree.leaves(parts[i]))))[i]
       out.append(self.update_leaf(g, s, p, place, at, ok, outer, state_outer))
       done = out[-1][:2]
     return (jax.tree.unflatten(treedef, [p for p, _, _ in out]),

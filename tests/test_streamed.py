@@ -252,7 +252,7 @@ def test_each_leafs_host_state_is_sliced_out_of_its_row_behind_its_own_barrier()
   for e, _ in _jaxpr.walk(jaxpr):
     x = e.invars[0] if e.invars else None
     if e.primitive.name == "slice" and x.aval.dtype == jnp.uint8 and x.aval.ndim == 1:
-      assert made[x].primitive.name == "optimization_barrier"
+      assert x in made and made[x].primitive.name == "optimization_barrier", e
       barriers.setdefault(id(made[x]), []).append(e.params["start_indices"][0])
   leaves = state.layers.layout.leaves
   assert sorted(s for starts in barriers.values() for s in starts) == [

@@ -13,6 +13,7 @@ exposed). Packing and unpacking are exact (bit for bit).
 import dataclasses
 import functools
 import math
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -73,9 +74,10 @@ class Layout:
       parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1))
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
 
-  def unpack(self, row: jax.Array, keep: Any = None) -> Any:
-    """The tree `pack` made ``row`` from, bit for bit; with ``keep`` (leaf indices), only
-    those leaves, the others None (no slice of the row made for them)."""
+  def unpack(self, row: jax.Array, keep: Collection[int] | None = None) -> Any:
+    """The tree `pack` made ``row`` (``uint8[row_bytes]``) from, bit for bit; with ``keep``
+    (indices into ``leaves``, the tree's leaf order), only those leaves, the others None (no
+    slice of the row made for them)."""
     leaves, start = [], 0
     for k, leaf in enumerate(self.leaves):
       if keep is not None and k not in keep:
@@ -103,10 +105,10 @@ class Row(NamedTuple):
     """The row's tree (`Layout.unpack`)."""
     return self.layout.unpack(self.row)
 
-  def read_after(self, x: Any, keep: Any = None) -> Any:
+  def read_after(self, x: Any, keep: Collection[int] | None = None) -> Any:
     """The row's tree unpacked once ``x`` is made (an ``optimization_barrier``): XLA makes
-    no leaf's copy out of the row before it, so none is held while ``x`` is computed;
-    ``keep``: `Layout.unpack`'s."""
+    no leaf's copy out of the row before it, so none is held while ``x`` is computed; with
+    ``keep`` only those leaves (`Layout.unpack`)."""
     return self.layout.unpack(jax.lax.optimization_barrier((self.row, x))[0], keep)
 
 

@@ -389,7 +389,8 @@ class _Streamer:
                  jax.tree.leaves(params), treedef.flatten_up_to(where))
     leaves = list(leaves)
     out, done = [], [g for i, (g, *_) in enumerate(leaves) if which is None or which[i]]
-    parts = None if row is None else treedef.flatten_up_to(  # each leaf's state's indices in the row
+    # Each leaf's state's leaf indices in the row.
+    parts = None if row is None else treedef.flatten_up_to(
         jax.tree.unflatten(row.layout.treedef, range(len(row.layout.leaves))))
     for i, (g, s, p, at) in enumerate(leaves):
       if which is not None and not which[i]:

@@ -91,6 +91,37 @@ def test_an_asynchronous_fusion_moves_its_slice_under_the_kernels_after_its_star
                                                             config=_LOOP_OFFSET)) == {}
 
 
+# A block of 8,192 rows sliced out of a 128 MiB table kept transposed (layout {0,1}), as newer
+# XLA (jax 0.12) slices a tied embedding's vocabulary blocks: through a bitcast to the
+# row-major view of its transpose, then the slice.
+_BITCAST_SLICE = """HloModule m, is_scheduled=true
+
+%block (p0: bf16[2048,32768], p1: s32[]) -> bf16[8192,2048] {{
+  %p0 = bf16[2048,32768]{{0,1}} parameter(0)
+  %rows = bf16[32768,2048]{{1,0}} bitcast(%p0){extra}
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = bf16[8192,2048]{{1,0}} dynamic-slice({sliced}, %p1, %zero), dynamic_slice_sizes={{8192,2048}}
+}}
+
+ENTRY %main (p0: bf16[2048,32768], i: s32[]) -> bf16[8192,2048] {{
+  %p0 = bf16[2048,32768]{{0,1}} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = bf16[8192,2048]{{1,0}} fusion(%p0, %i), kind=kLoop, calls=%block
+}}
+"""
+
+
+def test_a_slice_through_a_bitcast_reads_the_slice_not_the_array():
+  block = 8192 * 2048 * 2
+  sliced = step_time.estimate(_BITCAST_SLICE.format(extra="", sliced="%rows"), H100)
+  assert sliced.device_bytes == 2 * block + 4  # the block read and written; the offset
+  # Negated whole before its slice, the table is read whole.
+  negated = _BITCAST_SLICE.format(
+      extra="\n  %n = bf16[32768,2048]{1,0} negate(%rows)", sliced="%n")
+  assert step_time.estimate(negated, H100).device_bytes == 4 * block + block + 4
+
+
 def test_the_cpu_has_no_estimate():
   assert step_time.estimate(HIDDEN, lm.targets.get("cpu")) is None
 

@@ -274,19 +274,26 @@ class _Program:
 
   def _parameter_reads(self, fused: str, number: int) -> int | None:
     """Bytes a fused computation reads of its parameter ``number`` where it only slices it or
-    updates it in place; None where it reads all of it."""
+    updates it in place (through bitcasts: newer XLA views a transposed array as its
+    transpose before slicing it); None where it reads all of it."""
     name = next((n for n, i in self.computations[fused].items()
                  if i.op == "parameter" and i.operands == (str(number),)), None)
-    uses = self.users[fused].get(name, [])
-    if not uses:
-      return 0
+    return self._sliced_reads(fused, name)
+
+  def _sliced_reads(self, fused: str, name: str | None) -> int | None:
+    """`_parameter_reads` of the value ``name`` in ``fused``."""
     total = 0
-    for user, k in uses:
+    for user, k in self.users[fused].get(name, []):
       u = self.computations[fused][user]
       if u.op in _SLICES and k == 0:
         total += _hlo.shape_bytes(u.shape)
       elif u.op == "dynamic-update-slice" and k == 0:
         continue
+      elif u.op == "bitcast":
+        reads = self._sliced_reads(fused, user)
+        if reads is None:
+          return None
+        total += reads
       else:
         return None
     return total

@@ -213,18 +213,46 @@ class _Program:
         collective_bytes=collective, copy=memcpy or i.op in ("copy", "copy-start"))
 
   def _is_memcpy(self, i: _hlo.Instruction) -> bool:
-    """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA): a custom
-    fusion of a slice whose offsets XLA computes from the loop's induction variable (a
-    ``dynamic_slice_config``), as jax 0.10's XLA makes of a host row read or written at a
-    loop counter's offset; or an asynchronous start of one (``fusion-start``, or in XLA's
-    dump an ``async-start`` of a computation that is one). Newer XLA runs the same fusion
-    as a kernel (``kind=kLoop``)."""
+    """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA), or an
+    asynchronous start of one (``fusion-start``, or an ``async-start`` of a computation that
+    is one). jax 0.10's XLA makes a custom fusion of a slice whose offsets it computes from
+    the loop's induction variable (a ``dynamic_slice_config``), as of a host row read or
+    written at a loop counter's offset; jax 0.12's keeps a loop fusion (`_copies_a_slice`)
+    and its thunk emitter makes the copy (``AnalyzeDynamicSliceCopyFusion``)."""
     if i.op == "async-start":
       inner = self.computations[_hlo.called(i)[0]]
       return any(self._is_memcpy(j) for j in inner.values() if j.op not in _FREE)
-    return (i.op in ("fusion", "fusion-start") and "kind=kCustom" in i.attributes
-            and any("dynamic_slice_config" in j.attributes
-                    for j in self.computations[_hlo.called(i)[0]].values()))
+    if i.op not in ("fusion", "fusion-start"):
+      return False
+    fused = _hlo.called(i)[0]
+    if "kind=kCustom" in i.attributes:
+      return any("dynamic_slice_config" in j.attributes
+                 for j in self.computations[fused].values())
+    return self._copies_a_slice(fused)
+
+  def _copies_a_slice(self, fused: str) -> bool:
+    """Whether a loop fusion's computation only copies a slice: its root (through bitcasts
+    and reshapes) a dynamic slice or in-place update carrying a ``dynamic_slice_config``, of
+    or from a parameter, as every dynamic slice in it carries one."""
+    instructions = self.computations[fused]
+
+    def source(name: str) -> _hlo.Instruction | None:
+      i = instructions.get(name.split("#")[0])
+      while i is not None and i.op in ("bitcast", "reshape"):
+        i = instructions.get(i.operands[0])
+      return i
+
+    sliced = lambda i: "dynamic_slice_config" in i.attributes
+    if not all(sliced(j) for j in instructions.values()
+               if j.op in ("dynamic-slice", "dynamic-update-slice")):
+      return False
+    root = source(self.roots[fused])
+    if root is None or root.op not in ("dynamic-slice", "dynamic-update-slice"):
+      return False
+    copied = source(root.operands[0 if root.op == "dynamic-slice" else 1])
+    if copied is not None and copied.op == "dynamic-slice" and root.op != "dynamic-slice":
+      copied = source(copied.operands[0])  # an update from a slice of a parameter
+    return copied is not None and copied.op == "parameter"
 
   def _tensor_flops(self, computation: str, i: _hlo.Instruction) -> tuple[float, float]:
     """A GEMM's or attention call's FLOPs, and the tensor cores' peak for its operands."""

@@ -57,9 +57,12 @@ def test_matches_the_exact_twin(options, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_one_backward_pass_gives_the_two_passes_gradients_bit_for_bit(options, dtype):
+def test_one_backward_pass_gives_the_two_passes_gradients_to_a_few_ulps(options, dtype):
   """The one-pass backward sums the same products in the same order; a token count and a
-  vocabulary that no chunk divides put overlapping edge blocks on both axes."""
+  vocabulary that no chunk divides put overlapping edge blocks on both axes. XLA compiles the
+  two programs apart, so its CPU code may round a sum differently (jax 0.12.0.1 on an AVX-512
+  machine: up to 11 of 416 elements, each within a float32 rounding of the largest; bit for
+  bit under jax 0.10.2)."""
   options = dict(options)
   bias = _problem(dtype, options)[2] if options.pop("with_bias", False) else None
   h, w, _, labels = _problem(dtype, options)
@@ -73,7 +76,10 @@ def test_one_backward_pass_gives_the_two_passes_gradients_bit_for_bit(options, d
   one, two = grads(1), grads(2)
   for got, want in zip(one, two):
     assert got.dtype == want.dtype and np.any(np.asarray(want, np.float32) != 0)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # A few roundings of the gradient's largest element (ulps of tiny elements are tinier).
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=4 * float(jnp.finfo(dtype).eps) * np.abs(want).max())
 
 
 def test_ignored_tokens_add_nothing():

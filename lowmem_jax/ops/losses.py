@@ -57,8 +57,8 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     backward_passes: how many times the backward makes the logits, block by block: 2 (no
       buffer of ``[tokens, d]`` beside ``dh``) or 1 (``dh`` summed in a float32 ``[tokens, d]``
       over the vocabulary chunks: ``4 * tokens * d`` bytes more, each block's logits made once);
-      the same sums in the same order (bit for bit on CPU, `tests/test_losses.py`; not yet
-      compared on a GPU). Llama-3.1-8B's layer-streamed step at 2 x 2,048 tokens,
+      the same sums in the same order (on CPU bit for bit under jax 0.10.2, within a few
+      ulps under jax 0.12, `tests/test_losses.py`; not yet compared on a GPU). Llama-3.1-8B's layer-streamed step at 2 x 2,048 tokens,
       estimated for the ``rtx4090``: 1 is 1.5% faster at the same peak (docs/benchmarks.md).
 
   Returns:

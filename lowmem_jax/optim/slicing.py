@@ -63,18 +63,20 @@ def at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
   """``tree``'s leaves at the leading indices ``index`` (``tree`` itself without); with
   ``rows``, the last index ``i`` takes rows ``[i * rows, (i + 1) * rows)`` of its axis
   (kept), so a leaf is read a slice at a time without reshaping it (which would move a
-  sharded leaf between devices)."""
+  sharded leaf between devices). An index out of range is clamped, as XLA clamps it (a
+  negative one is not counted from the end)."""
   if not index:
     return tree
-  return jax.tree.map(lambda t: jax.lax.dynamic_slice(t, *_window(t, index, rows)).reshape(
+  return jax.tree.map(lambda t: jax.lax.dynamic_slice(
+      t, *_window(t, index, rows), allow_negative_indices=False).reshape(
       _window(t, index, rows)[1][len(index) - (rows is not None):]), tree)
 
 
 def put(tree: Any, new: Any, *index: jax.Array, rows: int | None = None) -> Any:
   """``tree`` with ``new`` written in place where `at` reads."""
   return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
-      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0]),
-      tree, new)
+      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0],
+      allow_negative_indices=False), tree, new)
 
 
 def _window(t: Any, index: tuple, rows: int | None) -> tuple[tuple, tuple]:
@@ -158,15 +160,17 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     return out
 
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
-  # function of the loop's induction variable, and jax 0.10's XLA moves a host row as a memcpy
-  # (the copy engines' DMA) rather than with a kernel over pinned memory.
+  # function of the loop's induction variable, and moves a host row as a memcpy (the copy
+  # engines' DMA) rather than with a kernel over pinned memory; jax 0.12's XLA only where the
+  # offsets are linear in it, so `_HostTrips` reads and writes at k + 1, k + 2 and k - 1 as
+  # they are, clamped at the ends onto the rows it means.
   if place == "host":
     return _HostTrips(apply, states, xs, n, index, fence).run(carry, params)
 
   def body(k, loop):
     c, params, kept, current = loop
     i = index(k)
-    ahead = (None, _ahead(xs, index(_next(k, n))))
+    ahead = (None, _ahead(xs, index(k + 1)))
     c, params, s = apply(c, params, kept, i, current)
     return c, params, s if whole else put(kept, s, *state_outer, i), ahead
 
@@ -183,17 +187,19 @@ class _HostTrips:
   runs ``apply`` on its own row; at ``apply``'s fence (`scan_slices`), once the next row is
   read, it starts writing back the new row of trip k - 1 in place, so the read runs under
   the compute before the fence and the write under the rest. Trip 0 writes back its own row
-  as it was brought over (one row more over the link a pass); the last trip's new row is
-  written after the loop.
+  as it was brought over (one row more over the link a pass: trip -1's offset, clamped, is
+  its own), and the last trip brings over its own row again (trip n's, clamped); the last
+  trip's new row is written after the loop.
 
   In two banks, trip k starts bringing over the row of trip k + 2 and writing back the new row
   of trip k - 1, then runs ``apply`` on its own row, brought over two trips before; its new
   row is written back in the next trip. Rows i and i ± 1 lie in different banks, so the read
   and the write touch different buffers and XLA can run both under the trip's compute. The
   loop body runs two trips, so it knows each one's banks. Trip 0 writes back trip 1's row as
-  it was brought over (no change), and the last two trips bring over their own rows again
-  (nothing is ahead), so every trip is alike; the last trip's new row is written after the
-  loop.
+  it was brought over (no change: trip -1's offset in trip 1's bank, clamped, is trip 1's
+  row), and the last two trips bring over a row they do not use (trips n and n + 1's offsets,
+  clamped), so every trip is alike and each offset is linear in the loop's counter; the
+  last trip's new row is written after the loop.
   """
   apply: Callable  # (c, params, kept, i, (row, `_ahead(xs, i)`), fence) -> (c, params, state_i)
   states: PackedRows
@@ -222,7 +228,8 @@ class _HostTrips:
     cut = banks[b].shape[1] // 2 if banks[b].shape[0] == 1 else 0
     for start, part in ((0, row[:cut]), (cut, row[cut:])) if cut else ((0, row),):
       banks[b] = jax.lax.dynamic_update_slice(banks[b], _for(banks[b], part[None]),
-                                              (self.index(k) // len(banks), start))
+                                              (self.index(k) // len(banks), start),
+                                              allow_negative_indices=False)
     return tuple(banks)
 
   def fetch_first(self, banks: tuple, k: int) -> tuple:
@@ -254,7 +261,7 @@ class _HostTrips:
     trip's row brought over, ``pending`` the previous trip's new row."""
     c, params, banks, now, pending = loop
     # The pending row is written into the bank the next one is read from: the read first.
-    rows = [(pending, self.fetch(banks, _next(k, self.n), 0))]
+    rows = [(pending, self.fetch(banks, k + 1, 0))]
 
     def fence(x):
       x, fenced = jax.lax.optimization_barrier((x, rows[0]))
@@ -265,7 +272,7 @@ class _HostTrips:
       fence(None)
     c, params, s = self.apply(c, params, None, self.index(k), now, fence)
     pending, upcoming = rows[-1]
-    banks = self.write(banks, pending, jnp.maximum(k - 1, 0), 0)
+    banks = self.write(banks, pending, k - 1, 0)
     return c, params, banks, upcoming, self.states.layout.pack(s)
 
   def trip_two_banks(self, phase: int, k: Any, loop: tuple) -> tuple:
@@ -274,9 +281,9 @@ class _HostTrips:
     and the next one's rows brought over, ``pending`` the previous trip's new row."""
     c, params, banks, now, upcoming, pending = loop
     banks = (self.write_last(banks, pending, k - 1) if isinstance(k, int)  # peeled: by DMA
-             else self.write(banks, pending, jnp.abs(k - 1), 1 - phase))  # trip 0: trip 1's
+             else self.write(banks, pending, k - 1, 1 - phase))
     ahead = (upcoming if isinstance(k, int) and k + 2 >= self.n
-             else self.fetch(banks, jnp.where(k + 2 < self.n, k + 2, k), phase))
+             else self.fetch(banks, k + 2, phase))
     c, params, s = self.apply(c, params, None, jnp.int32(self.index(k)), now)
     # The next trip writes this trip's row into the bank just read: the read first, in place.
     s, ahead = jax.lax.optimization_barrier((s, ahead))
@@ -314,13 +321,6 @@ def _slice(xs: Any, i: jax.Array, ahead: list) -> Any:
   """``xs``' slice i, its host leaves' as `_ahead` brought them over."""
   return jax.tree.unflatten(jax.tree.structure(xs), [
       at(x, i) if a is None else a for x, a in zip(jax.tree.leaves(xs), ahead)])
-
-
-def _next(k: jax.Array, n: int) -> jax.Array:
-  """The trip after trip ``k`` of ``n``, the last one's itself: ``min(k + 1, n - 1)``, written
-  without ``k + 1``, which XLA would compute with the loop counter's own increment, at the end
-  of the loop's body, and start the transfer that reads it only there."""
-  return n - 1 - jnp.maximum(n - 2 - k, 0)
 
 
 def _for(bank: jax.Array, row: jax.Array) -> jax.Array:

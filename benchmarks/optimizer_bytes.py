@@ -5,7 +5,9 @@ compiled deviceless for ``--target`` (the parameters and state donated, as a tra
 has them). Each kernel's bytes are those the step-time estimate charges it
 (`lowmem_jax.compile.memory.step_time`: what it reads of its operands, what it writes);
 the table gives their sum over the weight's elements, the kernels that move most, and the
-Threefry-2x32 evaluations an element (from the update's jaxpr). No GPU is needed.
+Threefry-2x32 evaluations an element (from the update's jaxpr). The last row is the fused
+kernel the layer-streamed step runs with ``fused-update`` (where ``--cols`` is whole blocks of
+256). No GPU is needed.
 
     python benchmarks/optimizer_bytes.py             # a 4096 × 4096 weight, the h100
     python benchmarks/optimizer_bytes.py --quick     # 1024 × 1024
@@ -69,6 +71,28 @@ def measure(tx, rows: int, cols: int, target) -> dict:
           "threefry": threefry_per_element(step, (params, state, params), n)}
 
 
+def measure_kernel(rows: int, cols: int, target) -> dict:
+  """`measure` of the fused kernel (``pallas_kernels.adam8bit``, what the layer-streamed step
+  runs with ``update_impl="pallas"``) on the weight, written in place; its Threefry
+  evaluations (three an element) are integer operations inside the kernel, not equations of
+  the jaxpr, so they are given, not counted."""
+  import jax
+  import jax.numpy as jnp
+  from lowmem_jax.compile.memory import step_time
+  from lowmem_jax.optim import lowbit
+  from pallas_kernels import adam8bit
+
+  fused = lowbit.adamw_8bit(1e-3, bfloat16_params=True).fused
+  weight = jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16)
+  mu, nu = jax.eval_shape(lambda: lowbit.moments_zeros(jnp.zeros((rows, cols), jnp.bfloat16)))
+  text = target.compile(
+      lambda *a: adam8bit.update(*a, hyper=fused, shape=(rows, cols)), weight, weight, mu, nu,
+      jax.ShapeDtypeStruct((16,), jnp.uint32), jax.ShapeDtypeStruct((4,), jnp.float32),
+      donate_argnums=(0, 2, 3)).as_text()
+  return {"bytes": step_time.estimate(text, target).device_bytes / (rows * cols),
+          "threefry": 3}
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=4096)
@@ -90,6 +114,10 @@ def main(argv=None) -> dict:
   for name, tx in optimizers().items():
     found[name] = m = measure(tx, args.rows, args.cols, target)
     print(f"| {name} | {m['bytes']:.2f} | {m['threefry']:g} |", flush=True)
+  if args.cols % 256 == 0:
+    name = "pallas_kernels.adam8bit, in place (8bit+bf16-params+fused-update)"
+    found[name] = m = measure_kernel(args.rows, args.cols, target)
+    print(f"| {name} | {m['bytes']:.2f} | {m['threefry']:g} (in the kernel) |", flush=True)
   return found
 
 

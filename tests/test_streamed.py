@@ -4,6 +4,7 @@ transformations that read the whole gradient; the state and saved inputs on the 
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -327,6 +328,44 @@ def test_stochastic_rounding_draws_the_whole_trees_bits(slice_elements, parts):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == jnp.bfloat16
   assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@OPTAX_APPLY_UPDATES
+@pytest.mark.parametrize("slice_elements,parts,state", [
+    (2 ** 24, False, "device"), (128, True, "device"), (128, False, "host")],
+    ids=["whole", "sliced-parts", "sliced-host"])
+def test_the_fused_update_kernel_is_the_chains_step_bit_for_bit(slice_elements, parts, state):
+  """``update_impl="pallas_interpret"``: each leaf's (or slice's) update as the kernel
+  (``pallas_kernels.adam8bit``), against the chain, a step from the state two steps of the
+  chain made, both compiled with XLA's excess precision off (by default XLA keeps some
+  bfloat16 results in float32 where it fuses them: a shared leaf's summed gradient, an
+  update, each program where its own fusions fall, and the two then differ by a bfloat16
+  unit in under 1% of the parameters)."""
+  tx = lm.lowbit.adamw_8bit(1e-2, block=16, min_size=16, seed=3, bfloat16_params=True)
+  model = stack_in_parts() if parts else stack()
+  params = params_of(jax.random.key(4), dtype=jnp.bfloat16)
+  steps = {impl: streamed.layer_streamed(model, tx, slice_elements=slice_elements, state=state,
+                                         update_impl=impl) for impl in ("pallas_interpret", "xla")}
+  exact = {"xla_allow_excess_precision": False}
+  xla = jax.jit(steps["xla"].step, compiler_options=exact)
+  opt_state = steps["xla"].init(params)
+  for i in range(2):
+    params, opt_state, _ = xla(params, opt_state, batch_of(jax.random.key(i)))
+  got, want = (jax.jit(steps[impl].step, compiler_options=exact)(
+      params, jax.tree.map(jnp.copy, opt_state), batch_of(jax.random.key(2)))[:2]
+               for impl in ("pallas_interpret", "xla"))
+  chex.assert_trees_all_equal(got, want)
+  jaxpr = jax.make_jaxpr(steps["pallas_interpret"].step)(params, opt_state, batch_of(
+      jax.random.key(2)))
+  assert "pallas_call" in str(jaxpr)  # the kernel ran
+
+
+def test_a_fused_update_of_another_transformation_is_refused_by_name():
+  with pytest.raises(ValueError, match="`update_impl`='pallas_interpret' runs"):
+    streamed.layer_streamed(stack(), optax.adamw(1e-2), update_impl="pallas_interpret")
+  with pytest.raises(ValueError, match="`update_impl` must be one of"):
+    streamed.layer_streamed(stack(), optax.adamw(1e-2), update_impl="cuda")
 
 
 def test_a_partition_of_8bit_and_float32_moments_draws_the_whole_trees_bits():

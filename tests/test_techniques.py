@@ -48,6 +48,25 @@ def test_prefetch_needs_the_streamed_step_and_its_state_on_the_host(text, missin
   assert "prefetch" not in app.parse("stream:host+offload-opt+prefetch:1")  # the default
 
 
+@pytest.mark.parametrize("text, missing", [("8bit+bf16-params+fused-update", "stream"),
+                                           ("8bit+stream:device+fused-update", "bf16-params")])
+def test_fused_update_needs_the_streamed_step_and_bfloat16_parameters(text, missing):
+  with pytest.raises(app.TechniqueError, match=f"fused-update needs {missing}"):
+    app.parse(text).check_together()
+
+
+def test_fused_update_runs_adamw_8bit_with_bfloat16_parameters_as_one_kernel():
+  """The program's optimizer is `adamw_8bit(..., bfloat16_params=True)` (its ``fused``), the
+  streamed step's ``update_impl`` "pallas"; without the term, the chain as before."""
+  job = app.Job("llama-tiny", batch=2, seq=16, target="h100")
+  fused = app.parse("8bit+bf16-params+stream:device+fused-update").python(job)
+  assert "lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001, bfloat16_params=True)" in fused
+  assert 'update_impl="pallas"' in fused and "stochastic_rounding" not in fused
+  plain = app.parse("8bit+bf16-params+stream:device").python(job)
+  assert "update_impl" not in plain and "lm.lowbit.stochastic_rounding()" in plain
+  assert app.parse("8bit+bf16-params+stream:device+fused-update").exact
+
+
 def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():
   """The ablation in docs/techniques.md: the approximate activations change training; the
   exact rewrites, fewer bits and recompute do not, beyond rounding."""

@@ -220,6 +220,14 @@ TECHNIQUES = {t.term: t for t in (
               value="<1|2>", parse=_prefetch, off=1,
               needs=(("stream", "only the streamed step brings the state over a layer at a "
                       "time"), ("offload-opt", "the state lives on the device without it"))),
+    Technique("fused-update", "with stream, 8bit and bf16-params: each leaf's update one "
+              "Pallas kernel that reads and writes each value once, 10 bytes a parameter "
+              "(layer_streamed's update_impl=\"pallas\", pallas_kernels.adam8bit; exact: the "
+              "chain's step bit for bit with XLA's excess precision off). Compiled for GPU "
+              "targets, not yet run on a GPU",
+              needs=(("stream", "it is the streamed step's update"),
+                     ("bf16-params", "the kernel updates bfloat16 parameters with 8-bit "
+                      "moments"))),
     Technique("mlp-chunk", "LLaMA: each layer's MLP over chunks of at most this many "
               "tokens, recomputed chunk by chunk in the backward (mlp_chunk_tokens; exact: "
               "the weights' gradients summed over the chunks); off: the MLP whole. Over "
@@ -436,12 +444,13 @@ class TechniqueSet:
       bits = {"state_bits": 8} if "8bit" in self else {}
       tx = code.Call.of("lm.adamaw", LEARNING_RATE, code.Name("fold"), **bits)
     elif "8bit" in self:
-      tx = code.Call.of("lm.lowbit.adamw_8bit", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+      bf16 = {"bfloat16_params": True} if "fused-update" in self else {}
+      tx = code.Call.of("lm.lowbit.adamw_8bit", LEARNING_RATE, weight_decay=WEIGHT_DECAY, **bf16)
     else:
       tx = code.Call.of("optax.adamw", LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     for term, _ in self.values:
-      if TECHNIQUES[term].optimizer is not None and not (term == "offload-opt"
-                                                         and "stream" in self):
+      wrapped = {"offload-opt": "stream" in self, "bf16-params": "fused-update" in self}
+      if TECHNIQUES[term].optimizer is not None and not wrapped.get(term):
         tx = TECHNIQUES[term].optimizer(tx)
     return tx
 
@@ -472,7 +481,8 @@ class TechniqueSet:
       streamed = (("streamed", code.Call.of(
           "lm.optim.layer_streamed", code.Call.of("wl.layer_stack"), code.Name("tx"),
           state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream"),
-          **fsdp, **({"prefetch": self.get("prefetch")} if "prefetch" in self else {})),
+          **fsdp, **({"prefetch": self.get("prefetch")} if "prefetch" in self else {}),
+          **({"update_impl": "pallas"} if "fused-update" in self else {})),
           "the optimizer inside the backward, a layer at a time"),)
       train_step = code.Name("streamed.step")
     else:

@@ -68,18 +68,18 @@ def at(tree: Any, *index: jax.Array, rows: int | None = None) -> Any:
   if not index:
     return tree
   return jax.tree.map(lambda t: jax.lax.dynamic_slice(
-      t, *_window(t, index, rows), allow_negative_indices=False).reshape(
-      _window(t, index, rows)[1][len(index) - (rows is not None):]), tree)
+      t, *window(t, index, rows), allow_negative_indices=False).reshape(
+      window(t, index, rows)[1][len(index) - (rows is not None):]), tree)
 
 
 def put(tree: Any, new: Any, *index: jax.Array, rows: int | None = None) -> Any:
   """``tree`` with ``new`` written in place where `at` reads."""
   return jax.tree.map(lambda t, x: jax.lax.dynamic_update_slice(
-      t, x.astype(t.dtype).reshape(_window(t, index, rows)[1]), _window(t, index, rows)[0],
+      t, x.astype(t.dtype).reshape(window(t, index, rows)[1]), window(t, index, rows)[0],
       allow_negative_indices=False), tree, new)
 
 
-def _window(t: Any, index: tuple, rows: int | None) -> tuple[tuple, tuple]:
+def window(t: Any, index: tuple, rows: int | None = None) -> tuple[tuple, tuple]:
   """`at`'s ``(start, size)`` in ``t``."""
   lead = len(index) - (rows is not None)
   start = (*index[:lead], *([] if rows is None else [index[-1] * rows]))

@@ -70,7 +70,8 @@ from lowmem_jax import _sharding
 from lowmem_jax._checks import is_int
 from lowmem_jax.choices import Place, checked
 from lowmem_jax.ops.token_chunks import slices
-from lowmem_jax.optim import lowbit, offload, slicing
+from lowmem_jax.ops import dispatch
+from lowmem_jax.optim import fused_update, lowbit, offload, slicing
 from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_layer,
                                           check_state, layer_count, shape_text, split)
 from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
@@ -79,7 +80,7 @@ from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
                    slice_elements: int = 2 ** 24, prefetch: int = 1,
-                   gather_params: bool = False) -> LayerStreamed:
+                   gather_params: bool = False, update_impl: str | None = None) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
   The other parameters are updated once their gradient is complete: after the
@@ -137,6 +138,13 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       them (Rajbhandari et al., 2020, https://arxiv.org/abs/1910.02054); without it
       XLA's propagation may move activations between devices instead. Nothing
       without such a mesh.
+    update_impl: how a leaf's update runs where ``tx`` is `lowmem_jax.optim.lowbit.adamw_8bit`
+      with ``bfloat16_params`` (its ``fused``): ``"pallas"``, one kernel a leaf (or slice)
+      that reads and writes each value once (``pallas_kernels.adam8bit``; compiled for
+      GPU targets, not yet run on a GPU); ``"pallas_interpret"``, the same in interpret
+      mode; ``"xla"``, the chain as XLA compiles it; ``"auto"`` or None as
+      `lowmem_jax.ops.dispatch` says (XLA today). A leaf the kernel does not take (not
+      bfloat16, float32 moments under ``min_size``) runs the chain.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -154,11 +162,13 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     >>> metrics["loss"].shape
     ()
   """
-  streamer = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params)
+  streamer = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
+                       update_impl)
   return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
 
 
-def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params):
+def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
+              update_impl):
   """`layer_streamed`'s arguments checked, each refused by name, as a `_Streamer`."""
   if not isinstance(stack, LayerStack):
     raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
@@ -172,9 +182,16 @@ def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_p
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
   if not is_int(prefetch) or prefetch not in (1, 2):
     raise ValueError(f"`prefetch` must be 1 or 2, got {prefetch!r}.")
+  impl, _ = dispatch.choose(update_impl, "layer_streamed's update", dispatch.KERNEL_IMPLS,
+                            "`update_impl`")
+  fused = getattr(tx, "fused", None)
+  if impl in ("pallas", "pallas_interpret") and fused is None:
+    raise ValueError(f"`update_impl`={impl!r} runs lowmem_jax.optim.lowbit.adamw_8bit(..., "
+                     "bfloat16_params=True) as one kernel a leaf, with no mask and constant "
+                     f"hyperparameters; `tx` is another transformation ({type(tx).__name__}).")
   return _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
                    slice_elements, prefetch,
-                   _sharding.gathered if gather_params else lambda tree: tree)
+                   _sharding.gathered if gather_params else lambda tree: tree, fused, update_impl)
 
 
 def _last_first(out: tuple) -> tuple:
@@ -257,6 +274,8 @@ class _Streamer:
   slice_elements: int  # the most elements a leaf is updated in at once
   prefetch: int  # how many layers ahead a host state is brought over: the layers' banks
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
+  fused: lowbit.FusedAdamW8bit | None  # ``tx``'s, where a leaf's update can be one kernel
+  update_impl: str | None  # `layer_streamed`'s
 
   def checked(self, params):
     """``(rest, layers, one_layer)``, the transformation checked on one layer, and on each
@@ -356,6 +375,12 @@ class _Streamer:
     this one's at ``s[*state_outer]``: they come back updated in place."""
     shape = jnp.shape(p)[len(outer):]
     n = slices(shape, self.slice_elements)
+    part = (shape[0] // n, *shape[1:]) if shape else shape
+    if fused_update.takes(self.fused, p, part):
+      options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
+      if options is not None:
+        return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
+                                        self.slice_elements, outer, state_outer)
     if n == 1:
       late = slicing.late((outer, state_outer), g)
       new_p, new_s, ok = self.update(g, slicing.to("device", slicing.at(s, *late[1])),
@@ -368,7 +393,6 @@ class _Streamer:
       p, s, slice_ok = self.update(g, s(g), p, at.part(i, part), ok)
       return jnp.logical_and(all_ok, slice_ok), p, s
 
-    part = (shape[0] // n, *shape[1:])
     if outer:
       return _last_first(slicing.scan_slices(fn, ok, p, s, _sliced(g, n), place, outer=outer,
                                              state_outer=state_outer, rows=part[0]))

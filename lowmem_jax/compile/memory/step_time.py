@@ -74,6 +74,12 @@ _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
 _GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel: every output its own
+# What a Pallas kernel says it moves (``pallas_call(metadata={"bytes_accessed": ...})``, in the
+# call's backend config): a kernel writing a slice of a buffer in place reads and writes less
+# than its operands and outputs.
+_DECLARED_BYTES = re.compile(r'serialized_metadata\s*=\s*".*?'
+                             r'bytes_accessed(?:\\22|\\"|[":\s])+(\d+)')
 _ASYNC_COLLECTIVES = tuple(f"{c}-start" for c in COLLECTIVES)
 _ARRAY = re.compile(r"(\b[a-z]\w*?\[[\d,]*\](\{([^}]*)\})?)")  # an array, its layout
 
@@ -284,6 +290,9 @@ class _Program:
     """``(bytes, in host memory)`` a kernel reads of each operand."""
     if i.op == "custom-call" and "AllocateBuffer" in i.attributes:
       return []
+    declared = _declared_bytes(i)
+    if declared is not None:
+      return [(declared, False)]
     fused = _hlo.called(i)[0] if i.op == "fusion" else None
     out = []
     for k, operand in enumerate(i.operands):
@@ -328,10 +337,10 @@ class _Program:
 
   def _writes(self, computation: str, i: _hlo.Instruction) -> list[tuple[int, bool]]:
     """``(bytes, in host memory)`` a kernel writes of each output array."""
-    if i.op == "custom-call" and "AllocateBuffer" in i.attributes:
-      return []
+    if (i.op == "custom-call" and "AllocateBuffer" in i.attributes) or _declared_bytes(i):
+      return []  # a kernel's declared bytes: its `_reads`
     arrays = _arrays(i.shape)
-    if i.op in ("custom-call", "copy-start"):
+    if i.op == "copy-start" or (i.op == "custom-call" and _TRITON not in i.attributes):
       return arrays[:1]  # the rest: a workspace; the source and a context
     if i.op == "dynamic-update-slice":
       return [(_hlo.shape_bytes(self.shape(computation, i.operands[1])), arrays[0][1])]
@@ -346,6 +355,14 @@ class _Program:
     return [(_hlo.shape_bytes(self.shape(fused, p.operands[1])), host)
             if p is not None and p.op == "dynamic-update-slice" else (nbytes, host)
             for p, (nbytes, host) in zip(parts, arrays)]
+
+
+def _declared_bytes(i: _hlo.Instruction) -> int | None:
+  """The bytes a Pallas kernel says it reads and writes together (`_DECLARED_BYTES`)."""
+  if i.op != "custom-call" or _TRITON not in i.attributes:
+    return None
+  declared = _DECLARED_BYTES.search(i.attributes)
+  return int(declared.group(1)) if declared else None
 
 
 def _async_output(shape: str) -> str:

@@ -1,0 +1,104 @@
+"""One leaf's `lowmem_jax.optim.lowbit.adamw_8bit` update with bfloat16 parameters as one
+Pallas kernel (``pallas_kernels.adam8bit``), written in place: what the layer-streamed step
+runs for a leaf where its ``update_impl`` picks the kernel.
+
+The kernel reads and writes each slice where it lies: the parameters in their stack (a
+layer's leaf, some rows of one), the moments' codes and scales in the device state's stack
+or in the slice's state brought over from the host. The transformation's state for a leaf is
+the chain's, as ``tx.init`` made it on the leaf alone (`lowmem_jax.optim.streamed`):
+``((ScaleByAdam8bitState, decay's, learning rate's), StochasticRoundingState)``, stacked
+where the leaf is. This module makes the kernel's keys and bias corrections from it, as the
+chain's ``update`` makes them, and the new counts and keys the chain's ``update`` returns.
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowmem_jax.ops.token_chunks import slices
+from lowmem_jax.optim import lowbit, slicing
+from lowmem_jax.optim.rounding import Position, StochasticRoundingState, step_key
+
+
+def takes(fused: lowbit.FusedAdamW8bit | None, p: jax.Array, part: tuple[int, ...]) -> bool:
+  """Whether the kernel can update leaf ``p``, updated ``part`` (a shape) at a time:
+  ``fused`` is an `lowmem_jax.optim.lowbit.AdamW8bit`'s, ``p`` is bfloat16 with whole blocks
+  of ``fused.block`` along its last axis, and each part's moments are 8-bit (``min_size``
+  elements or more, as ``tx.init`` saw it)."""
+  return (fused is not None and jnp.dtype(p.dtype) == jnp.bfloat16 and len(part) > 0
+          and part[-1] % fused.block == 0 and math.prod(part) >= fused.min_size)
+
+
+def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any, p: Any,
+                place: str, at: Position, ok: jax.Array, slice_elements: int,
+                outer: tuple = (), state_outer: tuple = ()) -> tuple[Any, Any, jax.Array]:
+  """`lowmem_jax.optim.streamed`'s ``update_leaf`` (the same arguments and returns) of a leaf
+  the kernel `takes`, each slice in place."""
+  shape = jnp.shape(p)[len(outer):]
+  n = slices(shape, slice_elements)
+  if n == 1:
+    p_index, s_index = slicing.late((outer, state_outer), g)
+    state = s if state_outer else slicing.to("device", s)
+    ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
+    p, state = _step(fused, options, g, state, s_index, p, p_index, None, at, ok, shape)
+    return p, (state if state_outer else slicing.to(place, state)), ok
+
+  part = (shape[0] // n, *shape[1:])
+
+  def fn(all_ok, i, p, s, g):  # `slicing.scan_slices`' ``whole``: p's and s's stacks
+    slice_ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
+    state, s_index = (s.unpack(), ()) if place == "host" else (s, (*state_outer, i))
+    p, state = _step(fused, options, g, state, s_index, p, (*outer, i),
+                     part[0] if outer else None, at.part(i, part), slice_ok, part)
+    return jnp.logical_and(all_ok, slice_ok), p, state
+
+  if outer:
+    ok, p, s = slicing.scan_slices(fn, ok, p, s, g.reshape(n, *part), place, outer=outer,
+                                   state_outer=state_outer, rows=part[0], whole=True)
+    return p, s, ok
+  ok, p, s = slicing.scan_slices(fn, ok, p.reshape(n, *part), s, g.reshape(n, *part), place,
+                                 whole=True)
+  return p.reshape(shape), s, ok
+
+
+def _first_row(x: jax.Array, index: tuple, rows: int | None) -> jax.Array:
+  """int32 []: where `slicing.at`'s window of ``x`` at ``index`` starts, in rows of ``x``'s
+  last axis."""
+  start = slicing.window(x, index, rows)[0]
+  row = jnp.int32(0)
+  for k, size in zip(start[:-1], jnp.shape(x)[:-1]):
+    row = row * size + jnp.asarray(k, jnp.int32)
+  return row
+
+
+def _step(fused, options, g, state, s_index, p, p_index, rows, at, ok, shape):
+  """``(p, state)``: the chain's step on the slice of ``shape`` at ``p_index`` (`slicing.at`,
+  with ``rows``) of ``p``, its state at ``s_index`` of ``state``, written in place where
+  ``ok`` (bool []) holds."""
+  from pallas_kernels import adam8bit  # Pallas loads where a kernel runs
+  (adam, *others), rounding = state
+  count, key_data = slicing.at((adam.count, rounding.key), *s_index)
+  new_count = optax.safe_int32_increment(count)
+  key = step_key(fused.seed, new_count)
+  next_key, step = jax.random.split(jax.random.wrap_key_data(key_data, impl="threefry2x32"))
+  folded = lambda k: jax.random.key_data(jax.random.fold_in(k, at.leaf))
+  (mu,), moments = jax.tree.flatten(adam.mu, is_leaf=lowbit.is_quantized)
+  (nu,) = jax.tree.leaves(adam.nu, is_leaf=lowbit.is_quantized)
+  firsts = [_first_row(p, p_index, rows), jnp.int32(0),
+            *[_first_row(q.codes, s_index, None) for q in (mu, nu)]]
+  words = jnp.concatenate([
+      folded(jax.random.fold_in(key, True)), folded(jax.random.fold_in(key, False)),
+      folded(step), jnp.stack([jnp.asarray(at.row, jnp.int32), jnp.asarray(at.offset, jnp.int32),
+                               *firsts, *[jnp.int32(0)] * 4]).astype(jnp.uint32)])
+  numbers = jnp.stack([1 - fused.b1 ** new_count, 1 - fused.b2 ** new_count,
+                       ok.astype(jnp.float32), jnp.float32(0)]).astype(jnp.float32)
+  p, mu, nu = adam8bit.update(p, g, mu, nu, words, numbers, hyper=fused, shape=shape,
+                              rows=at.rows, options=options)
+  kept = (jnp.where(ok, new_count, count), jnp.where(ok, jax.random.key_data(next_key), key_data))
+  count, key_data = slicing.put((adam.count, rounding.key), kept, *s_index) if s_index else kept
+  adam = adam._replace(count=count, mu=jax.tree.unflatten(moments, [mu]),
+                       nu=jax.tree.unflatten(moments, [nu]))
+  return p, ((adam, *others), StochasticRoundingState(key_data))

@@ -366,6 +366,9 @@ def test_a_fused_update_of_another_transformation_is_refused_by_name():
     streamed.layer_streamed(stack(), optax.adamw(1e-2), update_impl="pallas_interpret")
   with pytest.raises(ValueError, match="`update_impl` must be one of"):
     streamed.layer_streamed(stack(), optax.adamw(1e-2), update_impl="cuda")
+  fused = lm.lowbit.adamw_8bit(1e-2, bfloat16_params=True)
+  with pytest.raises(ValueError, match="sharded with `gather_params` need update_impl='xla'"):
+    streamed.layer_streamed(stack(), fused, update_impl="pallas", gather_params=True)
 
 
 def test_a_partition_of_8bit_and_float32_moments_draws_the_whole_trees_bits():

@@ -144,7 +144,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       GPU targets, not yet run on a GPU); ``"pallas_interpret"``, the same in interpret
       mode; ``"xla"``, the chain as XLA compiles it; ``"auto"`` or None as
       `lowmem_jax.ops.dispatch` says (XLA today). A leaf the kernel does not take (not
-      bfloat16, float32 moments under ``min_size``) runs the chain.
+      bfloat16, not whole blocks along its last axis, float32 moments under ``min_size``)
+      runs the chain. Not with ``gather_params``.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -189,6 +190,9 @@ def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_p
     raise ValueError(f"`update_impl`={impl!r} runs lowmem_jax.optim.lowbit.adamw_8bit(..., "
                      "bfloat16_params=True) as one kernel a leaf, with no mask and constant "
                      f"hyperparameters; `tx` is another transformation ({type(tx).__name__}).")
+  if impl in ("pallas", "pallas_interpret") and gather_params:
+    raise ValueError(f"`update_impl`={impl!r} runs a kernel on one device's whole arrays; "
+                     "parameters sharded with `gather_params` need update_impl='xla'.")
   return _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
                    slice_elements, prefetch,
                    _sharding.gathered if gather_params else lambda tree: tree, fused, update_impl)

@@ -126,26 +126,17 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       device memory); or 2, both under the whole layer's compute, for another layer's
       state on the device. A big leaf outside the layers (the head, the embedding), updated
       in slices, has its slices' rows in two arrays either way: a slice's update is too
-      short to hide one transfer, let alone two in turn. Llama-3.1-8B with 8-bit moments,
-      2 x 2,048 tokens, estimated: on the ``h100`` target 825.8 ms a step at 17.16 GiB with
-      1, 734.6 ms at 17.99 GiB with 2; on the ``rtx4090`` 2,830.8 ms at 17.16 GiB with 1,
-      3,507.6 ms at 17.58 GiB with 2 (docs/benchmarks.md). The same step bit for bit; a
+      short to hide one transfer, let alone two in turn (Llama-3.1-8B's figures for each:
+      docs/benchmarks.md). The same step bit for bit; a
       state made with one is refused by the other's step, and a saved one restores into a
       state made with either (its rows dealt again).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
       for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
       the head's, made whole on every device where they are used, as ZeRO-3 gathers
       them (Rajbhandari et al., 2020, https://arxiv.org/abs/1910.02054); without it
-      XLA's propagation may move activations between devices instead. Nothing
-      without such a mesh.
-    update_impl: how a leaf's update runs where ``tx`` is `lowmem_jax.optim.lowbit.adamw_8bit`
-      with ``bfloat16_params`` (its ``fused``): ``"pallas"``, one kernel a leaf (or slice)
-      that reads and writes each value once (``pallas_kernels.adam8bit``; compiled for
-      GPU targets, not yet run on a GPU); ``"pallas_interpret"``, the same in interpret
-      mode; ``"xla"``, the chain as XLA compiles it; ``"auto"`` or None as
-      `lowmem_jax.ops.dispatch` says (XLA today). A leaf the kernel does not take (not
-      bfloat16, not whole blocks along its last axis, float32 moments under ``min_size``)
-      runs the chain. Not with ``gather_params``.
+      XLA's propagation may move activations between devices instead.
+    update_impl: "pallas": `lowbit.adamw_8bit`'s update with ``bfloat16_params`` as one
+      kernel a leaf, in place (`fused_update`); else as `lowmem_jax.ops.dispatch` says.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -163,9 +154,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     >>> metrics["loss"].shape
     ()
   """
-  streamer = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
-                       update_impl)
-  return LayerStreamed(streamer.init, streamer.step, streamer.abstract)
+  s = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
+                update_impl)
+  return LayerStreamed(s.init, s.step, s.abstract)
 
 
 def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,

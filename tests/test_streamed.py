@@ -361,6 +361,19 @@ def test_the_fused_update_kernel_is_the_chains_step_bit_for_bit(slice_elements, 
   assert "pallas_call" in str(jaxpr)  # the kernel ran
 
 
+def test_a_leaf_the_fused_kernel_cannot_take_runs_the_chain():
+  """`fused_update.takes`: blocks that are not a power of two, or a part not whole blocks
+  along its last axis, leave the leaf to the chain rather than fail in the kernel."""
+  from lowmem_jax.optim import fused_update
+  p = jnp.zeros((16, 768), jnp.bfloat16)
+  fused = lambda block: lm.lowbit.adamw_8bit(1e-2, block=block, min_size=16,
+                                             bfloat16_params=True).fused
+  assert fused_update.takes(fused(256), p, p.shape)
+  assert not fused_update.takes(fused(384), p, p.shape)
+  assert not fused_update.takes(fused(512), p, p.shape)
+  assert not fused_update.takes(fused(256), p.astype(jnp.float32), p.shape)
+
+
 def test_a_fused_update_of_another_transformation_is_refused_by_name():
   with pytest.raises(ValueError, match="`update_impl`='pallas_interpret' runs"):
     streamed.layer_streamed(stack(), optax.adamw(1e-2), update_impl="pallas_interpret")

@@ -25,11 +25,15 @@ from lowmem_jax.optim.rounding import Position, StochasticRoundingState, step_ke
 
 def takes(fused: lowbit.FusedAdamW8bit | None, p: jax.Array, part: tuple[int, ...]) -> bool:
   """Whether the kernel can update leaf ``p``, updated ``part`` (a shape) at a time:
-  ``fused`` is an `lowmem_jax.optim.lowbit.AdamW8bit`'s, ``p`` is bfloat16 with whole blocks
-  of ``fused.block`` along its last axis, and each part's moments are 8-bit (``min_size``
-  elements or more, as ``tx.init`` saw it)."""
-  return (fused is not None and jnp.dtype(p.dtype) == jnp.bfloat16 and len(part) > 0
-          and part[-1] % fused.block == 0 and math.prod(part) >= fused.min_size)
+  ``fused`` is an `lowmem_jax.optim.lowbit.AdamW8bit`'s, ``p`` is bfloat16, each part's
+  moments are 8-bit (``min_size`` elements or more, as ``tx.init`` saw it), and the kernel
+  takes the part (``fused.block`` a power of two; ``pallas_kernels.adam8bit.supports``).
+  Imports Pallas: ask once a kernel is chosen."""
+  if fused is None or jnp.dtype(p.dtype) != jnp.bfloat16 or math.prod(part) < fused.min_size:
+    return False
+  from pallas_kernels import adam8bit
+  block = fused.block
+  return block & (block - 1) == 0 and adam8bit.supports(part, block) is None
 
 
 def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any, p: Any,

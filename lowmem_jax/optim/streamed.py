@@ -371,9 +371,9 @@ class _Streamer:
     shape = jnp.shape(p)[len(outer):]
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
-    if fused_update.takes(self.fused, p, part):
+    if self.fused is not None:
       options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
-      if options is not None:
+      if options is not None and fused_update.takes(self.fused, p, part):
         return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
                                         self.slice_elements, outer, state_outer)
     if n == 1:

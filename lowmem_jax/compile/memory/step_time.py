@@ -337,7 +337,8 @@ class _Program:
 
   def _writes(self, computation: str, i: _hlo.Instruction) -> list[tuple[int, bool]]:
     """``(bytes, in host memory)`` a kernel writes of each output array."""
-    if (i.op == "custom-call" and "AllocateBuffer" in i.attributes) or _declared_bytes(i):
+    if ((i.op == "custom-call" and "AllocateBuffer" in i.attributes)
+        or _declared_bytes(i) is not None):
       return []  # a kernel's declared bytes: its `_reads`
     arrays = _arrays(i.shape)
     if i.op == "copy-start" or (i.op == "custom-call" and _TRITON not in i.attributes):

@@ -87,8 +87,10 @@ def measure_kernel(rows: int, cols: int, target) -> dict:
   mu, nu = jax.eval_shape(lambda: lowbit.moments_zeros(jnp.zeros((rows, cols), jnp.bfloat16)))
   text = target.compile(
       lambda *a: adam8bit.update(*a, hyper=fused, shape=(rows, cols)), weight, weight, mu, nu,
-      jax.ShapeDtypeStruct((16,), jnp.uint32), jax.ShapeDtypeStruct((4,), jnp.float32),
-      donate_argnums=(0, 2, 3)).as_text()
+      *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+          ((1,), jnp.int32), ((1, 2), jnp.uint32), ((1, 16), jnp.uint32), ((1, 2), jnp.float32),
+          ((), jnp.int32), ((), jnp.bool_))],
+      donate_argnums=(0, 2, 3, 4, 5)).as_text()
   return {"bytes": step_time.estimate(text, target).device_bytes / (rows * cols),
           "threefry": 3}
 

@@ -8,7 +8,10 @@ stack, some rows of it: ``input_output_aliases``): 10 bytes an element for a bfl
 gradient, plus 16 a block of 256, against 14.26 for the update as XLA fuses it alone and
 about 32 inside the layer-streamed step, where XLA copies slices out of the stacks and back
 (``docs/benchmarks.md``). A program holds whole scale blocks, so the new moments' block
-maxima are taken where they are made, not in a pass of their own.
+maxima are taken where they are made, not in a pass of their own. Given the stack's step
+counts and keys, it writes the slice's new count and key too, from the words made for every
+slice of the stack before the loop over them (``lowmem_jax.optim.fused_update.Table``): a
+layer's update is then this kernel and its gradient's finiteness check, no scalar kernels.
 
 The arithmetic is the library's, `lowmem_jax.ops._lowbit_reference`: Adam's moments and
 direction, the 8-bit codes and the parameter's stochastic rounding, as the XLA update
@@ -20,8 +23,10 @@ and FLOPs) does not count, nor does it count the XLA update's. `tests/test_palla
 holds the kernel, in interpret mode, to the optax chain compiled as written (XLA's excess
 precision off: by default XLA keeps some bfloat16 results in float32 where it fuses them, and
 the two then differ by a bfloat16 unit in about 0.1% of the parameters): the parameter and
-the codes bit for bit, the scales to float32 roundings. Compiled for sm_90a and sm_89
-(deviceless); not yet run on a GPU.
+the codes bit for bit, the scales to float32 roundings. On a GPU, Triton divides float32
+approximately (PTX's ``div.full.f32``, within 2 ulp) where XLA rounds correctly, so a few
+parameters may land a bfloat16 unit, a few moments a code, from the chain's (the
+``gpu``-marked test's bound). Compiled for sm_90a and sm_89 (deviceless); not yet run on a GPU.
 """
 
 import functools
@@ -38,6 +43,7 @@ __all__ = ["block_rows", "supports", "threefry2x32", "update"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
+_WORDS = 16  # a slice's words (`update`)
 
 
 def threefry2x32(key0, key1, x0, x1):
@@ -77,10 +83,17 @@ def _window(ref, first_row, block: tuple[int, int]):
   return ref.at[pl.ds(top, block[0]), pl.ds(pl.program_id(1) * block[1], block[1])]
 
 
-def _kernel(words_ref, numbers_ref, p_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref,
-            p_out, mc_out, ms_out, vc_out, vs_out, *, hyper, n, block_rows, rows_inside):
+def _kernel(*refs, hyper, n, block_rows, rows_inside, steps):
+  """A program's block of the slice: ``refs`` are `update`'s operands in its order (``count``
+  and ``key`` with ``steps``), then the buffers it writes."""
+  inputs, outputs = refs[:10 + 2 * steps], refs[10 + 2 * steps:]
+  row_ref, ok_ref, words_ref, numbers_ref, p_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref = (
+      inputs[:10])
+  p_out, mc_out, ms_out, vc_out, vs_out = outputs[:5]
   block, scale_block = (block_rows, hyper.block), (block_rows, 1)
-  first = lambda k: words_ref[8 + k].astype(jnp.int32)
+  row = row_ref[0]
+  word = lambda k: words_ref[row * _WORDS + k]
+  first = lambda k: word(8 + k).astype(jnp.int32)
   p, g = _window(p_ref, first(0), block)[...], _window(g_ref, first(1), block)[...]
   old = [(_window(c, first(k), block)[...], _window(s, first(k), scale_block)[...])
          for k, c, s in ((2, mc_ref, ms_ref), (3, vc_ref, vs_ref))]
@@ -88,12 +101,12 @@ def _kernel(words_ref, numbers_ref, p_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref
             for (c, s), signed in zip(old, (True, False)))
   mu, nu = reference.adam_moments(mu, nu, g, b1=hyper.b1, b2=hyper.b2)
 
-  row, within = _counters(n, block, rows_inside)
-  row, within = words_ref[6] + row, words_ref[7] + within
-  noise = [threefry2x32(words_ref[k], words_ref[k + 1], row, within)[0] for k in (0, 2, 4)]
-  ok = numbers_ref[2] > 0
-  direction = reference.adam_step(mu / numbers_ref[0], nu / numbers_ref[1], eps=hyper.eps,
-                               eps_root=0.0).astype(g.dtype)
+  tree_row, within = _counters(n, block, rows_inside)
+  tree_row, within = word(6) + tree_row, word(7) + within
+  noise = [threefry2x32(word(k), word(k + 1), tree_row, within)[0] for k in (0, 2, 4)]
+  ok = ok_ref[0]
+  direction = reference.adam_step(mu / numbers_ref[2 * row], nu / numbers_ref[2 * row + 1],
+                                  eps=hyper.eps, eps_root=0.0).astype(g.dtype)
   if hyper.weight_decay:
     direction = direction + hyper.weight_decay * p
   u = -hyper.learning_rate * direction
@@ -105,6 +118,15 @@ def _kernel(words_ref, numbers_ref, p_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref
     _window(c_out, first(k), block)[...] = jnp.where(
         ok, reference.codes(x, scale, bits, signed=signed), c_old)
     _window(s_out, first(k), scale_block)[...] = jnp.where(ok, scale[:, None], s_old)
+
+  if steps:
+    count_out, key_out = outputs[5:]
+
+    @pl.when(jnp.logical_and(ok, (pl.program_id(0) == 0) & (pl.program_id(1) == 0)))
+    def _():  # the step taken: the count and the key the next step reads
+      count_out[row] = word(12).astype(jnp.int32)
+      key_out[2 * row] = word(13)
+      key_out[2 * row + 1] = word(14)
 
 
 def block_rows(rows: int, block: int) -> int:
@@ -122,47 +144,55 @@ def supports(shape: tuple[int, ...], block: int) -> str | None:
   return None
 
 
-def _bytes(buffers: list[jax.Array], shape: tuple[int, ...]) -> int:
+def _bytes(buffers: list[jax.Array], shape: tuple[int, ...], steps: bool) -> int:
   """Bytes the kernel moves: each buffer's slice read once, and those of the parameter and
-  the moments (not the gradient's) written once; besides the 80 of its keys and numbers."""
+  the moments (not the gradient's) written once; besides its row, ``ok``, its row's words
+  and numbers (77 bytes), and the count and key it writes (12, with ``steps``)."""
   rows = math.prod(shape[:-1])
   moved = [rows * x.shape[1] * x.dtype.itemsize * (1 if k == 1 else 2)
            for k, x in enumerate(buffers)]
-  return sum(moved) + 4 * (16 + 4)
+  return sum(moved) + 4 * (1 + _WORDS + 2) + 1 + 12 * steps
 
 
 @functools.partial(jax.jit, static_argnames=("hyper", "shape", "rows", "options"),
-                   donate_argnames=("p", "mu", "nu"))
-def update(p: jax.Array, g: jax.Array, mu, nu,
-           words: jax.Array, numbers: jax.Array, *, hyper,
+                   donate_argnames=("p", "mu", "nu", "count", "key"))
+def update(p: jax.Array, g: jax.Array, mu, nu, count: jax.Array | None, key: jax.Array | None,
+           words: jax.Array, numbers: jax.Array, row: jax.Array, ok: jax.Array, *, hyper,
            shape: tuple[int, ...], rows: bool = True,
            options: _blocks.Options = _blocks.Options()):
   """One AdamW step of a slice of a bfloat16 leaf with 8-bit moments, rounded stochastically,
-  written in place.
+  written in place, with its step count and key.
 
   Each buffer is read as rows of the slice's last axis: the slice is rows ``[r, r + M)`` of
   it, ``M = prod(shape[:-1])``, ``r`` its first row (``words``): a whole leaf, a layer of
-  a stack of them, some rows of one.
+  a stack of them, some rows of one. ``words`` and ``numbers`` hold ``R`` slices' (a
+  stack's layers', made before the loop over them), of which ``row`` is this one's.
 
   Args:
     p: bfloat16, the parameters' buffer.
     g: the slice's gradient's buffer, bfloat16 or float32.
     mu, nu: the moments' buffers, `lowmem_jax.optim.lowbit.QuantizedArray` s: signed and
       unsigned codes (``p``'s rows) and scales (rows of ``shape[-1] / hyper.block``).
-    words: uint32 ``[16]``: the Threefry keys of ``mu``'s, ``nu``'s and the parameter's
-      rounding (``jax.random.key_data`` of each key folded with the leaf's index: two words
-      each); the slice's position's row and offset (`lowmem_jax.optim.lowbit.Position`); its
-      first row in ``p``, ``g``, ``mu`` and ``nu``; then 4 zeros.
-    numbers: float32 ``[4]``: Adam's bias corrections ``1 - b1**count`` and
-      ``1 - b2**count`` of the new count, then 1 to update or 0 to keep every value
-      (a step whose gradient is not finite), then 0.
+    count: int32 ``[R]``, the slices' Adam step counts; key: uint32 ``[R, 2]``, their
+      rounding keys (`lowmem_jax.optim.rounding.StochasticRoundingState`): row ``row``'s
+      set to the step's (``words``) where ``ok``. Both None: left to the caller (a count
+      inside a bigger buffer, a host row's, would be copied whole to be aliased).
+    words: uint32 ``[R, 16]``, a slice's: the Threefry keys of ``mu``'s, ``nu``'s and the
+      parameter's rounding (``jax.random.key_data`` of each key folded with the leaf's index:
+      two words each); its position's row and offset (`lowmem_jax.optim.lowbit.Position`);
+      its first row in ``p``, ``g``, ``mu`` and ``nu``; the new count; the next key (two
+      words); 0.
+    numbers: float32 ``[R, 2]``: Adam's bias corrections ``1 - b1**count`` and
+      ``1 - b2**count`` of each slice's new count.
+    row: int32 ``[]``, this slice's row of ``count``, ``key``, ``words`` and ``numbers``.
+    ok: bool ``[]``: False keeps every value (a step whose gradient is not finite).
     hyper: the static hyperparameters (`lowmem_jax.optim.lowbit.adamw_8bit`'s ``fused``).
     shape: the slice's shape (`supports` it).
     rows: the position's ``rows``: the slice's first axis runs over the tree's rows.
     options: interpret mode and tuning.
 
   Returns:
-    ``(p, mu, nu)``: the buffers, the slice updated (donated: in place).
+    ``(p, mu, nu, count, key)``: the buffers, the slice updated (donated: in place).
   """
   if p.dtype != jnp.bfloat16:
     raise ValueError(f"`p` must be bfloat16, got {p.dtype}.")
@@ -172,6 +202,14 @@ def update(p: jax.Array, g: jax.Array, mu, nu,
   why = supports(shape, block)
   if why:
     raise ValueError(f"`shape` {shape}: {why}.")
+  slices = jnp.shape(words)[0] if jnp.ndim(words) == 2 else -1
+  steps = [] if count is None and key is None else [count, key]
+  for name, x, want in (("words", words, (slices, _WORDS)), ("numbers", numbers, (slices, 2)),
+                        ("row", row, ()), ("ok", ok, ()),
+                        *zip(("count", "key"), steps, ((slices,), (slices, 2)))):
+    if x is None or jnp.shape(x) != want:
+      raise ValueError(f"`{name}` must be of shape {want} (`words`' slices), got "
+                       f"{None if x is None else jnp.shape(x)}.")
   n = shape[-1]
   as_rows = lambda x, width: x.reshape(-1, width)
   buffers = [as_rows(p, n), as_rows(g, n), *[
@@ -182,16 +220,23 @@ def update(p: jax.Array, g: jax.Array, mu, nu,
   rows_inside = math.prod(shape[1:]) if rows else None
   m = block_rows(math.prod(shape[:-1]), block)
   whole = pl.no_block_spec
+  scalars = [jnp.reshape(row, (1,)).astype(jnp.int32), jnp.reshape(ok, (1,)).astype(jnp.bool_),
+             words.reshape(-1), numbers.reshape(-1)]
+  steps = [x.reshape(-1) for x in steps]
+  written = [buffers[0], *buffers[2:], *steps]
   out = pl.pallas_call(
-      functools.partial(_kernel, hyper=hyper, n=n, block_rows=m, rows_inside=rows_inside),
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers[:1] + buffers[2:]],
+      functools.partial(_kernel, hyper=hyper, n=n, block_rows=m, rows_inside=rows_inside,
+                        steps=bool(steps)),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written],
       grid=(math.prod(shape[:-1]) // m, n // block),
-      in_specs=[whole] * 8, out_specs=[whole] * 5,
-      input_output_aliases={2: 0, 4: 1, 5: 2, 6: 3, 7: 4},
+      in_specs=[whole] * (10 + len(steps)), out_specs=[whole] * len(written),
+      input_output_aliases={4: 0, **{5 + k: k for k in range(1, len(written))}},
       interpret=options.interpret, compiler_params=options.compiler_params(),
-      name="lowmem_adamw_8bit", metadata={"bytes_accessed": str(_bytes(buffers, shape))})(
-          words, numbers, *buffers)
-  new_p, mc, ms, vc, vs = out
+      name="lowmem_adamw_8bit",
+      metadata={"bytes_accessed": str(_bytes(buffers, shape, bool(steps)))})(
+          *scalars, *buffers, *steps)
+  new_p, mc, ms, vc, vs, *new_steps = out
   as_moment = lambda c, s, q: q._replace(codes=c.reshape(q.codes.shape),
                                          scales=s.reshape(q.scales.shape))
-  return new_p.reshape(p.shape), as_moment(mc, ms, mu), as_moment(vc, vs, nu)
+  new_steps = [x.reshape(y.shape) for x, y in zip(new_steps, (count, key))] or [None, None]
+  return (new_p.reshape(p.shape), as_moment(mc, ms, mu), as_moment(vc, vs, nu), *new_steps)

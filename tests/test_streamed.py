@@ -382,6 +382,12 @@ def test_a_fused_update_of_another_transformation_is_refused_by_name():
   fused = lm.lowbit.adamw_8bit(1e-2, bfloat16_params=True)
   with pytest.raises(ValueError, match="sharded with `gather_params` need update_impl='xla'"):
     streamed.layer_streamed(stack(), fused, update_impl="pallas", gather_params=True)
+  layered = streamed.layer_streamed(stack(), lm.lowbit.adamw_8bit(
+      1e-2, block=16, min_size=16, bfloat16_params=True), update_impl="pallas_interpret")
+  params = params_of(jax.random.key(0), dtype=jnp.bfloat16)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="under a mesh .* update_impl='xla'"):
+    jax.eval_shape(layered.step, params, layered.init(params), batch_of(jax.random.key(1)))
 
 
 def test_a_partition_of_8bit_and_float32_moments_draws_the_whole_trees_bits():

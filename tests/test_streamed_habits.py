@@ -127,6 +127,30 @@ def test_a_non_finite_gradient_stops_the_update_where_the_backward_meets_it(stat
   _same(opt_state.rest["embedding"], start.rest["embedding"])
 
 
+@pytest.mark.parametrize("slice_elements", [2 ** 24, pytest.param(8, marks=pytest.mark.slow)],
+                         ids=["whole", "sliced"])
+def test_a_non_finite_gradient_stops_the_fused_kernels_where_the_chain_stops(slice_elements):
+  """``update_impl="pallas_interpret"`` (each leaf's update one kernel, its count and key
+  written by it, their words made before the layers' loop) against the chain, bit for bit,
+  at the step whose layer 1 gradient of ``s`` is NaN: the same leaves kept, the same counts."""
+  model = _sqrt_stack()
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                        _sqrt_params(jax.random.key(4), (1, 3)))
+  tx = lm.lowbit.adamw_8bit(1e-2, block=8, min_size=8, seed=3, bfloat16_params=True)
+  exact = {"xla_allow_excess_precision": False}
+  out = {}
+  for impl in ("pallas_interpret", "xla"):
+    layered = streamed.layer_streamed(model, tx, slice_elements=slice_elements,
+                                      update_impl=impl)
+    args = (params, layered.init(params), batch_of(jax.random.key(5)))
+    out[impl] = jax.jit(layered.step, compiler_options=exact)(*args)
+    assert ("pallas_call" in str(jax.make_jaxpr(layered.step)(*args))) == (impl != "xla")
+  assert not bool(out["xla"][2]["finite"]) and int(out["xla"][1].total_notfinite) == 1
+  _same(out["pallas_interpret"][:2], out["xla"][:2])
+  counts = out["xla"][1].layers["s"][0][0].count
+  assert counts.ravel()[0] == 0 and counts.ravel()[-1] == 1  # layer 0 kept, layer 2 stepped
+
+
 def test_a_non_finite_head_gradient_keeps_the_layers_and_the_embedding():
   """The head's ``s`` has a NaN gradient: it is kept, and so is everything after it in the
   backward (every layer, the embedding); the output kernel, beside it, takes its update."""

@@ -247,11 +247,13 @@ def _wheres(params: Any, key: str) -> tuple[Any, Any]:
 class _Backward(NamedTuple):
   """What each layer's backward reads besides its slices: the batch, the leaves of one layer
   each part reads (``part_reads[j][k]``), the part after whose backward leaf ``k`` is
-  updated (``owner[k]``), and the layers' leaves' positions."""
+  updated (``owner[k]``), the layers' leaves' positions, and their kernels' tables
+  (`_Streamer.layer_tables`)."""
   batch: Any
   part_reads: list
   owner: list
   layers_at: Any
+  tables: list
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -361,21 +363,46 @@ class _Streamer:
     return (kept(optax.apply_updates(p, where.leaf(updates)), p),
             jax.tree.map(kept, new_s, s), ok)
 
-  def update_leaf(self, g, s, p, place, at, ok, outer=(), state_outer=()):
+  def kernel(self, p, shape):
+    """The fused update kernel's options where leaf ``p`` (or a stack of them), whose part
+    of ``shape`` is updated at a time (`slices`), runs it (``update_impl``); else None."""
+    if self.fused is None:
+      return None
+    n = slices(shape, self.slice_elements)
+    part = (shape[0] // n, *shape[1:]) if shape else shape
+    options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
+    if options is not None and _sharding.in_auto_mesh():
+      raise ValueError(f"`update_impl`={self.update_impl!r} runs a kernel on one device's whole "
+                       "arrays; under a mesh (jax.set_mesh) XLA would gather each leaf and its "
+                       "state onto every device: give update_impl='xla'.")
+    return options if options is not None and fused_update.takes(self.fused, p, part) else None
+
+  def layer_tables(self, layers, states, layers_at):
+    """Each layer leaf's `fused_update.layer_table`, made before the layers' backward, where
+    the kernel updates it in place in the device's stacks (`kernel`); else None."""
+    treedef = jax.tree.structure(layers)
+    if self.state != "device":
+      return [None] * treedef.num_leaves
+    return [None if self.kernel(p, jnp.shape(p)[1:]) is None else
+            fused_update.layer_table(self.fused, p, s, where.at, self.slice_elements)
+            for p, s, where in zip(jax.tree.leaves(layers), treedef.flatten_up_to(states),
+                                   treedef.flatten_up_to(layers_at))]
+
+  def update_leaf(self, g, s, p, place, at, ok, outer=(), state_outer=(), table=None):
     """``(p, s, ok)``: one leaf's update, its state in ``place`` before and after; ``at``:
     its `lowbit.Position` in the whole params tree; ``ok``: `update`'s, checked a slice at a
     time where the leaf is updated in slices (a slice whose gradient is not finite keeps
     its values; the returned ``ok`` is False). ``p`` may be a stack of such leaves, this
     one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of states,
-    this one's at ``s[*state_outer]``: they come back updated in place."""
+    this one's at ``s[*state_outer]``: they come back updated in place; ``table``: the
+    stack's `fused_update.Table` (`layer_tables`), or None."""
     shape = jnp.shape(p)[len(outer):]
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
-    if self.fused is not None:
-      options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
-      if options is not None and fused_update.takes(self.fused, p, part):
-        return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
-                                        self.slice_elements, outer, state_outer)
+    options = self.kernel(p, shape)
+    if options is not None:
+      return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
+                                      self.slice_elements, outer, state_outer, table)
     if n == 1:
       late = slicing.late((outer, state_outer), g)
       new_p, new_s, ok = self.update(g, slicing.to("device", slicing.at(s, *late[1])),
@@ -395,14 +422,15 @@ class _Streamer:
     return p.reshape(shape), s, ok
 
   def update_tree(self, grads, states, params, place, where, ok, which=None, outer=(),
-                  state_outer=(), row=None):
+                  state_outer=(), row=None, tables=None):
     """``(params, states, ok)``: each leaf's update (those ``which`` selects), the new params
     and states as trees; each leaf (or slice) updated where ``ok`` (bool[]) and its own
     gradient are finite, else kept, the returned ``ok`` False if any was kept (`update`);
     ``where``: each leaf's `lowbit.Position`; ``outer``, ``state_outer``: `update_leaf`'s.
     With ``row`` (a `packed_rows.Row` of the states), each leaf's state is unpacked from it
     once the selected gradients, then the leaf before it, are done, not from ``states``: the
-    copies out of a host row are made one leaf at a time, not all at the row's arrival."""
+    copies out of a host row are made one leaf at a time, not all at the row's arrival.
+    ``tables``: each leaf's `update_leaf` ``table`` (a list), or None."""
     treedef = jax.tree.structure(params)
     leaves = zip(treedef.flatten_up_to(grads), treedef.flatten_up_to(states),
                  jax.tree.leaves(params), treedef.flatten_up_to(where))
@@ -417,7 +445,8 @@ class _Streamer:
         continue
       if row is not None:
         s = treedef.flatten_up_to(row.read_after(done, set(jax.tree.leaves(parts[i]))))[i]
-      out.append(self.update_leaf(g, s, p, place, at, ok, outer, state_outer))
+      out.append(self.update_leaf(g, s, p, place, at, ok, outer, state_outer,
+                                  None if tables is None else tables[i]))
       done = out[-1][:2]
     return (jax.tree.unflatten(treedef, [p for p, _, _ in out]),
             jax.tree.unflatten(treedef, [s for _, s, _ in out]),
@@ -434,7 +463,8 @@ class _Streamer:
     embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
     new_rest, rest_states, dh, head_ok = self.update_head(
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))
-    plan = self.backward_plan(one_layer, dh, batch, layers_at)
+    plan = self.backward_plan(one_layer, dh, batch, layers_at,
+                              self.layer_tables(layers, opt_state.layers, layers_at))
     (dh, ok), layers, layer_states = slicing.scan_slices(
         functools.partial(self.layer_backward, plan), (dh, head_ok), layers,
         opt_state.layers, saved, self.state, reverse=True, whole=True, fence=True)
@@ -488,7 +518,7 @@ class _Streamer:
                             new_rest, embedded)
     return new_rest, states, ok
 
-  def backward_plan(self, one_layer, dh, batch, layers_at) -> _Backward:
+  def backward_plan(self, one_layer, dh, batch, layers_at, tables) -> _Backward:
     """Which leaves each part of a layer reads, and after which part's backward each is
     updated: the first part that reads it (a leaf no part reads: part 0's, with a zero
     gradient)."""
@@ -496,7 +526,7 @@ class _Streamer:
                   for part in self.stack.parts]
     owner = [next((j for j, r in enumerate(part_reads) if r[k]), 0)
              for k in range(len(part_reads[0]))]
-    return _Backward(batch, part_reads, owner, layers_at)
+    return _Backward(batch, part_reads, owner, layers_at, tables)
 
   def part_inputs(self, p, h, batch):
     """Each part's input in layer ``p`` from the layer's input ``h``: the forward recomputed."""
@@ -538,7 +568,8 @@ class _Streamer:
         if new_s is None:
           new_s = slicing.at(states, *slicing.late((i,), [g for g, m in zip(full, mine) if m]))
         new_p, new_s, ok = self.update_tree(jax.tree.unflatten(treedef, full), new_s, new_p,
-                                            "device", at, ok, mine, outer, state_outer, row)
+                                            "device", at, ok, mine, outer, state_outer, row,
+                                            plan.tables if state_outer else None)
       if j:  # this part's update, then the part before: its forward recomputed, not kept
         dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
             (dh, inputs[j - 1], new_p, new_s))

@@ -83,7 +83,7 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
   if n == 1:
     p_index, s_index = slicing.late((outer, state_outer), g)
     state = s if state_outer else slicing.to("device", s)
-    ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
+    ok = _finite(g, ok)
     p, state = _step(fused, options, g, state, s_index, p, p_index, None, at, ok, shape, table)
     return p, (state if state_outer else slicing.to(place, state)), ok
 
@@ -95,7 +95,7 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
       table = Table(*jax.vmap(words)(jnp.arange(n, dtype=jnp.int32)))
 
   def fn(all_ok, i, p, s, g):  # `slicing.scan_slices`' ``whole``: p's and s's stacks
-    slice_ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
+    slice_ok = _finite(g, ok)
     state, s_index = (s.unpack(), ()) if place == "host" else (s, (*state_outer, i))
     p, state = _step(fused, options, g, state, s_index, p, (*outer, i),
                      part[0] if outer else None, at.part(i, part), slice_ok, part,
@@ -108,6 +108,12 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
     return p, s, ok
   ok, p, s = slicing.scan_slices(fn, ok, p, s, g.reshape(n, *part), place, whole=True)
   return p.reshape(shape), s, ok
+
+
+def _finite(g: jax.Array, ok: jax.Array) -> jax.Array:
+  """bool []: ``ok`` and every element of ``g`` finite, in one reduction (``ok`` taken
+  inside it, so the kernel reads the reduction's result, not a kernel of its own after it)."""
+  return jnp.all(jnp.logical_and(jnp.isfinite(g), ok))
 
 
 def _first_row(x: jax.Array, index: tuple, rows: int | None) -> jax.Array:
@@ -128,15 +134,22 @@ def _moments(state):
   return mu, nu, moments
 
 
+def _next(state, s_index):
+  """``(count, key, step)``: the chain's new step count (int32 []) and rounding key's data
+  (uint32 [2]) of the state at ``s_index`` of ``state``, and the key its rounding draws with
+  (a typed key)."""
+  (adam, *_), rounding = state
+  count, key_data = slicing.at((adam.count, rounding.key), *s_index)
+  next_key, step = jax.random.split(jax.random.wrap_key_data(key_data, impl="threefry2x32"))
+  return optax.safe_int32_increment(count), jax.random.key_data(next_key), step
+
+
 def _words_at(fused, state, s_index, p, p_index, rows, at):
   """``(words, numbers)``: uint32 ``[16]`` and float32 ``[2]``, the kernel's for the slice of
   ``p`` at ``p_index`` (`slicing.at`, with ``rows``), its state at ``s_index`` of ``state``,
   its position ``at``: the keys and bias corrections the chain's ``update`` makes."""
-  (adam, *_), rounding = state
-  count, key_data = slicing.at((adam.count, rounding.key), *s_index)
-  new_count = optax.safe_int32_increment(count)
+  new_count, next_key, step = _next(state, s_index)
   key = step_key(fused.seed, new_count)
-  next_key, step = jax.random.split(jax.random.wrap_key_data(key_data, impl="threefry2x32"))
   folded = lambda k: jax.random.key_data(jax.random.fold_in(k, at.leaf))
   mu, nu, _ = _moments(state)
   firsts = [_first_row(p, p_index, rows), jnp.int32(0),
@@ -145,7 +158,7 @@ def _words_at(fused, state, s_index, p, p_index, rows, at):
       folded(jax.random.fold_in(key, True)), folded(jax.random.fold_in(key, False)),
       folded(step), jnp.stack([jnp.asarray(at.row, jnp.int32), jnp.asarray(at.offset, jnp.int32),
                                *firsts, new_count]).astype(jnp.uint32),
-      jax.random.key_data(next_key), jnp.zeros((1,), jnp.uint32)])
+      next_key, jnp.zeros((1,), jnp.uint32)])
   numbers = jnp.stack([1 - fused.b1 ** new_count, 1 - fused.b2 ** new_count])
   return words, numbers.astype(jnp.float32)
 
@@ -174,9 +187,8 @@ def _step(fused, options, g, state, s_index, p, p_index, rows, at, ok, shape, ta
     count, key_data = counts.reshape(jnp.shape(adam.count)), keys.reshape(jnp.shape(rounding.key))
   else:
     count, key_data = slicing.at((adam.count, rounding.key), *s_index)
-    words = table.words[0]
-    count, key_data = (jnp.where(ok, words[12].astype(jnp.int32), count),
-                       jnp.where(ok, words[13:15], key_data))
+    new_count, next_key, _ = _next(state, s_index)
+    count, key_data = jnp.where(ok, new_count, count), jnp.where(ok, next_key, key_data)
     if s_index:
       count, key_data = slicing.put((adam.count, rounding.key), (count, key_data), *s_index)
   adam = adam._replace(count=count, mu=jax.tree.unflatten(moments, [mu]),

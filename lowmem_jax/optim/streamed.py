@@ -247,8 +247,7 @@ def _wheres(params: Any, key: str) -> tuple[Any, Any]:
 class _Backward(NamedTuple):
   """What each layer's backward reads besides its slices: the batch, the leaves of one layer
   each part reads (``part_reads[j][k]``), the part after whose backward leaf ``k`` is
-  updated (``owner[k]``), the layers' leaves' positions, and their kernels' tables
-  (`_Streamer.layer_tables`)."""
+  updated (``owner[k]``), the layers' leaves' positions and `_Streamer.layer_tables`."""
   batch: Any
   part_reads: list
   owner: list
@@ -372,9 +371,8 @@ class _Streamer:
     part = (shape[0] // n, *shape[1:]) if shape else shape
     options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
     if options is not None and _sharding.in_auto_mesh():
-      raise ValueError(f"`update_impl`={self.update_impl!r} runs a kernel on one device's whole "
-                       "arrays; under a mesh (jax.set_mesh) XLA would gather each leaf and its "
-                       "state onto every device: give update_impl='xla'.")
+      raise ValueError(f"`update_impl`={self.update_impl!r}: a kernel of one device's arrays, "
+                       "under a mesh (jax.set_mesh) gathered onto each; give update_impl='xla'.")
     return options if options is not None and fused_update.takes(self.fused, p, part) else None
 
   def layer_tables(self, layers, states, layers_at):

@@ -42,6 +42,13 @@ target, no GPU tests), which the test suite does to check this script.
 
     python benchmarks/gpu_validate.py                              # on a GPU machine
     python benchmarks/gpu_validate.py --dry-run --out /tmp/gpu.md  # anywhere
+
+``--speed`` runs issue 50's rows instead (`SPEED_CASES`): Llama-3.2-1B's plain step with
+full remat, its streamed step with the state on the device, with XLA's update and with the
+fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the device
+and on the host (two layers ahead), each both ways. Its report is ``docs/gpu_speed.md``
+(rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
+``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """
 
 import argparse
@@ -67,6 +74,18 @@ LLAMA3_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                     STREAMED + "+offload-opt")])
 DRY_LLAMA3_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                     for t in ("baseline", STREAMED + "+offload-opt")]
+# --speed: issue 50's rows, each streamed set with XLA's update and with the fused kernel; the
+# 1B's plain step with full remat (the same FLOPs) is their time ratio's baseline.
+SPEED_BASELINE = "all+fused-ce+8bit+bf16-params+remat:full"
+_SET_8B = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params"
+SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t) for t in (
+    SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off",
+    "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off+fused-update")]
+               + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16", f"{_SET_8B}+{t}{k}")
+                  for t in ("stream:device+mlp-chunk:off", "stream:host+offload-opt+prefetch:2")
+                  for k in ("", "+fused-update")])
+DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
+                   for t in (SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device")]
 MIN_CASE_SECONDS = 60  # --deadline: a case given less would not finish (the 1B's took 130 s)
 DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -191,12 +210,14 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
            "(initialisation's; where it equals *measured*, that bounds the step's peak from "
            "above); *host*: the real compile's arguments and temporaries in host memory. Step "
            "time: median after a warm-up, ratio to the baseline of the same model, size and "
-           "dtype (n/a: no baseline, as where the plain step does not fit).", "",
+           f"dtype (`baseline`, or `{SPEED_BASELINE}`; n/a: no baseline, as where the plain "
+           "step does not fit).", "",
            "| model | size | dtype | techniques | measured | real compile | no Triton GEMMs "
            "| own-config target | h100 target | h100 target / measured | before step | host "
            "| step s | time ratio | tokens/s |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  base = {_case_of(r): r["seconds"] for r in rows if r["techniques"] == "baseline"}
+  base = {_case_of(r): r["seconds"] for r in rows
+          if r["techniques"] in ("baseline", SPEED_BASELINE)}
   for r in rows:
     ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] else "n/a")
     baseline = base.get(_case_of(r))
@@ -222,8 +243,9 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", help="the report to write; default docs/gpu.md, and for "
-                      "--dry-run gpu_dry_run.md in the temporary directory")
+  parser.add_argument("--out", help="the report to write; default docs/gpu.md (docs/"
+                      "gpu_speed.md with --speed), and for --dry-run gpu_dry_run.md "
+                      "(gpu_speed_dry_run.md) in the temporary directory")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps after the warm-up")
   parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU, no GPU tests")
   parser.add_argument("--rows", help="finished cases, JSON lines; default: the report's name "
@@ -240,6 +262,9 @@ def main(argv=None) -> int:
                       help="seconds from the start: each case runs under what is left of them, "
                       f"none starts with under {MIN_CASE_SECONDS} s left; a case that fails or "
                       "is stopped is listed in the report and not kept in --rows")
+  parser.add_argument("--speed", action="store_true",
+                      help="run issue 50's speed rows instead (SPEED_CASES: the streamed sets "
+                      "with and without fused-update, the 1B's full-remat step their baseline)")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.case:
@@ -258,13 +283,18 @@ def main(argv=None) -> int:
     return 2
   start = time.perf_counter()
   cases = DRY_CASES if args.dry_run else CASES
-  out = pathlib.Path(args.out or (pathlib.Path(tempfile.gettempdir()) / "gpu_dry_run.md"
-                                  if args.dry_run else ROOT / "docs" / "gpu.md"))
+  # --speed writes a report of its own: the record's rows (docs/gpu.jsonl) are not rewritten.
+  name = "gpu_speed" if args.speed else "gpu"
+  out = pathlib.Path(args.out or (pathlib.Path(tempfile.gettempdir()) / f"{name}_dry_run.md"
+                                  if args.dry_run else ROOT / "docs" / f"{name}.md"))
   out.parent.mkdir(parents=True, exist_ok=True)
   rows_path = pathlib.Path(args.rows) if args.rows else out.with_suffix(".jsonl")
   device, version = jax.devices()[0].device_kind, jax.__version__
-  all_cases = (case_list(cases, DRY_DTYPES, DRY_LLAMA3_CASES) if args.dry_run else
-               case_list(cases, DTYPES, LLAMA3_CASES))
+  if args.speed:
+    all_cases = DRY_SPEED_CASES if args.dry_run else SPEED_CASES
+  else:
+    all_cases = (case_list(cases, DRY_DTYPES, DRY_LLAMA3_CASES) if args.dry_run else
+                 case_list(cases, DTYPES, LLAMA3_CASES))
   models = set(args.models.split(",")) if args.models else {case[0] for case in all_cases}
   unknown = models - {case[0] for case in all_cases}
   if unknown:
@@ -305,7 +335,8 @@ def main(argv=None) -> int:
   (targets.get("h100") if args.dry_run else targets.from_devices()).save(config)
   head = loss_head(args.dry_run)
   tests = "(dry run: not run)" if args.dry_run else gpu_tests()
-  command = "python benchmarks/gpu_validate.py" + (" --dry-run" if args.dry_run else "")
+  command = ("python benchmarks/gpu_validate.py" + (" --dry-run" if args.dry_run else "")
+             + (" --speed" if args.speed else ""))
   write_report(out, rows, head, tests, config.name, command, time.perf_counter() - start,
                args.dry_run, failed)
   print(out.read_text())

@@ -104,3 +104,21 @@ def test_a_case_past_its_time_is_stopped():
   with pytest.raises(gpu_validate.CaseFailed, match="stopped at its 0 s limit"):
     gpu_validate.run_case("vit-tiny", {"batch": 2, "image": 32}, "bfloat16", "baseline", 1,
                           timeout=0.01)
+
+
+@pytest.mark.slow
+def test_speed_runs_issue_50s_rows_each_with_and_without_the_fused_kernel(tmp_path,
+                                                                           monkeypatch):
+  """--speed: the streamed sets with and without fused-update, the 1B's full-remat step
+  first (their time ratio's baseline); a dry run of its tiny cases, the ratio read."""
+  sets = [t for _, _, _, t in gpu_validate.SPEED_CASES]
+  assert sets[0] == gpu_validate.SPEED_BASELINE
+  plain = [t for t in sets[1:] if "fused-update" not in t]
+  assert sorted(t + "+fused-update" for t in plain) == sorted(t for t in sets if "fused-up" in t)
+  monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(not timed)")
+  out = tmp_path / "speed.md"
+  assert gpu_validate.main(["--dry-run", "--speed", "--out", str(out), "--repeats", "1"]) == 0
+  rows = [[c.strip() for c in line.strip("|").split("|")]
+          for line in out.read_text().splitlines() if line.startswith("| llama-tiny")]
+  assert [r[3] for r in rows] == [t for *_, t in gpu_validate.DRY_SPEED_CASES]
+  assert rows[0][13] == "1.000" and float(rows[1][13]) > 0  # the streamed step's time ratio

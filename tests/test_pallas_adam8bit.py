@@ -176,6 +176,28 @@ def test_a_step_that_is_not_ok_keeps_every_value():
     np.testing.assert_array_equal(x, y)
 
 
+def test_the_step_writes_its_rows_count_and_key_and_no_other():
+  """Words for a stack of 3 slices' states, the step at row 1: its count and key set to the
+  words' new count and next key, rows 0 and 2 kept; the slice updated from row 1's words."""
+  shape = (16, 256)
+  p = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
+  mu, nu = lowbit.moments_zeros(p)
+  count, key = jnp.array([4, 9, 2], jnp.int32), jnp.arange(6, dtype=jnp.uint32).reshape(3, 2)
+  words = jnp.zeros((3, 16), jnp.uint32).at[:, 12:15].set(
+      jnp.array([[5, 70, 71], [10, 80, 81], [3, 90, 91]], jnp.uint32))
+  numbers = jnp.array([[0.1, 0.001], [0.5, 0.01], [0.2, 0.002]], jnp.float32)
+  run = lambda row: adam8bit.update(
+      jnp.copy(p), jnp.ones(shape, jnp.bfloat16), jax.tree.map(jnp.copy, mu),
+      jax.tree.map(jnp.copy, nu), jnp.copy(count), jnp.copy(key), words, numbers,
+      jnp.int32(row), jnp.bool_(True), hyper=HYPER, shape=shape, options=INTERPRET)
+  got = run(1)
+  np.testing.assert_array_equal(got[3], [4, 10, 2])
+  np.testing.assert_array_equal(got[4], [[0, 1], [80, 81], [4, 5]])
+  assert not np.array_equal(got[0], p)
+  other = run(2)  # another row's bias corrections: another step
+  assert not np.array_equal(other[0], got[0])
+
+
 @pytest.mark.parametrize("target", ["h100", "rtx4090"])
 def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter(target):
   """Triton and ptxas build it for sm_90a and sm_89 here, without a GPU; the compiled step

@@ -77,7 +77,7 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
   """`lowmem_jax.optim.streamed`'s ``update_leaf`` (the same arguments and returns) of a leaf
   the kernel `takes`, each slice in place; ``table``: the stack's `layer_table`, where ``s``
   is the device's stack of a layer leaf's states (``state_outer`` given), else None. A leaf
-  of many slices whose states are on the device makes its own."""
+  outside the stacks (no ``outer``) in many slices, its states on the device, makes its own."""
   shape = jnp.shape(p)[len(outer):]
   n = slices(shape, slice_elements)
   if n == 1:
@@ -112,7 +112,8 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
 
 def _finite(g: jax.Array, ok: jax.Array) -> jax.Array:
   """bool []: ``ok`` and every element of ``g`` finite, in one reduction (``ok`` taken
-  inside it, so the kernel reads the reduction's result, not a kernel of its own after it)."""
+  inside it, so the kernel reads the reduction's result, not a kernel of its own after it).
+  ``g`` is not empty: the kernel takes no empty slice (`takes`)."""
   return jnp.all(jnp.logical_and(jnp.isfinite(g), ok))
 
 

@@ -370,10 +370,12 @@ class _Streamer:
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
     options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
-    if options is not None and _sharding.in_auto_mesh():
-      raise ValueError(f"`update_impl`={self.update_impl!r}: a kernel of one device's arrays, "
-                       "under a mesh (jax.set_mesh) gathered onto each; give update_impl='xla'.")
-    return options if options is not None and fused_update.takes(self.fused, p, part) else None
+    if options is None or not fused_update.takes(self.fused, p, part):
+      return None
+    if _sharding.in_auto_mesh():
+      raise ValueError("`update_impl` picks a kernel of one device's arrays, under a mesh "
+                       "(jax.set_mesh) gathered onto each device; give update_impl='xla'.")
+    return options
 
   def layer_tables(self, layers, states, layers_at):
     """Each layer leaf's `fused_update.layer_table`, made before the layers' backward, where

@@ -365,11 +365,10 @@ class _Streamer:
   def kernel(self, p, shape):
     """The fused update kernel's options where leaf ``p`` (or a stack of them), whose part
     of ``shape`` is updated at a time (`slices`), runs it (``update_impl``); else None."""
-    if self.fused is None:
-      return None
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
-    options = dispatch.kernel_options(self.update_impl, "adamw_8bit")
+    options = None if self.fused is None else dispatch.kernel_options(self.update_impl,
+                                                                      "adamw_8bit")
     if options is None or not fused_update.takes(self.fused, p, part):
       return None
     if _sharding.in_auto_mesh():

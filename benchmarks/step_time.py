@@ -2,8 +2,9 @@
 
 For each row of ``docs/gpu.jsonl`` (a training step measured on a real GPU by
 ``benchmarks/gpu_validate.py``: the median of its repeats), the same step is compiled here for
-the shipped target of that GPU (``h100`` for an H100 SXM) and its time estimated from the
-optimized program (`lowmem_jax.compile.memory.step_time`). Prints a Markdown table: measured,
+the shipped target of that GPU (`targets.shipped_for`: ``h100`` for an H100 SXM, ``h200`` for
+an H200) and its time estimated from the optimized program
+(`lowmem_jax.compile.memory.step_time`). Prints a Markdown table: measured,
 estimated, their ratio, what bounds the step; and the largest ratio off 1. The estimate's
 constants (`step_time.CALIBRATION`) were fit to these rows (``docs/benchmarks.md`` says which),
 so this shows how well the model holds, not an independent check. ``--quick`` estimates one
@@ -21,15 +22,18 @@ from _quick import parse_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = {"rows": "8"}
-TARGET_BY_DEVICE = {"NVIDIA H100 80GB HBM3": "h100"}  # the device kinds gpu.jsonl holds
 
 
 def estimate(row: dict) -> dict:
   """The row's step compiled for its GPU's target: the estimate beside the measurement."""
   from lowmem_jax import app
+  from lowmem_jax.compile import targets
 
-  job = app.Job(row["model"], dtype=row["dtype"], target=TARGET_BY_DEVICE[row["device"]],
-                **row["size"])
+  target = targets.shipped_for(row["device"])
+  if target is None:
+    raise ValueError(f"no shipped target for the row's device {row['device']!r}: save its "
+                     "config (`targets.from_devices().save`) and add it to the shipped targets")
+  job = app.Job(row["model"], dtype=row["dtype"], target=target, **row["size"])
   b = app.measure(job, app.parse(row["techniques"]))
   if b.step_time is None:
     raise RuntimeError(f"no estimate for {row['techniques']} on target {job.target.name}")

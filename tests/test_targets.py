@@ -42,6 +42,7 @@ def test_shipped_configs_parse():
     assert t.platform == "cuda" and t.deviceless and t.memory_bytes > 2**33
     assert t.device_kind.startswith(("NVIDIA", "Tesla")) and name in t.note
   assert targets.get("h100").device_kind == "NVIDIA H100 80GB HBM3"
+  assert targets.get("h200").device_kind == "NVIDIA H200"  # CUDA's name, as nvidia-smi prints it
   assert targets.get("a100-40gb").memory_bytes < targets.get("a100-80gb").memory_bytes
 
 
@@ -71,6 +72,7 @@ def test_peak_and_host_link_figures(tmp_path):
   tflops = {n: targets.get(n).peak_bf16_flops / 1e12 for n in targets.names() if n != "cpu"}
   # Dense bfloat16 with float32 accumulation: NVIDIA's datasheets give twice, with sparsity.
   assert tflops["h100"] == pytest.approx(989.4) and tflops["a100-80gb"] == 312
+  assert tflops["h200"] == tflops["h100"]  # the same die and clocks, with HBM3e
   # A GeForce card accumulates in float32 at half its FP16-accumulate rate (330.3 TFLOPS).
   assert tflops["rtx4090"] == pytest.approx(165.2) and tflops["rtx3090"] == 71
   assert tflops["v100"] < tflops["a10g"] < tflops["l4"] < tflops["a6000"] < tflops["l40s"]
@@ -80,7 +82,7 @@ def test_peak_and_host_link_figures(tmp_path):
   # NVLink one way where the part links all its peers by it (H100 SXM: 900 GB/s both ways), else
   # the PCIe link (the H100 PCIe's NVLink bridge joins two cards only).
   link = {n: targets.get(n).interconnect_bytes_per_s / 1e9 for n in tflops}
-  assert link["h100"] == 450 and link["a100-80gb"] == 300 and link["b200"] == 900
+  assert link["h100"] == link["h200"] == 450 and link["a100-80gb"] == 300 and link["b200"] == 900
   assert link["h100-pcie"] == gb_per_s["h100-pcie"] and link["rtx4090"] == gb_per_s["rtx4090"]
   # Known by device kind: the same card saved and loaded keeps them, another card has none.
   targets.get("l4").save(tmp_path / "mine.txtpb")
@@ -91,6 +93,21 @@ def test_peak_and_host_link_figures(tmp_path):
   assert unknown.peak_bf16_flops is None and unknown.host_link_bytes_per_s is None
   assert unknown.interconnect_bytes_per_s is None and targets.get("cpu").interconnect_bytes_per_s \
       is None
+
+
+def test_the_h200_is_the_h100_with_hbm3e_and_each_shipped_gpu_is_found_by_its_device_kind():
+  h100, h200 = targets.get("h100"), targets.get("h200")
+  assert h200.memory_bytes_per_s == 4.8e12 and h100.memory_bytes_per_s == pytest.approx(3.35e12,
+                                                                                       rel=1e-3)
+  # CUDA's total on an H200: nvidia-smi's 143,771 MiB less what the H100 shows between the two.
+  assert round(h200.memory_bytes / 2**20) == 143771 - 480
+  assert h200.compute_capability == h100.compute_capability == (9, 0)
+  for name in targets.names():
+    if name != "cpu":
+      assert targets.shipped_for(targets.get(name).device_kind) == name
+  assert targets.shipped_for("NVIDIA H200 NVL") is None and targets.shipped_for("cpu") is None
+  # An attached H200 (no config of its own) takes the bandwidth of the shipped one.
+  assert targets.Target("attached", "cuda", "NVIDIA H200", 2**37).memory_bytes_per_s == 4.8e12
 
 
 @pytest.mark.slow

@@ -122,6 +122,9 @@ _SPEEDS = {
     # h100: H100 datasheet, SXM5: BF16 1,979 TFLOPS with sparsity; PCIe Gen5 x16 to the host;
     # NVLink 4 900 GB/s a GPU, both directions together (18 links of 25 GB/s each way).
     "NVIDIA H100 80GB HBM3": _Speeds(989.4e12, _pcie_bytes_per_s(5), 450e9),
+    # h200: H200 datasheet, SXM: BF16 1,979 TFLOPS with sparsity (the H100 SXM's die and
+    # clocks, HBM3e); PCIe Gen5 x16; NVLink 4 900 GB/s, both directions together.
+    "NVIDIA H200": _Speeds(989.4e12, _pcie_bytes_per_s(5), 450e9),
     # h100-pcie: H100 datasheet, PCIe: BF16 1,513 TFLOPS with sparsity; PCIe Gen5 x16 (its
     # NVLink bridge joins two cards only, so 8 cards talk over PCIe).
     "NVIDIA H100 PCIe": _Speeds(756.5e12, _pcie_bytes_per_s(5)),
@@ -207,10 +210,9 @@ class Target:
     """The device memory's bandwidth in bytes/s: its config's ``memory_bandwidth`` (XLA's
     reading of the memory clock and bus width), else a shipped config's of the same device
     kind (for `attached`); None where neither gives it (the CPU, another GPU)."""
-    configs = [self.config] if self.config else [
-        c for c in (_CONFIGS.joinpath(f"{n}.txtpb").read_text() for n in names() if n != "cpu")
-        if _DEVICE_KIND.search(c).group(1) == self.device_kind]
-    found = next((m for c in configs if (m := _BANDWIDTH.search(c))), None)
+    shipped = shipped_for(self.device_kind)
+    config = self.config or (shipped and _CONFIGS.joinpath(f"{shipped}.txtpb").read_text())
+    found = config and _BANDWIDTH.search(config)
     return float(found.group(1)) if found else None
 
   @property
@@ -421,6 +423,14 @@ def names() -> tuple[str, ...]:
   """The shipped compile-only GPUs, and ``"cpu"``."""
   shipped = sorted(p.name[:-len(".txtpb")] for p in _CONFIGS.iterdir() if p.name.endswith(".txtpb"))
   return (*shipped, "cpu")
+
+
+def shipped_for(device_kind: str) -> str | None:
+  """The shipped target of the GPU whose device kind (CUDA's name, ``jax.Device.device_kind``)
+  is ``device_kind``: ``"h200"`` for ``"NVIDIA H200"``; None where none is shipped."""
+  kinds = {n: _DEVICE_KIND.search(_CONFIGS.joinpath(f"{n}.txtpb").read_text()).group(1)
+           for n in names() if n != "cpu"}
+  return next((n for n, kind in kinds.items() if kind == device_kind), None)
 
 
 def get(name: str, *, autotune_results: str | None = None) -> Target:

@@ -186,9 +186,9 @@ def _step(fused, options, g, state, s_index, p, p_index, rows, at, ok, shape, ta
                                             options=options)
   if in_stack:
     count, key_data = counts.reshape(jnp.shape(adam.count)), keys.reshape(jnp.shape(rounding.key))
-  else:
+  else:  # the step's count and key, from its words
     count, key_data = slicing.at((adam.count, rounding.key), *s_index)
-    new_count, next_key, _ = _next(state, s_index)
+    new_count, next_key = table.words[0, 12].astype(jnp.int32), table.words[0, 13:15]
     count, key_data = jnp.where(ok, new_count, count), jnp.where(ok, next_key, key_data)
     if s_index:
       count, key_data = slicing.put((adam.count, rounding.key), (count, key_data), *s_index)

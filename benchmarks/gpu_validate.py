@@ -91,30 +91,45 @@ DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half t
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int) -> dict:
-  """One case, in this process: measured, real-compile and target-compile figures."""
+def build(model: str, size: dict, dtype: str, techniques: str) -> tuple:
+  """``(step, params, opt_state, batch)``: one case's jitted training step (parameters and
+  optimizer state donated) and its first arguments, made on the default device."""
   import jax
 
   from lowmem_jax import app
-  from lowmem_jax.compile import memory, targets
 
   job = app.Job(model, dtype=dtype, target="cpu", **size)  # the target: not compiled for
   built = app.parse(techniques).program(job).run()
   wl, step = built["wl"], built["step"]
   params = wl.init(jax.random.key(0))
   opt_state = (built["streamed"] if "streamed" in built else built["tx"]).init(params)
-  batch = wl.batch(jax.random.key(1))
+  return step, params, opt_state, wl.batch(jax.random.key(1))
+
+
+def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int,
+            compiles: bool = True) -> dict:
+  """One case, in this process: measured, real-compile and target-compile figures; without
+  ``compiles`` (``--speed``), the measured and real-compile figures only: the step compiled
+  once, not also for the targets and without Triton GEMMs (an 8B case's three more compiles)."""
+  import jax
+
+  from lowmem_jax.compile import memory, targets
+
+  step, params, opt_state, batch = build(model, size, dtype, techniques)
   on_gpu = jax.default_backend() == "gpu"
-  own = targets.from_devices("this-gpu") if on_gpu else None
+  own = targets.from_devices("this-gpu") if on_gpu and compiles else None
   peak_for = lambda target: memory.analyze(step, params, opt_state, batch, target=target).peak_bytes
-  figures = {"target_own": peak_for(own) if own else None, "target_h100": peak_for("h100")}
+  figures = {"target_own": peak_for(own) if own else None,
+             "target_h100": peak_for("h100") if compiles else None}
   lowered = step.lower(params, opt_state, batch)
   compiled = lowered.compile()
   real = memory.stats_of(compiled)
   figures["real_compile"] = real.peak_bytes
   figures["host_bytes"] = real.host_argument_bytes + real.host_temp_bytes
-  no_triton = lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS) if on_gpu else compiled
-  figures["real_no_triton_gemm"] = memory.stats_of(no_triton).peak_bytes
+  figures["real_no_triton_gemm"] = None
+  if compiles:
+    no_triton = lowered.compile(compiler_options=targets.DEVICELESS_OPTIONS) if on_gpu else compiled
+    figures["real_no_triton_gemm"] = memory.stats_of(no_triton).peak_bytes
   device = jax.devices()[0]
   figures["before_step"] = (device.memory_stats() or {}).get("peak_bytes_in_use")
   params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
@@ -140,10 +155,10 @@ class CaseFailed(RuntimeError):
   """A case that did not finish: why, in a line."""
 
 
-def run_case(model, size, dtype, techniques, repeats, timeout=None) -> dict:
+def run_case(model, size, dtype, techniques, repeats, timeout=None, compiles=True) -> dict:
   """`measure` in a fresh Python process, so its peak counter starts at zero; `CaseFailed`
   where it fails or runs past ``timeout`` seconds."""
-  spec = json.dumps([model, size, dtype, techniques, repeats])
+  spec = json.dumps([model, size, dtype, techniques, repeats, compiles])
   try:
     done = subprocess.run([sys.executable, __file__, "--case", spec], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout)
@@ -182,7 +197,7 @@ def _gib(nbytes) -> str:
   return "n/a" if nbytes is None else f"{nbytes / 2**30:,.2f}"
 
 
-def _size(size: dict) -> str:
+def size_text(size: dict) -> str:
   """``"2 x 2048"`` (batch x tokens) or ``"64"`` (batch)."""
   return " x ".join(str(size[k]) for k in ("batch", "seq") if k in size)
 
@@ -219,11 +234,12 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
   base = {_case_of(r): r["seconds"] for r in rows
           if r["techniques"] in ("baseline", SPEED_BASELINE)}
   for r in rows:
-    ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] else "n/a")
+    ratio = (f"{r['target_h100'] / r['measured']:.3f}" if r["measured"] and r["target_h100"]
+             else "n/a")
     baseline = base.get(_case_of(r))
     size = r.get("size") or {}
     tokens = (f"{size['batch'] * size['seq'] / r['seconds']:,.0f}" if "seq" in size else "n/a")
-    lines.append(f"| {r['model']} | {_size(size)} | {r['dtype']} | {r['techniques']} | "
+    lines.append(f"| {r['model']} | {size_text(size)} | {r['dtype']} | {r['techniques']} | "
                  f"{_gib(r['measured'])} | {_gib(r['real_compile'])} | "
                  f"{_gib(r.get('real_no_triton_gemm'))} | {_gib(r['target_own'])} | "
                  f"{_gib(r['target_h100'])} | {ratio} | {_gib(r.get('before_step'))} | "
@@ -232,7 +248,7 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
                  f"{tokens} |")
   if failed:
     lines += ["", "Cases that did not finish:", ""]
-    lines += [f"- {m} {_size(z)} {d} `{t}`: {why}" for (m, z, d, t), why in failed]
+    lines += [f"- {m} {size_text(z)} {d} `{t}`: {why}" for (m, z, d, t), why in failed]
   lines += ["", "The LLM loss head (`benchmarks/loss_head.py`, as this script runs it; memory "
             "for the target, time on this device):", "", "```", head.rstrip(), "```",
             "", f"GPU-marked tests (`pytest -m gpu`): {tests}", "",
@@ -315,7 +331,7 @@ def main(argv=None) -> int:
     try:
       if left is not None and left < MIN_CASE_SECONDS:
         raise CaseFailed(f"not started: {left:.0f} s of --deadline left")
-      rows.append(run_case(*case, args.repeats, timeout=left))
+      rows.append(run_case(*case, args.repeats, timeout=left, compiles=not args.speed))
     except CaseFailed as why:
       failed.append((case, str(why)))
       print(f"gpu_validate: {case}: {why}", file=sys.stderr)

@@ -200,3 +200,21 @@ def test_a_statistic_of_the_whole_leaf_over_a_sliced_leaf_is_refused():
                      r"8 slices .* reads across its slices .* `slice_elements` >= 1024"):
     streamed.layer_streamed(model, optax.lamb(1e-3), slice_elements=128).init(params)
   streamed.layer_streamed(model, optax.lamb(1e-3), slice_elements=2048).init(params)
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_the_step_compiles_once_where_its_first_arguments_are_committed(state):
+  """A step that moves arrays between memories returns committed arrays (XLA placed them), and
+  `jax.jit` keys its cache on committedness: arguments fresh from ``init`` (uncommitted) make
+  the second step compile again; committed first (``jax.device_put(x, x.sharding)``, as
+  docs/techniques.md says), one compile."""
+  commit = lambda tree: jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+  batch = batch_of(jax.random.key(1))
+  for first, compiles in ((lambda tree: tree, 2), (commit, 1)):
+    streamer = lm.optim.layer_streamed(stack(), optax.adamw(1e-3), state=state)
+    step = jax.jit(streamer.step, donate_argnums=(0, 1))
+    params = params_of(jax.random.key(0))
+    params, opt_state = first((params, streamer.init(params)))
+    for _ in range(3):
+      params, opt_state, _ = step(params, opt_state, batch)
+    assert step._cache_size() == compiles

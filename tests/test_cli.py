@@ -385,8 +385,10 @@ def test_optimizer_memory_techniques(capsys):
   code = setting.python(app.Job("vit-tiny", batch=4, image=32, target="h100"))
   assert "lm.offload.offload_state(lm.lowbit.adamw_8bit(0.001, weight_decay=0.0001))" in code
   assert "lm.lowbit.stochastic_rounding()" in code and "param_dtype=jnp.bfloat16" in code
+  assert "params, opt_state = lm.offload.committed((params, opt_state))" in code
   namespace = {}
   exec(code, namespace)
+  assert all(x.committed for x in jax.tree.leaves((namespace["params"], namespace["opt_state"])))
   assert jax.tree.structure(namespace["opt_state"]) == jax.tree.structure(
       setting.adamw().init(namespace["params"]))
   assert {p.dtype for p in jax.tree.leaves(namespace["params"])} == {jnp.dtype(jnp.bfloat16)}

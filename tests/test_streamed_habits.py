@@ -206,11 +206,10 @@ def test_a_statistic_of_the_whole_leaf_over_a_sliced_leaf_is_refused():
 def test_the_step_compiles_once_where_its_first_arguments_are_committed(state):
   """A step that moves arrays between memories returns committed arrays (XLA placed them), and
   `jax.jit` keys its cache on committedness: arguments fresh from ``init`` (uncommitted) make
-  the second step compile again; committed first (``jax.device_put(x, x.sharding)``, as
-  docs/techniques.md says), one compile."""
-  commit = lambda tree: jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+  the second step compile again; committed first (`lowmem_jax.optim.offload.committed`), one
+  compile."""
   batch = batch_of(jax.random.key(1))
-  for first, compiles in ((lambda tree: tree, 2), (commit, 1)):
+  for first, compiles in ((lambda tree: tree, 2), (lm.offload.committed, 1)):
     streamer = lm.optim.layer_streamed(stack(), optax.adamw(1e-3), state=state)
     step = jax.jit(streamer.step, donate_argnums=(0, 1))
     params = params_of(jax.random.key(0))

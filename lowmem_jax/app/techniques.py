@@ -515,6 +515,10 @@ class TechniqueSet:
     init = "streamed.init" if "stream" in self else "tx.init"
     start = (("params", code.Call.of("wl.init", code.Call.of("jax.random.key", 0)), ""),
              ("opt_state", code.Call.of(init, code.Name("params")), ""))
+    if "stream" in self or "offload-opt" in self:  # its outputs are committed: so its inputs
+      start += (("params, opt_state", code.Call.of(
+          "lm.offload.committed", (code.Name("params"), code.Name("opt_state"))),
+          "committed, or the second step compiles again"),)
     return code.Program(self.program(job).lines + start).source()
 
 

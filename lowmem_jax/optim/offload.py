@@ -105,3 +105,12 @@ def in_host_memory(tree: Any) -> Any:
   compile-only one, and a target orbax restores into host memory."""
   host = _sharding.one_device(jax.devices()[0], HOST)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), tree)
+
+
+def committed(tree: Any) -> Any:
+  """``tree``'s arrays each committed where it lies (``jax.device_put(x, x.sharding)``): the
+  first arguments of a step that moves arrays between memories (`offload_state`,
+  `lowmem_jax.optim.layer_streamed`). Such a step returns committed arrays and ``jax.jit``
+  keys its cache on committedness, so arguments fresh from ``init`` (uncommitted) would make
+  the second step compile again."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)

@@ -299,7 +299,8 @@ def test_every_benchmark_has_a_test():
   """A new script in benchmarks/ gets a quick mode and its test here, ``test_<script>``."""
   scripts = {p.stem for p in (pathlib.Path(__file__).parents[1] / "benchmarks").glob("[!_]*.py")}
   tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
-  missing = scripts - tested - {"gpu_validate"}  # tests/test_gpu_validate.py runs its --dry-run
+  # tests/test_gpu_validate.py and test_gpu_profile.py run their --dry-run
+  missing = scripts - tested - {"gpu_validate", "gpu_profile"}
   assert not missing, f"benchmarks without a test here: {sorted(missing)}"
 
 

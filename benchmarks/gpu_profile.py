@@ -23,6 +23,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -42,24 +43,30 @@ _TO_DEVICE, _TO_HOST = re.compile(r"H2D|HtoD", re.I), re.compile(r"D2H|DtoH", re
 _SIZE = re.compile(r"\bsize:\s*(\d+)")
 
 
-def summarise(trace: dict, steps: int) -> dict:
+def summarise(trace: dict, steps: int, device: bool = True) -> dict:
   """A Perfetto/Chrome trace (``{"traceEvents": [...]}``) of ``steps`` steps, summarised for
-  its device (see the module's docstring): seconds a step, idle seconds a step, ``kernels``
-  (name, count, seconds) and ``copies`` by direction (count, seconds, bytes or None)."""
+  its device (see the module's docstring; ``device=False``: the host's, for the dry run): a
+  step's seconds and idle seconds, ``kernels`` (name, count, seconds) and ``copies`` by
+  direction (count, seconds, bytes or None where a copy's size is not in the trace), each a
+  step's mean. A ValueError where the trace has no such device (on a GPU: CUPTI not loaded)
+  or no span on its streams."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  devices = [pid for pid, name in names.items() if name.startswith("/device:")]
-  on_device = bool(devices)
-  pids = set(devices[:1] or [pid for pid, name in names.items() if name.startswith("/host:")])
-  streams = {key for key, name in threads.items() if key[0] in pids and (
-      name.startswith("Stream") if on_device else name != "python")}
+  prefix = "/device:" if device else "/host:"
+  found = sorted((name != "/device:GPU:0", pid) for pid, name in names.items()
+                 if name.startswith(prefix))
+  if not found:
+    raise ValueError(f"the trace has no {prefix}... process (processes: {sorted(names.values())})")
+  pid = found[0][1]
+  streams = {key for key, name in threads.items() if key[0] == pid and (
+      name.startswith("Stream") if device else name != "python")}
   spans = _outermost([e for e in events
                       if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams])
   if not spans:
-    raise ValueError("the trace has no kernel or copy on the device's streams")
+    raise ValueError(f"the trace has no kernel or copy on {names[pid]}'s streams")
   start = min(e["ts"] for e in spans)
   wall = max(e["ts"] + e["dur"] for e in spans) - start
   busy, end = 0.0, start
@@ -67,7 +74,7 @@ def summarise(trace: dict, steps: int) -> dict:
     busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
     end = max(end, e["ts"] + e["dur"])
   kernels = collections.defaultdict(lambda: [0, 0.0])
-  copies = collections.defaultdict(lambda: [0, 0.0, 0])
+  copies = collections.defaultdict(lambda: [0, 0.0, 0, True])  # count, s, bytes, all sized
   for e in spans:
     name = e["name"]
     if _COPY.search(name):
@@ -75,28 +82,30 @@ def summarise(trace: dict, steps: int) -> dict:
              else "on device")
       size = _SIZE.search(" ".join(str(v) for v in (e.get("args") or {}).values()))
       c = copies[way]
-      c[0], c[1], c[2] = c[0] + 1, c[1] + e["dur"] / 1e6, c[2] + int(size.group(1) if size else 0)
+      c[:] = c[0] + 1, c[1] + e["dur"] / 1e6, c[2] + int(size.group(1) if size else 0), (
+          c[3] and size is not None)
     else:
       k = kernels[name]
       k[0], k[1] = k[0] + 1, k[1] + e["dur"] / 1e6
   top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
-  return {"device": names[min(pids)], "steps": steps, "seconds": wall / 1e6 / steps,
-          "idle_seconds": (wall - busy) / 1e6 / steps, "kernel_count": sum(
-              k[0] for k in kernels.values()) // steps,
-          "kernels": [(name, n // steps, s / steps) for name, (n, s) in top],
-          "copies": {way: (n // steps, s / steps, (b // steps) or None)
-                     for way, (n, s, b) in sorted(copies.items())}}
+  return {"device": names[pid], "steps": steps, "seconds": wall / 1e6 / steps,
+          "idle_seconds": (wall - busy) / 1e6 / steps,
+          "kernel_count": sum(k[0] for k in kernels.values()) / steps,
+          "kernels": [(name, n / steps, s / steps) for name, (n, s) in top],
+          "copies": {way: (n / steps, s / steps, b / steps if sized else None)
+                     for way, (n, s, b, sized) in sorted(copies.items())}}
 
 
 def _outermost(spans: list[dict]) -> list[dict]:
-  """The spans no other span of their thread holds (a stream's kernels do not nest; a host
-  thread's annotations do)."""
+  """The spans no other span of their thread holds whole: a host thread's annotations nest;
+  a stream's kernels may overlap in part (a CUDA graph's branches, early launches), and
+  each counts."""
   kept, ends = [], {}
   for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
     thread = e["pid"], e["tid"]
-    if e["ts"] >= ends.get(thread, float("-inf")):
+    if e["ts"] + e["dur"] > ends.get(thread, float("-inf")):
       kept.append(e)
-      ends[thread] = e["ts"] + e["dur"]
+      ends[thread] = max(ends.get(thread, float("-inf")), e["ts"] + e["dur"])
   return kept
 
 
@@ -115,7 +124,7 @@ def profile(model: str, size: dict, dtype: str, techniques: str, steps: int,
   newest = max(pathlib.Path(traces).rglob("perfetto_trace.json.gz"),
                key=lambda p: p.stat().st_mtime)
   with gzip.open(newest) as f:
-    summary = summarise(json.load(f), steps)
+    summary = summarise(json.load(f), steps, device=jax.default_backend() == "gpu")
   return {"model": model, "size": size, "dtype": dtype, "techniques": techniques,
           "jax": jax.__version__, "trace": str(newest), **summary}
 
@@ -130,14 +139,14 @@ def markdown(rows: list[dict], failed: list, command: str) -> str:
               f"`{r['techniques']}`", "",
               f"{r['device']}, jax {r['jax']}: **{1e3 * r['seconds']:,.1f} ms a step**, "
               f"{1e3 * r['idle_seconds']:,.1f} ms of it idle (no kernel or copy running), "
-              f"{r['kernel_count']:,} kernels (mean of {r['steps']} steps).", "",
+              f"{r['kernel_count']:,.0f} kernels (means of {r['steps']} steps).", "",
               "| copies | count | ms | GiB | GB/s |", "|---|---:|---:|---:|---:|"]
     for way, (n, s, b) in r["copies"].items():
       rate = f"{b / s / 1e9:,.1f}" if b and s else "n/a"
-      lines.append(f"| {way} | {n:,} | {1e3 * s:,.1f} | "
+      lines.append(f"| {way} | {n:,.1f} | {1e3 * s:,.1f} | "
                    f"{'n/a' if b is None else format(b / 2**30, ',.2f')} | {rate} |")
     lines += ["", "| kernel | count | ms | share of the step |", "|---|---:|---:|---:|"]
-    lines += [f"| `{name[:90]}` | {n:,} | {1e3 * s:,.2f} | {s / r['seconds']:.1%} |"
+    lines += [f"| `{name[:90]}` | {n:,.1f} | {1e3 * s:,.2f} | {s / r['seconds']:.1%} |"
               for name, n, s in r["kernels"]]
     lines.append("")
   if failed:
@@ -159,10 +168,14 @@ def main(argv=None) -> int:
                       "under what is left of them; one that fails or is stopped is listed")
   parser.add_argument("--case", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  start = time.perf_counter()  # --deadline counts from here, JAX's start included
   traces = args.traces or tempfile.mkdtemp(prefix="gpu_profile_")
   if args.case:
     print(json.dumps(profile(*json.loads(args.case), args.steps, traces)))
     return 0
+  # This process only names the backend: without preallocation it leaves the GPU's memory to
+  # the processes that profile, as gpu_validate's does.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   if not args.dry_run and jax.default_backend() != "gpu":
     print(f"gpu_profile: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
@@ -173,8 +186,14 @@ def main(argv=None) -> int:
                                   if args.dry_run else root / "docs" / "gpu_profile.md"))
   cases = DRY_CASES if args.dry_run else CASES
   if args.models:
+    unknown = set(args.models.split(",")) - {c[0] for c in cases}
+    if unknown:
+      parser.error(f"--models: no cases of {', '.join(sorted(unknown))}; choose from "
+                   f"{', '.join(dict.fromkeys(c[0] for c in cases))}.")
     cases = [c for c in cases if c[0] in args.models.split(",")]
-  start, rows, failed = time.perf_counter(), [], []
+  rows, failed = [], []
+  command = "python benchmarks/gpu_profile.py" + (" --dry-run" if args.dry_run else "")
+  out.parent.mkdir(parents=True, exist_ok=True)
   for case in cases:
     left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
     try:
@@ -186,16 +205,17 @@ def main(argv=None) -> int:
       if done.returncode:
         last = [line for line in done.stderr.splitlines() if line.strip()][-2:]
         raise gpu_validate.CaseFailed(" / ".join(last) or f"exited {done.returncode}")
-      rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+      try:
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+      except (IndexError, ValueError):
+        raise gpu_validate.CaseFailed("exited 0 without its summary") from None
     except subprocess.TimeoutExpired:
       failed.append((case, f"stopped at its {left:.0f} s limit (--deadline)"))
     except gpu_validate.CaseFailed as why:
       failed.append((case, str(why)))
     print(f"gpu_profile: {case[0]} `{case[3]}`: "
           f"{failed[-1][1] if failed and failed[-1][0] == case else 'done'}", file=sys.stderr)
-  command = "python benchmarks/gpu_profile.py" + (" --dry-run" if args.dry_run else "")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(markdown(rows, failed, command))
+    out.write_text(markdown(rows, failed, command))  # after each case: a call cut off keeps it
   print(f"gpu_profile: {len(rows)} of {len(cases)} cases in {out}; traces in {traces}")
   return 1 if failed or not rows else 0
 

@@ -1,5 +1,6 @@
 """benchmarks/gpu_profile.py: its trace summary, on a GPU-shaped trace; its pipeline on the CPU."""
 
+import jax
 import pytest
 
 import gpu_profile  # benchmarks/, on sys.path in conftest.py
@@ -21,7 +22,7 @@ def _trace():
       meta(2, 9, "thread_name", "Stream #9(MemcpyD2H)"), meta(2, 3, "thread_name", "XLA Ops"),
       {"ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 5000, "name": "PjitFunction(step)"},
       span(3, 0, 4000, "while.12"),  # an op's span over its kernels: not a kernel
-      span(7, 0, 1000, "gemm_a"), span(7, 1000, 500, "loop_fusion"),
+      span(7, 0, 1000, "gemm_a"), span(7, 900, 600, "loop_fusion"),  # launched early
       span(7, 2000, 1000, "gemm_a"), span(7, 3500, 500, "loop_fusion"),
       span(8, 100, 800, "MemcpyH2D", copy(4_000_000)), span(8, 2100, 800, "MemcpyH2D",
                                                              copy(4_000_000)),
@@ -34,11 +35,20 @@ def test_the_summary_counts_each_stream_once_and_the_copies_each_way():
   assert s["device"] == "/device:GPU:0"
   # The streams' spans run from 0 to 4,000 us; the device is busy in [0, 1500) and [2000, 4000).
   assert s["seconds"] == pytest.approx(4000e-6 / 2) and s["idle_seconds"] == pytest.approx(250e-6)
-  assert s["kernel_count"] == 2
+  assert s["kernel_count"] == 2  # a kernel overlapping the one before in part counts
   assert s["kernels"] == [("gemm_a", 1, pytest.approx(1000e-6)),
-                          ("loop_fusion", 1, pytest.approx(500e-6))]
+                          ("loop_fusion", 1, pytest.approx(550e-6))]
   assert s["copies"] == {"to device": (1, pytest.approx(800e-6), 4_000_000),
-                         "to host": (0, pytest.approx(500e-6), 1_000_000)}
+                         "to host": (0.5, pytest.approx(500e-6), 1_000_000)}
+
+
+def test_a_copy_of_no_size_gives_no_bytes_and_a_gpu_trace_without_its_device_is_refused():
+  trace = _trace()
+  trace["traceEvents"][-1]["args"] = {}
+  assert gpu_profile.summarise(trace, steps=2)["copies"]["to host"][2] is None
+  trace["traceEvents"] = [e for e in trace["traceEvents"] if e["pid"] != 2]  # CUPTI not loaded
+  with pytest.raises(ValueError, match="no /device:... process"):
+    gpu_profile.summarise(trace, steps=2)
 
 
 def test_a_host_thread_s_nested_spans_count_once_and_a_trace_without_spans_is_refused():
@@ -47,11 +57,11 @@ def test_a_host_thread_s_nested_spans_count_once_and_a_trace_without_spans_is_re
       {"ph": "M", "pid": 1, "tid": 4, "name": "thread_name", "args": {"name": "tf_XLACpu"}},
       {"ph": "X", "pid": 1, "tid": 4, "ts": 0, "dur": 100, "name": "Execute"},
       {"ph": "X", "pid": 1, "tid": 4, "ts": 10, "dur": 50, "name": "fusion.1"}]}
-  s = gpu_profile.summarise(trace, steps=1)
+  s = gpu_profile.summarise(trace, steps=1, device=False)
   assert s["device"] == "/host:CPU" and s["kernels"] == [("Execute", 1, pytest.approx(1e-4))]
   trace["traceEvents"] = trace["traceEvents"][:2]
   with pytest.raises(ValueError, match="no kernel or copy"):
-    gpu_profile.summarise(trace, steps=1)
+    gpu_profile.summarise(trace, steps=1, device=False)
 
 
 @pytest.mark.slow
@@ -65,6 +75,7 @@ def test_dry_run_profiles_a_streamed_step_and_writes_the_report(tmp_path):
   assert list((tmp_path / "t").rglob("perfetto_trace.json.gz"))
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU it would profile")
 def test_refuses_without_a_gpu(capsys):
   assert gpu_profile.main(["--out", "/nonexistent/p.md"]) == 2
   assert "use --dry-run" in capsys.readouterr().err

@@ -217,3 +217,15 @@ def test_the_step_compiles_once_where_its_first_arguments_are_committed(state):
     for _ in range(3):
       params, opt_state, _ = step(params, opt_state, batch)
     assert step._cache_size() == compiles
+
+
+def test_committed_keeps_each_array_where_it_lies_and_commits_numpy_leaves():
+  host = jax.device_put(jnp.ones(3), jax.sharding.SingleDeviceSharding(
+      jax.devices()[0], memory_kind="pinned_host"))
+  tree = {"host": host, "device": jnp.zeros(2), "numpy": np.ones(2, np.float32), "int": 3,
+          "none": None}
+  out = lm.offload.committed(tree)
+  assert out["none"] is None and all(x.committed for x in jax.tree.leaves(out))
+  assert out["host"].sharding.memory_kind == "pinned_host"
+  assert out["device"].sharding.memory_kind == "device"
+  _same(out, jax.tree.map(jnp.asarray, tree))

@@ -210,7 +210,7 @@ class Target:
     """The device memory's bandwidth in bytes/s: its config's ``memory_bandwidth`` (XLA's
     reading of the memory clock and bus width), else a shipped config's of the same device
     kind (for `attached`); None where neither gives it (the CPU, another GPU)."""
-    shipped = shipped_for(self.device_kind)
+    shipped = None if self.config else shipped_for(self.device_kind)
     config = self.config or (shipped and _CONFIGS.joinpath(f"{shipped}.txtpb").read_text())
     found = config and _BANDWIDTH.search(config)
     return float(found.group(1)) if found else None

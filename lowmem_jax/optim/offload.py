@@ -108,9 +108,11 @@ def in_host_memory(tree: Any) -> Any:
 
 
 def committed(tree: Any) -> Any:
-  """``tree``'s arrays each committed where it lies (``jax.device_put(x, x.sharding)``): the
-  first arguments of a step that moves arrays between memories (`offload_state`,
-  `lowmem_jax.optim.layer_streamed`). Such a step returns committed arrays and ``jax.jit``
-  keys its cache on committedness, so arguments fresh from ``init`` (uncommitted) would make
-  the second step compile again."""
-  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
+  """``tree``'s arrays each committed where it lies (``jax.device_put(x, x.sharding)``), a
+  leaf that is not a JAX array (a NumPy array or a number, as a restored checkpoint may hold)
+  committed to the default device: the first arguments of a step that moves arrays between
+  memories (`offload_state`, `lowmem_jax.optim.layer_streamed`). Such a step returns
+  committed arrays and ``jax.jit`` keys its cache on committedness, so arguments fresh from
+  ``init`` (uncommitted) would make the second step compile again."""
+  return jax.tree.map(lambda x: jax.device_put(
+      x, x.sharding if isinstance(x, jax.Array) else jax.devices()[0]), tree)

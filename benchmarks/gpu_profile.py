@@ -23,7 +23,6 @@ import argparse
 import collections
 import gzip
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -173,13 +172,7 @@ def main(argv=None) -> int:
   if args.case:
     print(json.dumps(profile(*json.loads(args.case), args.steps, traces)))
     return 0
-  # This process only names the backend: without preallocation it leaves the GPU's memory to
-  # the processes that profile, as gpu_validate's does.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  import jax
-  if not args.dry_run and jax.default_backend() != "gpu":
-    print(f"gpu_profile: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
-          file=sys.stderr)
+  if gpu_validate.no_gpu("gpu_profile", args.dry_run):
     return 2
   root = pathlib.Path(__file__).resolve().parents[1]
   out = pathlib.Path(args.out or (pathlib.Path(tempfile.gettempdir()) / "gpu_profile_dry_run.md"

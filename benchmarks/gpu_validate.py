@@ -256,6 +256,19 @@ def write_report(path: pathlib.Path, rows: list[dict], head: str, tests: str, co
   path.write_text("\n".join(lines))
 
 
+def no_gpu(script: str, dry_run: bool) -> bool:
+  """Whether ``script`` must stop, said on stderr: no GPU, and not a dry run. The process
+  that asks only names the backend: it starts JAX without preallocation, leaving the GPU's
+  memory to the processes that measure (the Llama-3-sized plain head needs over 30 GiB)."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  import jax
+  if dry_run or jax.default_backend() == "gpu":
+    return False
+  print(f"{script}: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
+        file=sys.stderr)
+  return True
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,17 +299,12 @@ def main(argv=None) -> int:
   if args.case:
     print(json.dumps(measure(*json.loads(args.case))))
     return 0
-  # This process only names the device: without preallocation it leaves the GPU's memory to
-  # the processes that measure (the Llama-3-sized plain head needs over 30 GiB).
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if no_gpu("gpu_validate", args.dry_run):
+    return 2
   import jax
   from tqdm import tqdm
 
   from lowmem_jax.compile import targets
-  if not args.dry_run and jax.default_backend() != "gpu":
-    print(f"gpu_validate: no GPU (JAX's backend is {jax.default_backend()}); use --dry-run.",
-          file=sys.stderr)
-    return 2
   start = time.perf_counter()
   cases = DRY_CASES if args.dry_run else CASES
   # --speed writes a report of its own: the record's rows (docs/gpu.jsonl) are not rewritten.

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lowmem_jax import _lane_ops
+
 # Elements a program handles: 16 KiB of float32, a Triton elementwise sweet spot.
 BLOCK_ELEMENTS = 4096
 
@@ -101,3 +103,15 @@ def store(ref, value: jax.Array, shape: tuple[int, ...], index: tuple) -> None:
     ref[...] = value
   else:
     _triton().store(ref, value, mask=mask)
+
+
+def lane_ops(call, *operands) -> dict[str, str]:
+  """A Pallas call's vector ALU work, as its ``metadata`` declares it to the step-time
+  estimate (``{"int_ops": ..., ...}``): its kernel's lane operations a program
+  (`lowmem_jax._lane_ops.of_jaxpr`) times its grid's programs. ``call`` is the
+  ``pl.pallas_call(...)`` without that metadata, ``operands`` what it is called with."""
+  shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in operands]
+  (eqn,) = [e for e in jax.make_jaxpr(call)(*shapes).eqns if e.primitive.name == "pallas_call"]
+  programs = math.prod(eqn.params["grid_mapping"].grid)
+  per_program = _lane_ops.of_jaxpr(eqn.params["jaxpr"])
+  return {f"{kind}_ops": str(n * programs) for kind, n in sorted(per_program.items())}

@@ -2,6 +2,7 @@
 compiled for GPU targets."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -203,8 +204,8 @@ def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter
   """Triton and ptxas build it for sm_90a and sm_89 here, without a GPU; the compiled step
   is the one kernel, writing a layer of a stack in place, which the step-time estimate
   charges 10 bytes an element and 16 a block of 256 of the layer, besides the 89 bytes of
-  its row, ``ok``, its row's words and numbers, and the count and key it writes (no GPU has
-  run it yet)."""
+  its row, ``ok``, its row's words and numbers, and the count and key it writes, and whose
+  integer work takes longer than those bytes (no GPU has run it yet)."""
   target = lm.targets.get(target)
   shape, layers = (1024, 4096), 4
   stack = jax.ShapeDtypeStruct((layers, *shape), jnp.bfloat16)
@@ -222,6 +223,12 @@ def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter
   assert estimate.kernels == 1
   layer = shape[0] * shape[1]
   assert estimate.device_bytes == 10 * layer + 2 * 2 * 4 * layer // lowbit.BLOCK + 89
+  # Its declared integer work, three Threefry evaluations of 77 operations an element and the
+  # codes', bounds it: the step-time estimate charges it at the integer pipe's rate.
+  declared = int(re.search(r"int_ops\\22: \\22(\d+)", text).group(1))
+  assert 3 * 77 * layer < declared < 400 * layer
+  assert estimate.bound == "ALU"
+  assert estimate.seconds_by_bound["ALU"] >= declared / target.lane_ops_per_s["int"]
 
 
 def test_bad_inputs_are_refused_by_name():

@@ -11,7 +11,11 @@ schedule, asynchronous work overlapping only where the schedule has it:
   a buffer it updates in place, nothing) and what it writes (of an in-place update, the
   update), at a fraction of the device's memory bandwidth, or of the host link where the
   bytes are in host memory (``S(5)``) (`Calibration`);
-* a kernel takes the longest of its FLOPs' and its bytes' times, plus a launch;
+* every kernel's elementwise operations (a fusion's, or what a Pallas kernel declares) run
+  on the SMs' vector pipes at the target's rates (`lowmem_jax._lane_ops`):
+  integer work such as Threefry's, for one, is no FLOP and no byte;
+* a kernel takes the longest of its FLOPs', its ALU work's and its bytes' times, plus a
+  launch;
 * an asynchronous start (a host transfer, a collective) runs on its own queue, one at a time
   a direction, from its start; its done waits for it: a transfer hides only under the
   kernels scheduled between the two;
@@ -30,6 +34,7 @@ import math
 import re
 from typing import NamedTuple
 
+from lowmem_jax import _lane_ops as lane_ops
 from lowmem_jax.compile.memory import _hlo
 from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
@@ -65,8 +70,9 @@ CALIBRATION = Calibration()
 bfloat16 GEMMs at 26% of the peak at 1024³ and 78% at 4096³, as XLA's measured table for
 sm_90 has them (``default_matmul_perf_table.txtpb``); ``copy_link_efficiency`` is PCIe's
 packet overhead; the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
-BOUNDS = ("compute", "HBM", "launches", "host link", "collectives")
-"""What a step's time is spent on, `StepTime.seconds_by_bound`'s keys."""
+BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
+"""What a step's time is spent on, `StepTime.seconds_by_bound`'s keys: "compute" the tensor
+cores, "ALU" the vector pipes (`lowmem_jax._lane_ops`)."""
 
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                    "opt-barrier", "after-all", "add-dependency", "partition-id", "replica-id",
@@ -80,6 +86,10 @@ _TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel: every 
 # than its operands and outputs.
 _DECLARED_BYTES = re.compile(r'serialized_metadata\s*=\s*".*?'
                              r'bytes_accessed(?:\\22|\\"|[":\s])+(\d+)')
+# And the lane operations it declares (``metadata={"int_ops": ...}``, one key a pipe).
+_DECLARED_OPS = {kind: re.compile(r'serialized_metadata\s*=\s*".*?'
+                                  rf'{kind}_ops(?:\\22|\\"|[":\s])+(\d+)')
+                 for kind in lane_ops.PIPES}
 _ASYNC_COLLECTIVES = tuple(f"{c}-start" for c in COLLECTIVES)
 _ARRAY = re.compile(r"(\b[a-z]\w*?\[[\d,]*\](\{([^}]*)\})?)")  # an array, its layout
 
@@ -135,6 +145,7 @@ class _Cost(NamedTuple):
   """What one kernel does."""
   tensor_flops: float = 0.0
   tensor_seconds: float = 0.0  # its FLOPs at the tensor cores' rate
+  alu_seconds: float = 0.0  # its elementwise operations at the vector pipes' rates
   device_bytes: int = 0
   to_device_bytes: int = 0  # read from host memory
   to_host_bytes: int = 0  # written to host memory
@@ -153,9 +164,9 @@ class _Program:
 
   def __init__(self, hlo_text: str, peak_flops: float, hbm_bytes_per_s: float,
                link_bytes_per_s: float, interconnect_bytes_per_s: float | None,
-               calibration: Calibration):
+               calibration: Calibration, lane_ops_per_s: dict[str, float] | None = None):
     self.computations, self.roots, self.entry = _hlo.computations(hlo_text)
-    self.calibration = calibration
+    self.calibration, self.lane_ops_per_s = calibration, lane_ops_per_s
     self.peak, self.hbm, self.link = peak_flops, hbm_bytes_per_s, link_bytes_per_s
     self.interconnect = interconnect_bytes_per_s
     self.users = {name: self._users(name) for name in self.computations}
@@ -180,7 +191,7 @@ class _Program:
     """A kernel's time (launch excluded) and what bounds it."""
     c = self.calibration
     link = self.link * (c.copy_link_efficiency if cost.copy else c.kernel_link_efficiency)
-    times = {"compute": cost.tensor_seconds,
+    times = {"compute": cost.tensor_seconds, "ALU": cost.alu_seconds,
              "HBM": cost.device_bytes / (c.hbm_efficiency * self.hbm),
              "host link": max(cost.to_device_bytes, cost.to_host_bytes) / link,
              "collectives": (cost.collective_bytes / self.interconnect if self.interconnect
@@ -213,10 +224,25 @@ class _Program:
     return _Cost(
         tensor_flops=flops,
         tensor_seconds=seconds,
+        alu_seconds=(lane_ops.seconds(self._lane_ops(computation, i), self.lane_ops_per_s)
+                     if self.lane_ops_per_s else 0.0),
         device_bytes=sum(b for b, host in reads + writes if not host),
         to_device_bytes=sum(b for b, host in reads if host),
         to_host_bytes=sum(b for b, host in writes if host),
         collective_bytes=collective, copy=memcpy or i.op in ("copy", "copy-start"))
+
+  def _lane_ops(self, computation: str, i: _hlo.Instruction) -> lane_ops.Counts:
+    """A kernel's elementwise operations: a fusion's computation's, what a Pallas kernel
+    declares, an unfused elementwise op's."""
+    if i.op == "fusion":
+      out = lane_ops.Counts()
+      for c in _hlo.called(i):
+        out += lane_ops.of_computation(self.computations[c], _hlo.called, self.computations)
+      return out
+    if i.op == "custom-call":
+      found = {k: p.search(i.attributes) for k, p in _DECLARED_OPS.items()}
+      return lane_ops.Counts({k: int(m.group(1)) for k, m in found.items() if m})
+    return lane_ops.of_op(i.op, i.shape)
 
   def _is_memcpy(self, i: _hlo.Instruction) -> bool:
     """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA), or an
@@ -486,10 +512,11 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
     UnknownTripCount: a loop runs a number of times not known when compiling.
   """
   peak, hbm = target.peak_bf16_flops, target.memory_bytes_per_s
-  if target.platform != "cuda" or not peak or not hbm:
+  lanes = target.lane_ops_per_s if target.platform == "cuda" else None
+  if target.platform != "cuda" or not peak or not hbm or not lanes:
     return None
   program = _Program(hlo_text, peak, hbm, target.host_link_bytes_per_s,
-                     target.interconnect_bytes_per_s, calibration)
+                     target.interconnect_bytes_per_s, calibration, lanes)
   clock = _Clock(program)
   clock.run(program.entry)
   moved = clock.moved

@@ -1,0 +1,79 @@
+"""A kernel's vector ALU work (lowmem_jax._lane_ops): elementwise operations by
+pipe, read from XLA's fusions and from a Pallas kernel's jaxpr, and what the step-time estimate
+charges for them."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.extend.random import threefry2x32_p
+
+import lowmem_jax as lm
+from lowmem_jax import _lane_ops as lane_ops
+from lowmem_jax.compile.memory import _hlo, step_time
+from pallas_kernels import adam8bit
+
+H100 = lm.targets.get("h100")
+NEEDS_TARGET = pytest.mark.skipif(lm.targets.available() is not None,
+                                  reason=f"compile-only GPU targets: {lm.targets.available()}")
+
+
+def test_each_op_runs_on_its_pipe_and_data_movement_is_free():
+  assert lane_ops.of_op("add", "f32[8,4]{1,0}") == {"fp": 32}
+  assert lane_ops.of_op("multiply", "bf16[8]{0}") == {"fp": 8}
+  assert lane_ops.of_op("add", "u32[8]{0}") == {"int": 8}
+  assert lane_ops.of_op("xor", "u32[8]{0}") == {"int": 8}
+  assert lane_ops.of_op("compare", "pred[8]{0}") == {"int": 8}
+  assert lane_ops.of_op("exponential", "f32[8]{0}") == {"special": 8}
+  assert lane_ops.of_op("divide", "f32[8]{0}") == {"special": 8}
+  assert lane_ops.of_op("divide", "s32[8]{0}") == {"int": 8}
+  for op in ("broadcast", "bitcast", "dynamic-slice", "iota", "parameter"):
+    assert lane_ops.of_op(op, "f32[8]{0}") == {}
+
+
+def test_the_rates_are_the_cuda_guides_a_clock_an_sm():
+  """The h100: 132 SMs at 1.98 GHz, 128 float lanes an SM, 64 integer, 16 special."""
+  rates = H100.lane_ops_per_s
+  assert rates["fp"] == pytest.approx(132 * 128 * 1.98e9, rel=1e-3)
+  assert rates["int"] == pytest.approx(132 * 64 * 1.98e9, rel=1e-3)
+  assert rates["special"] == pytest.approx(132 * 16 * 1.98e9, rel=1e-3)
+  assert lm.targets.get("a100-80gb").lane_ops_per_s["fp"] == pytest.approx(108 * 64 * 1.41e9)
+  assert lm.targets.get("cpu").lane_ops_per_s is None
+
+
+def test_threefry_is_77_integer_operations_a_pair_its_rotations_funnel_shifts():
+  """Threefry-2x32 under a scalar key: the key added (2), 20 rounds of an add, a rotation and
+  a xor each (60), five key injections of three adds each (15): 77 an element; the key's
+  parity, two more, on a scalar."""
+  counter = jnp.zeros((16,), jnp.uint32)
+  jaxpr = jax.make_jaxpr(adam8bit.threefry2x32)(counter[0], counter[0], counter, counter).jaxpr
+  assert lane_ops.of_jaxpr(jaxpr) == {"int": 77 * 16 + 2}
+
+
+@NEEDS_TARGET
+def test_xlas_threefry_fusion_is_counted_with_its_rotations_as_one_and_is_alu_bound():
+  """One word of Threefry over 2^20 counters, compiled for the h100: XLA keeps 74 of the 77
+  operations an element (the unused word's last ones go), and the kernel takes longer on the
+  integer pipe than moving its 8 bytes an element."""
+  n = 1 << 20
+  words = lambda k, x: threefry2x32_p.bind(k[0], k[1], x, x + jnp.uint32(1))[0]
+  text = H100.compile(words, jax.ShapeDtypeStruct((2,), jnp.uint32),
+                      jax.ShapeDtypeStruct((n,), jnp.uint32)).as_text()
+  computations, _, entry = _hlo.computations(text)
+  counts = lane_ops.Counts()
+  for i in computations[entry].values():
+    for c in _hlo.called(i) if i.op == "fusion" else []:
+      counts += lane_ops.of_computation(computations[c], _hlo.called, computations)
+  assert 70 * n <= counts["int"] <= 77 * n and counts["fp"] == counts["special"] == 0
+  estimate = step_time.estimate(text, H100)
+  assert estimate.bound == "ALU"
+  alu = estimate.seconds_by_bound["ALU"]
+  assert alu == pytest.approx(counts["int"] / H100.lane_ops_per_s["int"], rel=1e-6)
+  assert alu > 8 * n / H100.memory_bytes_per_s
+
+
+def test_a_loop_inside_a_kernel_is_refused_not_counted_once():
+  def looped(x):
+    return jax.lax.fori_loop(0, 4, lambda _, y: y + 1, x)
+
+  with pytest.raises(ValueError, match="loop"):
+    lane_ops.of_jaxpr(jax.make_jaxpr(looped)(jnp.zeros((4,), jnp.int32)).jaxpr)

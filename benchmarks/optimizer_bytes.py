@@ -4,8 +4,9 @@ One update of a ``rows × cols`` bfloat16 weight (bfloat16 gradient) by each opt
 compiled deviceless for ``--target`` (the parameters and state donated, as a training step
 has them). Each kernel's bytes are those the step-time estimate charges it
 (`lowmem_jax.compile.memory.step_time`: what it reads of its operands, what it writes);
-the table gives their sum over the weight's elements, the kernels that move most, and the
-Threefry-2x32 evaluations an element (from the update's jaxpr). The last row is the fused
+the table gives their sum over the weight's elements, the Threefry-2x32 evaluations an
+element (from the update's jaxpr) and the integer operations an element the estimate charges
+(`lowmem_jax._lane_ops`: XLA's fusions', the kernel's declared). The last row is the fused
 kernel the layer-streamed step runs with ``fused-update`` (where ``--cols`` is whole blocks of
 256). No GPU is needed.
 
@@ -68,14 +69,15 @@ def measure(tx, rows: int, cols: int, target) -> dict:
                      f"got {target.name!r}: the bytes are the step-time estimate's.")
   n = rows * cols
   return {"bytes": estimate.device_bytes / n,
-          "threefry": threefry_per_element(step, (params, state, params), n)}
+          "threefry": threefry_per_element(step, (params, state, params), n),
+          "int_ops": estimate.lane_ops.get("int", 0) / n}
 
 
 def measure_kernel(rows: int, cols: int, target) -> dict:
   """`measure` of the fused kernel (``pallas_kernels.adam8bit``, what the layer-streamed step
-  runs with ``update_impl="pallas"``) on the weight, written in place; its Threefry
-  evaluations (three an element) are integer operations inside the kernel, not equations of
-  the jaxpr, so they are given, not counted."""
+  runs with ``update_impl="pallas"``) on the weight, written in place. Its Threefry
+  evaluations are integer operations inside the kernel, not equations of the jaxpr: the
+  integer operations it declares count them (None: no evaluation to count)."""
   import jax
   import jax.numpy as jnp
   from lowmem_jax.compile.memory import step_time
@@ -91,8 +93,9 @@ def measure_kernel(rows: int, cols: int, target) -> dict:
           ((1,), jnp.int32), ((1, 2), jnp.uint32), ((1, 16), jnp.uint32), ((1, 2), jnp.float32),
           ((), jnp.int32), ((), jnp.bool_))],
       donate_argnums=(0, 2, 3, 4, 5)).as_text()
-  return {"bytes": step_time.estimate(text, target).device_bytes / (rows * cols),
-          "threefry": 3}
+  estimate, n = step_time.estimate(text, target), rows * cols
+  return {"bytes": estimate.device_bytes / n, "threefry": None,
+          "int_ops": estimate.lane_ops.get("int", 0) / n}
 
 
 def main(argv=None) -> dict:
@@ -110,16 +113,17 @@ def main(argv=None) -> dict:
   target = targets.get(args.target)
   print(f"jax {jax.__version__}, target {target.name}, a {args.rows} × {args.cols} bfloat16 "
         "weight\n")
-  print("| update | HBM bytes a parameter | Threefry evaluations an element |")
-  print("|---|---:|---:|")
+  print("| update | HBM bytes a parameter | Threefry evaluations an element | integer "
+        "operations an element |")
+  print("|---|---:|---:|---:|")
   found = {}
   for name, tx in optimizers().items():
     found[name] = m = measure(tx, args.rows, args.cols, target)
-    print(f"| {name} | {m['bytes']:.2f} | {m['threefry']:g} |", flush=True)
+    print(f"| {name} | {m['bytes']:.2f} | {m['threefry']:g} | {m['int_ops']:.1f} |", flush=True)
   if args.cols % 256 == 0:
     name = "pallas_kernels.adam8bit, in place (8bit+bf16-params+fused-update)"
     found[name] = m = measure_kernel(args.rows, args.cols, target)
-    print(f"| {name} | {m['bytes']:.2f} | {m['threefry']:g} (in the kernel) |", flush=True)
+    print(f"| {name} | {m['bytes']:.2f} | (in the kernel) | {m['int_ops']:.1f} |", flush=True)
   return found
 
 

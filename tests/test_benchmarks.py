@@ -264,6 +264,10 @@ def test_optimizer_bytes(capsys):
   assert list(found) == [*optimizer_bytes.optimizers(), kernel]
   assert all(positive(m["bytes"]) for m in found.values())
   assert found[kernel]["bytes"] < min(m["bytes"] for name, m in found.items() if name != kernel)
+  # one Threefry evaluation a pair of neighbours: fewer integer operations than XLA's updates
+  # that draw one an element
+  drawn = [m["int_ops"] for m in found.values() if m["threefry"]]
+  assert 0 < found[kernel]["int_ops"] < min(drawn), found
   assert len(table_rows(capsys.readouterr().out)) == len(found)
 
 

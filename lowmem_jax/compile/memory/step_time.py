@@ -114,6 +114,7 @@ class StepTime:
     to_device_bytes, to_host_bytes: bytes over the host link each way.
     host_copy_bytes: bytes copied from host memory to host memory.
     collective_bytes: bytes the collectives produce.
+    lane_ops: the kernels' elementwise operations by pipe (`lowmem_jax._lane_ops.PIPES`).
   """
   seconds: float
   seconds_by_bound: dict
@@ -124,6 +125,7 @@ class StepTime:
   to_host_bytes: int
   host_copy_bytes: int
   collective_bytes: int
+  lane_ops: dict = dataclasses.field(default_factory=dict)
 
   @property
   def bound(self) -> str:
@@ -145,7 +147,8 @@ class _Cost(NamedTuple):
   """What one kernel does."""
   tensor_flops: float = 0.0
   tensor_seconds: float = 0.0  # its FLOPs at the tensor cores' rate
-  alu_seconds: float = 0.0  # its elementwise operations at the vector pipes' rates
+  alu_seconds: float = 0.0  # its elementwise operations (`lane_ops`) at the pipes' rates
+  lane_ops: dict = {}  # by pipe
   device_bytes: int = 0
   to_device_bytes: int = 0  # read from host memory
   to_host_bytes: int = 0  # written to host memory
@@ -217,15 +220,14 @@ class _Program:
       f, per_second = self._tensor_flops(c, self.computations[c][n])
       flops += f
       seconds += f / (per_second * tensor_efficiency(f, self.calibration)) if f else 0.0
-    reads = self._reads(computation, i)
-    writes = self._writes(computation, i)
+    reads, writes = self._reads(computation, i), self._writes(computation, i)
+    ops = self._lane_ops(computation, i)
     collective = (max(b for b, _ in _arrays(i.shape))
                   if i.op in (*COLLECTIVES, *_ASYNC_COLLECTIVES) else 0)
     return _Cost(
-        tensor_flops=flops,
-        tensor_seconds=seconds,
-        alu_seconds=(lane_ops.seconds(self._lane_ops(computation, i), self.lane_ops_per_s)
-                     if self.lane_ops_per_s else 0.0),
+        tensor_flops=flops, tensor_seconds=seconds,
+        alu_seconds=(lane_ops.seconds(ops, self.lane_ops_per_s) if self.lane_ops_per_s
+                     else 0.0), lane_ops=dict(ops),
         device_bytes=sum(b for b, host in reads + writes if not host),
         to_device_bytes=sum(b for b, host in reads if host),
         to_host_bytes=sum(b for b, host in writes if host),
@@ -420,6 +422,7 @@ class _Clock:
     self.free: dict[str, float] = {}  # when each asynchronous queue is free
     self.ends: dict[str, tuple[float, str]] = {}  # a start's end, and its queue's bound
     self.by_bound = dict.fromkeys(BOUNDS, 0.0)
+    self.lane_ops = lane_ops.Counts()
     self.moved = dict.fromkeys(("tensor_flops", "device", "to_device", "to_host", "host_copy",
                                 "collective"), 0)
 
@@ -463,6 +466,7 @@ class _Clock:
       self.moved["to_device"] += cost.to_device_bytes
       self.moved["to_host"] += cost.to_host_bytes
     self.moved["collective"] += cost.collective_bytes
+    self.lane_ops.update(cost.lane_ops)
     seconds, bound = self.program.seconds(cost)
     return seconds + self.program.calibration.launch_s, bound
 
@@ -524,7 +528,7 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
                   tensor_flops=moved["tensor_flops"], device_bytes=moved["device"],
                   to_device_bytes=moved["to_device"],
                   to_host_bytes=moved["to_host"], host_copy_bytes=moved["host_copy"],
-                  collective_bytes=moved["collective"])
+                  collective_bytes=moved["collective"], lane_ops=dict(clock.lane_ops))
 
 
 def loop_host_transfers(hlo_text: str) -> dict[str, bool]:

@@ -7,16 +7,21 @@ The pipes and their rates, results a clock an SM, are the CUDA C++ Programming G
 * ``"fp"``: float add, subtract and multiply (fused or not), the config's ``fpus_per_core``
   a clock an SM (64 on sm_80, 128 on sm_86 and later);
 * ``"int"``: integer arithmetic, bitwise operations and shifts, compares, selects, minimum
-  and maximum, conversions: 64;
-* ``"special"``: the SFUs' functions (exponential, logarithm, reciprocal and its square
-  root, sine, tanh, ...; a float division is one reciprocal): 16.
+  and maximum, and the conversions of 8- and 16-bit integers to 32-bit ones: 64;
+* ``"special"``: 16: the SFUs' functions (exponential, logarithm, reciprocal and its square
+  root, sine, tanh, ...; a float division is one reciprocal) and the guide's "all other type
+  conversions" (between integers and floats, float32 to bfloat16).
 
-A rotation, ``or(shift-left(x, a), shift-right-logical(x, b))``, is counted as one operation,
-the funnel shift it compiles to (PTX ``shf``): Threefry-2x32's 20 rounds are 20 rotations.
-Data movement (broadcasts, reshapes, slices, iota, bitcasts) is free; a reduction applies its
-computation once an input element. What the model leaves out: operations the compiler
-simplifies away or merges (a multiply and an add into one FMA counts two here), and issue
-limits shared between the pipes.
+A conversion between integers of one width is free (a reinterpretation), bfloat16 to float32
+an integer shift. A rotation, ``or(shift-left(x, a), shift-right-logical(x, b))`` with
+``a + b`` the width, is one operation, the funnel shift it compiles to (PTX ``shf``, taken
+at the integer rate: the guide has no row for it): Threefry-2x32's 20 rounds are 20
+rotations. Data movement (broadcasts, reshapes, slices, iota, bitcasts) is free, and so is
+anything not elementwise (a dot, a sort, a scatter's own work: uncounted); a reduction
+applies its computation once an input element. What the model leaves out: operations the
+compiler simplifies away or merges (a multiply and an add into one FMA counts two here),
+functions that take several instructions (an integer division, ``pow``: one each), and
+issue limits shared between the pipes. Compute capabilities past 9.0 are given 9.0's rates.
 """
 
 import collections
@@ -30,43 +35,54 @@ PIPES = ("fp", "int", "special")
 Counts = collections.Counter
 """Lane operations by pipe (`PIPES`), each an element of one operation's output."""
 
-_FREE = frozenset({
-    "parameter", "constant", "broadcast", "reshape", "bitcast", "bitcast-convert", "slice",
-    "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "transpose", "copy",
-    "tuple", "get-tuple-element", "iota", "gather", "reverse", "opt-barrier",
-    "partition-id", "replica-id", "after-all", "custom-call", "rng-get-and-update-state"})
 _FLOAT_ARITHMETIC = frozenset({"add", "subtract", "multiply"})
 _SPECIAL = frozenset({
     "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "tanh",
     "rsqrt", "sqrt", "cbrt", "sine", "cosine", "tan", "atan2", "erf", "power", "divide"})
+_INTEGER_PIPE = frozenset({
+    "add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
+    "shift-left", "shift-right-logical", "shift-right-arithmetic", "compare", "select",
+    "clamp", "maximum", "minimum", "abs", "negate", "sign", "is-finite", "popcnt",
+    "count-leading-zeros", "round-nearest-even", "round-nearest-afz", "floor", "ceil"})
+_APPLIED = ("reduce", "reduce-window", "map")  # a computation applied once an input element
 _ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
+_BITS = re.compile(r"[a-z]+(\d+)")
 # jaxpr primitives by the HLO op they lower to, where the names differ; the others keep theirs
-# with "_" as "-". Pallas' memory and grid primitives move data: free.
+# with "_" as "-". Pallas' memory and grid primitives and the layout ones move data: free.
 _FROM_JAXPR = {
     "sub": "subtract", "mul": "multiply", "div": "divide", "exp": "exponential",
     "exp2": "exponential", "log1p": "log-plus-one", "expm1": "exponential-minus-one",
-    "pow": "power", "integer_pow": "multiply", "neg": "negate", "max": "maximum",
-    "min": "minimum", "convert_element_type": "convert", "select_n": "select",
+    "pow": "power", "integer_pow": "multiply", "square": "multiply", "neg": "negate",
+    "max": "maximum", "min": "minimum", "sin": "sine", "cos": "cosine", "erfc": "erf",
+    "erf_inv": "erf", "convert_element_type": "convert", "select_n": "select",
     "eq": "compare", "ne": "compare", "lt": "compare", "le": "compare", "gt": "compare",
-    "ge": "compare", "broadcast_in_dim": "broadcast", "squeeze": "reshape",
-    "expand_dims": "reshape", "bitcast_convert_type": "bitcast-convert",
-    "get": "parameter", "swap": "parameter", "load": "parameter", "masked_load": "parameter",
-    "store": "parameter", "masked_swap": "parameter", "program_id": "parameter",
-    "num_programs": "parameter", "multiple_of": "parameter", "dynamic_slice": "dynamic-slice",
-    "reduce_max": "reduce", "reduce_min": "reduce", "reduce_sum": "reduce",
-    "reduce_and": "reduce", "reduce_or": "reduce", "argmax": "reduce", "argmin": "reduce"}
+    "ge": "compare", "rem": "remainder", "population_count": "popcnt", "clz": "count-leading-zeros",
+    "reduce_max": "maximum", "reduce_min": "minimum", "reduce_sum": "add",
+    "reduce_and": "and", "reduce_or": "or", "argmax": "compare", "argmin": "compare"}
+_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_and", "reduce_or",
+                         "argmax", "argmin"})
 
 
-def pipe(op: str, dtype: str) -> str | None:
-  """The pipe (`PIPES`) an elementwise HLO op on elements of ``dtype`` (an HLO element type,
-  ``f32``, ``u32``) runs on; None for data movement."""
-  if op in _FREE:
-    return None
-  if op in _SPECIAL and dtype.startswith(("f", "bf")):
+def pipe(op: str, dtype: str, source: str = "") -> str | None:
+  """The pipe (`PIPES`) an elementwise HLO op with elements of ``dtype`` (an HLO element type,
+  ``f32``, ``u32``) runs on; None where it is free or not elementwise. ``source``: a
+  ``convert``'s operand's element type."""
+  floating = dtype.startswith(("f", "bf"))
+  if op == "convert":
+    return _conversion(source, dtype)
+  if op in _SPECIAL and floating:
     return "special"
-  if op in _FLOAT_ARITHMETIC and dtype.startswith(("f", "bf")):
+  if op in _FLOAT_ARITHMETIC and floating:
     return "fp"
-  return "int"
+  return "int" if op in _INTEGER_PIPE else None
+
+
+def of_op(op: str, shape: str, source: str = "") -> Counts:
+  """The `Counts` of one elementwise HLO op with output ``shape`` (an HLO shape); ``source``,
+  a ``convert``'s operand's shape."""
+  elements, dtype = _elements(shape)
+  kind = pipe(op, dtype, _elements(source)[1])
+  return Counts({kind: elements} if kind and elements else {})
 
 
 def of_computation(instructions: dict, called: Callable[[Any], list[str]],
@@ -76,59 +92,52 @@ def of_computation(instructions: dict, called: Callable[[Any], list[str]],
   its input's, a nested fusion's inside it."""
   counts = Counts()
   rotations = _rotations(instructions)
+  shape = lambda name: getattr(instructions.get(name.split("#")[0]), "shape", "")
   for name, i in instructions.items():
     if name in rotations:
       continue
-    if i.op in ("fusion", "reduce", "reduce-window", "map"):
+    if i.op == "fusion" or i.op in _APPLIED:
       inner = Counts()
       for c in called(i):
         inner += of_computation(computations[c], called, computations)
-      # a reduction's computation applied once an input element
-      times = 1 if i.op == "fusion" else _elements(_shape_of(instructions, i.operands[0]))[0]
+      times = 1 if i.op == "fusion" else _elements(shape(i.operands[0]))[0]
       counts += Counts({k: v * times for k, v in inner.items()})
     else:
-      counts += of_op(i.op, i.shape)
+      counts += of_op(i.op, i.shape, shape(i.operands[0]) if i.operands else "")
   return counts
-
-
-def of_op(op: str, shape: str) -> Counts:
-  """The `Counts` of one elementwise HLO op with output ``shape`` (an HLO shape)."""
-  elements, dtype = _elements(shape)
-  kind = pipe(op, dtype)
-  return Counts({kind: elements} if kind and elements else {})
 
 
 def of_jaxpr(jaxpr: Any) -> Counts:
   """The `Counts` of a jaxpr run once (a Pallas kernel's body: a program's block), each
-  equation over its output's elements; nested jaxprs (``pjit``, ``cond``'s costliest
-  branch) inside it. Raises ValueError on a loop, whose trips the count would need."""
+  equation over its output's elements (a reduction over its input's); nested jaxprs
+  (``pjit``, ``cond``'s costliest branch) inside it.
+
+  Raises:
+    ValueError: a loop (its trips would be needed) or a dot (the tensor cores' work, not
+      this count's) inside the jaxpr.
+  """
   counts = Counts()
   producers = {id(v): e for e in jaxpr.eqns for v in e.outvars}
   skip = _jaxpr_rotations(jaxpr.eqns, producers)
   for k, e in enumerate(jaxpr.eqns):
     name = e.primitive.name
-    if name in ("while", "scan", "fori_loop"):
-      raise ValueError("lane_ops.of_jaxpr: a loop inside the kernel; count its trips first.")
-    inner = [p for p in e.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
-    branches = e.params.get("branches")
-    if branches:
-      counts += max((of_jaxpr(getattr(b, "jaxpr", b)) for b in branches),
+    if name in ("while", "scan", "dot_general"):
+      raise ValueError(f"lane_ops.of_jaxpr: a {name} inside the kernel is not counted here.")
+    if e.params.get("branches"):
+      counts += max((of_jaxpr(getattr(b, "jaxpr", b)) for b in e.params["branches"]),
                     key=lambda c: sum(c.values()))
       continue
-    if inner:
-      for p in inner:
-        counts += of_jaxpr(getattr(p, "jaxpr", p))
+    inner = [p for p in e.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
+    for p in inner:
+      counts += of_jaxpr(getattr(p, "jaxpr", p))
+    if inner or k in skip:
       continue
-    if k in skip:
-      continue
-    aval = e.outvars[0].aval if name not in _REDUCTIONS else e.invars[0].aval
-    dtype = _hlo_dtype(str(getattr(aval, "dtype", "")))
-    op = _FROM_JAXPR.get(name, name.replace("_", "-"))
-    if op == "reduce":
-      op = "add" if name == "reduce_sum" else "maximum"
-    kind = pipe(op, dtype)
+    out = e.outvars[0].aval
+    aval = e.invars[0].aval if name in _REDUCTIONS else out
+    source = _hlo_dtype(e.invars[0].aval.dtype) if name == "convert_element_type" else ""
+    kind = pipe(_FROM_JAXPR.get(name, name.replace("_", "-")), _hlo_dtype(aval.dtype), source)
     if kind is not None:
-      counts[kind] += math.prod(getattr(aval, "shape", ()))
+      counts[kind] += math.prod(aval.shape)
   return counts
 
 
@@ -145,33 +154,63 @@ def rates(cores: int, fpus_per_core: int, clock_hz: float) -> dict[str, float]:
   return {k: cores * v * clock_hz for k, v in per_clock.items()}
 
 
-_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_and", "reduce_or",
-                         "argmax", "argmin"})
+def _conversion(source: str, dtype: str) -> str | None:
+  """The pipe of a conversion from element type ``source`` to ``dtype`` (`pipe`)."""
+  integer = lambda t: t.startswith(("s", "u", "pred"))
+  bits = lambda t: int(_BITS.match(t).group(1)) if _BITS.match(t) else 8
+  if integer(source) and integer(dtype):
+    return None if bits(source) == bits(dtype) else "int"
+  if source == "bf16" and dtype == "f32":
+    return "int"
+  return "special"
 
 
 def _rotations(instructions: dict) -> set[str]:
   """The shifts that make rotations with an ``or`` (each rotation then counts once)."""
+  def amount(name: str) -> int | None:
+    i = instructions.get(name)
+    while i is not None and i.op == "broadcast":
+      i = instructions.get(i.operands[0])
+    return int(i.operands[0]) if i is not None and i.op == "constant" and \
+        i.operands[0].isdigit() else None
+
   out = set()
   for i in instructions.values():
     parts = [instructions.get(o) for o in i.operands] if i.op == "or" else []
     if len(parts) == 2 and all(parts) and {p.op for p in parts} == {
         "shift-left", "shift-right-logical"} and parts[0].operands[0] == parts[1].operands[0]:
-      out.update(i.operands)
+      by = [amount(p.operands[1]) for p in parts]
+      if None not in by and sum(by) == _bits_of(i.shape):
+        out.update(i.operands)
   return out
 
 
 def _jaxpr_rotations(eqns: list, producers: dict) -> set[int]:
   """`_rotations` in a jaxpr: the equations' indices of the shifts to skip."""
+  def amount(v) -> int | None:
+    while not hasattr(v, "val") and id(v) in producers and producers[id(v)].primitive.name in (
+        "broadcast_in_dim", "convert_element_type"):
+      v = producers[id(v)].invars[0]
+    return int(v.val) if hasattr(v, "val") and math.prod(getattr(v.val, "shape", ())) == 1 \
+        else None
+
   index = {id(e): k for k, e in enumerate(eqns)}
   out = set()
   for e in eqns:
-    if e.primitive.name != "or":
-      continue
-    parts = [producers[id(v)] for v in e.invars if id(v) in producers]
+    parts = [producers[id(v)] for v in e.invars if id(v) in producers] if (
+        e.primitive.name == "or") else []
     if len(parts) == 2 and {p.primitive.name for p in parts} == {
         "shift_left", "shift_right_logical"} and parts[0].invars[0] is parts[1].invars[0]:
-      out.update(index[id(p)] for p in parts)
+      by = [amount(p.invars[1]) for p in parts]
+      if None not in by and sum(by) == 8 * e.outvars[0].aval.dtype.itemsize:
+        out.update(index[id(p)] for p in parts)
   return out
+
+
+def _bits_of(shape: str) -> int:
+  """The bits of an HLO shape's element type (``u32[8]`` → 32)."""
+  m = _BITS.match(_elements(shape)[1])
+  return int(m.group(1)) if m else 0
 
 
 def _elements(shape: str) -> tuple[int, str]:
@@ -180,15 +219,10 @@ def _elements(shape: str) -> tuple[int, str]:
   return (math.prod(int(d) for d in m.group(2).split(",") if d), m.group(1)) if m else (0, "")
 
 
-def _shape_of(instructions: dict, name: str) -> str:
-  i = instructions.get(name.split("#")[0])
-  return i.shape if i else ""
-
-
-def _hlo_dtype(dtype: str) -> str:
-  """A NumPy dtype's name as HLO writes it (``float32`` → ``f32``, ``uint32`` → ``u32``)."""
-  m = re.match(r"(bfloat|float|uint|int|bool)(\d*)", dtype)
+def _hlo_dtype(dtype: Any) -> str:
+  """A NumPy dtype as HLO writes it (``float32`` → ``f32``, ``uint32`` → ``u32``)."""
+  m = re.match(r"(bfloat|float|uint|int|bool)(\d*)", str(dtype))
   if not m:
-    return dtype
+    return str(dtype)
   return {"bfloat": "bf", "float": "f", "uint": "u", "int": "s", "bool": "pred"}[m.group(1)] + (
       m.group(2) if m.group(1) != "bool" else "")

@@ -17,10 +17,8 @@ The arithmetic is the library's, `lowmem_jax.ops._lowbit_reference`: Adam's mome
 direction, the 8-bit codes and the parameter's stochastic rounding, as the XLA update
 computes them. Each element's random bits are the Threefry-2x32 words
 `lowmem_jax.optim.lowbit.rounding_bits` draws (Salmon et al., SC 2011), computed here with
-32-bit integer operations (`threefry2x32`), as Triton has no Threefry of its own: one
-evaluation of 77 integer operations (rotations as funnel shifts) a pair of neighbours for
-each of the three roundings, both its words used, 1.5 an element (three where each element is
-a tree row of its own: a 1-d leaf). The kernel
+32-bit integer operations (`threefry2x32`), as Triton has no Threefry of its own: three
+evaluations an element, 77 integer operations each, rotations as funnel shifts. The kernel
 declares its lane operations with its bytes (`pallas_kernels._blocks.lane_ops`), which the
 step-time estimate charges at the target's vector pipes' rates. `tests/test_pallas_adam8bit.py`
 holds the kernel, in interpret mode, to the optax chain compiled as written (XLA's excess
@@ -65,27 +63,18 @@ def threefry2x32(key0, key1, x0, x1):
   return x0, x1
 
 
-def _counters(n: int, block: tuple[int, int], rows_inside: int | None, stride: int):
-  """uint32 ``(row, within)`` ``[block[0], block[1] // stride]`` of every ``stride``-th
-  element in the program's block of the slice (2: each pair of neighbours' first,
-  `rounding_bits`' pairs), viewed as rows of ``n``, before its position's row and offset are
-  added: the tree row it lies in, and its flat index in that row (``rows_inside``: a tree
-  row's elements; None: one row)."""
-  shape = (block[0], block[1] // stride)
+def _counters(n: int, block: tuple[int, int], rows_inside: int | None):
+  """uint32 ``(row, within)`` of each element of the program's block of the slice, viewed as
+  rows of ``n``, before its position's row and offset are added: the tree row it lies in,
+  and its flat index in that row (``rows_inside``: a tree row's elements; None: one row)."""
   m = (pl.program_id(0) * block[0]
-       + jax.lax.broadcasted_iota(jnp.int32, shape, 0)).astype(jnp.uint32)
+       + jax.lax.broadcasted_iota(jnp.int32, block, 0)).astype(jnp.uint32)
   col = (pl.program_id(1) * block[1]
-         + stride * jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(jnp.uint32)
+         + jax.lax.broadcasted_iota(jnp.int32, block, 1)).astype(jnp.uint32)
   flat = m * jnp.uint32(n) + col
   if rows_inside is None:
     return jnp.zeros_like(flat), flat
   return flat // jnp.uint32(rows_inside), flat % jnp.uint32(rows_inside)
-
-
-def _interleaved(words: tuple, block: tuple[int, int]):
-  """The block's bits from its pairs' two words (`rounding_bits`): word 0 at the even
-  columns, word 1 at the odd ones (Triton's interleave: a join and a reshape)."""
-  return jnp.stack(words, axis=-1).reshape(block)
 
 
 def _window(ref, first_row, block: tuple[int, int]):
@@ -113,11 +102,9 @@ def _kernel(*refs, hyper, n, block_rows, rows_inside, steps):
             for (c, s), signed in zip(old, (True, False)))
   mu, nu = reference.adam_moments(mu, nu, g, b1=hyper.b1, b2=hyper.b2)
 
-  pairs = rows_inside != 1  # else each element is a tree row, word 0 of its own counter
-  tree_row, within = _counters(n, block, rows_inside, 2 if pairs else 1)
+  tree_row, within = _counters(n, block, rows_inside)
   tree_row, within = word(6) + tree_row, word(7) + within
-  draw = lambda k: threefry2x32(word(k), word(k + 1), tree_row, within)
-  noise = [_interleaved(draw(k), block) if pairs else draw(k)[0] for k in (0, 2, 4)]
+  noise = [threefry2x32(word(k), word(k + 1), tree_row, within)[0] for k in (0, 2, 4)]
   ok = ok_ref[0]
   direction = reference.adam_step(mu / numbers_ref[2 * row], nu / numbers_ref[2 * row + 1],
                                   eps=hyper.eps, eps_root=0.0).astype(g.dtype)
@@ -151,8 +138,6 @@ def block_rows(rows: int, block: int) -> int:
 
 def supports(shape: tuple[int, ...], block: int) -> str | None:
   """Why the kernel cannot update a slice of ``shape`` in blocks of ``block``, or None."""
-  if block < 2:
-    return f"blocks of {block} element hold no pair of neighbours (`rounding_bits`)"
   if len(shape) == 0 or shape[-1] % block or math.prod(shape) == 0:
     return f"a slice of shape {shape} is not whole blocks of {block} along a last axis"
   if math.prod(shape) >= 2 ** 32:

@@ -264,10 +264,10 @@ def test_optimizer_bytes(capsys):
   assert list(found) == [*optimizer_bytes.optimizers(), kernel]
   assert all(positive(m["bytes"]) for m in found.values())
   assert found[kernel]["bytes"] < min(m["bytes"] for name, m in found.items() if name != kernel)
-  # one Threefry evaluation a pair of neighbours: fewer integer operations than XLA's updates
-  # that draw one an element
-  drawn = [m["int_ops"] for m in found.values() if m["threefry"]]
-  assert 0 < found[kernel]["int_ops"] < min(drawn), found
+  # each Threefry evaluation an element is some 70 integer operations, the kernel's (which it
+  # declares) as XLA's
+  for m in (*[m for m in found.values() if m["threefry"]], found[kernel]):
+    assert 70 * (m["threefry"] or 3) < m["int_ops"] < 120 * (m["threefry"] or 3), found
   assert len(table_rows(capsys.readouterr().out)) == len(found)
 
 

@@ -26,8 +26,25 @@ def test_each_op_runs_on_its_pipe_and_data_movement_is_free():
   assert lane_ops.of_op("exponential", "f32[8]{0}") == {"special": 8}
   assert lane_ops.of_op("divide", "f32[8]{0}") == {"special": 8}
   assert lane_ops.of_op("divide", "s32[8]{0}") == {"int": 8}
-  for op in ("broadcast", "bitcast", "dynamic-slice", "iota", "parameter"):
+  for op in ("broadcast", "bitcast", "dynamic-slice", "iota", "parameter", "copy-start",
+             "sort", "scatter", "dot", "all-reduce"):
     assert lane_ops.of_op(op, "f32[8]{0}") == {}
+
+
+def test_a_conversion_is_free_an_integer_shift_or_the_guides_slow_row():
+  assert lane_ops.of_op("convert", "s32[8]{0}", "u32[8]{0}") == {}
+  assert lane_ops.of_op("convert", "s32[8]{0}", "u8[8]{0}") == {"int": 8}
+  assert lane_ops.of_op("convert", "f32[8]{0}", "bf16[8]{0}") == {"int": 8}
+  assert lane_ops.of_op("convert", "bf16[8]{0}", "f32[8]{0}") == {"special": 8}
+  assert lane_ops.of_op("convert", "f32[8]{0}", "s32[8]{0}") == {"special": 8}
+
+
+def test_a_rotation_is_one_operation_only_where_its_shifts_make_the_width():
+  x = jnp.arange(8, dtype=jnp.uint32)
+  rotate = lambda x: (x << jnp.uint32(13)) | (x >> jnp.uint32(19))
+  not_rotate = lambda x: (x << jnp.uint32(13)) | (x >> jnp.uint32(18))
+  assert lane_ops.of_jaxpr(jax.make_jaxpr(rotate)(x).jaxpr) == {"int": 8}
+  assert lane_ops.of_jaxpr(jax.make_jaxpr(not_rotate)(x).jaxpr) == {"int": 24}
 
 
 def test_the_rates_are_the_cuda_guides_a_clock_an_sm():
@@ -71,9 +88,20 @@ def test_xlas_threefry_fusion_is_counted_with_its_rotations_as_one_and_is_alu_bo
   assert alu > 8 * n / H100.memory_bytes_per_s
 
 
-def test_a_loop_inside_a_kernel_is_refused_not_counted_once():
+def test_a_loop_or_a_dot_inside_a_kernel_is_refused_not_counted_once_or_as_integer_work():
   def looped(x):
     return jax.lax.fori_loop(0, 4, lambda _, y: y + 1, x)
 
-  with pytest.raises(ValueError, match="loop"):
+  with pytest.raises(ValueError, match="scan|while"):
     lane_ops.of_jaxpr(jax.make_jaxpr(looped)(jnp.zeros((4,), jnp.int32)).jaxpr)
+  with pytest.raises(ValueError, match="dot_general"):
+    lane_ops.of_jaxpr(jax.make_jaxpr(jnp.dot)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr)
+
+
+def test_jaxpr_primitives_run_on_their_pipes():
+  x = jnp.ones((8,), jnp.float32)
+  count = lambda f: lane_ops.of_jaxpr(jax.make_jaxpr(f)(x).jaxpr)
+  assert count(jnp.square) == {"fp": 8}
+  assert count(jnp.sin) == {"special": 8}
+  assert count(lambda x: jnp.stack([x, x], -1).reshape(-1)) == {}
+  assert count(jnp.sum) == {"fp": 8}

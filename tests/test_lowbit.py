@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import lowbit_digits  # benchmarks/, on sys.path in conftest.py
@@ -318,24 +317,6 @@ def test_rounding_bits_of_a_part_are_the_whole_leafs_there():
   np.testing.assert_array_equal(rows(jnp.arange(3)), whole)  # positions under jax.vmap
   with pytest.raises(ValueError, match="within one row"):
     at.index(0).index(1)
-
-
-def test_two_neighbours_along_a_row_take_the_two_words_of_one_threefry_evaluation():
-  """Element ``c`` of a row's last axis takes word ``c % 2`` of Threefry of the pair's first
-  counter, so a kernel drawing for a pair evaluates Threefry once; an odd axis' last element,
-  word 0 of its own; a 1-d leaf's elements, each a row, word 0."""
-  key, at = jax.random.key(3), lowbit.Position(leaf=2, row=1, offset=6)
-  bits = np.asarray(lowbit.rounding_bits(key, (2, 3, 5), at))
-  data = jax.random.key_data(jax.random.fold_in(key, at.leaf))
-  rows = np.arange(1, 3, dtype=np.uint32)[:, None, None]
-  within = 6 + np.arange(15, dtype=np.uint32).reshape(1, 3, 5)
-  words = [np.asarray(w) for w in threefry2x32_p.bind(
-      data[0], data[1], *np.broadcast_arrays(rows, within))]
-  np.testing.assert_array_equal(bits[..., 0::2], words[0][..., 0::2])
-  np.testing.assert_array_equal(bits[..., 1::2], words[1][..., 0:4:2])
-  single = lowbit.rounding_bits(key, (4,), at)
-  np.testing.assert_array_equal(single, threefry2x32_p.bind(
-      data[0], data[1], jnp.arange(1, 5, dtype=jnp.uint32), jnp.full(4, 6, jnp.uint32))[0])
 
 
 def test_stochastic_round_picks_a_neighbour_unbiased():

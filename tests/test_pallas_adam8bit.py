@@ -223,11 +223,10 @@ def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter
   assert estimate.kernels == 1
   layer = shape[0] * shape[1]
   assert estimate.device_bytes == 10 * layer + 2 * 2 * 4 * layer // lowbit.BLOCK + 89
-  # Its declared integer work, 1.5 Threefry evaluations of 77 operations an element (one a
-  # pair of neighbours for each of three roundings) and the codes', bounds it: the step-time
-  # estimate charges it at the integer pipe's rate.
+  # Its declared integer work, three Threefry evaluations of 77 operations an element and the
+  # codes', bounds it: the step-time estimate charges it at the integer pipe's rate.
   declared = int(re.search(r"int_ops\\22: \\22(\d+)", text).group(1))
-  assert 1.5 * 77 * layer < declared < 3 * 77 * layer
+  assert 3 * 77 * layer < declared < 400 * layer
   assert estimate.bound == "ALU"
   assert estimate.seconds_by_bound["ALU"] >= declared / target.lane_ops_per_s["int"]
 

@@ -78,15 +78,10 @@ def _threefry(key: jax.Array) -> jax.Array:
 def rounding_bits(key: jax.Array, shape: tuple[int, ...],
                   position: Position = Position()) -> jax.Array:
   """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
-  ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`).
-
-  Two neighbours along a row's last axis share one evaluation of Threefry-2x32 (Salmon et
-  al., 2011), each taking one of its two words: the element at flat index ``i`` of row
-  ``r`` and index ``c`` along its last axis gets word ``c % 2`` of Threefry of the counter
-  ``(r, i - c % 2)`` under ``key`` folded with the leaf's index (a row's last element, where
-  the axis is odd, word 0 of its own). So a kernel that draws for a pair at once evaluates
-  Threefry once a pair (``pallas_kernels.adam8bit``); a row of one element takes word 0.
-  """
+  ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`):
+  element ``i`` of row ``r`` of the leaf gets the
+  first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
+  folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
   key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
@@ -96,13 +91,10 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...],
   u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
   row = u32(position.row) + (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) if across else 0)
   within = u32(position.offset) + jnp.arange(math.prod(in_row), dtype=jnp.uint32).reshape(in_row)
-  second = (jax.lax.broadcasted_iota(jnp.uint32, in_row, len(in_row) - 1) % 2 if in_row
-            else jnp.uint32(0))  # the pair's second element: word 1 of the first's counter
-  row, within, second = (jnp.broadcast_to(x, shape) for x in (row, within - second, second))
+  row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
   row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  words = threefry2x32_p.bind(data[0], data[1], row, within)
-  return jnp.where(second == 1, words[1], words[0])
+  return threefry2x32_p.bind(data[0], data[1], row, within)[0]
 
 
 def positions_of(tree: Any, positions: Any = None) -> list[Position]:

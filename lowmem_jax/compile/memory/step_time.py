@@ -148,7 +148,7 @@ class _Cost(NamedTuple):
   tensor_flops: float = 0.0
   tensor_seconds: float = 0.0  # its FLOPs at the tensor cores' rate
   alu_seconds: float = 0.0  # its elementwise operations (`lane_ops`) at the pipes' rates
-  lane_ops: dict = {}  # by pipe
+  lane_ops: tuple = ()  # (pipe, count) pairs
   device_bytes: int = 0
   to_device_bytes: int = 0  # read from host memory
   to_host_bytes: int = 0  # written to host memory
@@ -227,7 +227,7 @@ class _Program:
     return _Cost(
         tensor_flops=flops, tensor_seconds=seconds,
         alu_seconds=(lane_ops.seconds(ops, self.lane_ops_per_s) if self.lane_ops_per_s
-                     else 0.0), lane_ops=dict(ops),
+                     else 0.0), lane_ops=tuple(ops.items()),
         device_bytes=sum(b for b, host in reads + writes if not host),
         to_device_bytes=sum(b for b, host in reads if host),
         to_host_bytes=sum(b for b, host in writes if host),
@@ -244,7 +244,8 @@ class _Program:
     if i.op == "custom-call":
       found = {k: p.search(i.attributes) for k, p in _DECLARED_OPS.items()}
       return lane_ops.Counts({k: int(m.group(1)) for k, m in found.items() if m})
-    return lane_ops.of_op(i.op, i.shape)
+    return lane_ops.of_op(i.op, i.shape, self.shape(computation, i.operands[0])
+                          if i.operands else "")
 
   def _is_memcpy(self, i: _hlo.Instruction) -> bool:
     """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA), or an
@@ -466,7 +467,7 @@ class _Clock:
       self.moved["to_device"] += cost.to_device_bytes
       self.moved["to_host"] += cost.to_host_bytes
     self.moved["collective"] += cost.collective_bytes
-    self.lane_ops.update(cost.lane_ops)
+    self.lane_ops.update(dict(cost.lane_ops))
     seconds, bound = self.program.seconds(cost)
     return seconds + self.program.calibration.launch_s, bound
 

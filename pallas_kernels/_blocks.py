@@ -105,6 +105,16 @@ def store(ref, value: jax.Array, shape: tuple[int, ...], index: tuple) -> None:
     _triton().store(ref, value, mask=mask)
 
 
+def pallas_call(kernel, *, metadata: dict | None = None, **kwargs):
+  """``pl.pallas_call(kernel, **kwargs)``, its call declaring its kernel's vector ALU work in
+  its metadata beside ``metadata`` (`lane_ops`), which the step-time estimate reads (XLA's
+  text holds a Triton call's body only as its compiled IR)."""
+  def call(*operands):
+    declared = {**(metadata or {}), **lane_ops(pl.pallas_call(kernel, **kwargs), *operands)}
+    return pl.pallas_call(kernel, metadata=declared, **kwargs)(*operands)
+  return call
+
+
 def lane_ops(call, *operands) -> dict[str, str]:
   """A Pallas call's vector ALU work, as its ``metadata`` declares it to the step-time
   estimate (``{"int_ops": ..., ...}``): its kernel's lane operations a program

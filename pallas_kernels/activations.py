@@ -59,7 +59,7 @@ def forward(fit: Fit, x: jax.Array, options: _blocks.Options = _blocks.Options()
   # -inf pads: no kink lies below it, so padding codes are 0, as the layout says.
   view = pack.grouped(x, fit.bits, fill=-jnp.inf)
   grid, grouped_spec, bytes_spec = pack.byte_grid(view.shape[0], size, fit.bits, options)
-  y, packed = pl.pallas_call(
+  y, packed = _blocks.pallas_call(
       functools.partial(_forward_kernel, fit=fit, shape=view.shape),
       out_shape=(jax.ShapeDtypeStruct(view.shape, x.dtype),
                  jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8)),
@@ -89,7 +89,7 @@ def backward(fit: Fit, packed: jax.Array, dy: jax.Array,
   view = pack.grouped(dy, fit.bits)
   rows, size = view.shape[:2]
   grid, grouped_spec, bytes_spec = pack.byte_grid(rows, size, fit.bits, options)
-  dx = pl.pallas_call(
+  dx = _blocks.pallas_call(
       functools.partial(_backward_kernel, fit=fit, shape=view.shape),
       out_shape=jax.ShapeDtypeStruct(view.shape, dy.dtype),
       grid=grid, in_specs=[bytes_spec, grouped_spec], out_specs=grouped_spec,

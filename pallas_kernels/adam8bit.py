@@ -19,7 +19,7 @@ computes them. Each element's random bits are the Threefry-2x32 words
 `lowmem_jax.optim.lowbit.rounding_bits` draws (Salmon et al., SC 2011), computed here with
 32-bit integer operations (`threefry2x32`), as Triton has no Threefry of its own: three
 evaluations an element, 77 integer operations each, rotations as funnel shifts. The kernel
-declares its lane operations with its bytes (`pallas_kernels._blocks.lane_ops`), which the
+declares its lane operations with its bytes (`pallas_kernels._blocks.pallas_call`), which the
 step-time estimate charges at the target's vector pipes' rates. `tests/test_pallas_adam8bit.py`
 holds the kernel, in interpret mode, to the optax chain compiled as written (XLA's excess
 precision off: by default XLA keeps some bfloat16 results in float32 where it fuses them, and
@@ -225,8 +225,7 @@ def update(p: jax.Array, g: jax.Array, mu, nu, count: jax.Array | None, key: jax
              words.reshape(-1), numbers.reshape(-1)]
   steps = [x.reshape(-1) for x in steps]
   written = [buffers[0], *buffers[2:], *steps]
-  call = functools.partial(
-      pl.pallas_call,
+  out = _blocks.pallas_call(
       functools.partial(_kernel, hyper=hyper, n=n, block_rows=m, rows_inside=rows_inside,
                         steps=bool(steps)),
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written],
@@ -234,10 +233,9 @@ def update(p: jax.Array, g: jax.Array, mu, nu, count: jax.Array | None, key: jax
       in_specs=[whole] * (10 + len(steps)), out_specs=[whole] * len(written),
       input_output_aliases={4: 0, **{5 + k: k for k in range(1, len(written))}},
       interpret=options.interpret, compiler_params=options.compiler_params(),
-      name="lowmem_adamw_8bit")
-  operands = [*scalars, *buffers, *steps]
-  out = call(metadata={"bytes_accessed": str(_bytes(buffers, shape, bool(steps))),
-                       **_blocks.lane_ops(call(), *operands)})(*operands)
+      name="lowmem_adamw_8bit",
+      metadata={"bytes_accessed": str(_bytes(buffers, shape, bool(steps)))})(
+          *scalars, *buffers, *steps)
   new_p, mc, ms, vc, vs, *new_steps = out
   as_moment = lambda c, s, q: q._replace(codes=c.reshape(q.codes.shape),
                                          scales=s.reshape(q.scales.shape))

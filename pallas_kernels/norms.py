@@ -99,7 +99,7 @@ def forward(x: jax.Array, *, centered: bool, eps: float, y_dtype=None,
     return forward_reference(x, centered=centered, eps=eps, y_dtype=y_dtype)
   rows = _blocks.as_rows(x)
   grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
-  y, rstd = pl.pallas_call(
+  y, rstd = _blocks.pallas_call(
       functools.partial(_forward_kernel, centered=centered, eps=eps, shape=rows.shape),
       out_shape=(jax.ShapeDtypeStruct(rows.shape, y_dtype),
                  jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32)),
@@ -130,7 +130,7 @@ def backward(y: jax.Array, rstd: jax.Array, dy: jax.Array, *, centered: bool, x_
     return backward_reference(y, rstd, dy, centered=centered, x_dtype=x_dtype)
   rows = _blocks.as_rows(y)
   grid, row_spec, stat_spec = _row_grid(*rows.shape, options)
-  dx = pl.pallas_call(
+  dx = _blocks.pallas_call(
       functools.partial(_backward_kernel, centered=centered, shape=rows.shape),
       out_shape=jax.ShapeDtypeStruct(rows.shape, x_dtype),
       grid=grid, in_specs=[row_spec, stat_spec, row_spec], out_specs=row_spec,

@@ -81,7 +81,7 @@ def pack(codes: jax.Array, bits: int, *, options: _blocks.Options = _blocks.Opti
   if view is None:
     return jnp.zeros(out_shape, jnp.uint8)
   grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], out_shape[-1], bits, options)
-  packed = pl.pallas_call(
+  packed = _blocks.pallas_call(
       functools.partial(_pack_kernel, bits=bits, shape=view.shape),
       out_shape=jax.ShapeDtypeStruct(view.shape[:2], jnp.uint8),
       grid=grid, in_specs=[grouped_spec], out_specs=bytes_spec,
@@ -100,7 +100,7 @@ def unpack(packed: jax.Array, bits: int, n: int, *,
     return jnp.zeros(out_shape, jnp.uint8)
   view = _blocks.as_rows(packed)
   grid, grouped_spec, bytes_spec = byte_grid(view.shape[0], view.shape[1], bits, options)
-  codes = pl.pallas_call(
+  codes = _blocks.pallas_call(
       functools.partial(_unpack_kernel, bits=bits, shape=view.shape + (8 // bits,)),
       out_shape=jax.ShapeDtypeStruct(view.shape + (8 // bits,), jnp.uint8),
       grid=grid, in_specs=[bytes_spec], out_specs=grouped_spec,

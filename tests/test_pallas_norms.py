@@ -1,5 +1,7 @@
 """The MS-norm kernels against their pure-JAX reference (interpret mode on CPU)."""
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ import numpy as np
 import pytest
 
 import lowmem_jax as lm
+from lowmem_jax.compile.memory import step_time
 from pallas_kernels import _blocks, norms as kernels
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -103,7 +106,9 @@ def test_rows_too_long():
 @pytest.mark.parametrize("target", ["h100", "a100-80gb"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernels_compile_for_gpu_targets(dtype, target):
-  """Both kernels compile through Triton and ptxas for sm_90a and sm_80, here without a GPU."""
+  """Both kernels compile through Triton and ptxas for sm_90a and sm_80, here without a GPU,
+  each declaring its float work to the step-time estimate (at least a multiply and an add an
+  element)."""
   target = lm.targets.get(target)
   for centered in (True, False):
     x = jax.ShapeDtypeStruct((8, 2048, 4096), dtype)
@@ -111,7 +116,9 @@ def test_kernels_compile_for_gpu_targets(dtype, target):
     for compiled in (
         target.compile(lambda x: kernels.forward(x, centered=centered, eps=1e-6), x),
         target.compile(lambda y, r, dy: kernels.backward(y, r, dy, centered=centered), x, rstd, x)):
-      assert 'custom_call_target="__gpu$xla.gpu.triton"' in compiled.as_text()
+      text = compiled.as_text()
+      assert 'custom_call_target="__gpu$xla.gpu.triton"' in text
+      assert step_time.estimate(text, target).lane_ops["fp"] >= 2 * math.prod(x.shape)
 
 
 @pytest.mark.gpu

@@ -75,9 +75,9 @@ def measure(tx, rows: int, cols: int, target) -> dict:
 
 def measure_kernel(rows: int, cols: int, target) -> dict:
   """`measure` of the fused kernel (``pallas_kernels.adam8bit``, what the layer-streamed step
-  runs with ``update_impl="pallas"``) on the weight, written in place. Its Threefry
-  evaluations are integer operations inside the kernel, not equations of the jaxpr: the
-  integer operations it declares count them (None: no evaluation to count)."""
+  runs with ``update_impl="pallas"``) on the weight, written in place. Its ``threefry`` is
+  None: its evaluations run inside the kernel, not as equations of the jaxpr; the integer
+  operations it declares count them."""
   import jax
   import jax.numpy as jnp
   from lowmem_jax.compile.memory import step_time

@@ -7,13 +7,13 @@ The pipes and their rates, results a clock an SM, are the CUDA C++ Programming G
 * ``"fp"``: float add, subtract and multiply (fused or not), the config's ``fpus_per_core``
   a clock an SM (64 on sm_80, 128 on sm_86 and later);
 * ``"int"``: integer arithmetic, bitwise operations and shifts, compares, selects, minimum
-  and maximum, and the conversions of 8- and 16-bit integers to 32-bit ones: 64;
+  and maximum, and the conversions between integers of different widths: 64;
 * ``"special"``: 16: the SFUs' functions (exponential, logarithm, reciprocal and its square
   root, sine, tanh, ...; a float division is one reciprocal) and the guide's "all other type
   conversions" (between integers and floats, float32 to bfloat16).
 
-A conversion between integers of one width is free (a reinterpretation), bfloat16 to float32
-an integer shift. A rotation, ``or(shift-left(x, a), shift-right-logical(x, b))`` with
+A conversion between integers of one width, or of a type to itself, is free (a
+reinterpretation), bfloat16 to float32 an integer shift. A rotation, ``or(shift-left(x, a), shift-right-logical(x, b))`` with
 ``a + b`` the width, is one operation, the funnel shift it compiles to (PTX ``shf``, taken
 at the integer rate: the guide has no row for it): Threefry-2x32's 20 rounds are 20
 rotations. Data movement (broadcasts, reshapes, slices, iota, bitcasts) is free, and so is
@@ -38,12 +38,14 @@ Counts = collections.Counter
 _FLOAT_ARITHMETIC = frozenset({"add", "subtract", "multiply"})
 _SPECIAL = frozenset({
     "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "tanh",
-    "rsqrt", "sqrt", "cbrt", "sine", "cosine", "tan", "atan2", "erf", "power", "divide"})
+    "rsqrt", "sqrt", "cbrt", "sine", "cosine", "tan", "atan2", "erf", "power", "divide",
+    "stochastic-convert"})
 _INTEGER_PIPE = frozenset({
     "add", "subtract", "multiply", "divide", "remainder", "and", "or", "xor", "not",
     "shift-left", "shift-right-logical", "shift-right-arithmetic", "compare", "select",
     "clamp", "maximum", "minimum", "abs", "negate", "sign", "is-finite", "popcnt",
-    "count-leading-zeros", "round-nearest-even", "round-nearest-afz", "floor", "ceil"})
+    "count-leading-zeros", "round-nearest-even", "round-nearest-afz", "floor", "ceil",
+    "reduce-precision", "bit-reverse"})
 _APPLIED = ("reduce", "reduce-window", "map")  # a computation applied once an input element
 _ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
 _BITS = re.compile(r"[a-z]+(\d+)")
@@ -54,13 +56,18 @@ _FROM_JAXPR = {
     "exp2": "exponential", "log1p": "log-plus-one", "expm1": "exponential-minus-one",
     "pow": "power", "integer_pow": "multiply", "square": "multiply", "neg": "negate",
     "max": "maximum", "min": "minimum", "sin": "sine", "cos": "cosine", "erfc": "erf",
-    "erf_inv": "erf", "convert_element_type": "convert", "select_n": "select",
+    "erf_inv": "erf", "asin": "atan2", "acos": "atan2", "atan": "atan2", "sinh": "exponential",
+    "cosh": "exponential", "asinh": "log", "acosh": "log", "atanh": "log", "lgamma": "log",
+    "digamma": "log", "round": "round-nearest-afz", "nextafter": "add",
+    "convert_element_type": "convert", "select_n": "select",
     "eq": "compare", "ne": "compare", "lt": "compare", "le": "compare", "gt": "compare",
     "ge": "compare", "rem": "remainder", "population_count": "popcnt", "clz": "count-leading-zeros",
     "reduce_max": "maximum", "reduce_min": "minimum", "reduce_sum": "add",
-    "reduce_and": "and", "reduce_or": "or", "argmax": "compare", "argmin": "compare"}
-_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_and", "reduce_or",
-                         "argmax", "argmin"})
+    "reduce_prod": "multiply", "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor",
+    "argmax": "compare", "argmin": "compare", "cumsum": "add", "cumprod": "multiply",
+    "cummax": "maximum", "cummin": "minimum", "cumlogsumexp": "exponential"}
+_REDUCTIONS = frozenset({"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "reduce_and",
+                         "reduce_or", "reduce_xor", "argmax", "argmin"})
 
 
 def pipe(op: str, dtype: str, source: str = "") -> str | None:
@@ -92,7 +99,10 @@ def of_computation(instructions: dict, called: Callable[[Any], list[str]],
   its input's, a nested fusion's inside it."""
   counts = Counts()
   rotations = _rotations(instructions)
-  shape = lambda name: getattr(instructions.get(name.split("#")[0]), "shape", "")
+  def shape(name: str) -> str:  # ``name#k``: the tuple's element k
+    base, _, k = name.partition("#")
+    full = getattr(instructions.get(base), "shape", "")
+    return "{}[{}]".format(*_ARRAY.findall(full)[int(k)]) if k else full
   for name, i in instructions.items():
     if name in rotations:
       continue
@@ -130,7 +140,7 @@ def of_jaxpr(jaxpr: Any) -> Counts:
     inner = [p for p in e.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
     for p in inner:
       counts += of_jaxpr(getattr(p, "jaxpr", p))
-    if inner or k in skip:
+    if inner or k in skip or not e.outvars:  # no output: a ref's update, a print
       continue
     out = e.outvars[0].aval
     aval = e.invars[0].aval if name in _REDUCTIONS else out
@@ -146,6 +156,17 @@ def seconds(counts: Counts, ops_per_s: dict[str, float]) -> float:
   return sum(n / ops_per_s[kind] for kind, n in counts.items() if n)
 
 
+def rates_of(config: str) -> dict[str, float] | None:
+  """`rates` of an XLA GPU target config's text (its ``core_count``, ``fpus_per_core`` and
+  ``clock_rate_ghz``); None where it lacks one."""
+  found = [re.search(rf"\b{k}: ([\d.]+)", config)
+           for k in ("core_count", "fpus_per_core", "clock_rate_ghz")]
+  if not all(found):
+    return None
+  cores, fpus, ghz = (float(m.group(1)) for m in found)
+  return rates(int(cores), int(fpus), ghz * 1e9)
+
+
 def rates(cores: int, fpus_per_core: int, clock_hz: float) -> dict[str, float]:
   """Lane operations a second on each pipe of a GPU of ``cores`` SMs at ``clock_hz``, its
   float pipe ``fpus_per_core`` wide (an XLA target config's ``core_count``,
@@ -158,6 +179,10 @@ def _conversion(source: str, dtype: str) -> str | None:
   """The pipe of a conversion from element type ``source`` to ``dtype`` (`pipe`)."""
   integer = lambda t: t.startswith(("s", "u", "pred"))
   bits = lambda t: int(_BITS.match(t).group(1)) if _BITS.match(t) else 8
+  if source == dtype:
+    return None
+  if dtype == "pred":  # a compare with zero
+    return "int"
   if integer(source) and integer(dtype):
     return None if bits(source) == bits(dtype) else "int"
   if source == "bf16" and dtype == "f32":

@@ -108,7 +108,8 @@ def store(ref, value: jax.Array, shape: tuple[int, ...], index: tuple) -> None:
 def pallas_call(kernel, *, metadata: dict | None = None, **kwargs):
   """``pl.pallas_call(kernel, **kwargs)``, its call declaring its kernel's vector ALU work in
   its metadata beside ``metadata`` (`lane_ops`), which the step-time estimate reads (XLA's
-  text holds a Triton call's body only as its compiled IR)."""
+  text holds a Triton call's body only as its compiled IR). Under ``jax.vmap`` the count
+  stays one example's."""
   def call(*operands):
     declared = {**(metadata or {}), **lane_ops(pl.pallas_call(kernel, **kwargs), *operands)}
     return pl.pallas_call(kernel, metadata=declared, **kwargs)(*operands)

@@ -264,8 +264,8 @@ def test_optimizer_bytes(capsys):
   assert list(found) == [*optimizer_bytes.optimizers(), kernel]
   assert all(positive(m["bytes"]) for m in found.values())
   assert found[kernel]["bytes"] < min(m["bytes"] for name, m in found.items() if name != kernel)
-  # each Threefry evaluation an element is some 70 integer operations, the kernel's (which it
-  # declares) as XLA's
+  # each Threefry evaluation an element is some 74-77 integer operations, the kernel's (which
+  # it declares) as XLA's, besides the moments' and codes' own (up to some 80 an element)
   for m in (*[m for m in found.values() if m["threefry"]], found[kernel]):
     assert 70 * (m["threefry"] or 3) < m["int_ops"] < 120 * (m["threefry"] or 3), found
   assert len(table_rows(capsys.readouterr().out)) == len(found)

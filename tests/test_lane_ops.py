@@ -5,12 +5,13 @@ charges for them."""
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import pallas as pl
 from jax.extend.random import threefry2x32_p
 
 import lowmem_jax as lm
 from lowmem_jax import _lane_ops as lane_ops
 from lowmem_jax.compile.memory import _hlo, step_time
-from pallas_kernels import adam8bit
+from pallas_kernels import _blocks, adam8bit
 
 H100 = lm.targets.get("h100")
 NEEDS_TARGET = pytest.mark.skipif(lm.targets.available() is not None,
@@ -37,6 +38,30 @@ def test_a_conversion_is_free_an_integer_shift_or_the_guides_slow_row():
   assert lane_ops.of_op("convert", "f32[8]{0}", "bf16[8]{0}") == {"int": 8}
   assert lane_ops.of_op("convert", "bf16[8]{0}", "f32[8]{0}") == {"special": 8}
   assert lane_ops.of_op("convert", "f32[8]{0}", "s32[8]{0}") == {"special": 8}
+  assert lane_ops.of_op("convert", "f32[8]{0}", "f32[8]{0}") == {}
+  assert lane_ops.of_op("convert", "pred[8]{0}", "u8[8]{0}") == {"int": 8}
+
+
+def test_a_convert_of_a_tuples_element_reads_that_elements_type():
+  """A fused ``convert`` of ``t#1`` (newer XLA's text for a tuple's element) converts t's
+  second array, u8 here: an integer widening, not the first array's f32."""
+  instructions = _hlo.computations("""HloModule m
+
+ENTRY %e (p: (f32[8], u8[8])) -> s32[8] {
+  %p = (f32[8]{0}, u8[8]{0}) parameter(0)
+  ROOT %c = s32[8]{0} convert(%p#1)
+}""")[0]["e"]
+  assert lane_ops.of_computation(instructions, _hlo.called, {}) == {"int": 8}
+
+
+def test_a_kernel_step_with_no_output_is_not_counted():
+  def kernel(x_ref, o_ref):
+    pl.debug_print("a step with no output")
+    o_ref[...] = x_ref[...] * 2.0
+
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                        interpret=True)
+  assert _blocks.lane_ops(call, jnp.ones(8)) == {"fp_ops": "8"}
 
 
 def test_a_rotation_is_one_operation_only_where_its_shifts_make_the_width():

@@ -210,24 +210,16 @@ class Target:
     """The device memory's bandwidth in bytes/s: its config's ``memory_bandwidth`` (XLA's
     reading of the memory clock and bus width), else a shipped config's of the same device
     kind (for `attached`); None where neither gives it (the CPU, another GPU)."""
-    found = self._spec_config() and _BANDWIDTH.search(self._spec_config())
+    found = _BANDWIDTH.search(self._spec_config() or "")
     return float(found.group(1)) if found else None
 
   @property
   def lane_ops_per_s(self) -> dict[str, float] | None:
-    """Vector ALU lane operations a second on each pipe (``"fp"``, ``"int"``, ``"special"``;
-    `lowmem_jax._lane_ops.rates`) from the config's SMs, float units an SM and
-    clock, or a shipped config's of the same device kind; None where neither gives them."""
-    config = self._spec_config()
-    found = [config and re.search(rf"\b{k}: ([\d.]+)", config)
-             for k in ("core_count", "fpus_per_core", "clock_rate_ghz")]
-    if not all(found):
-      return None
-    cores, fpus, ghz = (float(m.group(1)) for m in found)
-    return _lane_ops.rates(int(cores), int(fpus), ghz * 1e9)
+    """Vector ALU lane operations a second by pipe (`lowmem_jax._lane_ops.rates_of`) of its
+    config, or a shipped one of its device kind; None where neither gives them."""
+    return _lane_ops.rates_of(self._spec_config() or "")
 
-  def _spec_config(self) -> str | None:
-    """The config a GPU's speeds are read from: its own, else a shipped one of its kind."""
+  def _spec_config(self) -> str | None:  # its own config, else a shipped one of its kind
     shipped = None if self.config else shipped_for(self.device_kind)
     return self.config or (shipped and _CONFIGS.joinpath(f"{shipped}.txtpb").read_text())
 

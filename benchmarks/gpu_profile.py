@@ -6,7 +6,9 @@ case's step, as ``benchmarks/gpu_validate.py`` builds it, in a fresh process, wa
 beside its XPlane) is summarised for the device: a step's wall time; the idle time, when no
 kernel or copy runs on any of its streams; the kernels that took the most time; the copies
 each way, with their bytes and rate where the trace gives the bytes (CUPTI's
-``memcpy_details``: ``size:N``; *on device*: device-to-device copies and XLA's copy kernels).
+``memcpy_details``: ``size:N``; *on device*: device-to-device copies and XLA's copy kernels),
+and how much of the host transfers ran under a kernel or both ways at once (what the step-time
+estimate assumes of the overlap XLA scheduled).
 Written as Markdown (``--out``; default ``docs/gpu_profile.md``) for ``docs/gpu.md``; the
 traces stay in ``--traces``.
 
@@ -45,9 +47,11 @@ _SIZE = re.compile(r"\bsize:\s*(\d+)")
 def summarise(trace: dict, steps: int, device: bool = True) -> dict:
   """A Perfetto/Chrome trace (``{"traceEvents": [...]}``) of ``steps`` steps, summarised for
   its device (see the module's docstring; ``device=False``: the host's, for the dry run): a
-  step's seconds and idle seconds, ``kernels`` (name, count, seconds) and ``copies`` by
-  direction (count, seconds, bytes or None where a copy's size is not in the trace), each a
-  step's mean. A ValueError where the trace has no such device (on a GPU: CUPTI not loaded)
+  step's seconds, idle seconds and seconds some kernel runs (``kernel_seconds``), ``kernels``
+  (name, count, seconds), ``copies`` by direction (count, seconds, bytes or None where a
+  copy's size is not in the trace), ``under_kernels`` (the seconds some copy to the device,
+  or to the host, runs while a kernel runs: the transfer time compute hides) and
+  ``both_ways_seconds`` (copies to the device and to the host at once), each a step's mean. A ValueError where the trace has no such device (on a GPU: CUPTI not loaded)
   or no span on its streams."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events
@@ -68,17 +72,17 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
     raise ValueError(f"the trace has no kernel or copy on {names[pid]}'s streams")
   start = min(e["ts"] for e in spans)
   wall = max(e["ts"] + e["dur"] for e in spans) - start
-  busy, end = 0.0, start
-  for e in sorted(spans, key=lambda e: e["ts"]):  # the union of the spans, in microseconds
-    busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
-    end = max(end, e["ts"] + e["dur"])
+  busy = _length(_union(spans))
   kernels = collections.defaultdict(lambda: [0, 0.0])
   copies = collections.defaultdict(lambda: [0, 0.0, 0, True])  # count, s, bytes, all sized
+  ways = collections.defaultdict(list)  # spans by "kernel" or a copy's direction
   for e in spans:
     name = e["name"]
-    if _COPY.search(name):
-      way = ("to device" if _TO_DEVICE.search(name) else "to host" if _TO_HOST.search(name)
-             else "on device")
+    way = "kernel" if not _COPY.search(name) else (
+        "to device" if _TO_DEVICE.search(name) else "to host" if _TO_HOST.search(name)
+        else "on device")
+    ways[way].append(e)
+    if way != "kernel":
       size = _SIZE.search(" ".join(str(v) for v in (e.get("args") or {}).values()))
       c = copies[way]
       c[:] = c[0] + 1, c[1] + e["dur"] / 1e6, c[2] + int(size.group(1) if size else 0), (
@@ -87,12 +91,44 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
       k = kernels[name]
       k[0], k[1] = k[0] + 1, k[1] + e["dur"] / 1e6
   top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
+  union = {way: _union(found) for way, found in ways.items()}
+  under = lambda way, other: _length(_intersection(union.get(way, []), union.get(other, [])))
   return {"device": names[pid], "steps": steps, "seconds": wall / 1e6 / steps,
           "idle_seconds": (wall - busy) / 1e6 / steps,
+          "kernel_seconds": _length(union.get("kernel", [])) / 1e6 / steps,
+          "under_kernels": {way: under(way, "kernel") / 1e6 / steps
+                            for way in ("to device", "to host") if way in union},
+          "both_ways_seconds": under("to device", "to host") / 1e6 / steps,
           "kernel_count": sum(k[0] for k in kernels.values()) / steps,
           "kernels": [(name, n / steps, s / steps) for name, (n, s) in top],
           "copies": {way: (n / steps, s / steps, b / steps if sized else None)
                      for way, (n, s, b, sized) in sorted(copies.items())}}
+
+
+def _union(spans: list[dict]) -> list[tuple[float, float]]:
+  """The time ``spans`` cover: sorted, disjoint ``(start, end)`` intervals, microseconds."""
+  merged = []
+  for e in sorted(spans, key=lambda e: e["ts"]):
+    if merged and e["ts"] <= merged[-1][1]:
+      merged[-1] = merged[-1][0], max(merged[-1][1], e["ts"] + e["dur"])
+    else:
+      merged.append((e["ts"], e["ts"] + e["dur"]))
+  return merged
+
+
+def _intersection(a: list, b: list) -> list[tuple[float, float]]:
+  """The time two `_union` s share, as one."""
+  shared, i, j = [], 0, 0
+  while i < len(a) and j < len(b):
+    start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+    if start < end:
+      shared.append((start, end))
+    i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
+  return shared
+
+
+def _length(intervals: list) -> float:
+  return sum(end - start for start, end in intervals)
 
 
 def _outermost(spans: list[dict]) -> list[dict]:
@@ -138,12 +174,17 @@ def markdown(rows: list[dict], failed: list, command: str) -> str:
               f"`{r['techniques']}`", "",
               f"{r['device']}, jax {r['jax']}: **{1e3 * r['seconds']:,.1f} ms a step**, "
               f"{1e3 * r['idle_seconds']:,.1f} ms of it idle (no kernel or copy running), "
-              f"{r['kernel_count']:,.0f} kernels (means of {r['steps']} steps).", "",
-              "| copies | count | ms | GiB | GB/s |", "|---|---:|---:|---:|---:|"]
+              f"{r['kernel_count']:,.0f} kernels (means of {r['steps']} steps), some kernel "
+              f"running {1e3 * r['kernel_seconds']:,.1f} ms of it; copies to the device and "
+              f"to the host both running {1e3 * r['both_ways_seconds']:,.1f} ms.", "",
+              "| copies | count | ms | GiB | GB/s | ms under a kernel |",
+              "|---|---:|---:|---:|---:|---:|"]
     for way, (n, s, b) in r["copies"].items():
       rate = f"{b / s / 1e9:,.1f}" if b and s else "n/a"
+      hidden = r["under_kernels"].get(way)
       lines.append(f"| {way} | {n:,.1f} | {1e3 * s:,.1f} | "
-                   f"{'n/a' if b is None else format(b / 2**30, ',.2f')} | {rate} |")
+                   f"{'n/a' if b is None else format(b / 2**30, ',.2f')} | {rate} | "
+                   f"{'n/a' if hidden is None else format(1e3 * hidden, ',.1f')} |")
     lines += ["", "| kernel | count | ms | share of the step |", "|---|---:|---:|---:|"]
     lines += [f"| `{name[:90]}` | {n:,.1f} | {1e3 * s:,.2f} | {s / r['seconds']:.1%} |"
               for name, n, s in r["kernels"]]

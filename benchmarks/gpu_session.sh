@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 50's GPU items in one device call, the most wanted first, each under what is left of
 # DEADLINE seconds (default 540: the device tool's 600 s a call, less the copying). Run on the
-# device machine from the repository's root, its image's JAX, flax and optax as they are:
+# device machine from the repository's root, its image's JAX, flax and optax as they are, and
+# the wheels in .whl (ignored by git; carry it) of what the image lacks: jmp, made here with
+# `pip download --no-deps -d .whl jmp==0.0.4` (pure Python):
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh      # DEADLINE=... to change the budget
 #
 # It writes into $OUT (the folder the device tool brings back): device.txt (nvidia-smi's name,
 # memory and driver; JAX's version and devices), gpu_tests.txt (`pytest -m gpu`: the fused
-# kernel against the chain, the host-state step's exact twin), gpu_speed.jsonl and .txt
+# kernel against the chain; and the host-state streamed step's exact twins in
+# tests/test_streamed.py, for openxla/xla #46231), gpu_speed.jsonl and .txt
 # (`gpu_validate.py --speed`'s Llama-3.1-8B rows, with and without the fused update: tokens/s),
 # gpu_profile.md (`gpu_profile.py`: where the 8B's streamed steps spend their time). Then, on
 # the machine without a GPU: append gpu_speed.jsonl's rows to docs/gpu.jsonl, run
@@ -23,6 +26,10 @@ left() { local s=$((deadline - (SECONDS - start))); echo $((s > 1 ? s : 1)); }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false
 python=${PYTHON:-python3}
 mkdir -p "$out"
+if [ -d .whl ] && [ -z "$dry" ]; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 
 if [ -z "$dry" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/device.txt"
@@ -30,6 +37,10 @@ if [ -z "$dry" ]; then
   timeout "$(($(left) / 4))" "$python" -m pytest -q -m gpu -p no:cacheprovider \
     --continue-on-collection-errors tests > "$out/gpu_tests.txt" 2>&1
   echo "pytest -m gpu: exit $? after $((SECONDS - start)) s" >> "$out/gpu_tests.txt"
+  timeout "$(($(left) / 8))" "$python" -m pytest -q -p no:cacheprovider tests/test_streamed.py \
+    -k "host_give_the_same_step or a_layer_in_parts" >> "$out/gpu_tests.txt" 2>&1
+  echo "pytest test_streamed's twins: exit $? after $((SECONDS - start)) s" \
+    >> "$out/gpu_tests.txt"
 fi
 "$python" -c "import jax; print('jax', jax.__version__, jax.devices())" >> "$out/device.txt" 2>&1
 

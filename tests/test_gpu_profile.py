@@ -40,6 +40,20 @@ def test_the_summary_counts_each_stream_once_and_the_copies_each_way():
                           ("loop_fusion", 1, pytest.approx(550e-6))]
   assert s["copies"] == {"to device": (1, pytest.approx(800e-6), 4_000_000),
                          "to host": (0.5, pytest.approx(500e-6), 1_000_000)}
+  # Kernels run in [0, 1500), [2000, 3000) and [3500, 4000); the fetches lie under them, the
+  # write-back [3000, 4000) half; the two ways never run at once.
+  assert s["kernel_seconds"] == pytest.approx(3000e-6 / 2)
+  assert s["under_kernels"] == {"to device": pytest.approx(800e-6),
+                                "to host": pytest.approx(250e-6)}
+  assert s["both_ways_seconds"] == 0
+
+
+def test_copies_both_ways_at_once_are_counted_where_they_meet():
+  trace = _trace()
+  trace["traceEvents"][-1].update(ts=2500, dur=1500)  # the write-back from 2,500 us
+  s = gpu_profile.summarise(trace, steps=2)
+  assert s["both_ways_seconds"] == pytest.approx(400e-6 / 2)
+  assert s["under_kernels"]["to host"] == pytest.approx(1000e-6 / 2)
 
 
 def test_a_copy_of_no_size_gives_no_bytes_and_a_gpu_trace_without_its_device_is_refused():

@@ -54,7 +54,8 @@ def _inputs(state, at: lowbit.Position, ok: bool = True, first_rows=(0, 0, 0, 0)
 
 def _steps(shape, at: lowbit.Position, steps: int, options: _blocks.Options = INTERPRET):
   """``steps`` steps of the chain on a bfloat16 leaf of ``shape`` at ``at``; yields each
-  step's kernel output and the chain's, the kernel starting from the chain's values."""
+  step's kernel output and the chain's, the kernel starting from the chain's values, and the
+  parameter both started from."""
   tx = lowbit.adamw_8bit(LR, seed=SEED, bfloat16_params=True)
   params = {"w": jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)}
   state = tx.init(params)
@@ -69,10 +70,11 @@ def _steps(shape, at: lowbit.Position, steps: int, options: _blocks.Options = IN
   for k in range(steps):
     g = (0.1 * jax.random.normal(jax.random.key(10 + k), shape)).astype(jnp.bfloat16)
     moments = state[0][0]
-    got = kernel(params["w"], g, moments.mu["w"], moments.nu["w"], *_inputs(state, at))
+    before = params["w"]
+    got = kernel(before, g, moments.mu["w"], moments.nu["w"], *_inputs(state, at))
     params, state = chain({"w": g}, state, params)
     yield got, (params["w"], state[0][0].mu["w"], state[0][0].nu["w"], state[0][0].count[None],
-                state[1].key[None])
+                state[1].key[None]), before
 
 
 def _assert_equal(got, want):
@@ -91,7 +93,7 @@ def _assert_equal(got, want):
 @OPTAX_BIAS_CORRECTION
 @OPTAX_APPLY_UPDATES
 def test_the_kernel_is_the_optax_chain_compiled_as_written():
-  for got, want in _steps((40, 512), lowbit.Position(LEAF, 5, 0), steps=3):
+  for got, want, _ in _steps((40, 512), lowbit.Position(LEAF, 5, 0), steps=3):
     _assert_equal(got, want)
 
 
@@ -104,26 +106,40 @@ def test_the_kernel_is_the_optax_chain_compiled_as_written():
     ((17, 512), lowbit.Position(LEAF, 4, 1024, rows=False)),
     ((2, 4096), lowbit.Position(LEAF, 0, 0))])
 def test_the_kernel_is_the_optax_chain_on_each_shape_and_position(shape, at):
-  for got, want in _steps(shape, at, steps=2):
+  for got, want, _ in _steps(shape, at, steps=2):
     _assert_equal(got, want)
+
+
+def _units_allowed(before, after) -> np.ndarray:
+  """Bfloat16 units of ``after`` (bfloat16) that a step from ``before`` may move by where its
+  direction is off by a bfloat16 unit: a unit of the update both in the direction and in the
+  learning rate's product (2 * 2**-7 of the step, in units of ``after``), one for the
+  stochastic rounding, one for the step's size read from the rounded result."""
+  before, after = (np.asarray(x, np.float32) for x in (before, after))
+  unit = np.ldexp(1.0, np.maximum(np.frexp(after)[1], -125) - 8)  # bfloat16's ulp at after
+  return 2 + np.ceil(np.abs(after - before) * 2.0 ** -6 / unit)
 
 
 @pytest.mark.gpu
 @OPTAX_BIAS_CORRECTION
 @OPTAX_APPLY_UPDATES
-def test_on_gpu_the_kernel_is_the_chain_but_for_a_unit_in_few_places():
+def test_on_gpu_the_kernel_is_the_chain_but_for_a_unit_of_the_update_in_few_places():
   """Compiled by Triton on the GPU, where a float32 division is approximate (PTX's
-  ``div.full.f32``, within 2 ulp) and XLA's is rounded correctly: under 1% of the
-  parameters a bfloat16 unit from the chain's, under 1% of the moments a code from it; the
-  counts and keys exactly."""
-  for got, want in _steps((1024, 4096), lowbit.Position(LEAF, 5, 0), steps=3,
-                          options=_blocks.Options()):
+  ``div.full.f32``, within 2 ulp) and XLA's is rounded correctly. The direction is rounded
+  to bfloat16 before the step, so an ulp can move it, and the update, by a bfloat16 unit of
+  theirs: the parameter by that much more than its own unit, many of its units where the
+  update dwarfs it (a parameter near zero). So: under 1% of the parameters off the chain's,
+  none by more than `_units_allowed`; under 1% of the moments a code from it; the counts
+  and keys exactly. (On an H100 under jax 0.11.2 a parameter was 4 units off, against an
+  earlier bound of 1.)"""
+  for got, want, before in _steps((1024, 4096), lowbit.Position(LEAF, 5, 0), steps=3,
+                                  options=_blocks.Options()):
     (p, mu, nu, *steps), (p_want, mu_want, nu_want, *steps_want) = got, want
     for x, x_want in zip(steps, steps_want, strict=True):
       np.testing.assert_array_equal(x, x_want)
     units = np.abs(np.asarray(p).view(np.int16).astype(np.int32)
                    - np.asarray(p_want).view(np.int16))
-    assert units.max() <= 1 and np.mean(units > 0) < 0.01
+    assert np.all(units <= _units_allowed(before, p_want)) and np.mean(units > 0) < 0.01
     for q, q_want, signed in ((mu, mu_want, True), (nu, nu_want, False)):
       a, b = (np.asarray(lowbit.dequantize(x, signed=signed)) for x in (q, q_want))
       assert np.mean(a != b) < 0.01

@@ -55,6 +55,7 @@ class Calibration(NamedTuple):
       cores' float32 format and XLA's default for float32 dots on them, has half the peak).
     tensor_fraction: the fraction of the tensor-core peak the largest GEMMs reach.
     half_efficiency_flops: the FLOPs at which a GEMM reaches half of ``tensor_fraction``.
+    pallas_alu_efficiency: the fraction of the pipes' rates a Pallas kernel's operations reach.
   """
   hbm_efficiency: float = 0.9
   launch_s: float = 4e-6
@@ -63,13 +64,16 @@ class Calibration(NamedTuple):
   float32_rate: float = 0.35
   tensor_fraction: float = 0.8
   half_efficiency_flops: float = 4.4e9
+  pallas_alu_efficiency: float = 0.61
 
 
 CALIBRATION = Calibration()
 """The constants `estimate` uses. ``tensor_fraction`` and ``half_efficiency_flops`` put
 bfloat16 GEMMs at 26% of the peak at 1024³ and 78% at 4096³, as XLA's measured table for
 sm_90 has them (``default_matmul_perf_table.txtpb``); ``copy_link_efficiency`` is PCIe's
-packet overhead; the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
+packet overhead; ``pallas_alu_efficiency`` the fused 8-bit update's kernels' time on an H100
+(five shapes, each 1.58-1.68 times its jaxpr's operations at the published rates: Triton adds
+addressing); the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
 BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
 """What a step's time is spent on, `StepTime.seconds_by_bound`'s keys: "compute" the tensor
 cores, "ALU" the vector pipes (`lowmem_jax._lane_ops`)."""
@@ -134,10 +138,9 @@ class StepTime:
 
   def __str__(self) -> str:
     split = ", ".join(f"{k} {1e3 * v:,.1f}" for k, v in self.seconds_by_bound.items() if v)
-    host = (f"; host link {self.to_device_bytes / 2**30:,.2f} GiB in, "
-            f"{self.to_host_bytes / 2**30:,.2f} GiB out, {self.host_copy_bytes / 2**30:,.2f} "
-            "GiB host to host" if self.to_device_bytes or self.to_host_bytes
-            or self.host_copy_bytes else "")
+    gib = [b / 2**30 for b in (self.to_device_bytes, self.to_host_bytes, self.host_copy_bytes)]
+    host = (f"; host link {gib[0]:,.2f} GiB in, {gib[1]:,.2f} GiB out, {gib[2]:,.2f} GiB host "
+            "to host" if any(gib) else "")
     return (f"estimated step time: {1e3 * self.seconds:,.1f} ms, bound by {self.bound} "
             f"(ms: {split}); {self.kernels:,} kernels, {self.tensor_flops / 1e12:,.2f} TFLOP "
             f"on the tensor cores{host} (lowmem_jax.compile.memory.step_time)")
@@ -222,12 +225,13 @@ class _Program:
       seconds += f / (per_second * tensor_efficiency(f, self.calibration)) if f else 0.0
     reads, writes = self._reads(computation, i), self._writes(computation, i)
     ops = self._lane_ops(computation, i)
+    alu = (lane_ops.seconds(ops, self.lane_ops_per_s) if self.lane_ops_per_s else 0.0) / (
+        self.calibration.pallas_alu_efficiency if i.op == "custom-call" else 1.0)
     collective = (max(b for b, _ in _arrays(i.shape))
                   if i.op in (*COLLECTIVES, *_ASYNC_COLLECTIVES) else 0)
     return _Cost(
         tensor_flops=flops, tensor_seconds=seconds,
-        alu_seconds=(lane_ops.seconds(ops, self.lane_ops_per_s) if self.lane_ops_per_s
-                     else 0.0), lane_ops=tuple(ops.items()),
+        alu_seconds=alu, lane_ops=tuple(ops.items()),
         device_bytes=sum(b for b, host in reads + writes if not host),
         to_device_bytes=sum(b for b, host in reads if host),
         to_host_bytes=sum(b for b, host in writes if host),
@@ -248,12 +252,10 @@ class _Program:
                           if i.operands else "")
 
   def _is_memcpy(self, i: _hlo.Instruction) -> bool:
-    """Whether ``i`` is a fusion XLA runs as a memcpy (the copy engines' DMA), or an
-    asynchronous start of one (``fusion-start``, or an ``async-start`` of a computation that
-    is one). jax 0.10's XLA makes a custom fusion of a slice whose offsets it computes from
-    the loop's induction variable (a ``dynamic_slice_config``), as of a host row read or
-    written at a loop counter's offset; jax 0.12's keeps a loop fusion (`_copies_a_slice`)
-    and its thunk emitter makes the copy (``AnalyzeDynamicSliceCopyFusion``)."""
+    """Whether ``i`` is a fusion XLA runs as a memcpy (DMA), or an asynchronous start of one.
+    jax 0.10's XLA makes a custom fusion of a slice whose offsets follow the loop's counter
+    (a ``dynamic_slice_config``); jax 0.12's keeps a loop fusion (`_copies_a_slice`) and its
+    thunk emitter makes the copy (``AnalyzeDynamicSliceCopyFusion``)."""
     if i.op == "async-start":
       inner = self.computations[_hlo.called(i)[0]]
       return any(self._is_memcpy(j) for j in inner.values() if j.op not in _FREE)
@@ -545,9 +547,8 @@ def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
 
 
 def exposed_host_transfers(hlo_text: str) -> list[str]:
-  """The host transfers of a loop body (named as `host_transfer_cover` names them) with no
-  kernel scheduled between their start and their done: nothing runs under them, the compute
-  waits for each whole."""
+  """The host transfers of a loop body (as `host_transfer_cover` names them) with no kernel
+  scheduled between their start and their done: the compute waits for each whole."""
   return [name for name, (kernels, _) in host_transfer_cover(hlo_text).items() if not kernels]
 
 
@@ -575,8 +576,7 @@ def host_transfer_cover(hlo_text: str) -> dict[str, tuple[int, int]]:
         target = _TARGET.search(i.attributes) if i.op == "custom-call" else None
         tensor = bool(target) and target.group(1).startswith((*_GEMMS, "__cudnn$fmha"))
         for counts in open_.values():
-          counts[0] += 1
-          counts[1] += tensor
+          counts[:] = counts[0] + 1, counts[1] + tensor
   return cover
 
 

@@ -50,9 +50,10 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
   step's seconds, idle seconds and seconds some kernel runs (``kernel_seconds``), ``kernels``
   (name, count, seconds), ``copies`` by direction (count, seconds, bytes or None where a
   copy's size is not in the trace), ``under_kernels`` (the seconds some copy to the device,
-  or to the host, runs while a kernel runs: the transfer time compute hides) and
-  ``both_ways_seconds`` (copies to the device and to the host at once), each a step's mean. A ValueError where the trace has no such device (on a GPU: CUPTI not loaded)
-  or no span on its streams."""
+  or to the host, runs while a kernel runs: the transfer time compute hides; a copy on the
+  device is no kernel here) and ``both_ways_seconds`` (copies to the device and to the host
+  at once), each a step's mean. A ValueError where the trace has no such device (on a GPU:
+  CUPTI not loaded) or no span on its streams."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -128,6 +129,7 @@ def _intersection(a: list, b: list) -> list[tuple[float, float]]:
 
 
 def _length(intervals: list) -> float:
+  """The time `_union` s' intervals cover, microseconds."""
   return sum(end - start for start, end in intervals)
 
 

@@ -72,7 +72,7 @@ CALIBRATION = Calibration()
 bfloat16 GEMMs at 26% of the peak at 1024³ and 78% at 4096³, as XLA's measured table for
 sm_90 has them (``default_matmul_perf_table.txtpb``); ``copy_link_efficiency`` is PCIe's
 packet overhead; ``pallas_alu_efficiency`` the fused 8-bit update's kernels' time on an H100
-(five shapes, each 1.58-1.68 times its jaxpr's operations at the published rates: Triton adds
+(five shapes, each 1.58-1.68 times its jaxpr's operations at the published rates; likely Triton's
 addressing); the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
 BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
 """What a step's time is spent on, `StepTime.seconds_by_bound`'s keys: "compute" the tensor

@@ -55,7 +55,9 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
   copy's size is not in the trace), ``under_kernels`` (the seconds some copy to the device,
   or to the host, runs while a kernel runs: the transfer time compute hides; a copy on the
   device is no kernel here) and ``both_ways_seconds`` (copies to the device and to the host
-  at once), each a step's mean. A ValueError where the trace has no such device (on a GPU:
+  at once), each a step's mean; ``stream_copies``, each stream's copies by direction in the
+  first step (XLA takes its streams from a pool each run; `lowmem_jax.compile.memory.streams`
+  says which starts share one). A ValueError where the trace has no such device (on a GPU:
   CUPTI not loaded) or no span on its streams."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e["args"]["name"] for e in events
@@ -80,12 +82,15 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
   kernels = collections.defaultdict(lambda: [0, 0.0])
   copies = collections.defaultdict(lambda: [0, 0.0, 0, True])  # count, s, bytes, all sized
   ways = collections.defaultdict(list)  # spans by "kernel" or a copy's direction
+  stream_copies = collections.defaultdict(collections.Counter)  # the first step's, a stream
   for e in spans:
     name = e["name"]
     way = "kernel" if not _COPY.search(name) else (
         "to device" if _TO_DEVICE.search(name) else "to host" if _TO_HOST.search(name)
         else "on device")
     ways[way].append(e)
+    if way != "kernel" and e["ts"] < start + wall / steps:
+      stream_copies[threads[e["pid"], e["tid"]]][way] += 1
     if way != "kernel":
       size = _SIZE.search(" ".join(str(v) for v in (e.get("args") or {}).values()))
       c = copies[way]
@@ -103,6 +108,7 @@ def summarise(trace: dict, steps: int, device: bool = True) -> dict:
           "under_kernels": {way: under(way, "kernel") / 1e6 / steps
                             for way in ("to device", "to host") if way in union},
           "both_ways_seconds": under("to device", "to host") / 1e6 / steps,
+          "stream_copies": {name: dict(c) for name, c in sorted(stream_copies.items())},
           "kernel_count": sum(k[0] for k in kernels.values()) / steps,
           "kernels": [(name, n / steps, s / steps) for name, (n, s) in top],
           "copies": {way: (n / steps, s / steps, b / steps if sized else None)
@@ -190,6 +196,10 @@ def markdown(rows: list[dict], failed: list, command: str) -> str:
       lines.append(f"| {way} | {n:,.1f} | {1e3 * s:,.1f} | "
                    f"{'n/a' if b is None else format(b / 2**30, ',.2f')} | {rate} | "
                    f"{'n/a' if hidden is None else format(1e3 * hidden, ',.1f')} |")
+    lines += ["", "| stream (the first step) | to device | to host | on device |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {c.get('to device', 0)} | {c.get('to host', 0)} | "
+              f"{c.get('on device', 0)} |" for name, c in r["stream_copies"].items()]
     lines += ["", "| kernel | count | ms | share of the step |", "|---|---:|---:|---:|"]
     lines += [f"| `{name[:90]}` | {n:,.1f} | {1e3 * s:,.2f} | {s / r['seconds']:.1%} |"
               for name, n, s in r["kernels"]]

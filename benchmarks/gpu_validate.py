@@ -45,8 +45,11 @@ target, no GPU tests), which the test suite does to check this script.
 
 ``--speed`` runs issue 50's rows instead (`SPEED_CASES`): Llama-3.2-1B's plain step with
 full remat, its streamed step with the state on the device, with XLA's update and with the
-fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the device
-and on the host (two layers ahead), each both ways. Its report is ``docs/gpu_speed.md``
+fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the host (one
+layer ahead; two, the MLP whole; two) and on the device, with XLA's update, then each with the
+kernel. The host rows first: before jaxlib 0.12 a host transfer takes turns with the slice
+copies on XLA's streams (`lowmem_jax.compile.memory.streams`), and the estimate ranks them by
+how much of it waits. Its report is ``docs/gpu_speed.md``
 (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
 ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """
@@ -82,8 +85,10 @@ SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t) for t i
     SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off",
     "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off+fused-update")]
                + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16", f"{_SET_8B}+{t}{k}")
-                  for t in ("stream:device+mlp-chunk:off", "stream:host+offload-opt+prefetch:2")
-                  for k in ("", "+fused-update")])
+                  for k in ("", "+fused-update")
+                  for t in ("stream:host+offload-opt", "stream:host+offload-opt+prefetch:2"
+                            "+mlp-chunk:off", "stream:host+offload-opt+prefetch:2",
+                            "stream:device+mlp-chunk:off")])
 DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                    for t in (SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device")]
 MIN_CASE_SECONDS = 60  # --deadline: a case given less would not finish (the 1B's took 130 s)

@@ -46,6 +46,8 @@ def test_the_summary_counts_each_stream_once_and_the_copies_each_way():
   assert s["under_kernels"] == {"to device": pytest.approx(800e-6),
                                 "to host": pytest.approx(250e-6)}
   assert s["both_ways_seconds"] == 0
+  # The first step, [0, 2000): one fetch on its stream; the write-back is the second step's.
+  assert s["stream_copies"] == {"Stream #8(MemcpyH2D)": {"to device": 1}}
 
 
 def test_copies_both_ways_at_once_are_counted_where_they_meet():

@@ -9,7 +9,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION, OPTAX_UPDATE
 
 import lowmem_jax as lm
 from lowmem_jax import app
-from lowmem_jax.compile.memory import step_time
+from lowmem_jax.compile.memory import host_transfers, step_time
 
 H100 = lm.targets.get("h100")
 NEEDS_TARGET = pytest.mark.skipif(lm.targets.available() is not None,
@@ -95,7 +95,7 @@ def test_an_asynchronous_fusion_moves_its_slice_under_the_kernels_after_its_star
   assert memcpy.seconds == pytest.approx(max(dma, under) + add)
   assert kernel.seconds == pytest.approx(max(sm, under) + add)
   assert memcpy.to_device_bytes == kernel.to_device_bytes == row  # the row, not the stack
-  assert step_time.loop_host_transfers(module("kCustom", _LOOP_OFFSET)) == {}
+  assert host_transfers.loop_host_transfers(module("kCustom", _LOOP_OFFSET)) == {}
   # jax 0.12's XLA keeps a loop fusion whose whole body is the annotated slice, and copies it
   # (its thunk emitter's dynamic-slice copy); a loop fusion that computes on the slice, or
   # whose slice carries no offset config, stays a kernel.
@@ -223,21 +223,21 @@ def test_a_host_row_at_a_loop_counters_offset_moves_as_xla_moves_such_rows():
     return jax.lax.fori_loop(0, 8, body, (x, fetch(0)))[0]
   probe = H100.compile(loop, jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16),
                        jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)).as_text()
-  xla_makes_memcpys = all(step_time.loop_host_transfers(probe).values())
+  xla_makes_memcpys = all(host_transfers.loop_host_transfers(probe).values())
   job = app.Job("llama-tiny", batch=2, seq=64, target="h100")
   built, params, opt_state, batch = app.arguments(
       job, app.parse("all+fused-ce+8bit+bf16-params+stream:host+offload-opt"))
   with job.compiling():
     text = job.target.compile(built["step"], params, opt_state, batch).as_text()
-  transfers = step_time.loop_host_transfers(text)
+  transfers = host_transfers.loop_host_transfers(text)
   assert len(transfers) >= 4  # the saved input written, read back; the state read, written
   assert set(transfers.values()) == {xla_makes_memcpys}, transfers
 
 
 @NEEDS_TARGET
 def test_a_host_transfer_with_no_kernel_under_it_is_found():
-  assert len(step_time.exposed_host_transfers(_host_rows_loop(use_at_once=True))) == 1
-  assert step_time.exposed_host_transfers(_host_rows_loop(use_at_once=False)) == []
+  assert len(host_transfers.exposed_host_transfers(_host_rows_loop(use_at_once=True))) == 1
+  assert host_transfers.exposed_host_transfers(_host_rows_loop(use_at_once=False)) == []
 
 
 @NEEDS_TARGET
@@ -256,9 +256,9 @@ def test_a_loop_that_only_moves_a_row_is_not_looked_at():
   shapes = (jax.ShapeDtypeStruct((8, 1 << 20), jnp.bfloat16),
             jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16))
   moved = H100.compile(lambda r, x: halves(r, x, False), *shapes).as_text()
-  assert step_time.loop_host_transfers(moved) and step_time.exposed_host_transfers(moved) == []
+  assert host_transfers.loop_host_transfers(moved) and host_transfers.exposed_host_transfers(moved) == []
   computed = H100.compile(lambda r, x: halves(r, x, True), *shapes).as_text()
-  assert len(step_time.exposed_host_transfers(computed)) == 1
+  assert len(host_transfers.exposed_host_transfers(computed)) == 1
 
 
 @NEEDS_TARGET
@@ -279,8 +279,8 @@ def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_
   built, params, opt_state, batch = app.arguments(job, techniques)
   with job.compiling():
     text = job.target.compile(built["step"], params, opt_state, batch).as_text()
-  assert step_time.exposed_host_transfers(text) == []
-  cover = step_time.host_transfer_cover(text)
+  assert host_transfers.exposed_host_transfers(text) == []
+  cover = host_transfers.host_transfer_cover(text)
   calls = lambda body: sum(c for name, (_, c) in cover.items() if name.startswith(body + "/"))
   layers = max({name.split("/")[0] for name in cover}, key=calls)  # the layers' backward
   under = {name: c for name, (_, c) in cover.items() if name.startswith(layers + "/")}

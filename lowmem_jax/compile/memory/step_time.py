@@ -16,9 +16,11 @@ schedule, asynchronous work overlapping only where the schedule has it:
   integer work such as Threefry's, for one, is no FLOP and no byte;
 * a kernel takes the longest of its FLOPs', its ALU work's and its bytes' times, plus a
   launch;
-* an asynchronous start (a host transfer, a collective) runs on its own queue, one at a time
-  a direction, from its start; its done waits for it: a transfer hides only under the
-  kernels scheduled between the two;
+* an asynchronous start (a host transfer, a slice copy, a collective) runs from its start on
+  the stream XLA gives it (`lowmem_jax.compile.memory.streams`: before jaxlib 0.12 host
+  transfers take turns with slice copies on four streams), after that stream's earlier work,
+  and the host link moves one transfer a direction at a time; its done waits for it: a
+  transfer hides only under the kernels scheduled between the two;
 * a loop runs its condition and body as many times as its trip count, a conditional its
   slowest branch.
 
@@ -35,7 +37,7 @@ import re
 from typing import NamedTuple
 
 from lowmem_jax import _lane_ops as lane_ops
-from lowmem_jax.compile.memory import _hlo
+from lowmem_jax.compile.memory import _hlo, streams
 from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
 
@@ -420,9 +422,10 @@ class UnknownTripCount(ValueError):
 class _Clock:
   """Runs a `_Program`'s schedule: the compute stream's time, each queue's, what waited."""
 
-  def __init__(self, program: _Program):
-    self.program, self.now, self.kernels = program, 0.0, 0
-    self.free: dict[str, float] = {}  # when each asynchronous queue is free
+  def __init__(self, program: _Program, assignment: dict[tuple[str, str], str]):
+    self.program, self.streams, self.now, self.kernels = program, assignment, 0.0, 0
+    self.free: dict[str, float] = {}  # when each stream (and each way of the host link) is free
+    self.last: dict[str, str] = {}  # the bound of each stream's last work
     self.ends: dict[str, tuple[float, str]] = {}  # a start's end, and its queue's bound
     self.by_bound = dict.fromkeys(BOUNDS, 0.0)
     self.lane_ops = lane_ops.Counts()
@@ -487,12 +490,15 @@ class _Clock:
 
   def _alone(self, computation: str) -> float:
     """Seconds ``computation`` takes run by itself."""
-    clock = _Clock(self.program)
+    clock = _Clock(self.program, self.streams)
     clock.run(computation)
     return clock.now
 
   def _start(self, computation: str, name: str, i: _hlo.Instruction) -> None:
-    """An asynchronous start: its work queued on its own queue from now."""
+    """An asynchronous start: its work queued on its stream (`streams.assign`; a collective
+    on its kind's) from now, after the stream's earlier work, a host transfer after the earlier
+    ones its way (the link moves one at a time each way); its done waits for it, the wait
+    counted to what held it up."""
     if i.op == "async-start":  # the kernels of the computation it runs
       where = _hlo.called(i)[0]
       kernels = [n for n, j in self.program.computations[where].items() if j.op not in _FREE]
@@ -501,19 +507,26 @@ class _Clock:
     parts = [self._kernel(where, n) for n in kernels]
     seconds = sum(s for s, _ in parts)
     bound = max(parts, key=lambda part: part[0])[1] if parts else "HBM"
-    queue = f"{bound} {name.split('.')[0]}" if bound == "collectives" else bound
-    if bound == "host link":  # a queue each way: the link is full duplex
+    stream = self.streams.get((computation, name), f"{bound} {name.split('.')[0]}")
+    queues = [stream]
+    if bound == "host link":
       out = any(self.program.cost(where, n).to_host_bytes for n in kernels)
-      queue = f"{bound} {'to host' if out else 'to device'}"
-    begin = max(self.now, self.free.get(queue, 0.0))
-    self.free[queue] = begin + seconds
-    self.ends[name] = (begin + seconds, bound)
+      queues.append(f"link {streams.TO_HOST if out else streams.TO_DEVICE}")
+    begin = max(self.now, *(self.free.get(q, 0.0) for q in queues))
+    held = self.last.get(stream, bound) if self.free.get(stream, 0.0) > self.now else bound
+    for q in queues:
+      self.free[q] = begin + seconds
+    self.last[stream] = bound
+    self.ends[name] = (begin + seconds, held if held == "host link" else bound)
 
 
-def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> StepTime | None:
+def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION,
+             own_host_streams: bool | None = None) -> StepTime | None:
   """The `StepTime` of an optimized HLO module (``compiled.as_text()``) compiled for
   ``target`` (a `lowmem_jax.compile.targets.Target`); None where the target's speeds are not
   known (the CPU, a GPU without a bfloat16 peak or memory bandwidth on record).
+  ``own_host_streams``: whether the XLA that compiled it runs host transfers on streams of
+  their own (`lowmem_jax.compile.memory.streams`; None: the installed one's way).
 
   Raises:
     UnknownTripCount: a loop runs a number of times not known when compiling.
@@ -524,7 +537,9 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
     return None
   program = _Program(hlo_text, peak, hbm, target.host_link_bytes_per_s,
                      target.interconnect_bytes_per_s, calibration, lanes)
-  clock = _Clock(program)
+  own_host = streams.own_host_streams() if own_host_streams is None else own_host_streams
+  clock = _Clock(program, streams.assign(program.computations, program.roots, program.entry,
+                                         own_host, program.shape))
   clock.run(program.entry)
   moved = clock.moved
   return StepTime(seconds=clock.now, seconds_by_bound=dict(clock.by_bound), kernels=clock.kernels,
@@ -532,69 +547,3 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION) -> S
                   to_device_bytes=moved["to_device"],
                   to_host_bytes=moved["to_host"], host_copy_bytes=moved["host_copy"],
                   collective_bytes=moved["collective"], lane_ops=dict(clock.lane_ops))
-
-
-def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
-  """The host transfers of the loop bodies of an optimized HLO module's text (named as
-  `host_transfer_cover` names them), each True where the copy engines move it (a copy, or
-  a fusion XLA runs as a memcpy), False where a kernel reads or writes pinned memory."""
-  program = _Program(hlo_text, 1.0, 1.0, 1.0, None, CALIBRATION)
-  bodies = sorted({_hlo.body(i) for c in program.computations.values() for i in c.values()
-                   if i.op == "while"})
-  return {f"{body}/{name}": i.op == "copy-start" or program._is_memcpy(i)
-          for body in bodies for name, i in program.computations[body].items()
-          if i.op.endswith("-start") and ":S(5)" in i.shape}
-
-
-def exposed_host_transfers(hlo_text: str) -> list[str]:
-  """The host transfers of a loop body (as `host_transfer_cover` names them) with no kernel
-  scheduled between their start and their done: the compute waits for each whole."""
-  return [name for name, (kernels, _) in host_transfer_cover(hlo_text).items() if not kernels]
-
-
-def host_transfer_cover(hlo_text: str) -> dict[str, tuple[int, int]]:
-  """What runs under each host transfer of a loop body (a ``while``'s, an optimized HLO
-  module's text), named ``computation/start``: ``(kernels, tensor-core calls)`` scheduled
-  between its start and its done (the calls: cuBLAS GEMMs and cuDNN attention). A host
-  transfer is a start (``async-start``, ``copy-start``, ``fusion-start``) with an array in
-  host memory (``S(5)``). A loop that only moves data (`_moves_only`: a row moved in halves,
-  as `lowmem_jax.optim.slicing` moves one outside its loop) has nothing to run under its
-  transfers and is left out."""
-  computations, roots, _ = _hlo.computations(hlo_text)
-  bodies = {_hlo.body(i) for c in computations.values() for i in c.values() if i.op == "while"}
-  cover = {}
-  for body in sorted(b for b in bodies if not _moves_only(computations, roots, b)):
-    open_: dict[str, list[int]] = {}  # each open host transfer: kernels and calls since its start
-    for name, i in computations[body].items():
-      if i.op.endswith("-start") and ":S(5)" in i.shape:
-        open_[name] = [0, 0]
-      elif i.op.endswith("-done"):
-        start = i.operands[0].split("#")[0]
-        if start in open_:
-          cover[f"{body}/{start}"] = tuple(open_.pop(start))
-      elif i.op not in _FREE and not i.op.endswith("-start"):
-        target = _TARGET.search(i.attributes) if i.op == "custom-call" else None
-        tensor = bool(target) and target.group(1).startswith((*_GEMMS, "__cudnn$fmha"))
-        for counts in open_.values():
-          counts[:] = counts[0] + 1, counts[1] + tensor
-  return cover
-
-
-def _moves_only(computations: dict, roots: dict, body: str) -> bool:
-  """Whether computation ``body`` only moves data: each kernel computes a scalar (a loop
-  counter, an offset), makes an operand of an asynchronous start, or writes what a done
-  brought into a buffer (a dynamic-update-slice, alone or fused)."""
-  def stores(i: _hlo.Instruction) -> bool:
-    called = _hlo.called(i)
-    root = computations[called[0]][roots[called[0]]] if i.op == "fusion" and called else i
-    return root.op == "dynamic-update-slice"
-
-  instructions = computations[body]
-  fed = {o.split("#")[0] for i in instructions.values() if i.op.endswith("-start")
-         for o in i.operands}
-  brought = {n for n, i in instructions.items() if i.op.endswith("-done")}
-  scalar = lambda shape: all(dims == "" for dims in re.findall(r"\[([\d,]*)\]", shape))
-  return all(i.op in _FREE or i.op.endswith(("-start", "-done")) or scalar(i.shape)
-             or name in fed or (stores(i) and any(o.split("#")[0] in brought
-                                                  for o in i.operands))
-             for name, i in instructions.items())

@@ -59,6 +59,11 @@ def body(instruction: Instruction) -> str:
   return re.search(r"body=%?([\w.\-]+)", instruction.attributes).group(1)
 
 
+def condition(instruction: Instruction) -> str:
+  """A ``while``'s condition computation."""
+  return re.search(r"condition=%?([\w.\-]+)", instruction.attributes).group(1)
+
+
 def trip_count(instruction: Instruction, caller: dict[str, Instruction],
                computations: dict, roots: dict) -> int | None:
   """The times a ``while`` runs: XLA's known trip count, else the pattern a JAX loop lowers
@@ -66,7 +71,7 @@ def trip_count(instruction: Instruction, caller: dict[str, Instruction],
   known = _KNOWN_TRIP_COUNT.search(instruction.attributes)
   if known:
     return int(known.group(1))
-  cond = re.search(r"condition=%?([\w.\-]+)", instruction.attributes).group(1)
+  cond = condition(instruction)
   loop = body(instruction)
   c, b = computations[cond], computations[loop]
 

@@ -482,7 +482,7 @@ class _Clock:
     if trips is None:
       raise UnknownTripCount(f"the loop {_hlo.body(i)} runs a number of times not known when "
                              "compiling")
-    condition = re.search(r"condition=%?([\w.\-]+)", i.attributes).group(1)
+    condition = _hlo.condition(i)
     for _ in range(trips):
       self.run(condition)
       self.run(_hlo.body(i))
@@ -516,7 +516,7 @@ class _Clock:
     held = self.last.get(stream, bound) if self.free.get(stream, 0.0) > self.now else bound
     for q in queues:
       self.free[q] = begin + seconds
-    self.last[stream] = bound
+    self.last[stream] = held if held == "host link" else bound
     self.ends[name] = (begin + seconds, held if held == "host link" else bound)
 
 

@@ -24,14 +24,13 @@ from typing import Callable
 import jaxlib.version
 
 from lowmem_jax.compile.memory import _hlo
+from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
 COMPUTE_STREAMS = 4
 """XLA's ``kDefaultNumComputeStreams``: ``xla_gpu_executable_num_compute_streams`` allocates more
 streams but does not change how many the starts take turns over."""
 TO_HOST, TO_DEVICE = "to host", "to device"  # a host transfer's own stream (`own_host_streams`)
 _CONTROL = re.compile(r"control-predecessors=\{([^}]*)\}")
-_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-broadcast",
-                "collective-permute", "ragged-all-to-all", "reduce-scatter")
 _LAYOUTS = re.compile(r"\[[\d,]*\](?:\{([^}]*)\})?")  # each array's layout in a shape
 
 
@@ -83,7 +82,7 @@ def assign(computations: dict, roots: dict, entry: str, own_host: bool,
         streams[computation, name] = way or f"compute {turn % COMPUTE_STREAMS}"
         turn += not way
       if i.op == "while":
-        queue += [_hlo.body(i), re.search(r"condition=%?([\w.\-]+)", i.attributes).group(1)]
+        queue += [_hlo.body(i), _hlo.condition(i)]
       elif i.op in ("call", "conditional"):
         queue += _hlo.called(i)
   return streams
@@ -93,9 +92,9 @@ def _collective(computations: dict, roots: dict, i: _hlo.Instruction) -> bool:
   """Whether a start begins a collective (it runs on a communication stream): an
   ``all-gather-start`` and the like, or an ``async-start`` that wraps one."""
   if i.op != "async-start":
-    return i.op.removesuffix("-start") in _COLLECTIVES
+    return i.op.removesuffix("-start") in COLLECTIVES
   wrapped = _hlo.called(i)[0]
-  return computations[wrapped][roots[wrapped]].op in _COLLECTIVES
+  return computations[wrapped][roots[wrapped]].op in COLLECTIVES
 
 
 def _host_way(computations: dict, roots: dict, computation: str, i: _hlo.Instruction,

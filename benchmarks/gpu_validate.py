@@ -45,11 +45,10 @@ target, no GPU tests), which the test suite does to check this script.
 
 ``--speed`` runs issue 50's rows instead (`SPEED_CASES`): Llama-3.2-1B's plain step with
 full remat, its streamed step with the state on the device, with XLA's update and with the
-fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the host (one
-layer ahead; two, the MLP whole; two) and on the device, with XLA's update, then each with the
-kernel. The host rows first: before jaxlib 0.12 a host transfer takes turns with the slice
-copies on XLA's streams (`lowmem_jax.compile.memory.streams`), and the estimate ranks them by
-how much of it waits. Its report is ``docs/gpu_speed.md``
+fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the host (two
+layers ahead, the MLP whole; two; one) and on the device, with XLA's update, then each with the
+kernel. The host rows first, the fastest by the estimate first (jax 0.11.2, h100: 748.4, 791.6
+and 887.2 ms): issue 50 asks 4,000 tokens/s of them measured. Its report is ``docs/gpu_speed.md``
 (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
 ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """
@@ -86,8 +85,8 @@ SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t) for t i
     "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off+fused-update")]
                + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16", f"{_SET_8B}+{t}{k}")
                   for k in ("", "+fused-update")
-                  for t in ("stream:host+offload-opt", "stream:host+offload-opt+prefetch:2"
-                            "+mlp-chunk:off", "stream:host+offload-opt+prefetch:2",
+                  for t in ("stream:host+offload-opt+prefetch:2+mlp-chunk:off",
+                            "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",
                             "stream:device+mlp-chunk:off")])
 DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                    for t in (SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device")]
@@ -118,6 +117,7 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int,
   once, not also for the targets and without Triton GEMMs (an 8B case's three more compiles)."""
   import jax
 
+  from lowmem_jax import app
   from lowmem_jax.compile import memory, targets
 
   step, params, opt_state, batch = build(model, size, dtype, techniques)
@@ -146,7 +146,8 @@ def measure(model: str, size: dict, dtype: str, techniques: str, repeats: int,
     samples.append(time.perf_counter() - start)
   return {"model": model, "size": size, "dtype": dtype, "techniques": techniques,
           "repeats": repeats, "seconds": statistics.median(samples),
-          "device": device.device_kind, "jax": jax.__version__, **figures}
+          "device": device.device_kind, "jax": jax.__version__,
+          "compiler_options": app.parse(techniques).compiler_options(), **figures}
 
 
 def case_list(cases: dict, dtypes: tuple[str, ...] = DTYPES, llama3: tuple = ()) -> list[tuple]:

@@ -22,10 +22,14 @@ from _quick import parse_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = {"rows": "8"}
+EARLIER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+"""The XLA options a host-streamed row on record without ``compiler_options`` ran with (the
+rows before 2026-12-06; `targets.HOST_TRANSFER_OPTIONS` then)."""
 
 
 def estimate(row: dict) -> dict:
-  """The row's step compiled for its GPU's target: the estimate beside the measurement."""
+  """The row's step compiled for its GPU's target with the XLA options it ran with: the
+  estimate beside the measurement."""
   from lowmem_jax import app
   from lowmem_jax.compile import targets
 
@@ -33,8 +37,11 @@ def estimate(row: dict) -> dict:
   if target is None:
     raise ValueError(f"no shipped target for the row's device {row['device']!r}: save its "
                      "config (`targets.from_devices().save`) and add it to the shipped targets")
-  job = app.Job(row["model"], dtype=row["dtype"], target=target, **row["size"])
-  b = app.measure(job, app.parse(row["techniques"]))
+  techniques = app.parse(row["techniques"])
+  options = row.get("compiler_options", EARLIER_OPTIONS if techniques.compiler_options() else {})
+  job = app.Job(row["model"], dtype=row["dtype"], target=target, compiler_options=options,
+                **row["size"])
+  b = app.measure(job, techniques)
   if b.step_time is None:
     raise RuntimeError(f"no estimate for {row['techniques']} on target {job.target.name}")
   return {"row": row, "seconds": b.step_time.seconds, "bound": b.step_time.bound,

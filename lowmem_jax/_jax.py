@@ -13,6 +13,10 @@ The tests run on both ends of the range (`.ci/run`).
 * `abstract_device`: Pallas' Triton lowering reads the GPU it compiles for from the default
   device; with none (a compile-only target) it reads the abstract mesh's
   `jax.sharding.AbstractDevice` (jax 0.11 and later require it).
+* `OWN_HOST_TRANSFER_STREAMS`: XLA runs each transfer to or from host memory on a stream of
+  its own each way from jaxlib 0.12; before, the transfers take turns with the other
+  asynchronous starts on its four compute streams (`lowmem_jax.compile.memory.streams`).
+  Retire when the lower bound reaches 0.12.
 * Private, no public API yet: `source_info_util` (an equation's traceback and name stack,
   which `lm.lowmem` keeps on what it rebinds and reports lines from), `eval_context` (a
   pattern evaluated on concrete test points while its function is traced; jax 0.12's
@@ -29,6 +33,7 @@ import contextlib
 from typing import Any
 
 import jax
+import jaxlib.version
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import compiler as _compiler
 from jax._src.core import eval_context  # noqa: F401  (re-exported: see the module docstring)
@@ -37,6 +42,9 @@ from jax._src.lib import _jax as _xla
 from jax._src.lib import hlo as _hlo
 from jax._src.lib import xla_client as _xla_client
 
+OWN_HOST_TRANSFER_STREAMS = jaxlib.version.__version_info__ >= (0, 12)
+"""Whether the installed XLA runs host transfers on streams of their own: the strings of
+jax-cuda12-plugin 0.12.0.1 name ``MemcpyStreamId``, those of 0.10.2 and 0.11.2 do not."""
 COST_ANALYSIS_ERRORS = (NotImplementedError, jax.errors.JaxRuntimeError)
 """What a compiled program's ``cost_analysis()`` raises where its backend gives none."""
 

@@ -25,9 +25,12 @@ issue limits shared between the pipes. Compute capabilities past 9.0 are given 9
 """
 
 import collections
+import functools
 import math
 import re
-from typing import Any, Callable
+from typing import Any
+
+from lowmem_jax import _hlo
 
 PIPES = ("fp", "int", "special")
 """The pipes a `Counts` splits over."""
@@ -47,8 +50,6 @@ _INTEGER_PIPE = frozenset({
     "count-leading-zeros", "round-nearest-even", "round-nearest-afz", "floor", "ceil",
     "reduce-precision", "bit-reverse"})
 _APPLIED = ("reduce", "reduce-window", "map")  # a computation applied once an input element
-_ARRAY = re.compile(r"\b([a-z]\w*?)\[([\d,]*)\]")
-_BITS = re.compile(r"[a-z]+(\d+)")
 # jaxpr primitives by the HLO op they lower to, where the names differ; the others keep theirs
 # with "_" as "-". Pallas' memory and grid primitives and the layout ones move data: free.
 _FROM_JAXPR = {
@@ -92,24 +93,20 @@ def of_op(op: str, shape: str, source: str = "") -> Counts:
   return Counts({kind: elements} if kind and elements else {})
 
 
-def of_computation(instructions: dict, called: Callable[[Any], list[str]],
-                   computations: dict) -> Counts:
-  """The `Counts` of an HLO computation run once (a fusion's, `lowmem_jax.compile.memory._hlo`
-  instructions by name): each op over its output's elements, a reduction's computation over
-  its input's, a nested fusion's inside it."""
+def of_computation(instructions: dict, computations: dict) -> Counts:
+  """The `Counts` of an HLO computation run once (a fusion's, `lowmem_jax._hlo` instructions
+  by name; ``computations``: the module's, for those it calls): each op over its output's
+  elements, a reduction's computation over its input's, a nested fusion's inside it."""
   counts = Counts()
   rotations = _rotations(instructions)
-  def shape(name: str) -> str:  # ``name#k``: the tuple's element k
-    base, _, k = name.partition("#")
-    full = getattr(instructions.get(base), "shape", "")
-    return "{}[{}]".format(*_ARRAY.findall(full)[int(k)]) if k else full
+  shape = functools.partial(_hlo.operand_shape, instructions)
   for name, i in instructions.items():
     if name in rotations:
       continue
     if i.op == "fusion" or i.op in _APPLIED:
       inner = Counts()
-      for c in called(i):
-        inner += of_computation(computations[c], called, computations)
+      for c in _hlo.called(i):
+        inner += of_computation(computations[c], computations)
       times = 1 if i.op == "fusion" else _elements(shape(i.operands[0]))[0]
       counts += Counts({k: v * times for k, v in inner.items()})
     else:
@@ -178,7 +175,7 @@ def rates(cores: int, fpus_per_core: int, clock_hz: float) -> dict[str, float]:
 def _conversion(source: str, dtype: str) -> str | None:
   """The pipe of a conversion from element type ``source`` to ``dtype`` (`pipe`)."""
   integer = lambda t: t.startswith(("s", "u", "pred"))
-  bits = lambda t: int(_BITS.match(t).group(1)) if _BITS.match(t) else 8
+  bits = lambda t: _hlo.dtype_bits(t) or 8
   if source == dtype:
     return None
   if dtype == "pred":  # a compare with zero
@@ -234,14 +231,13 @@ def _jaxpr_rotations(eqns: list, producers: dict) -> set[int]:
 
 def _bits_of(shape: str) -> int:
   """The bits of an HLO shape's element type (``u32[8]`` → 32)."""
-  m = _BITS.match(_elements(shape)[1])
-  return int(m.group(1)) if m else 0
+  return _hlo.dtype_bits(_elements(shape)[1]) or 0
 
 
 def _elements(shape: str) -> tuple[int, str]:
   """The elements and element type of an HLO shape's first array."""
-  m = _ARRAY.search(shape)
-  return (math.prod(int(d) for d in m.group(2).split(",") if d), m.group(1)) if m else (0, "")
+  first = next(iter(_hlo.arrays(shape)), None)
+  return (math.prod(first.dims), first.dtype) if first else (0, "")
 
 
 def _hlo_dtype(dtype: Any) -> str:

@@ -10,7 +10,8 @@ from jax.extend.random import threefry2x32_p
 
 import lowmem_jax as lm
 from lowmem_jax import _lane_ops as lane_ops
-from lowmem_jax.compile.memory import _hlo, step_time
+from lowmem_jax import _hlo
+from lowmem_jax.compile.memory import step_time
 from pallas_kernels import _blocks, adam8bit
 
 H100 = lm.targets.get("h100")
@@ -51,7 +52,7 @@ ENTRY %e (p: (f32[8], u8[8])) -> s32[8] {
   %p = (f32[8]{0}, u8[8]{0}) parameter(0)
   ROOT %c = s32[8]{0} convert(%p#1)
 }""")[0]["e"]
-  assert lane_ops.of_computation(instructions, _hlo.called, {}) == {"int": 8}
+  assert lane_ops.of_computation(instructions, {}) == {"int": 8}
 
 
 def test_a_kernel_step_with_no_output_is_not_counted():
@@ -104,7 +105,7 @@ def test_xlas_threefry_fusion_is_counted_with_its_rotations_as_one_and_is_alu_bo
   counts = lane_ops.Counts()
   for i in computations[entry].values():
     for c in _hlo.called(i) if i.op == "fusion" else []:
-      counts += lane_ops.of_computation(computations[c], _hlo.called, computations)
+      counts += lane_ops.of_computation(computations[c], computations)
   assert 70 * n <= counts["int"] <= 77 * n and counts["fp"] == counts["special"] == 0
   estimate = step_time.estimate(text, H100)
   assert estimate.bound == "ALU"

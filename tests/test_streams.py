@@ -5,7 +5,8 @@ waits behind the transfer."""
 import pytest
 
 import lowmem_jax as lm
-from lowmem_jax.compile.memory import _hlo, step_time, streams
+from lowmem_jax import _hlo
+from lowmem_jax.compile.memory import step_time, streams
 
 H100 = lm.targets.get("h100")
 
@@ -40,8 +41,7 @@ ENTRY %main (p0: f32[4194304], p1: f32[1048576], p2: f32[67108864]) -> () {
 
 def _assign(text: str, own_host: bool) -> dict:
   computations, roots, entry = _hlo.computations(text)
-  shape = lambda computation, name: computations[computation][name].shape
-  return streams.assign(computations, roots, entry, own_host, shape)
+  return streams.assign(computations, roots, entry, own_host)
 
 
 def test_starts_take_the_compute_streams_in_turn_in_post_order():
@@ -100,7 +100,8 @@ ENTRY %main (p0: f32[1048576], p1: f32[1048576], p2: f32[4]) -> () {
   ROOT %out = (f32[32]{0}, f32[1048576]{0}, f32[1048576]{0}) tuple(%agd, %h1d, %h2d)
 }
 """
-  assert _assign(text, own_host=False) == {("main", "h1"): "compute 0",
+  assert _assign(text, own_host=False) == {("main", "ag"): streams.COMMUNICATION,
+                                           ("main", "h1"): "compute 0",
                                            ("main", "h2"): "compute 1"}
   c = step_time.CALIBRATION
   fetch = 4 * 2**20 / (c.copy_link_efficiency * H100.host_link_bytes_per_s) + c.launch_s
@@ -206,3 +207,22 @@ def test_a_loop_bodys_host_update_and_slice_in_either_layout():
   # XLA looks into a loop fusion for the slice, not into a custom one.
   assert _assign(_LOOP.replace("KIND", "kCustom"), own_host=True) == {
       ("body", "put"): streams.TO_HOST, ("body", "get"): "compute 0"}
+
+
+def test_collectives_of_two_kinds_take_turns_on_the_one_communication_stream():
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[1048576], p1: f32[8388608]) -> () {
+  %p0 = f32[1048576]{0} parameter(0)
+  %p1 = f32[8388608]{0} parameter(1)
+  %ag = (f32[1048576]{0}, f32[8388608]{0}) all-gather-start(%p0), replica_groups={}, dimensions={0}
+  %ar = f32[8388608]{0} all-reduce-start(%p1), replica_groups={}, to_apply=%add
+  %agd = f32[8388608]{0} all-gather-done(%ag)
+  %ard = f32[8388608]{0} all-reduce-done(%ar)
+  ROOT %out = (f32[8388608]{0}, f32[8388608]{0}) tuple(%agd, %ard)
+}
+"""
+  assert set(_assign(text, own_host=False).values()) == {streams.COMMUNICATION}
+  c = step_time.CALIBRATION
+  each = 32 * 2**20 / H100.interconnect_bytes_per_s + c.launch_s
+  assert step_time.estimate(text, H100).seconds == pytest.approx(2 * each)

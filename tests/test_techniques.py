@@ -194,10 +194,26 @@ def test_a_steps_options_are_printed_as_they_are_passed():
     (dict(seq=2.5), "seq must be an int >= 1, got 2.5"),
     (dict(image=True), "image must be an int >= 1, got True"),
     (dict(dtype="int8"), "dtype must be float32, bfloat16 or float16, got 'int8'"),
+    (dict(compiler_options=["xla_gpu_enable_latency_hiding_scheduler"]),
+     "compiler_options must be a dict of XLA options or None"),
 ])
 def test_bad_job_names_the_field(fields, message):
   with pytest.raises(app.TechniqueError, match=message):
     app.Job(**fields)
+
+
+def test_a_jobs_compiler_options_replace_the_sets_own():
+  """A row measured with other XLA options (an earlier release's) compiles as it ran."""
+  streamed = app.parse("fused-ce+8bit+bf16-params+stream:host+offload-opt")
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  assert streamed.compiler_options() == lm.compile.targets.HOST_TRANSFER_OPTIONS
+  assert all(f'"{k}": ' in streamed.python(job) for k in streamed.compiler_options())
+  earlier = dataclasses.replace(job, compiler_options={
+      "xla_gpu_enable_latency_hiding_scheduler": True})
+  assert ('step = jax.jit(streamed.step, donate_argnums=(0, 1), compiler_options='
+          '{"xla_gpu_enable_latency_hiding_scheduler": True})\n') in streamed.python(earlier)
+  none = dataclasses.replace(job, compiler_options={})
+  assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))\n" in streamed.python(none)
 
 
 @pytest.mark.parametrize("model", ["vit-b16", "llama-100m", "minilm-l6", "wrn-28-2"])
@@ -292,7 +308,7 @@ def test_stream_is_the_layer_streamed_step_its_state_on_the_host_with_offload_op
   assert ('streamed = lm.optim.layer_streamed(wl.layer_stack(), tx, state="host", '
           'saved_inputs="host")') in code
   assert ('step = jax.jit(streamed.step, donate_argnums=(0, 1), compiler_options='
-          '{"xla_gpu_enable_latency_hiding_scheduler": True})') in code
+          '{"xla_gpu_enable_latency_hiding_scheduler": True') in code
   on_device = app.parse("fused-ce+8bit+bf16-params+stream:device").python(job)
   assert "step = jax.jit(streamed.step, donate_argnums=(0, 1))\n" in on_device
   assert "opt_state = streamed.init(params)" in code and "offload_state" not in code

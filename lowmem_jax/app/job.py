@@ -58,6 +58,9 @@ class Job:
     devices: GPUs of the target the step runs on, FSDP over a 1-D mesh of them (`shard`):
       each parameter and optimizer state leaf split on an axis, the batch on its first; every
       figure is then one device's. A reference model on a GPU target only.
+    compiler_options: XLA options the reference model's step is jitted with in place of the
+      set's own (`TechniqueSet.compiler_options`), e.g. those a measured row ran with; None:
+      the set's.
   """
   model: str = "vit-b16"
   batch: int = 64
@@ -67,6 +70,7 @@ class Job:
   target: targets.Target | str | None = None
   make_step: Callable | None = None
   devices: int = 1
+  compiler_options: dict | None = dataclasses.field(default=None, hash=False)
 
   def __post_init__(self):
     if self.make_step is None and self.model not in models.NAMES:
@@ -79,6 +83,9 @@ class Job:
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise TechniqueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.",
                            "dtype")
+    if self.compiler_options is not None and not isinstance(self.compiler_options, dict):
+      raise TechniqueError("compiler_options must be a dict of XLA options or None, got "
+                           f"{self.compiler_options!r}.", "compiler_options")
     try:
       object.__setattr__(self, "target", targets.resolve(self.target))
     except (ValueError, TypeError, targets.TargetUnavailable) as e:

@@ -487,7 +487,7 @@ class TechniqueSet:
       train_step = code.Name("streamed.step")
     else:
       train_step = code.Call.of("wl.train_step", code.Name("tx"), *fold, **in_backward)
-    step = code.Call.of("jax.jit", train_step, donate_argnums=(0, 1), **self._jit_options())
+    step = code.Call.of("jax.jit", train_step, donate_argnums=(0, 1), **self._jit_options(job))
     return code.Program((("wl", code.Call.of("lm.models.workload", job.model,
                                              **self.switches(job)), ""),
                          *self._fold(), ("tx", tx, ""), *streamed, ("step", step, "")))
@@ -499,10 +499,12 @@ class TechniqueSet:
       return {}
     return dict(targets.HOST_TRANSFER_OPTIONS)
 
-  def _jit_options(self) -> dict:
-    """`compiler_options` as ``jax.jit``'s keyword, written out in the printed code."""
-    options = self.compiler_options()
-    text = ", ".join(f'"{k}": {v!r}' for k, v in options.items())
+  def _jit_options(self, job) -> dict:
+    """`compiler_options` (or ``job.compiler_options``) as ``jax.jit``'s keyword, written out
+    in the printed code."""
+    options = self.compiler_options() if job.compiler_options is None else job.compiler_options
+    text = ", ".join(f'"{k}": ' + (f'"{v}"' if isinstance(v, str) else repr(v))
+                     for k, v in options.items())
     return {"compiler_options": code.Code(options, "{" + text + "}")} if options else {}
 
   def python(self, job) -> str:

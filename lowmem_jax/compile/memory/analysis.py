@@ -21,7 +21,7 @@ import numpy as np
 
 from lowmem_jax import _jax
 from lowmem_jax.compile import targets
-from lowmem_jax.compile.memory import _hlo
+from lowmem_jax import _hlo
 
 
 def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = None,

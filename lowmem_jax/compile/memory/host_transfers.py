@@ -6,22 +6,19 @@ A host transfer is a start (``async-start``, ``copy-start``, ``fusion-start``) w
 host memory (``S(5)``).
 """
 
-import re
-
-from lowmem_jax.compile.memory import _hlo
-from lowmem_jax.compile.memory.step_time import _FREE, _GEMMS, _TARGET, CALIBRATION, _Program
+from lowmem_jax import _hlo
 
 
 def loop_host_transfers(hlo_text: str) -> dict[str, bool]:
   """The host transfers of the loop bodies of an optimized HLO module's text (named as
   `host_transfer_cover` names them), each True where the copy engines move it (a copy, or
   a fusion XLA runs as a memcpy), False where a kernel reads or writes pinned memory."""
-  program = _Program(hlo_text, 1.0, 1.0, 1.0, None, CALIBRATION)
-  bodies = sorted({_hlo.body(i) for c in program.computations.values() for i in c.values()
+  computations, roots, _ = _hlo.computations(hlo_text)
+  bodies = sorted({_hlo.body(i) for c in computations.values() for i in c.values()
                    if i.op == "while"})
-  return {f"{body}/{name}": i.op == "copy-start" or program._is_memcpy(i)
-          for body in bodies for name, i in program.computations[body].items()
-          if i.op.endswith("-start") and ":S(5)" in i.shape}
+  return {f"{body}/{name}": i.op == "copy-start" or _hlo.is_memcpy(computations, roots, i)
+          for body in bodies for name, i in computations[body].items()
+          if i.op.endswith("-start") and _hlo.in_host_memory(i.shape)}
 
 
 def exposed_host_transfers(hlo_text: str) -> list[str]:
@@ -42,15 +39,15 @@ def host_transfer_cover(hlo_text: str) -> dict[str, tuple[int, int]]:
   for body in sorted(b for b in bodies if not _moves_only(computations, roots, b)):
     open_: dict[str, list[int]] = {}  # each open host transfer: kernels and calls since its start
     for name, i in computations[body].items():
-      if i.op.endswith("-start") and ":S(5)" in i.shape:
+      if i.op.endswith("-start") and _hlo.in_host_memory(i.shape):
         open_[name] = [0, 0]
       elif i.op.endswith("-done"):
         start = i.operands[0].split("#")[0]
         if start in open_:
           cover[f"{body}/{start}"] = tuple(open_.pop(start))
-      elif i.op not in _FREE and not i.op.endswith("-start"):
-        target = _TARGET.search(i.attributes) if i.op == "custom-call" else None
-        tensor = bool(target) and target.group(1).startswith((*_GEMMS, "__cudnn$fmha"))
+      elif i.op not in _hlo.FREE and not i.op.endswith("-start"):
+        target = _hlo.custom_call_target(i)
+        tensor = bool(target) and target.startswith((*_hlo.GEMMS, "__cudnn$fmha"))
         for counts in open_.values():
           counts[:] = counts[0] + 1, counts[1] + tensor
   return cover
@@ -69,8 +66,8 @@ def _moves_only(computations: dict, roots: dict, body: str) -> bool:
   fed = {o.split("#")[0] for i in instructions.values() if i.op.endswith("-start")
          for o in i.operands}
   brought = {n for n, i in instructions.items() if i.op.endswith("-done")}
-  scalar = lambda shape: all(dims == "" for dims in re.findall(r"\[([\d,]*)\]", shape))
-  return all(i.op in _FREE or i.op.endswith(("-start", "-done")) or scalar(i.shape)
+  scalar = lambda shape: all(not a.dims for a in _hlo.arrays(shape))
+  return all(i.op in _hlo.FREE or i.op.endswith(("-start", "-done")) or scalar(i.shape)
              or name in fed or (stores(i) and any(o.split("#")[0] in brought
                                                   for o in i.operands))
              for name, i in instructions.items())

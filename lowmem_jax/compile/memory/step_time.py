@@ -37,7 +37,8 @@ import re
 from typing import NamedTuple
 
 from lowmem_jax import _lane_ops as lane_ops
-from lowmem_jax.compile.memory import _hlo, streams
+from lowmem_jax import _hlo, _jax
+from lowmem_jax.compile.memory import streams
 from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
 
@@ -80,12 +81,7 @@ BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
 """What a step's time is spent on, `StepTime.seconds_by_bound`'s keys: "compute" the tensor
 cores, "ALU" the vector pipes (`lowmem_jax._lane_ops`)."""
 
-_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-                   "opt-barrier", "after-all", "add-dependency", "partition-id", "replica-id",
-                   "iota"})
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
-_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel: every output its own
 # What a Pallas kernel says it moves (``pallas_call(metadata={"bytes_accessed": ...})``, in the
 # call's backend config): a kernel writing a slice of a buffer in place reads and writes less
@@ -97,7 +93,6 @@ _DECLARED_OPS = {kind: re.compile(r'serialized_metadata\s*=\s*".*?'
                                   rf'{kind}_ops(?:\\22|\\"|[":\s])+(\d+)')
                  for kind in lane_ops.PIPES}
 _ASYNC_COLLECTIVES = tuple(f"{c}-start" for c in COLLECTIVES)
-_ARRAY = re.compile(r"(\b[a-z]\w*?\[[\d,]*\](\{([^}]*)\})?)")  # an array, its layout
 
 
 def tensor_efficiency(flops: float, calibration: Calibration = CALIBRATION) -> float:
@@ -163,8 +158,7 @@ class _Cost(NamedTuple):
 
 def _arrays(shape: str) -> list[tuple[int, bool]]:
   """``(bytes, in host memory)`` of each array of an HLO shape."""
-  return [(_hlo.shape_bytes(array), ":S(5)" in layout)
-          for array, _, layout in _ARRAY.findall(shape)]
+  return [(a.bytes, a.in_host_memory) for a in _hlo.arrays(shape)]
 
 
 class _Program:
@@ -188,12 +182,8 @@ class _Program:
     return out
 
   def shape(self, computation: str, name: str) -> str:
-    """The shape of operand ``name``; ``name#k`` (newer XLA's text) is a tuple's element k."""
-    name, _, element = name.partition("#")
-    i = self.computations[computation].get(name)
-    if not i:
-      return ""
-    return _ARRAY.findall(i.shape)[int(element)][0] if element else i.shape
+    """The shape of operand ``name`` (`lowmem_jax._hlo.operand_shape`)."""
+    return _hlo.operand_shape(self.computations[computation], name)
 
   def seconds(self, cost: _Cost) -> tuple[float, str]:
     """A kernel's time (launch excluded) and what bounds it."""
@@ -215,7 +205,7 @@ class _Program:
 
   def _cost(self, computation: str, name: str) -> _Cost:
     i = self.computations[computation][name]
-    memcpy = self._is_memcpy(i)
+    memcpy = _hlo.is_memcpy(self.computations, self.roots, i)
     if i.op == "fusion-start":  # an asynchronous fusion: its output, the tuple's second element
       i = i._replace(op="fusion", shape=_async_output(i.shape))
     inner = ([(c, n) for c in _hlo.called(i) for n in self.computations[c]]
@@ -245,7 +235,7 @@ class _Program:
     if i.op == "fusion":
       out = lane_ops.Counts()
       for c in _hlo.called(i):
-        out += lane_ops.of_computation(self.computations[c], _hlo.called, self.computations)
+        out += lane_ops.of_computation(self.computations[c], self.computations)
       return out
     if i.op == "custom-call":
       found = {k: p.search(i.attributes) for k, p in _DECLARED_OPS.items()}
@@ -253,55 +243,15 @@ class _Program:
     return lane_ops.of_op(i.op, i.shape, self.shape(computation, i.operands[0])
                           if i.operands else "")
 
-  def _is_memcpy(self, i: _hlo.Instruction) -> bool:
-    """Whether ``i`` is a fusion XLA runs as a memcpy (DMA), or an asynchronous start of one.
-    jax 0.10's XLA makes a custom fusion of a slice whose offsets follow the loop's counter
-    (a ``dynamic_slice_config``); jax 0.12's keeps a loop fusion (`_copies_a_slice`) and its
-    thunk emitter makes the copy (``AnalyzeDynamicSliceCopyFusion``)."""
-    if i.op == "async-start":
-      inner = self.computations[_hlo.called(i)[0]]
-      return any(self._is_memcpy(j) for j in inner.values() if j.op not in _FREE)
-    if i.op not in ("fusion", "fusion-start"):
-      return False
-    fused = _hlo.called(i)[0]
-    if "kind=kCustom" in i.attributes:
-      return any("dynamic_slice_config" in j.attributes
-                 for j in self.computations[fused].values())
-    return self._copies_a_slice(fused)
-
-  def _copies_a_slice(self, fused: str) -> bool:
-    """Whether a loop fusion's computation only copies a slice: its root (through bitcasts
-    and reshapes) a dynamic slice or in-place update carrying a ``dynamic_slice_config``, of
-    or from a parameter, as every dynamic slice in it carries one."""
-    instructions = self.computations[fused]
-
-    def source(name: str) -> _hlo.Instruction | None:
-      i = instructions.get(name.split("#")[0])
-      while i is not None and i.op in ("bitcast", "reshape"):
-        i = instructions.get(i.operands[0])
-      return i
-
-    sliced = lambda i: "dynamic_slice_config" in i.attributes
-    if not all(sliced(j) for j in instructions.values()
-               if j.op in ("dynamic-slice", "dynamic-update-slice")):
-      return False
-    root = source(self.roots[fused])
-    if root is None or root.op not in ("dynamic-slice", "dynamic-update-slice"):
-      return False
-    copied = source(root.operands[0 if root.op == "dynamic-slice" else 1])
-    if copied is not None and copied.op == "dynamic-slice" and root.op != "dynamic-slice":
-      copied = source(copied.operands[0])  # an update from a slice of a parameter
-    return copied is not None and copied.op == "parameter"
-
   def _tensor_flops(self, computation: str, i: _hlo.Instruction) -> tuple[float, float]:
     """A GEMM's or attention call's FLOPs, and the tensor cores' peak for its operands."""
-    target = _TARGET.search(i.attributes) if i.op == "custom-call" else None
-    if target and target.group(1).startswith(_GEMMS):
+    target = _hlo.custom_call_target(i)
+    if target and target.startswith(_hlo.GEMMS):
       f32 = self.shape(computation, i.operands[0]).startswith("f32")
       return (self._gemm_flops(computation, i),
               self.peak * (self.calibration.float32_rate if f32 else 1.0))
-    if target and target.group(1).startswith("__cudnn$fmha"):
-      return self._attention_flops(computation, i, "Backward" in target.group(1)), self.peak
+    if target and target.startswith("__cudnn$fmha"):
+      return self._attention_flops(computation, i, "Backward" in target), self.peak
     return 0.0, self.peak
 
   def _gemm_flops(self, computation: str, i: _hlo.Instruction) -> float:
@@ -405,14 +355,13 @@ def _async_output(shape: str) -> str:
   for k, c in enumerate(shape[1:], 1):
     depth += {"(": 1, ")": -1}.get(c, 0)
     if depth == 0:
-      return _ARRAY.search(shape, k + 1).group(1)
+      return _hlo.ARRAY.search(shape, k + 1).group(0)
   raise ValueError(f"not an asynchronous start's shape: {shape}")
 
 
-def _dims(shape: str) -> list[int]:
+def _dims(shape: str) -> tuple[int, ...]:
   """The dimensions of an HLO shape's first array."""
-  m = re.search(r"\[([\d,]*)\]", shape)
-  return [int(d) for d in m.group(1).split(",") if d] if m else []
+  return next((a.dims for a in _hlo.arrays(shape)), ())
 
 
 class UnknownTripCount(ValueError):
@@ -437,7 +386,7 @@ class _Clock:
       self.instruction(computation, name, i)
 
   def instruction(self, computation: str, name: str, i: _hlo.Instruction) -> None:
-    if i.op in _FREE or (i.op == "custom-call" and "AllocateBuffer" in i.attributes):
+    if i.op in _hlo.FREE or (i.op == "custom-call" and "AllocateBuffer" in i.attributes):
       return
     if i.op == "while":
       self._loop(computation, i)
@@ -495,19 +444,18 @@ class _Clock:
     return clock.now
 
   def _start(self, computation: str, name: str, i: _hlo.Instruction) -> None:
-    """An asynchronous start: its work queued on its stream (`streams.assign`; a collective
-    on its kind's) from now, after the stream's earlier work, a host transfer after the earlier
-    ones its way (the link moves one at a time each way); its done waits for it, the wait
-    counted to what held it up."""
+    """An asynchronous start: its work queued on its stream (`streams.assign`) from now, after
+    the stream's earlier work, a host transfer after the earlier ones its way (the link moves
+    one at a time each way); its done waits for it, the wait counted to what held it up."""
     if i.op == "async-start":  # the kernels of the computation it runs
       where = _hlo.called(i)[0]
-      kernels = [n for n, j in self.program.computations[where].items() if j.op not in _FREE]
+      kernels = [n for n, j in self.program.computations[where].items() if j.op not in _hlo.FREE]
     else:
       where, kernels = computation, [name]
     parts = [self._kernel(where, n) for n in kernels]
     seconds = sum(s for s, _ in parts)
     bound = max(parts, key=lambda part: part[0])[1] if parts else "HBM"
-    stream = self.streams.get((computation, name), f"{bound} {name.split('.')[0]}")
+    stream = self.streams[computation, name]
     queues = [stream]
     if bound == "host link":
       out = any(self.program.cost(where, n).to_host_bytes for n in kernels)
@@ -526,7 +474,8 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION,
   ``target`` (a `lowmem_jax.compile.targets.Target`); None where the target's speeds are not
   known (the CPU, a GPU without a bfloat16 peak or memory bandwidth on record).
   ``own_host_streams``: whether the XLA that compiled it runs host transfers on streams of
-  their own (`lowmem_jax.compile.memory.streams`; None: the installed one's way).
+  their own (`lowmem_jax.compile.memory.streams`; None: the installed one's way,
+  `lowmem_jax._jax.OWN_HOST_TRANSFER_STREAMS`).
 
   Raises:
     UnknownTripCount: a loop runs a number of times not known when compiling.
@@ -537,9 +486,9 @@ def estimate(hlo_text: str, target, calibration: Calibration = CALIBRATION,
     return None
   program = _Program(hlo_text, peak, hbm, target.host_link_bytes_per_s,
                      target.interconnect_bytes_per_s, calibration, lanes)
-  own_host = streams.own_host_streams() if own_host_streams is None else own_host_streams
+  own_host = _jax.OWN_HOST_TRANSFER_STREAMS if own_host_streams is None else own_host_streams
   clock = _Clock(program, streams.assign(program.computations, program.roots, program.entry,
-                                         own_host, program.shape))
+                                         own_host))
   clock.run(program.entry)
   moved = clock.moved
   return StepTime(seconds=clock.now, seconds_by_bound=dict(clock.by_bound), kernels=clock.kernels,

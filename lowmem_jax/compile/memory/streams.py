@@ -13,30 +13,24 @@ body alone.
 
 From jaxlib 0.12 XLA runs each transfer to or from host memory (a ``copy-start`` with an end in
 host memory; an ``async-start`` of a dynamic slice of host memory or a dynamic update of it) on a
-stream of its own each way, and only the rest take turns (`own_host_streams`): the strings of
-jax-cuda12-plugin 0.12.0.1 name ``MemcpyStreamId``, those of 0.10.2 and 0.11.2 do not.
+stream of its own each way, and only the rest take turns
+(`lowmem_jax._jax.OWN_HOST_TRANSFER_STREAMS`).
 """
 
 import collections
 import re
-from typing import Callable
 
-import jaxlib.version
-
-from lowmem_jax.compile.memory import _hlo
+from lowmem_jax import _hlo
 from lowmem_jax.compile.memory.analysis import COLLECTIVES
 
 COMPUTE_STREAMS = 4
 """XLA's ``kDefaultNumComputeStreams``: ``xla_gpu_executable_num_compute_streams`` allocates more
 streams but does not change how many the starts take turns over."""
-TO_HOST, TO_DEVICE = "to host", "to device"  # a host transfer's own stream (`own_host_streams`)
+TO_HOST, TO_DEVICE = "to host", "to device"  # a host transfer's own stream, from jaxlib 0.12
+COMMUNICATION = "communication"
+"""The stream every asynchronous collective runs on: XLA's one communication stream
+(``xla_gpu_experimental_enable_collective_multi_streaming``, off by default, gives more)."""
 _CONTROL = re.compile(r"control-predecessors=\{([^}]*)\}")
-_LAYOUTS = re.compile(r"\[[\d,]*\](?:\{([^}]*)\})?")  # each array's layout in a shape
-
-
-def own_host_streams() -> bool:
-  """Whether the installed XLA (jaxlib's) runs host transfers on streams of their own."""
-  return jaxlib.version.__version_info__ >= (0, 12)
 
 
 def post_order(instructions: dict[str, _hlo.Instruction]) -> list[str]:
@@ -65,20 +59,21 @@ def post_order(instructions: dict[str, _hlo.Instruction]) -> list[str]:
   return order
 
 
-def assign(computations: dict, roots: dict, entry: str, own_host: bool,
-           shape: Callable[[str, str], str]) -> dict[tuple[str, str], str]:
-  """``(computation, start) -> stream`` for each compute-scope start of a program
-  (`lowmem_jax.compile.memory._hlo.computations`): ``"compute k"``, or with ``own_host``
-  `TO_HOST` / `TO_DEVICE` for a host transfer. ``shape(computation, operand)`` is an
-  operand's shape as written."""
+def assign(computations: dict, roots: dict, entry: str,
+           own_host: bool) -> dict[tuple[str, str], str]:
+  """``(computation, start) -> stream`` for each asynchronous start of a program
+  (`lowmem_jax._hlo.computations`): ``"compute k"``, `COMMUNICATION` for a collective, or
+  with ``own_host`` `TO_HOST` / `TO_DEVICE` for a host transfer."""
   streams, turn, queue = {}, 0, collections.deque([entry])
   while queue:
     computation = queue.popleft()
     instructions = computations[computation]
     for name in post_order(instructions):
       i = instructions[name]
-      if i.op.endswith("-start") and not _collective(computations, roots, i):
-        way = _host_way(computations, roots, computation, i, shape) if own_host else None
+      if i.op.endswith("-start") and _collective(computations, roots, i):
+        streams[computation, name] = COMMUNICATION
+      elif i.op.endswith("-start"):
+        way = _host_way(computations, roots, computation, i) if own_host else None
         streams[computation, name] = way or f"compute {turn % COMPUTE_STREAMS}"
         turn += not way
       if i.op == "while":
@@ -97,13 +92,13 @@ def _collective(computations: dict, roots: dict, i: _hlo.Instruction) -> bool:
   return computations[wrapped][roots[wrapped]].op in COLLECTIVES
 
 
-def _host_way(computations: dict, roots: dict, computation: str, i: _hlo.Instruction,
-              shape: Callable[[str, str], str]) -> str | None:
+def _host_way(computations: dict, roots: dict, computation: str,
+              i: _hlo.Instruction) -> str | None:
   """`TO_HOST` or `TO_DEVICE` for a start XLA runs on a host transfer stream, else None: a
   ``copy-start`` to or from host memory, or a start that wraps (alone, or as a fusion's root
   but a custom fusion's) a dynamic update of host memory or a dynamic slice of it."""
   if i.op == "copy-start":
-    dst, src, *_ = (":S(5)" in f":{layout}" for layout in _LAYOUTS.findall(i.shape))
+    dst, src, *_ = (a.in_host_memory for a in _hlo.arrays(i.shape))
     return TO_HOST if dst else TO_DEVICE if src else None
   where, inner = computation, i._replace(op=i.op.removesuffix("-start"))  # the printed form
   if i.op == "async-start":
@@ -112,7 +107,7 @@ def _host_way(computations: dict, roots: dict, computation: str, i: _hlo.Instruc
   if inner.op == "fusion" and "kind=kCustom" not in inner.attributes:
     where = _hlo.called(inner)[0]
     inner = computations[where][roots[where]]
-  if inner.op in ("dynamic-update-slice", "dynamic-slice") and ":S(5)" in shape(
-      where, inner.operands[0]):  # the buffer it writes into, or slices
-    return TO_HOST if inner.op == "dynamic-update-slice" else TO_DEVICE
-  return None
+  if inner.op not in ("dynamic-update-slice", "dynamic-slice") or not _hlo.in_host_memory(
+      _hlo.operand_shape(computations[where], inner.operands[0])):  # written into, or sliced
+    return None
+  return TO_HOST if inner.op == "dynamic-update-slice" else TO_DEVICE

@@ -53,6 +53,27 @@ def test_packing_gives_each_slice_back_bit_for_bit():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("words", [True, False])
+def test_a_row_is_each_leafs_bytes_end_to_end_packed_as_words_where_each_leaf_is_whole_words(
+    words):
+  """A row is the leaves' memory bytes in order (as NumPy lays them), whether packed in 4-byte
+  words (every leaf a whole number of them: XLA's concatenation then runs a quarter of the
+  threads) or byte by byte (a leaf of 2 bytes among them)."""
+  tree = {"codes": jnp.arange(8, dtype=jnp.int8) - 3, "scale": jnp.array([0.5, -1.25]),
+          "nu": jnp.arange(2, dtype=jnp.bfloat16) / 3, "count": jnp.array(7, jnp.int32),
+          "key": jax.random.key(1),
+          **({} if words else {"half": jnp.array([1.5], jnp.float16)})}
+  layout = Layout.of(tree)
+  want = b"".join(np.asarray(x).tobytes() for x in _bits(tree))
+  row = jax.jit(layout.pack)(tree)
+  assert row.dtype == jnp.uint8 and np.asarray(row).tobytes() == want
+  concatenated = [e.outvars[0].aval.dtype for e in jax.make_jaxpr(layout.pack)(tree).eqns
+                  if e.primitive.name == "concatenate"]
+  assert concatenated == [jnp.uint32 if words else jnp.uint8]
+  for got, keep in zip(_bits(layout.unpack(row)), _bits(tree)):
+    np.testing.assert_array_equal(got, keep)
+
+
 def test_a_row_read_after_a_value_unpacks_the_same_bits_only_once_it_is_made():
   tree = jax.tree.map(lambda x: x[1], _tree())
   layout = Layout.of(tree)

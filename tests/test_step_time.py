@@ -48,6 +48,40 @@ def test_a_transfer_hides_only_under_the_kernels_between_its_start_and_done():
   assert sum(hidden.seconds_by_bound.values()) == pytest.approx(hidden.seconds)
 
 
+def test_a_concatenation_visits_every_operand_from_each_element_of_its_largest():
+  """XLA's GPU concatenation runs a thread an element of its largest operand, each visiting
+  every operand: 64 small operands beside a 16 MiB one cost 65 visits an element of the large
+  one, ALU-bound, many times the bytes' HBM time; as 4-byte words, a quarter of the bytes'."""
+  def packed(dtype: str, n: int) -> str:
+    params = ", ".join([f"{dtype}[{n}]"] + [f"{dtype}[4]"] * 64)
+    body = "\n".join(f"  %p{k} = {dtype}[{n if k == 0 else 4}]{{0}} parameter({k})"
+                      for k in range(65))
+    operands = ", ".join(f"%p{k}" for k in range(65))
+    total = n + 64 * 4
+    return f"""HloModule m, is_scheduled=true
+
+%cat ({params}) -> {dtype}[{total}] {{
+{body}
+  ROOT %c = {dtype}[{total}]{{0}} concatenate({operands}), dimensions={{0}}
+}}
+
+ENTRY %main ({params}) -> {dtype}[{total}] {{
+{body}
+  ROOT %f = {dtype}[{total}]{{0}} fusion({operands}), kind=kLoop, calls=%cat
+}}
+"""
+  c = step_time.CALIBRATION
+  visits = lambda elements: elements * 65 * c.concat_visit_ops / H100.lane_ops_per_s["int"]
+  seconds = {}
+  for dtype, n in (("u8", 2**24), ("u32", 2**22)):
+    got = step_time.estimate(packed(dtype, n), H100)
+    assert got.bound == "ALU" and got.lane_ops["int"] == n * 65 * c.concat_visit_ops
+    assert got.seconds == pytest.approx(visits(n) + c.launch_s)
+    seconds[dtype] = got.seconds - c.launch_s
+  assert seconds["u8"] == pytest.approx(4 * seconds["u32"])
+  assert seconds["u32"] > 10 * 2 * 2**24 / (c.hbm_efficiency * H100.memory_bytes_per_s)
+
+
 # A 4 MiB row of a host stack brought to the device by an asynchronous fusion at a loop
 # counter's offset: a memcpy (jax 0.10's XLA: kind=kCustom, the offset from the induction
 # variable) or a kernel reading pinned memory (kind=kLoop), with an 8 MiB kernel under it.

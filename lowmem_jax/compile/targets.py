@@ -89,25 +89,12 @@ jax 0.12.0.1 on 2 CPU cores: 100.2 -> 76.0 s)."""
 HOST_TRANSFER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                          **({} if _jax.OWN_HOST_TRANSFER_STREAMS else
                             {"xla_disable_hlo_passes": "dynamic-slice-copy-fusion-async-wrapper"})}
-"""XLA options for a step that moves data between host and device in a loop (the
-layer-streamed step with its state or saved inputs on the host):
-
-* XLA's latency-hiding scheduler, which starts each transfer early and waits for it late.
-  With jaxlib 0.10.2 it left the h100 target's Llama-3.1-8B host-state programs as they were
-  and changed the rtx4090's (4,166.5 -> 3,476.1 ms estimated, docs/benchmarks.md).
-* Before jaxlib 0.12 (`lowmem_jax._jax.OWN_HOST_TRANSFER_STREAMS`), no asynchronous copies
-  of a layer's weights out of their stacks (XLA's pass
-  ``dynamic-slice-copy-fusion-async-wrapper``, in jaxlib 0.11; 0.10.2 has none). XLA deals its
-  asynchronous starts out to four compute streams in turn
-  (`lowmem_jax.compile.memory.streams`), the host transfers among them before 0.12, so a
-  weight the next GEMM needs can wait behind a whole row's transfer on its stream. Under jax
-  0.11.2 the h100 target's 8B ``…+stream:host+offload-opt+prefetch:2`` then estimates 791.6
-  ms, not 1,046.5 (docs/benchmarks.md, session 42). From 0.12 the copies overlap the GEMMs
-  and the transfers keep their own streams: there the pass stays (the rtx4090's 8B
-  ``…+stream:host+offload-opt`` estimates 2,762.0 ms with it, 2,817.9 without).
-
-Other targets, and the whole-tree `offload-opt` step, are not measured with them. Give them
-to ``jax.jit``'s ``compiler_options``; the CPU ignores them."""
+"""XLA options for a step moving data between host and device in a loop (the layer-streamed
+step, its state or saved inputs on the host): the latency-hiding scheduler (each transfer started
+early, waited for late); before jaxlib 0.12, where the host transfers share XLA's compute streams
+(`lowmem_jax.compile.memory.streams`), synchronous weight copies, none behind a row's transfer
+(h100, 8B ``…+prefetch:2``, jax 0.11.2: 1,046.5 -> 791.6 ms estimated; docs/benchmarks.md,
+sessions 27 and 42). For ``jax.jit``'s ``compiler_options``; the CPU ignores them."""
 
 _CONFIGS = importlib.resources.files("lowmem_jax.compile") / "target_configs"
 

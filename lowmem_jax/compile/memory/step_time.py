@@ -59,6 +59,9 @@ class Calibration(NamedTuple):
     tensor_fraction: the fraction of the tensor-core peak the largest GEMMs reach.
     half_efficiency_flops: the FLOPs at which a GEMM reaches half of ``tensor_fraction``.
     pallas_alu_efficiency: the fraction of the pipes' rates a Pallas kernel's operations reach.
+    concat_visit_ops: integer operations a thread of XLA's GPU concatenation spends on each
+      operand: the kernel runs a thread an element of its largest operand, and each thread
+      visits every operand (``xla/backends/gpu/codegen/emitters/concatenate.cc``).
   """
   hbm_efficiency: float = 0.9
   launch_s: float = 4e-6
@@ -68,6 +71,7 @@ class Calibration(NamedTuple):
   tensor_fraction: float = 0.8
   half_efficiency_flops: float = 4.4e9
   pallas_alu_efficiency: float = 0.61
+  concat_visit_ops: float = 11.0
 
 
 CALIBRATION = Calibration()
@@ -76,7 +80,9 @@ bfloat16 GEMMs at 26% of the peak at 1024³ and 78% at 4096³, as XLA's measured
 sm_90 has them (``default_matmul_perf_table.txtpb``); ``copy_link_efficiency`` is PCIe's
 packet overhead; ``pallas_alu_efficiency`` the fused 8-bit update's kernels' time on an H100
 (five shapes, each 1.58-1.68 times its jaxpr's operations at the published rates; likely Triton's
-addressing); the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
+addressing); ``concat_visit_ops`` the H100 profile's pack of an 8B state row (54 operands, the
+largest of 58.7M bytes: 2.085 ms a call at the integer pipe's published rate, session 40's
+profile); the others are fit to ``docs/gpu.jsonl`` (``benchmarks/step_time.py``)."""
 BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
 """What a step's time is spent on, `StepTime.seconds_by_bound`'s keys: "compute" the tensor
 cores, "ALU" the vector pipes (`lowmem_jax._lane_ops`)."""
@@ -236,12 +242,24 @@ class _Program:
       out = lane_ops.Counts()
       for c in _hlo.called(i):
         out += lane_ops.of_computation(self.computations[c], self.computations)
-      return out
+      return out + self._concatenation_visits(i)
     if i.op == "custom-call":
       found = {k: p.search(i.attributes) for k, p in _DECLARED_OPS.items()}
       return lane_ops.Counts({k: int(m.group(1)) for k, m in found.items() if m})
     return lane_ops.of_op(i.op, i.shape, self.shape(computation, i.operands[0])
                           if i.operands else "")
+
+  def _concatenation_visits(self, i: _hlo.Instruction) -> lane_ops.Counts:
+    """The integer work of a fusion XLA emits as a concatenation (its root a concatenate): a
+    thread an element of the largest operand, each visiting every operand
+    (`Calibration.concat_visit_ops` operations a visit)."""
+    fused = _hlo.called(i)[0]
+    root = self.computations[fused][self.roots[fused]]
+    if root.op != "concatenate":
+      return lane_ops.Counts()
+    largest = max(math.prod(_dims(self.shape(fused, o))) for o in root.operands)
+    return lane_ops.Counts(
+        {"int": largest * len(root.operands) * self.calibration.concat_visit_ops})
 
   def _tensor_flops(self, computation: str, i: _hlo.Instruction) -> tuple[float, float]:
     """A GEMM's or attention call's FLOPs, and the tensor cores' peak for its operands."""

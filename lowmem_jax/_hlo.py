@@ -121,7 +121,8 @@ class Array(NamedTuple):
 
   @property
   def in_host_memory(self) -> bool:
-    """Whether the layout puts it in host memory (memory space 5, ``S(5)``)."""
+    """Whether the layout puts it in host memory: memory space 5, ``S(5)`` after the dims and
+    any tiling or element size (``{1,0:E(4)S(5)}``, an int4 array's)."""
     return "S(5)" in self.layout
 
   @property

@@ -15,7 +15,7 @@ The tests run on both ends of the range (`.ci/run`).
   `jax.sharding.AbstractDevice` (jax 0.11 and later require it).
 * `OWN_HOST_TRANSFER_STREAMS`: XLA runs each transfer to or from host memory on a stream of
   its own each way from jaxlib 0.12; before, the transfers take turns with the other
-  asynchronous starts on its four compute streams (`lowmem_jax.compile.memory.streams`).
+  asynchronous starts on XLA's four compute streams (`lowmem_jax.compile.memory.streams`).
   Retire when the lower bound reaches 0.12.
 * Private, no public API yet: `source_info_util` (an equation's traceback and name stack,
   which `lm.lowmem` keeps on what it rebinds and reports lines from), `eval_context` (a

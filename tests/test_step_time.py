@@ -162,6 +162,17 @@ ENTRY %main (p0: bf16[2048,32768], i: s32[]) -> bf16[8192,2048] {{
 """
 
 
+def test_an_arrays_host_memory_is_read_past_its_tiling_and_element_size():
+  """``S(5)`` marks host memory wherever the layout puts it: after the dims, after a tiling,
+  after an int4 array's element size (XLA prints ``s4[64,128]{1,0:E(4)}``)."""
+  shape = "(s4[16]{0:E(4)S(5)}, f32[8,128]{1,0:T(8,128)S(5)}, f32[]{:S(5)}, bf16[2]{0}, token[])"
+  arrays = _hlo.arrays(shape)
+  assert [a.in_host_memory for a in arrays] == [True, True, True, False, False]
+  assert [a.bytes for a in arrays] == [8, 4096, 4, 4, 0]
+  assert _hlo.operand_shape({"t": _hlo.Instruction("tuple", (), "", shape)}, "t#3") == "bf16[2]{0}"
+  assert _hlo.in_host_memory(shape) and not _hlo.in_host_memory("bf16[2]{0}")
+
+
 def test_a_slice_through_a_bitcast_reads_the_slice_not_the_array():
   block = 8192 * 2048 * 2
   sliced = step_time.estimate(_BITCAST_SLICE.format(extra="", sliced="%rows"), H100)
@@ -330,4 +341,3 @@ def test_the_streamed_step_hides_every_host_transfer_and_copies_nothing_host_to_
   given = streams.assign(computations, roots, entry, _jax.OWN_HOST_TRANSFER_STREAMS)
   shared = {given[k] for k in moved} & {s for k, s in given.items() if k not in moved}
   assert moved and not shared  # no weight copy waits behind a row on a stream (jaxlib 0.11)
-

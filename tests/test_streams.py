@@ -215,10 +215,10 @@ def test_collectives_of_two_kinds_take_turns_on_the_one_communication_stream():
 ENTRY %main (p0: f32[1048576], p1: f32[8388608]) -> () {
   %p0 = f32[1048576]{0} parameter(0)
   %p1 = f32[8388608]{0} parameter(1)
-  %ag = (f32[1048576]{0}, f32[8388608]{0}) all-gather-start(%p0), replica_groups={}, dimensions={0}
-  %ar = f32[8388608]{0} all-reduce-start(%p1), replica_groups={}, to_apply=%add
-  %agd = f32[8388608]{0} all-gather-done(%ag)
-  %ard = f32[8388608]{0} all-reduce-done(%ar)
+  %all-gather-start.1 = (f32[1048576]{0}, f32[8388608]{0}) all-gather-start(%p0), dimensions={0}
+  %all-reduce-start.2 = f32[8388608]{0} all-reduce-start(%p1), replica_groups={}, to_apply=%add
+  %agd = f32[8388608]{0} all-gather-done(%all-gather-start.1)
+  %ard = f32[8388608]{0} all-reduce-done(%all-reduce-start.2)
   ROOT %out = (f32[8388608]{0}, f32[8388608]{0}) tuple(%agd, %ard)
 }
 """

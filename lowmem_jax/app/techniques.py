@@ -15,6 +15,7 @@ it, `lowmem_jax.app.fits` finds the cheapest set that fits a budget.
 
 import dataclasses
 import inspect
+import json
 import re
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -503,7 +504,7 @@ class TechniqueSet:
     """`compiler_options` (or ``job.compiler_options``) as ``jax.jit``'s keyword, written out
     in the printed code."""
     options = self.compiler_options() if job.compiler_options is None else job.compiler_options
-    text = ", ".join(f'"{k}": ' + (f'"{v}"' if isinstance(v, str) else repr(v))
+    text = ", ".join(f"{json.dumps(k)}: " + (json.dumps(v) if isinstance(v, str) else repr(v))
                      for k, v in options.items())
     return {"compiler_options": code.Code(options, "{" + text + "}")} if options else {}
 

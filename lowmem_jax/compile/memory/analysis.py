@@ -19,9 +19,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from lowmem_jax import _jax
+from lowmem_jax import _hlo, _jax
 from lowmem_jax.compile import targets
-from lowmem_jax import _hlo
 
 
 def aot_compile(fn: Callable, *args, target: "targets.Target | str | None" = None,

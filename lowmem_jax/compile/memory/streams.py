@@ -5,7 +5,8 @@ optimized program's text.
 XLA walks the computations breadth first from the entry (into loops, calls and conditionals;
 not into fusions or asynchronous computations), each one's instructions in post order
 (`post_order`), and gives each start of a compute scope (an ``async-start`` that wraps no
-collective, a ``copy-start``) the next of `COMPUTE_STREAMS` compute streams in turn. A stream
+collective, a ``copy-start``) the next of `COMPUTE_STREAMS` compute streams in turn; every
+asynchronous collective runs on the one `COMMUNICATION` stream. A stream
 runs its work in the order it is given. So where transfers to and from host memory take turns
 with the device-side slice copies XLA makes asynchronous (a layer's weights sliced out of their
 stack), a slice the next kernel needs can wait behind a whole transfer, by its place in the loop
@@ -84,7 +85,7 @@ def assign(computations: dict, roots: dict, entry: str,
 
 
 def _collective(computations: dict, roots: dict, i: _hlo.Instruction) -> bool:
-  """Whether a start begins a collective (it runs on a communication stream): an
+  """Whether a start begins a collective (it runs on `COMMUNICATION`): an
   ``all-gather-start`` and the like, or an ``async-start`` that wraps one."""
   if i.op != "async-start":
     return i.op.removesuffix("-start") in COLLECTIVES

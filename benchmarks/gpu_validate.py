@@ -47,8 +47,8 @@ target, no GPU tests), which the test suite does to check this script.
 full remat, its streamed step with the state on the device, with XLA's update and with the
 fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the host (two
 layers ahead, the MLP whole; two; one) and on the device, with XLA's update, then each with the
-kernel. The host rows first, the fastest by the estimate first (jax 0.11.2, h100: 748.4, 791.6
-and 887.2 ms): issue 50 asks 4,000 tokens/s of them measured. Its report is ``docs/gpu_speed.md``
+kernel. The host rows first, the fastest by the estimate first (jax 0.11.2, h100: 755.7, 798.8
+and 894.1 ms): issue 50 asks 4,000 tokens/s of them measured. Its report is ``docs/gpu_speed.md``
 (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
 ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """

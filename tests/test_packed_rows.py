@@ -74,6 +74,19 @@ def test_a_row_is_each_leafs_bytes_end_to_end_packed_as_words_where_each_leaf_is
     np.testing.assert_array_equal(got, keep)
 
 
+@pytest.mark.parametrize("tree", [
+    {"nu": jnp.arange(4, dtype=jnp.bfloat16)}, {"half": jnp.array([1.5, -2.0], jnp.float16)},
+    {"codes": jnp.arange(8, dtype=jnp.int8)}, {"count": jnp.array(3, jnp.int32)},
+    {"key": jax.random.key(2)}, {"none": jnp.zeros((0,)), "nu": jnp.ones(8, jnp.bfloat16)}],
+    ids=["bfloat16", "float16", "int8", "int32", "key", "empty-beside-bfloat16"])
+def test_a_lone_leaf_of_each_width_packs_under_jit_to_its_bytes(tree):
+  """Compiled, a row of one leaf (the concatenation elided, its views next to each other) is
+  the leaf's bytes: XLA folded a bfloat16-to-word view and a word-to-byte one into one view
+  of the wrong shape."""
+  row = jax.jit(Layout.of(tree).pack)(tree)
+  assert np.asarray(row).tobytes() == b"".join(np.asarray(x).tobytes() for x in _bits(tree))
+
+
 def test_a_row_read_after_a_value_unpacks_the_same_bits_only_once_it_is_made():
   tree = jax.tree.map(lambda x: x[1], _tree())
   layout = Layout.of(tree)

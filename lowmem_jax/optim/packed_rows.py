@@ -101,12 +101,12 @@ class Layout:
 
 
 def _view(x: jax.Array, unit: Any) -> jax.Array:
-  """``x``'s bytes as a flat array of ``unit`` (``uint8`` or ``uint32``) elements, in memory
-  order; ``x.nbytes`` a multiple of ``unit``'s size."""
-  size, wide = x.dtype.itemsize, jnp.dtype(unit).itemsize
-  if size < wide:  # whole words from the trailing axis
-    x = x.reshape(-1, wide // size)
-  return jax.lax.bitcast_convert_type(x, unit).reshape(-1)
+  """``x``'s bytes as a flat array of ``unit`` (``uint8``, or ``uint32`` where ``x.nbytes`` is
+  a multiple of 4) elements, in memory order. Words are made from the bytes: XLA's simplifier
+  folds a bfloat16-to-word view followed by a word-to-byte one into one view of the wrong
+  shape (a lone bfloat16 leaf failed to compile)."""
+  data = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+  return data if unit == jnp.uint8 else jax.lax.bitcast_convert_type(data.reshape(-1, 4), unit)
 
 
 class Row(NamedTuple):

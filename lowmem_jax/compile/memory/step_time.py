@@ -88,7 +88,7 @@ BOUNDS = ("compute", "ALU", "HBM", "launches", "host link", "collectives")
 cores, "ALU" the vector pipes (`lowmem_jax._lane_ops`)."""
 
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
-_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'  # a Pallas kernel: every output its own
+_TRITON = "__gpu$xla.gpu.triton"  # a Pallas kernel's custom-call target: every output its own
 # What a Pallas kernel says it moves (``pallas_call(metadata={"bytes_accessed": ...})``, in the
 # call's backend config): a kernel writing a slice of a buffer in place reads and writes less
 # than its operands and outputs.
@@ -342,7 +342,7 @@ class _Program:
         or _declared_bytes(i) is not None):
       return []  # a kernel's declared bytes: its `_reads`
     arrays = _arrays(i.shape)
-    if i.op == "copy-start" or (i.op == "custom-call" and _TRITON not in i.attributes):
+    if i.op == "copy-start" or (i.op == "custom-call" and _hlo.custom_call_target(i) != _TRITON):
       return arrays[:1]  # the rest: a workspace; the source and a context
     if i.op == "dynamic-update-slice":
       return [(_hlo.shape_bytes(self.shape(computation, i.operands[1])), arrays[0][1])]
@@ -361,7 +361,7 @@ class _Program:
 
 def _declared_bytes(i: _hlo.Instruction) -> int | None:
   """The bytes a Pallas kernel says it reads and writes together (`_DECLARED_BYTES`)."""
-  if i.op != "custom-call" or _TRITON not in i.attributes:
+  if _hlo.custom_call_target(i) != _TRITON:
     return None
   declared = _DECLARED_BYTES.search(i.attributes)
   return int(declared.group(1)) if declared else None

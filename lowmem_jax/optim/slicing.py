@@ -212,14 +212,22 @@ class _HostTrips:
     """The bank of the rows of trips of parity ``phase`` (k % 2, where there are two banks)."""
     return self.index(phase) % len(self.states.banks)
 
-  def fetch(self, banks: tuple, k: Any, phase: int) -> tuple:
-    """Trip k's row (of phase ``phase``: k's parity) and ``xs`` slice (`_ahead`), brought
-    over."""
-    i = self.index(k)
+  def later(self, k: Any, trips: int) -> Any:
+    """Trip k + ``trips``'s slice, as trip k's moved ``trips`` slices on: not
+    ``index(k + trips)``, whose k + 1 XLA takes from the loop counter's increment, which
+    overwrites k in place and so runs after every other reader of k: a read started from it
+    waits for the trip's compute (the rtx4090 8B's next row then started 11 ms of GEMMs
+    before it was needed, where it takes 17.6 ms: 235 ms of link waits a step)."""
+    return self.index(k) + trips * (self.index(1) - self.index(0))
+
+  def fetch(self, banks: tuple, i: Any, phase: int) -> tuple:
+    """Slice i's row (of a trip of phase ``phase``: its parity) and ``xs`` slice
+    (`_ahead`), brought over."""
     return to("device", at(banks[self.bank(phase)], i // len(banks))), _ahead(self.xs, i)
 
-  def write(self, banks: tuple, row: jax.Array, k: Any, phase: int) -> tuple:
-    """``banks`` with trip k's new ``row`` written in place."""
+  def write(self, banks: tuple, row: jax.Array, i: Any, phase: int) -> tuple:
+    """``banks`` with slice i's new ``row`` (of a trip of phase ``phase``) written in
+    place."""
     banks = list(banks)
     b = self.bank(phase)
     # A bank of one row is written in two parts: XLA (jax 0.12's) would take a row written
@@ -228,7 +236,7 @@ class _HostTrips:
     cut = banks[b].shape[1] // 2 if banks[b].shape[0] == 1 else 0
     for start, part in ((0, row[:cut]), (cut, row[cut:])) if cut else ((0, row),):
       banks[b] = jax.lax.dynamic_update_slice(banks[b], _for(banks[b], part[None]),
-                                              (self.index(k) // len(banks), start),
+                                              (i // len(banks), start),
                                               allow_negative_indices=False)
     return tuple(banks)
 
@@ -261,7 +269,7 @@ class _HostTrips:
     trip's row brought over, ``pending`` the previous trip's new row."""
     c, params, banks, now, pending = loop
     # The pending row is written into the bank the next one is read from: the read first.
-    rows = [(pending, self.fetch(banks, k + 1, 0))]
+    rows = [(pending, self.fetch(banks, self.later(k, 1), 0))]
 
     def fence(x):
       x, fenced = jax.lax.optimization_barrier((x, rows[0]))
@@ -272,7 +280,7 @@ class _HostTrips:
       fence(None)
     c, params, s = self.apply(c, params, None, self.index(k), now, fence)
     pending, upcoming = rows[-1]
-    banks = self.write(banks, pending, k - 1, 0)
+    banks = self.write(banks, pending, self.later(k, -1), 0)
     return c, params, banks, upcoming, self.states.layout.pack(s)
 
   def trip_two_banks(self, phase: int, k: Any, loop: tuple) -> tuple:
@@ -281,9 +289,9 @@ class _HostTrips:
     and the next one's rows brought over, ``pending`` the previous trip's new row."""
     c, params, banks, now, upcoming, pending = loop
     banks = (self.write_last(banks, pending, k - 1) if isinstance(k, int)  # peeled: by DMA
-             else self.write(banks, pending, k - 1, 1 - phase))
+             else self.write(banks, pending, self.later(k, -1), 1 - phase))
     ahead = (upcoming if isinstance(k, int) and k + 2 >= self.n
-             else self.fetch(banks, k + 2, phase))
+             else self.fetch(banks, self.later(k, 2), phase))
     c, params, s = self.apply(c, params, None, jnp.int32(self.index(k)), now)
     # The next trip writes this trip's row into the bank just read: the read first, in place.
     s, ahead = jax.lax.optimization_barrier((s, ahead))

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowmem_jax.compile import targets
+from lowmem_jax.compile.memory import host_transfers
 from lowmem_jax.optim import slicing
 from lowmem_jax.optim.packed_rows import PackedRows
 
@@ -133,3 +135,34 @@ def test_late_waits_for_its_value_and_leaves_an_empty_index():
   jaxpr = jax.make_jaxpr(lambda i, a: slicing.late(i, a))(index, after)
   assert any(e.primitive.name == "optimization_barrier" for e in jaxpr.jaxpr.eqns)
   assert slicing.late((), after) == ()
+
+
+@pytest.mark.skipif(targets.available() is not None, reason="no GPU target compiles here")
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("fence", [False, True])
+def test_no_host_row_is_read_from_the_loop_counters_increment(reverse, fence):
+  """One bank of host rows, GEMMs in each trip, compiled for the rtx4090: no host transfer
+  starts from a value XLA orders after other instructions (``control-predecessors``), as
+  it orders the loop counter's increment after every reader of the counter
+  (`slicing._HostTrips.later`; written as ``index(k + 1)``, the next row's read waited for
+  the trip's GEMMs)."""
+  n, width = 8, 1024
+
+  def step(params, states, xs):
+    def fn(c, i, p, state_of, x, *barrier):
+      h = x
+      for layer in range(8):
+        h = jnp.tanh(h @ p)
+        if layer == 3 and fence:
+          h = barrier[0](h)
+      return c + 1, p + 1e-3 * h[:width], {"v": state_of(p)["v"] + jnp.sum(h, dtype=jnp.float32)}
+    return slicing.scan_slices(fn, jnp.int32(0), params, states, xs, "host", reverse=reverse,
+                               fence=fence)
+
+  states = slicing.stacked("host", {"v": jnp.zeros((n, 1 << 20), jnp.float32)}, n, 1)
+  compiled = targets.get("rtx4090").compile(
+      jax.jit(step, donate_argnums=(0, 1)), jnp.zeros((n, width, width), jnp.bfloat16), states,
+      jnp.zeros((n, 4096, width), jnp.bfloat16), compiler_options=targets.HOST_TRANSFER_OPTIONS)
+  text = compiled.as_text()
+  assert len(host_transfers.loop_host_transfers(text)) >= 3
+  assert host_transfers.ordered_host_transfers(text) == []

@@ -162,8 +162,8 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   # A loop counter, not a scan over the indices: XLA then sees each slice's offset as a
   # function of the loop's induction variable, and moves a host row as a memcpy (the copy
   # engines' DMA) rather than with a kernel over pinned memory; jax 0.12's XLA only where the
-  # offsets are linear in it, so `_HostTrips` reads and writes at k + 1, k + 2 and k - 1 as
-  # they are, clamped at the ends onto the rows it means.
+  # offsets are linear in it, so `_HostTrips` reads and writes trips k + 1, k + 2 and k - 1
+  # (`_HostTrips.later`), clamped at the ends onto the rows it means.
   if place == "host":
     return _HostTrips(apply, states, xs, n, index, fence).run(carry, params)
 
@@ -213,12 +213,14 @@ class _HostTrips:
     return self.index(phase) % len(self.states.banks)
 
   def later(self, k: Any, trips: int) -> Any:
-    """Trip k + ``trips``'s slice, as trip k's moved ``trips`` slices on: not
-    ``index(k + trips)``, whose k + 1 XLA takes from the loop counter's increment, which
-    overwrites k in place and so runs after every other reader of k: a read started from it
-    waits for the trip's compute (the rtx4090 8B's next row then started 11 ms of GEMMs
-    before it was needed, where it takes 17.6 ms: 235 ms of link waits a step)."""
-    return self.index(k) + trips * (self.index(1) - self.index(0))
+    """The slice of trip k + ``trips`` (k an int, or the loop's int32 counter), written so
+    that XLA finds no k + 1 in it to share with the loop counter's increment. XLA orders that
+    increment, which overwrites k in place, after every other reader of k, so a transfer
+    whose offset it computes starts after the trip's compute: under jax 0.12 the rtx4090
+    8B's next row then started 11 ms of GEMMs before its fence, where it takes 17.6 ms
+    (docs/benchmarks.md, "Session 43"). The offset stays linear in k, as DMA needs."""
+    stride = self.index(1) - self.index(0)
+    return (self.n + trips * stride) - (self.n - self.index(k))
 
   def fetch(self, banks: tuple, i: Any, phase: int) -> tuple:
     """Slice i's row (of a trip of phase ``phase``: its parity) and ``xs`` slice

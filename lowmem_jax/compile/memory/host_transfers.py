@@ -53,6 +53,27 @@ def host_transfer_cover(hlo_text: str) -> dict[str, tuple[int, int]]:
   return cover
 
 
+def ordered_host_transfers(hlo_text: str) -> list[tuple[str, str]]:
+  """``(start, operand)`` for each host transfer (in any computation of an optimized HLO
+  module's text) that starts from a value XLA orders after other instructions (its maker,
+  through tuple elements, has ``control-predecessors``): such a transfer cannot start before
+  them. A loop counter's increment is one (XLA orders it after every reader of the counter,
+  which it overwrites): `lowmem_jax.optim.slicing` reads no row from it."""
+  computations, _, _ = _hlo.computations(hlo_text)
+  found = []
+  for instructions in computations.values():
+    def maker(operand: str) -> _hlo.Instruction | None:
+      made = instructions.get(operand.split("#")[0])
+      if made is not None and made.op == "get-tuple-element":
+        return maker(made.operands[0])
+      return made
+
+    found += [(name, o) for name, i in instructions.items()
+              if i.op.endswith("-start") and _hlo.in_host_memory(i.shape) for o in i.operands
+              if "control-predecessors" in getattr(maker(o), "attributes", "")]
+  return found
+
+
 def _moves_only(computations: dict, roots: dict, body: str) -> bool:
   """Whether computation ``body`` only moves data: each kernel computes a scalar (a loop
   counter, an offset), makes an operand of an asynchronous start, or writes what a done

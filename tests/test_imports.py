@@ -262,6 +262,7 @@ TESTED_IN = {
     "lowmem_jax._static": "test_optim.py", "lowmem_jax._text": "test_cli.py",
     "lowmem_jax.app.fits": "test_techniques.py", "lowmem_jax.app.job": "test_techniques.py",
     "lowmem_jax.app.measurement": "test_techniques.py", "lowmem_jax.compile": "test_targets.py",
+    "lowmem_jax.compile.gpu_speeds": "test_targets.py",
     "lowmem_jax._hlo": "test_step_time.py",
     "lowmem_jax.compile.memory.host_transfers": "test_step_time.py",
     "lowmem_jax.compile.memory._xla_dump": "test_xla_dump.py",

@@ -21,16 +21,13 @@ A `Target` is one of three kinds:
   steps, and it merges `jax.checkpoint`'s recompute back into the forward
   pass unless told not to (`CPU_KEEPS_REMAT`, applied here).
 
-`default` picks the GPU the process runs on, else ``"h100"`` where the
-target packages are installed (``pip install 'lowmem-jax[target]'``), else
-the CPU with `Target.note` saying so.
+`default` picks the GPU the process runs on, else ``"h100"`` where the target packages are
+installed (``pip install 'lowmem-jax[target]'``), else the CPU with `Target.note` saying so.
 
-Environment: the CUDA plugin checks its CUDA libraries against the driver
-before it registers and, with no driver, never registers. Importing this
-module on a machine without an NVIDIA driver sets
-``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless set) so that the plugin
-registers for compiling only; the check needs a driver, so skipping it loses
-nothing there.
+Environment: the CUDA plugin checks its CUDA libraries against the driver before it registers
+and, with no driver, never registers. Importing this module on a machine without an NVIDIA driver
+sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless set) so that the plugin registers for
+compiling only; the check needs a driver, so skipping it loses nothing there.
 """
 
 import contextlib
@@ -44,13 +41,14 @@ import os
 import pathlib
 import re
 import shutil
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lowmem_jax import _jax, _lane_ops, _sharding
+from lowmem_jax.compile import gpu_speeds
 from lowmem_jax.ops import dispatch
 from lowmem_jax.ops.dispatch import compiling_for  # noqa: F401  (public here too)
 from lowmem_jax.optim.offload import HOST, in_host_memory  # noqa: F401  (public here too)
@@ -59,8 +57,8 @@ if "JAX_SKIP_CUDA_CONSTRAINTS_CHECK" not in os.environ and ctypes.util.find_libr
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
 INSTALL = "pip install 'lowmem-jax[target]'"
-"""What installs the compile-only GPU targets: JAX's CUDA plugin for the
-installed jaxlib, ptxas (``nvidia-cuda-nvcc-cu12``) and cuDNN."""
+"""What installs the compile-only GPU targets: JAX's CUDA 13 plugin for the installed jaxlib,
+ptxas (``nvidia-cuda-nvcc``) and cuDNN. JAX's CUDA 12 plugin, installed by hand, serves too."""
 
 # XLA's CPU pipeline of jax 0.10.2 expands optimization barriers before CSE, which merges
 # the recompute of `jax.checkpoint` back into the forward pass: remat then saves nothing on
@@ -97,69 +95,6 @@ early, waited for late); before jaxlib 0.12, where the host transfers share XLA'
 sessions 27 and 42). For ``jax.jit``'s ``compiler_options``; the CPU ignores them."""
 
 _CONFIGS = importlib.resources.files("lowmem_jax.compile") / "target_configs"
-
-
-def _pcie_bytes_per_s(generation: int, lanes: int = 16) -> float:
-  """One direction of a PCIe link in bytes/s: 8, 16 or 32 GT/s a lane (generations 3, 4, 5;
-  PCI-SIG's PCI Express Base Specifications) after 128b/130b line coding. Packet headers take
-  some 5-15% of it in practice."""
-  return 2**(generation - 3) * 8e9 * lanes * (128 / 130) / 8
-
-
-class _Speeds(NamedTuple):
-  """What a step-time floor needs of a GPU besides its memory bandwidth."""
-  peak_bf16_flops: float  # dense bfloat16 tensor-core peak, FP32 accumulation, FLOP/s
-  host_link_bytes_per_s: float  # the PCIe link to the host, one direction, bytes/s
-  # NVLink to the other GPUs, one direction, bytes/s; None: no NVLink, the peers over PCIe
-  nvlink_bytes_per_s: float | None = None
-
-
-# By device kind, so that `from_devices` and `attached` on the same card find them too.
-# bfloat16 peaks are dense (NVIDIA's datasheets list twice these "with sparsity") with float32
-# accumulation, the only accumulation for bfloat16 and the one XLA's dots use: GeForce cards
-# and the A10G run it at half their FP16-accumulate rate, the datacenter and RTX pro cards at
-# the full rate.
-_SPEEDS = {
-    # h100: H100 datasheet, SXM5: BF16 1,979 TFLOPS with sparsity; PCIe Gen5 x16 to the host;
-    # NVLink 4 900 GB/s a GPU, both directions together (18 links of 25 GB/s each way).
-    "NVIDIA H100 80GB HBM3": _Speeds(989.4e12, _pcie_bytes_per_s(5), 450e9),
-    # h200: H200 datasheet, SXM: BF16 1,979 TFLOPS with sparsity (the H100 SXM's die and
-    # clocks, HBM3e); PCIe Gen5 x16; NVLink 4 900 GB/s, both directions together.
-    "NVIDIA H200": _Speeds(989.4e12, _pcie_bytes_per_s(5), 450e9),
-    # h100-pcie: H100 datasheet, PCIe: BF16 1,513 TFLOPS with sparsity; PCIe Gen5 x16 (its
-    # NVLink bridge joins two cards only, so 8 cards talk over PCIe).
-    "NVIDIA H100 PCIe": _Speeds(756.5e12, _pcie_bytes_per_s(5)),
-    # a100-40gb, a100-80gb: A100 datasheet, SXM4: BF16 312 TFLOPS dense; PCIe Gen4 x16; NVLink
-    # 3 600 GB/s, both directions together.
-    "NVIDIA A100-SXM4-40GB": _Speeds(312e12, _pcie_bytes_per_s(4), 300e9),
-    "NVIDIA A100-SXM4-80GB": _Speeds(312e12, _pcie_bytes_per_s(4), 300e9),
-    # b200: Blackwell datasheet, HGX B200 (1,000 W): BF16 4.5 PFLOPS with sparsity a GPU. The
-    # GPU's own link is PCIe Gen6 x16, but HGX and DGX B200 hosts are Gen5 (DGX B200 user guide:
-    # 2 Xeon 8570, PCIe Gen5), so the link runs at Gen5 x16. NVLink 5: 1.8 TB/s a GPU, both
-    # directions together.
-    "NVIDIA B200": _Speeds(2.25e15, _pcie_bytes_per_s(5), 900e9),
-    # a6000: RTX A6000 datasheet: tensor 309.7 TFLOPS with sparsity (GA102 whitepaper: 154.8
-    # dense, FP32 accumulation at the full rate); PCIe Gen4 x16.
-    "NVIDIA RTX A6000": _Speeds(154.8e12, _pcie_bytes_per_s(4)),
-    # v100: no bfloat16 tensor cores (sm_70): XLA computes bfloat16 dots in float32 there, so
-    # the floor is the FP32 peak, 15.7 TFLOPS (V100 datasheet, SXM2); PCIe Gen3 x16; NVLink 2
-    # 300 GB/s, both directions together.
-    "Tesla V100-SXM2-16GB": _Speeds(15.7e12, _pcie_bytes_per_s(3), 150e9),
-    # rtx4090: BF16 tensor with FP32 accumulation 165.2 TFLOPS dense, the Ada whitepaper's
-    # appendix figure as third-party tables quote it (330.3 is FP16 with FP16 accumulation;
-    # 82.6 the FP32 non-tensor peak); PCIe Gen4 x16.
-    "NVIDIA GeForce RTX 4090": _Speeds(165.2e12, _pcie_bytes_per_s(4)),
-    # rtx3090: GA102 whitepaper, appendix: BF16 tensor with FP32 accumulation 71 TFLOPS dense
-    # (142 with FP16 accumulation); PCIe Gen4 x16.
-    "NVIDIA GeForce RTX 3090": _Speeds(71e12, _pcie_bytes_per_s(4)),
-    # l4: L4 datasheet: BF16 242 TFLOPS with sparsity; PCIe Gen4 x16.
-    "NVIDIA L4": _Speeds(121e12, _pcie_bytes_per_s(4)),
-    # a10g: 70 TFLOPS dense tensor (AWS's G5 figures as Baseten's "A10 vs A10G" gives them;
-    # = 80 SMs x 512 FLOP a clock at FP32 accumulation x 1.71 GHz); PCIe Gen4 x16 (A10).
-    "NVIDIA A10G": _Speeds(70e12, _pcie_bytes_per_s(4)),
-    # l40s: L40S datasheet: BF16 362.05 TFLOPS dense (733 with sparsity); PCIe Gen4 x16.
-    "NVIDIA L40S": _Speeds(362.05e12, _pcie_bytes_per_s(4)),
-}
 
 
 class TargetUnavailable(RuntimeError):
@@ -204,7 +139,7 @@ class Target:
     """The dense bfloat16 tensor-core peak in FLOP/s (float32 accumulation, as XLA's dots; no
     sparsity) from NVIDIA's specifications, for a shipped GPU and any target of the same
     device kind (`from_devices`, `attached`, `load`); None for other devices and the CPU."""
-    return getattr(_SPEEDS.get(self.device_kind), "peak_bf16_flops", None)
+    return getattr(gpu_speeds.BY_DEVICE_KIND.get(self.device_kind), "peak_bf16_flops", None)
 
   @property
   def memory_bytes_per_s(self) -> float | None:
@@ -229,14 +164,14 @@ class Target:
     """One direction of the GPU's PCIe link to the host in bytes/s (its generation and lanes
     after line coding; the PCIe link of an SXM part, not NVLink), known as `peak_bf16_flops`
     is; None otherwise."""
-    return getattr(_SPEEDS.get(self.device_kind), "host_link_bytes_per_s", None)
+    return getattr(gpu_speeds.BY_DEVICE_KIND.get(self.device_kind), "host_link_bytes_per_s", None)
 
   @property
   def interconnect_bytes_per_s(self) -> float | None:
     """One direction of the GPU's link to the other GPUs in bytes/s: NVLink's where the part
     has it to all its peers (SXM: H100 NVLink 4, 900 GB/s both ways together, so 450 GB/s; the
     H100 datasheet), else `host_link_bytes_per_s` (PCIe); known as `peak_bf16_flops` is."""
-    speeds = _SPEEDS.get(self.device_kind)
+    speeds = gpu_speeds.BY_DEVICE_KIND.get(self.device_kind)
     return None if speeds is None else speeds.nvlink_bytes_per_s or speeds.host_link_bytes_per_s
 
   @property
@@ -245,8 +180,12 @@ class Target:
     if self.deviceless:
       tuned = "with the given autotune results" if self.autotune_results else (
           "without autotuning: cuBLAS GEMMs, cuDNN workspaces not counted")
+      refusal = _cudnn_refusal(self.config) if available() is None else None
+      attention = "" if refusal is None else (
+          f"; cuDNN's attention does not compile here ({refusal}), attention takes lowmem_jax's "
+          "chunked kernel")
       return (f"target {self.name} ({self.device_kind}): XLA's GPU buffer assignment, compiled "
-              f"here without a GPU, {tuned}")
+              f"here without a GPU, {tuned}{attention}")
     if self.platform == "cpu":
       return ("target cpu: a CPU proxy, not a GPU figure (16-bit dots computed in float32, about "
               f"twice a GPU's peak for bfloat16); for GPU-true figures: {INSTALL}")
@@ -257,6 +196,7 @@ class Target:
     if not isinstance(count, int) or count < 1:
       raise ValueError(f"count must be a positive int, got {count!r}.")
     if self.deviceless:
+      _check_cuda_compiles_for(self)
       return list(_compile_only_devices(self.config, count))
     found = jax.devices("cpu" if self.platform == "cpu" else None)
     if count > len(found):
@@ -535,7 +475,8 @@ def compiling(target: Target):
   for the H100 target takes the GPU paths on a machine without a GPU."""
   with contextlib.ExitStack() as stack:
     stack.enter_context(dispatch.compiling_for_platform(
-        "gpu" if target.platform == "cuda" else target.platform))
+        "gpu" if target.platform == "cuda" else target.platform,
+        functools.partial(_cudnn_refusal, target.config) if target.deviceless else None))
     if target.deviceless:
       stack.enter_context(_jax.abstract_device(_pallas_device_kind(target)))
     yield target
@@ -569,6 +510,40 @@ def _from_config(config: str, name: str, autotune_results: str | None) -> Target
   return Target(name, "cuda", kind.group(1), int(memory.group(1)), config, autotune_results)
 
 
+CUDA13_OLDEST_CAPABILITY = (7, 5)
+"""The oldest GPU CUDA 13 compiles for (sm_75, Turing): it dropped Maxwell, Pascal and Volta.
+JAX's CUDA 12 plugin, the last for jax 0.12.0.1, still compiles for the V100 (sm_70)."""
+
+
+def _check_cuda_compiles_for(target: Target) -> None:
+  """Raises `TargetUnavailable` for a GPU older than CUDA 13's oldest where JAX's CUDA 12 plugin
+  is not installed: ptxas would refuse it deep in XLA's compile."""
+  capability = target.compute_capability
+  if (capability is not None and capability < CUDA13_OLDEST_CAPABILITY
+      and not _installed("jax_plugins.xla_cuda12") and _installed("jax_plugins.xla_cuda13")):
+    raise TargetUnavailable(
+        f"target {target.name} ({target.device_kind}) is sm_{capability[0]}{capability[1]}, "
+        "which CUDA 13 (JAX's CUDA 13 plugin, installed here) no longer compiles for. JAX's "
+        "CUDA 12 plugin does (its newest is for jax 0.12.0.1): pip install "
+        "'jax[cuda12-local]<0.12.1' nvidia-cuda-nvcc-cu12 nvidia-cudnn-cu12.")
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_refusal(config: str) -> str | None:
+  """None where XLA here compiles cuDNN's fused attention for the compile-only GPU of
+  ``config``, else XLA's reason, the first line of its error. A probe: one small attention
+  compiled, once a process. jax 0.12.1's XLA builds the cuDNN graph while it compiles, and
+  cuDNN's runtime-compiled engines load the CUDA driver (libcuda), absent without a GPU."""
+  device = jax.sharding.SingleDeviceSharding(_compile_only_devices(config, 1)[0])
+  q = jax.ShapeDtypeStruct((1, 128, 1, 64), jax.numpy.bfloat16, sharding=device)
+  attend = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn"))
+  try:
+    attend.lower(q).compile({**DEVICELESS_OPTIONS, **UNRUN_CODE_OPTIONS})
+  except jax.errors.JaxRuntimeError as e:
+    return str(e).split("\n", 1)[0]
+  return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compile_only_devices(config: str, count: int) -> tuple:
   why = available()
@@ -588,11 +563,13 @@ def _compile_only_devices(config: str, count: int) -> tuple:
 
 
 def _ptxas() -> str | None:
+  """ptxas on PATH, in NVIDIA's nvcc wheel (CUDA 13's layout or 12's) or in /usr/local/cuda."""
   found = shutil.which("ptxas")
   if found:
     return found
-  nvcc = importlib.util.find_spec("nvidia.cuda_nvcc")
-  roots = [pathlib.Path(p) for p in (nvcc.submodule_search_locations or ())] if nvcc else []
+  nvidia = importlib.util.find_spec("nvidia") if _installed("nvidia") else None
+  wheels = [pathlib.Path(p) for p in nvidia.submodule_search_locations] if nvidia else []
+  roots = [wheel / layout for wheel in wheels for layout in ("cu13", "cuda_nvcc")]
   roots.append(pathlib.Path("/usr/local/cuda"))
   for root in roots:
     if (root / "bin" / "ptxas").is_file():

@@ -73,6 +73,11 @@ _using: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _platform: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "lowmem_jax_compile_platform", default=None)
 
+# `compiling_for_platform`'s ``cudnn_refusal``: a function giving why cuDNN's attention cannot
+# compile for the target, or None where it can; None: no refusal known.
+_cudnn_refusal: contextvars.ContextVar[Callable[[], str | None] | None] = contextvars.ContextVar(
+    "lowmem_jax_cudnn_refusal", default=None)
+
 
 def compiling_for() -> str:
   """The platform being compiled for: ``"gpu"``, ``"cpu"``, ... .
@@ -86,16 +91,28 @@ def compiling_for() -> str:
 
 
 @contextlib.contextmanager
-def compiling_for_platform(name: str):
+def compiling_for_platform(name: str, cudnn_refusal: Callable[[], str | None] | None = None):
   """Within the block, `compiling_for` answers ``name`` (``"gpu"``, ``"cpu"``, ...).
 
   What `lowmem_jax.compile.targets.compiling` enters for a target; see the module
-  docstring for when a function traced before needs `jax.clear_caches`.
+  docstring for when a function traced before needs `jax.clear_caches`. ``cudnn_refusal``,
+  asked only where an op would take cuDNN, gives why cuDNN cannot compile for the target
+  (`check_cudnn_compiles`), or None where it can.
   """
   if not isinstance(name, str) or not name:
     raise TypeError(f"name must be a platform name such as 'gpu', got {name!r}.")
-  with _setting(_platform, name):
+  with _setting(_platform, name), _setting(_cudnn_refusal, cudnn_refusal):
     yield name
+
+
+def check_cudnn_compiles() -> None:
+  """Raises RuntimeError, with the reason, where cuDNN cannot compile for the compile target:
+  jax 0.12.1's XLA builds cuDNN's attention graph while it compiles, which needs the CUDA
+  driver, so a compile-only GPU on a machine without one cannot take it."""
+  refusal = _cudnn_refusal.get()
+  reason = refusal() if refusal is not None else None
+  if reason is not None:
+    raise RuntimeError(f"cuDNN's attention does not compile for this target here: {reason}")
 
 
 @contextlib.contextmanager

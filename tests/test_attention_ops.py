@@ -237,7 +237,11 @@ def test_transient_memory_grows_linearly_in_length():
   chunked = lambda *a: lm.attention(*a, is_causal=True, chunk_size=64)
   plain = lambda *a: lm.attention_reference(*a, is_causal=True)
   square = 2 * 4 * 1024 * 1024 * 4  # one float32 [batch, heads, 1024, 1024]
-  assert temp(chunked, 1024) < 0.6 * square < 3 * square < temp(plain, 1024)
+  # Plain: the saved probabilities and the backward's dlogits at least. Before jax 0.12.1
+  # XLA's CPU pipeline also held dprobs, made by its own dot (101,744,640 bytes at 1024 on
+  # 0.12.0.1, 3.03 squares); from 0.12.1 its ynn_fusion takes that dot in and holds
+  # 69,238,784 (2.06 squares), 272,695,296 at 2048.
+  assert temp(chunked, 1024) < 0.6 * square < 2 * square < temp(plain, 1024)
   assert temp(chunked, 2048) < 2.2 * temp(chunked, 1024)
   assert temp(plain, 2048) > 3.5 * temp(plain, 1024)
 

@@ -314,7 +314,13 @@ def test_step_time(capsys):
   import step_time
 
   found = step_time.main(["--quick"])
+  out = capsys.readouterr().out
+  if lm.targets.cudnn_refusal(lm.targets.get("h100")) is not None:
+    # The row ran cuDNN's attention, which this XLA cannot compile without a GPU (jax 0.12.1's):
+    # not estimated on another kernel, and the table says why.
+    assert found == [] and "not estimated: measured with cuDNN's attention" in out
+    return
   assert [e["row"]["model"] for e in found] == ["llama-100m"]
   # The estimate within the issue's band of the H100's measured step.
   assert 0.75 <= found[0]["ratio"] <= 1.33
-  assert table_rows(capsys.readouterr().out)[0][-1] in lm.memory.step_time.BOUNDS
+  assert table_rows(out)[0][-1] in lm.memory.step_time.BOUNDS

@@ -357,9 +357,11 @@ def test_fused_ce_for_language_models(capsys):
   # the logits of each chunk made again in the backward: +15.2%, each loop's body (the
   # chunks, the scanned layers) counted a time each trip (XLA's own count: -38%)
   assert 0.1 < rows[1]["extra_flops"] < 0.2, rows[1]["extra_flops"]
-  # the [64, 32000] float32 logits are not kept; a float32 log-sum-exp a token is
+  # the [64, 32000] float32 logits are not kept; a float32 log-sum-exp a token is. From jax
+  # 0.12.1 (`jax.nn.logsumexp` a custom_jvp) the baseline keeps 320 bytes less: 8,191,812
+  # bytes saved with 0.12.0.1, 8,191,492 with 0.12.1
   saved = rows[0]["saved_activation_bytes"] - rows[1]["saved_activation_bytes"]
-  assert 64 * 32000 * 4 - 64 * 4 <= saved <= 64 * 32000 * 4, saved
+  assert 64 * 32000 * 4 - 2 * 64 * 4 <= saved <= 64 * 32000 * 4, saved
 
 
 @pytest.mark.slow

@@ -39,8 +39,11 @@ def test_one_round_trip_is_within_the_error_bound(signed):
   scale = jnp.repeat(q.scales, lowbit.BLOCK, axis=-1)[:, :301]
   bound = lowbit.error_bound(x, scale, signed=signed)
   err = jnp.abs(back - x)
-  assert bool(jnp.all(err <= bound * (1 + 1e-6))), float(jnp.max(err / bound))
-  assert float(jnp.max(err / bound)) > 0.5  # the bound is nearly reached: it is the real one
+  # 0 where the bound is (the zero block: scale 0), not 0 / 0: XLA's CPU max skipped NaNs
+  # before jax 0.12.1 and propagates them from 0.12.1.
+  ratio = jnp.where(bound > 0, err / bound, 0.0)
+  assert bool(jnp.all(err <= bound * (1 + 1e-6))), float(jnp.max(ratio))
+  assert float(jnp.max(ratio)) > 0.5  # the bound is nearly reached: it is the real one
   np.testing.assert_array_equal(back[0, :lowbit.BLOCK], 0.0)
   if not signed:
     assert bool(jnp.all((back > 0) == (x > 0)))  # no positive value becomes zero

@@ -162,7 +162,7 @@ def test_cudnn_attention_compiles_for_the_target():
         lm.attention(q, k, v, is_causal=True, implementation=impl).astype(jnp.float32)),
                     argnums=(0, 1, 2))
   h100 = targets.get("h100")
-  refusal = targets._cudnn_refusal(h100.config)
+  refusal = targets.cudnn_refusal(h100)
   if jaxlib.version.__version_info__ < (0, 12, 1):
     assert refusal is None
   if refusal is None:

@@ -180,7 +180,7 @@ class Target:
     if self.deviceless:
       tuned = "with the given autotune results" if self.autotune_results else (
           "without autotuning: cuBLAS GEMMs, cuDNN workspaces not counted")
-      refusal = _cudnn_refusal(self.config) if available() is None else None
+      refusal = cudnn_refusal(self) if available() is None else None
       attention = "" if refusal is None else (
           f"; cuDNN's attention does not compile here ({refusal}), attention takes lowmem_jax's "
           "chunked kernel")
@@ -526,6 +526,12 @@ def _check_cuda_compiles_for(target: Target) -> None:
         "which CUDA 13 (JAX's CUDA 13 plugin, installed here) no longer compiles for. JAX's "
         "CUDA 12 plugin does (its newest is for jax 0.12.0.1): pip install "
         "'jax[cuda12-local]<0.12.1' nvidia-cuda-nvcc-cu12 nvidia-cudnn-cu12.")
+
+
+def cudnn_refusal(target: Target) -> str | None:
+  """Why XLA here cannot compile cuDNN's fused attention for ``target``, a compile-only GPU
+  (`_cudnn_refusal`); None where it can, and for any other target."""
+  return _cudnn_refusal(target.config) if target.deviceless else None
 
 
 @functools.lru_cache(maxsize=None)

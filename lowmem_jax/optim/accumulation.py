@@ -218,8 +218,8 @@ def adama(
     >>> updates["w"]
     Array([-0., -0., -0.], dtype=float32)
     >>> updates, state = tx.update({"w": jnp.ones(3)}, state)  # micro-step 2 of 2
-    >>> updates["w"]
-    Array([-0.09999934, -0.09999934, -0.09999934], dtype=float32)
+    >>> updates["w"]  # doctest: +NUMBER
+    Array([-0.0999993, -0.0999993, -0.0999993], dtype=float32)
   """
   fold = as_moment_fold(k, b1, b2, nu_scale)
   k, b1, b2 = fold.k, fold.b1, fold.b2

@@ -46,6 +46,9 @@ class Graph:
           self.consumers[v].append(i)
     self.outvars = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     self.taken = set()  # equations already part of a match
+    # (indices, {index: Action}) of each call `interpreter.inline_calls` inlined: the
+    # equations it became, and the action binding the call again in their place
+    self.inlined = []
 
   def prod(self, v):
     """The equation that makes ``v``, or None (an input, const or literal)."""

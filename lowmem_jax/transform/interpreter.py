@@ -79,27 +79,81 @@ def eval_jaxpr(jaxpr, consts, args, actions, bind_eqn=bind):
 
 def eqns_fn(g, indices, inputs, outputs, actions=None, bind_eqn=bind):
   """The equations ``indices`` of graph ``g`` as a function of ``inputs``, with
-  ``actions`` in place."""
-  actions = {i: a for i, a in (actions or {}).items() if i in indices}
+  ``actions`` in place, and each inlined call they hold whole bound again (`Graph.inlined`):
+  what the function computed, its derivative rules kept."""
+  indices = set(indices)
+  bound = {i: a for inside, acts in g.inlined if inside <= indices for i, a in acts.items()}
+  actions = {i: a for i, a in {**bound, **(actions or {})}.items() if i in indices}
   order = live(g.eqns, indices, actions, outputs)
   return lambda *vals: eval_eqns(g.eqns, order, dict(zip(inputs, vals)), outputs, actions,
                                  bind_eqn)
 
 
+# JAX's own functions that jax 0.12.1 made ``custom_jvp`` calls of one array to one
+# (`jax.nn.softmax`, `jax.nn.logsumexp`), by their functions' names: inlined so that the
+# matchers read their equations, and bound again as the call where no match takes them, so
+# that their derivative rule stays.
+INLINED_CUSTOM_JVPS = frozenset({"_softmax", "_logsumexp_impl"})
+_INLINED_SCOPE = "lowmem_jax_inlined_"  # the name scope an inlined call's equations carry
+
+
 def inline_jit(jaxpr, consts):
   """``(jaxpr, consts)`` with the ``jit`` calls of ``jaxpr`` inlined, recursively."""
-  if not any(e.primitive.name in ("jit", "pjit") for e in jaxpr.eqns):
-    return jaxpr, list(consts)
-  closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, _bind_inlining))(
+  return inline_calls(jaxpr, consts)[:2]
+
+
+def inline_calls(jaxpr, consts):
+  """``(jaxpr, consts, calls)``: ``jaxpr`` with its ``jit`` calls and its custom_jvp calls of
+  `INLINED_CUSTOM_JVPS` inlined, recursively; ``calls`` pairs each such call (its equation)
+  with the indices of the equations it became."""
+  if not any(e.primitive.name in ("jit", "pjit") or _inlined_call(e) for e in jaxpr.eqns):
+    return jaxpr, list(consts), []
+  calls = []
+  bind_inlining = functools.partial(_bind_inlining, calls=calls)
+  closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, bind_inlining))(
       *map(aval, jaxpr.invars))
-  return closed.jaxpr, list(closed.consts)
+  made = [[] for _ in calls]
+  for i, e in enumerate(closed.jaxpr.eqns):
+    for scope in e.source_info.name_stack.stack:
+      if scope.name.startswith(_INLINED_SCOPE):
+        made[int(scope.name[len(_INLINED_SCOPE):])].append(i)
+  return closed.jaxpr, list(closed.consts), list(zip(calls, made))
 
 
-def _bind_inlining(eqn, invals):
-  if eqn.primitive.name in ("jit", "pjit"):
-    inner = eqn.params["jaxpr"]
-    return eval_jaxpr(_called_from(inner.jaxpr, eqn.source_info), inner.consts, invals, {},
-                      _bind_inlining)
+def bound_again(g, call, indices):
+  """``{index: Action}`` binding ``call`` again in place of the equations ``indices`` of
+  graph ``g`` that inlining it made (`inline_calls`): at the one that makes its output."""
+  inside = set(indices)
+  made = {v for i in inside for v in g.eqns[i].outvars}
+  reads = [v for i in indices for v in g.eqns[i].invars
+           if isinstance(v, jcore.Var) and v not in made]
+  outs = [v for v in made if v in g.outvars or any(
+      c not in inside for c in g.consumers.get(v, []))]
+  if len(set(reads)) != 1 or len(outs) != 1:
+    return {}
+  return {g.index(outs[0]): Action(reads[:1], outs, lambda x: bind(call, [x]))}
+
+
+def _inlined_call(eqn) -> bool:
+  """True for a custom_jvp call of `INLINED_CUSTOM_JVPS`, a function of JAX's own."""
+  if eqn.primitive.name != "custom_jvp_call":
+    return False
+  info = getattr(eqn.params["call_jaxpr"].jaxpr, "debug_info", None)
+  return (getattr(info, "func_name", None) in INLINED_CUSTOM_JVPS
+          and "jax/_src/" in (getattr(info, "func_src_info", None) or ""))
+
+
+def _bind_inlining(eqn, invals, calls):
+  if eqn.primitive.name in ("jit", "pjit") or _inlined_call(eqn):
+    inner = eqn.params["jaxpr" if eqn.primitive.name in ("jit", "pjit") else "call_jaxpr"]
+    body = functools.partial(eval_jaxpr, _called_from(inner.jaxpr, eqn.source_info),
+                             inner.consts, invals, {},
+                             functools.partial(_bind_inlining, calls=calls))
+    if not _inlined_call(eqn):
+      return body()
+    calls.append(eqn)
+    with jax.named_scope(f"{_INLINED_SCOPE}{len(calls) - 1}"):
+      return body()
   return bind(eqn, invals)
 
 
@@ -115,11 +169,15 @@ def _called_from(jaxpr, call):
 
 def evaluate(jaxpr, consts, args, pass_):
   """Evaluates ``jaxpr`` with the patterns of ``pass_``'s matchers rewritten; logs to it."""
-  jaxpr, consts = inline_jit(jaxpr, consts)
+  jaxpr, consts, calls = inline_calls(jaxpr, consts)
   g = Graph(jaxpr)
+  g.inlined = [(frozenset(indices), bound_again(g, call, indices)) for call, indices in calls]
   actions = {}
   for matcher in pass_.matchers:
     matcher(g, actions, pass_)
+  for inside, bound in g.inlined:
+    if not g.taken & inside:
+      actions.update(bound)
   return eval_jaxpr(jaxpr, consts, args, actions, functools.partial(_bind_nested, pass_=pass_))
 
 

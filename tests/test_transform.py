@@ -538,6 +538,32 @@ def test_nothing_to_rewrite_gives_the_same_jaxpr():
   assert str(jax.make_jaxpr(lm.lowmem(fn))(x, w)) == str(jax.make_jaxpr(fn)(x, w))
 
 
+def test_jaxs_softmax_and_logsumexp_left_keep_their_own_derivative():
+  """From jax 0.12.1 `jax.nn.softmax` and `jax.nn.logsumexp` are custom_jvp calls, inlined for
+  the matchers: where no match takes one, the call is bound again (its derivative rule and
+  residuals kept, no mark of the inlining left), under a nested `lowmem` and ``where`` too.
+  Each function also holds an attention the rewrite takes, so that it rewrites at all."""
+  x, w = _normal((64, 512)), _normal((512, 8))
+  q = lambda x: x.reshape(1, 64, 8, 64)
+  attention = lambda x: jnp.sum(jax.nn.dot_product_attention(q(x), q(x), q(x)) ** 2)
+  lefts = [lambda x: jnp.sum(jax.nn.softmax(x) @ w),
+           lambda x: jnp.sum(jax.nn.logsumexp(x, axis=-1)),
+           lambda x: jnp.sum(jax.nn.softmax(x, where=x > 0) ** 2),
+           lambda x: jnp.sum(jax.jit(lm.lowmem(lambda y: jax.nn.softmax(y, where=y > 0) * 2))(x)
+                             + jax.nn.softmax(x, axis=0))]
+  calls = lambda f: str(jax.make_jaxpr(f)(x)).count("custom_jvp_call")
+  for left in lefts:
+    f = lambda x, left=left: attention(x) + left(x)
+    g = lm.lowmem(f)
+    assert g.explain(x).counts == {"attention": 1}
+    assert calls(g) == calls(left)  # the attention's softmax taken, the other one kept
+    apart = lambda x, left=left: lm.lowmem(attention)(x) + left(x)
+    assert (lm.memory.saved_residuals(g, x).total_bytes
+            == lm.memory.saved_residuals(apart, x).total_bytes)
+    np.testing.assert_allclose(jax.grad(g)(x), jax.grad(f)(x), rtol=1e-4, atol=1e-5)
+    assert "lowmem_jax_inlined" not in jax.jit(jax.grad(g)).lower(x).as_text(debug_info=True)
+
+
 def test_options_turn_rewrites_off_and_bad_options_raise():
   x = _normal((4, 16, 32))
   fn = lambda x: jnp.sum(jax.nn.gelu(nn.LayerNorm().apply({"params": {"scale": jnp.ones(32),

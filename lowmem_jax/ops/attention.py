@@ -219,9 +219,9 @@ def _keep_of_data(keep, impls, *raw):
 
 
 def _cudnn(q, k, v, mask, bias, scale, causal):
-  dispatch.check_cudnn_compiles()
   out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
                                      is_causal=causal, implementation="cudnn")
+  dispatch.check_cudnn_compiles()  # after JAX's own refusals (dtype, head size, mask)
   return checkpoint_name(out, names.ATTN_OUT)
 
 

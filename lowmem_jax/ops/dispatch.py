@@ -105,14 +105,33 @@ def compiling_for_platform(name: str, cudnn_refusal: Callable[[], str | None] | 
     yield name
 
 
+# The list `recording_cudnn_refusals` collects into; None: no recording.
+_refusals: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "lowmem_jax_cudnn_refusals", default=None)
+
+
 def check_cudnn_compiles() -> None:
   """Raises RuntimeError, with the reason, where cuDNN cannot compile for the compile target:
   jax 0.12.1's XLA builds cuDNN's attention graph while it compiles, which needs the CUDA
   driver, so a compile-only GPU on a machine without one cannot take it."""
   refusal = _cudnn_refusal.get()
   reason = refusal() if refusal is not None else None
-  if reason is not None:
-    raise RuntimeError(f"cuDNN's attention does not compile for this target here: {reason}")
+  if reason is None:
+    return
+  if (found := _refusals.get()) is not None:
+    found.append(reason)
+  raise RuntimeError("cuDNN's attention does not compile for this target here (XLA builds its "
+                     f"graph while compiling, which needs the CUDA driver): {reason}. "
+                     "implementation='xla' compiles lowmem_jax's chunked kernel.")
+
+
+@contextlib.contextmanager
+def recording_cudnn_refusals():
+  """Within the block, each refusal `check_cudnn_compiles` raises (an op that would have taken
+  cuDNN and took its other implementation, or raised) appends its reason to the list yielded."""
+  found = []
+  with _setting(_refusals, found):
+    yield found
 
 
 @contextlib.contextmanager

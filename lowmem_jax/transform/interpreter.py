@@ -89,10 +89,10 @@ def eqns_fn(g, indices, inputs, outputs, actions=None, bind_eqn=bind):
                                  bind_eqn)
 
 
-# JAX's own functions that jax 0.12.1 made ``custom_jvp`` calls of one array to one
-# (`jax.nn.softmax`, `jax.nn.logsumexp`), by their functions' names: inlined so that the
-# matchers read their equations, and bound again as the call where no match takes them, so
-# that their derivative rule stays.
+# JAX's own functions that jax 0.12.1 made ``custom_jvp`` calls (`jax.nn.softmax`,
+# `jax.nn.logsumexp`), by their functions' names, where called on one array for one (no
+# ``where``, ``b`` or sign): inlined so that the matchers read their equations, and bound
+# again as the call where no match takes them, so that their derivative rule stays.
 INLINED_CUSTOM_JVPS = frozenset({"_softmax", "_logsumexp_impl"})
 _INLINED_SCOPE = "lowmem_jax_inlined_"  # the name scope an inlined call's equations carry
 
@@ -104,8 +104,8 @@ def inline_jit(jaxpr, consts):
 
 def inline_calls(jaxpr, consts):
   """``(jaxpr, consts, calls)``: ``jaxpr`` with its ``jit`` calls and its custom_jvp calls of
-  `INLINED_CUSTOM_JVPS` inlined, recursively; ``calls`` pairs each such call (its equation)
-  with the indices of the equations it became."""
+  `INLINED_CUSTOM_JVPS` inlined, recursively; ``calls`` pairs each custom_jvp call inlined
+  (its equation) with the indices of the equations it became."""
   if not any(e.primitive.name in ("jit", "pjit") or _inlined_call(e) for e in jaxpr.eqns):
     return jaxpr, list(consts), []
   calls = []
@@ -113,11 +113,15 @@ def inline_calls(jaxpr, consts):
   closed = jax.make_jaxpr(lambda *a: eval_jaxpr(jaxpr, consts, a, {}, bind_inlining))(
       *map(aval, jaxpr.invars))
   made = [[] for _ in calls]
+  eqns = []
   for i, e in enumerate(closed.jaxpr.eqns):
-    for scope in e.source_info.name_stack.stack:
-      if scope.name.startswith(_INLINED_SCOPE):
-        made[int(scope.name[len(_INLINED_SCOPE):])].append(i)
-  return closed.jaxpr, list(closed.consts), list(zip(calls, made))
+    stack = e.source_info.name_stack
+    kept = tuple(s for s in stack.stack if not s.name.startswith(_INLINED_SCOPE))
+    for scope in set(stack.stack) - set(kept):
+      made[int(scope.name[len(_INLINED_SCOPE):])].append(i)
+    names = dataclasses.replace(stack, stack=kept)  # the marks gone: none leaks into HLO
+    eqns.append(e.replace(source_info=e.source_info.replace(name_stack=names)))
+  return closed.jaxpr.replace(eqns=eqns), list(closed.consts), list(zip(calls, made))
 
 
 def bound_again(g, call, indices):
@@ -125,22 +129,24 @@ def bound_again(g, call, indices):
   graph ``g`` that inlining it made (`inline_calls`): at the one that makes its output."""
   inside = set(indices)
   made = {v for i in inside for v in g.eqns[i].outvars}
-  reads = [v for i in indices for v in g.eqns[i].invars
-           if isinstance(v, jcore.Var) and v not in made]
+  reads = {v for i in indices for v in g.eqns[i].invars
+           if isinstance(v, jcore.Var) and v not in made}
   outs = [v for v in made if v in g.outvars or any(
       c not in inside for c in g.consumers.get(v, []))]
-  if len(set(reads)) != 1 or len(outs) != 1:
-    return {}
-  return {g.index(outs[0]): Action(reads[:1], outs, lambda x: bind(call, [x]))}
+  if len(reads) != 1 or len(outs) != 1:
+    raise AssertionError(f"an inlined {call.primitive.name} of one array to one reads "
+                         f"{len(reads)} and makes {len(outs)} arrays")
+  return {g.index(outs[0]): Action(list(reads), outs, lambda x: bind(call, [x]))}
 
 
 def _inlined_call(eqn) -> bool:
-  """True for a custom_jvp call of `INLINED_CUSTOM_JVPS`, a function of JAX's own."""
-  if eqn.primitive.name != "custom_jvp_call":
+  """True for a custom_jvp call of `INLINED_CUSTOM_JVPS`, JAX's own, of one array to one."""
+  if (eqn.primitive.name != "custom_jvp_call" or len(eqn.invars) != 1
+      or len(eqn.outvars) != 1):
     return False
   info = getattr(eqn.params["call_jaxpr"].jaxpr, "debug_info", None)
-  return (getattr(info, "func_name", None) in INLINED_CUSTOM_JVPS
-          and "jax/_src/" in (getattr(info, "func_src_info", None) or ""))
+  source = (getattr(info, "func_src_info", None) or "").replace("\\", "/")
+  return getattr(info, "func_name", None) in INLINED_CUSTOM_JVPS and "jax/_src/" in source
 
 
 def _bind_inlining(eqn, invals, calls):

@@ -101,9 +101,10 @@ def test_a_name_the_op_lacks_is_refused_unless_the_environment_gave_it(op, monke
 
 
 def _attention_runs(**kwargs) -> str:
-  """Which implementation `lm.attention` takes for a bfloat16 call compiled for an H100."""
+  """Which implementation `lm.attention` takes for a bfloat16 call traced for a GPU where cuDNN
+  compiles (no refusal given: `tests/test_targets.py` tests the compile-only GPUs')."""
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  with lm.targets.compiling(lm.targets.get("h100")):
+  with dispatch.compiling_for_platform("gpu"):
     jaxpr = str(jax.make_jaxpr(jax.grad(
         lambda q: jnp.sum(lm.attention(q, q, q, **kwargs).astype(jnp.float32))))(q))
   return "cudnn" if "dot_product_attention_bwd" in jaxpr else "xla"
@@ -125,6 +126,22 @@ def test_attention_takes_the_same_names_and_the_environment_variable(monkeypatch
   with pytest.raises(ValueError, match=r"\$LOWMEM_JAX_IMPL must be one of .* got 'fast'"):
     _attention_runs()
 
+
+
+def test_a_cudnn_refusal_raises_by_name_and_auto_takes_xla_recorded():
+  """Where the compile target refuses cuDNN (jax 0.12.1 without a GPU): asked for by name,
+  attention raises with the reason; "auto" takes the chunked kernel; both are recorded."""
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  attend = lambda impl: jax.grad(
+      lambda q: jnp.sum(lm.attention(q, q, q, implementation=impl).astype(jnp.float32)))
+  with dispatch.compiling_for_platform("gpu", cudnn_refusal=lambda: "no driver here"), (
+      dispatch.recording_cudnn_refusals()) as found:
+    with pytest.raises(RuntimeError, match="no driver here. implementation='xla' compiles"):
+      jax.make_jaxpr(attend("cudnn"))(q)
+    assert "dot_product_attention_bwd" not in str(jax.make_jaxpr(attend("auto"))(q))
+  assert found == ["no driver here", "no driver here"]
+  with dispatch.compiling_for_platform("gpu", cudnn_refusal=lambda: None):
+    assert "dot_product_attention_bwd" in str(jax.make_jaxpr(attend("auto"))(q))
 
 
 def test_using_sets_the_default_over_the_environment_variable(monkeypatch):

@@ -98,7 +98,8 @@ _INLINED_SCOPE = "lowmem_jax_inlined_"  # the name scope an inlined call's equat
 
 
 def inline_jit(jaxpr, consts):
-  """``(jaxpr, consts)`` with the ``jit`` calls of ``jaxpr`` inlined, recursively."""
+  """``(jaxpr, consts)`` with the ``jit`` calls of ``jaxpr`` inlined, recursively, and the
+  calls of `INLINED_CUSTOM_JVPS` (`inline_calls`): for reading a body, not for binding it."""
   return inline_calls(jaxpr, consts)[:2]
 
 

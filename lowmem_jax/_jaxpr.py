@@ -6,10 +6,10 @@ A nested jaxpr is found by what an equation's parameter holds (JAX's
 `call_body` is the jaxpr a call-like equation (a ``jit``, a remat, a custom rule's
 primal) runs once on its operands; `walk` visits every equation, nested ones
 too, with how many times it runs; `live` is the backward sweep that keeps what
-the outputs need, which `used_inputs` takes into nested calls. The users: the
-transformation's graph (`lowmem_jax.transform.graph`), the streamed step's
-per-leaf check (`lowmem_jax.optim.per_leaf`) and the planner's tag count
-(`lowmem_jax.compile.planner`).
+the outputs need, which `used_inputs` takes into nested calls; `bind` runs an equation
+again. The users: the transformation's graph (`lowmem_jax.transform.graph`), the streamed
+step's per-leaf check (`lowmem_jax.optim.per_leaf`) and its update's split
+(`lowmem_jax.optim.hoisted`), and the planner's tag count (`lowmem_jax.compile.planner`).
 """
 
 from collections.abc import Iterator, Sequence
@@ -35,6 +35,14 @@ def call_body(eqn: jcore.JaxprEqn) -> jcore.Jaxpr | None:
     return None
   bodies = [j for j in inner_jaxprs(eqn) if len(j.invars) == len(eqn.invars)]
   return bodies[0] if len(bodies) == 1 else None
+
+
+def bind(eqn, invals):
+  """``eqn``'s primitive bound again to ``invals``: its list of outputs."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
 
 
 def walk(jaxpr: jcore.Jaxpr, times: int = 1) -> Iterator[tuple[jcore.JaxprEqn, int]]:

@@ -26,8 +26,8 @@ def test_scan_slices_updates_each_slice_in_place_and_the_host_state_comes_back()
   states = jnp.zeros((3, 4))
   xs = jnp.ones((3, 4))
 
-  def fn(carry, i, p, state_of, x):
-    return carry + 1, p * 2 + x, state_of(p) + i.astype(jnp.float32)
+  def fn(carry, i, p, state, x):
+    return carry + 1, p * 2 + x, state + i.astype(jnp.float32)
 
   for place in ("device", "host"):
     carry, new_p, new_s = slicing.scan_slices(fn, jnp.int32(0), params,
@@ -56,8 +56,8 @@ def test_host_rows_come_over_ahead_and_go_back_each_to_its_own_slice(n, reverse,
   params = jnp.zeros((n, 2))
   xs = jnp.arange(n, dtype=jnp.float32)[:, None] * jnp.ones((n, 2))
 
-  def fn(order, i, p, state_of, x, *fence_of):  # the state counts its visits, keeps the trip
-    s, new_p = state_of(p), p + x
+  def fn(order, i, p, state, x, *fence_of):  # the state counts its visits, keeps the trip
+    s, new_p = state, p + x
     if fence:
       new_p = fence_of[0](new_p)
     return order + 1, new_p, {**s, "visits": s["visits"] + 1, "trip": s["trip"] * 0 + order}
@@ -92,9 +92,9 @@ def test_each_trip_reads_its_own_slice_of_xs_in_host_and_device_memory(place, re
   xs = {"host": slicing.to("host", on_host), "device": 100 * on_host}
   states = slicing.stacked(place, {"s": jnp.zeros((n, 2))}, n)
 
-  def fn(c, i, p, state_of, x):
+  def fn(c, i, p, state, x):
     assert jax.typeof(x["host"]).memory_space != jax.memory.Space.Host  # brought over
-    return c, p + x["host"] + x["device"], state_of(p)
+    return c, p + x["host"] + x["device"], state
 
   run = jax.jit(lambda p, s, xs: slicing.scan_slices(fn, 0, p, s, xs, place, reverse=reverse))
   _, params, _ = run(params, states, xs)
@@ -103,7 +103,7 @@ def test_each_trip_reads_its_own_slice_of_xs_in_host_and_device_memory(place, re
 
 def test_stateless_host_rows_in_two_banks_and_a_row_count_that_is_not_the_slices_refused():
   params, xs = jnp.zeros((3, 2)), jnp.ones((3, 2))
-  fn = lambda c, i, p, state_of, x: (c, p + x, state_of(p))
+  fn = lambda c, i, p, state, x: (c, p + x, state)
   empty = slicing.stacked("host", {}, 3, 2)  # rows of no bytes: a stateless optimizer's
   _, params, empty = jax.jit(lambda p, s: slicing.scan_slices(fn, 0, p, s, xs, "host"))(
       params, empty)
@@ -120,10 +120,10 @@ def test_a_fence_not_called_once_is_refused(calls, place, banks):
   params, xs = jnp.zeros((3, 2)), jnp.ones((3, 2))
   states = slicing.stacked(place, {"s": jnp.zeros((3, 2))}, 3, banks)
 
-  def fn(c, i, p, state_of, x, fence):
+  def fn(c, i, p, state, x, fence):
     for _ in range(calls):
       p = fence(p)
-    return c, p + x, state_of(p)
+    return c, p + x, state
 
   with pytest.raises(RuntimeError, match=f"call its fence once, called it {calls} times"):
     slicing.scan_slices(fn, 0, params, states, xs, place, fence=True)
@@ -149,13 +149,13 @@ def test_no_host_row_is_read_from_the_loop_counters_increment(reverse, fence):
   n, width = 8, 1024
 
   def step(params, states, xs):
-    def fn(c, i, p, state_of, x, *barrier):
+    def fn(c, i, p, state, x, *barrier):
       h = x
       for layer in range(8):
         h = jnp.tanh(h @ p)
         if layer == 3 and fence:
           h = barrier[0](h)
-      return c + 1, p + 1e-3 * h[:width], {"v": state_of(p)["v"] + jnp.sum(h, dtype=jnp.float32)}
+      return c + 1, p + 1e-3 * h[:width], {"v": state["v"] + jnp.sum(h, dtype=jnp.float32)}
     return slicing.scan_slices(fn, jnp.int32(0), params, states, xs, "host", reverse=reverse,
                                fence=fence)
 

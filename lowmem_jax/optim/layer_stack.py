@@ -1,7 +1,8 @@
 """The model the layer-streamed step takes and the state it keeps: `LayerStack` (stacked
 layers between an embedding and a head), `StreamedState`, `LayerStreamed` (``init``,
 ``step``, ``abstract``), and the checks that name what does not fit them (`split`,
-`layer_count`, `check_state`, `check_layer`). The step itself:
+`layer_count`, `check_state`, `check_layer`), and where each leaf lies in the whole tree
+(`Where`, `wheres`). The step itself:
 `lowmem_jax.optim.streamed.layer_streamed`."""
 
 import dataclasses
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax.optim.packed_rows import PackedRows
+from lowmem_jax.optim.rounding import Position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,51 @@ def split(params: Any, key: str) -> tuple[dict, Any]:
                      f"(`LayerStack.key`), got {type(params).__name__} with "
                      f"{list(params) if isinstance(params, dict) else 'no keys'}.")
   return {k: v for k, v in params.items() if k != key}, params[key]
+
+
+def _key(entry: Any) -> Any:
+  """A key path entry as a dict key: a dict's key, a sequence's index, an attribute's name."""
+  for field in ("key", "idx", "name"):
+    if hasattr(entry, field):
+      return getattr(entry, field)
+  raise TypeError(f"a parameter tree's key path entry {entry!r} is not a key, index or name.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """Where a leaf, or a part of one, lies in the whole params tree: its
+  `lowmem_jax.optim.rounding.Position` (a seeded rounding draws the whole tree's bits there)
+  and its path. Not a pytree: trees of them have them as leaves."""
+  at: Position
+  path: tuple  # the leaf's keys in the whole params tree
+
+  def index(self, i: Any) -> "Where":
+    return Where(self.at.index(i), self.path)
+
+  def part(self, i: Any, shape: tuple[int, ...]) -> "Where":
+    return Where(self.at.part(i, shape), self.path)
+
+  def nest(self, x: Any) -> Any:
+    """``x`` as the only leaf of nested dicts along the path: what ``tx`` is given, so a
+    mask or partition by path (`optax.masked`, `optax.partition`, ``adamw(mask=...)``)
+    sees the leaf where it sees it in the whole tree."""
+    for key in reversed(self.path):
+      x = {key: x}
+    return x
+
+  def leaf(self, tree: Any) -> Any:
+    """The leaf of a tree `nest` made."""
+    for key in self.path:
+      tree = tree[key]
+    return tree
+
+
+def wheres(params: Any, key: str) -> tuple[Any, Any]:
+  """Each leaf's `Where` in the whole tree, split as `split` splits ``params``."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  where = [Where(Position(i), tuple(map(_key, path)))
+           for i, (path, _) in enumerate(leaves)]
+  return split(jax.tree.unflatten(treedef, where), key)
 
 
 def check_state(expected: StreamedState, opt_state: StreamedState, place: str) -> None:

@@ -99,10 +99,10 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
                  reverse: bool = False, outer: tuple = (), state_outer: tuple = (),
                  rows: int | None = None, whole: bool = False,
                  fence: bool = False) -> tuple[Any, Any, Any]:
-  """``fn(carry, i, params_i, state_of, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop;
-  ``state_of(after)`` is ``state_i``, taken from device states only once ``after`` (the
-  gradient) is made, so the slice is not held while the gradient is computed.
+  """``fn(carry, i, params_i, state_i, xs_i) -> (carry, params_i, state_i)`` over the slices i
+  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop. A device state's
+  slice is read at the index it is written at, so XLA reads it in place (at a barrier's copy
+  of the index, one that waits for the gradient, XLA copies each slice out first).
 
   The params are updated in place; the states too where they live on the device
   (``place``); on the host they are `PackedRows` (`stacked`), brought over ahead and written
@@ -117,9 +117,9 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
   ``params[*outer, i]`` and ``states[*state_outer, i]`` (leading indices), read and
   written there, never copied out whole; with ``rows``, the params are not stacked by
   slice: slice i is rows ``[i * rows, (i + 1) * rows)`` of ``params[*outer]``. With
-  ``whole``, ``fn`` takes and returns, in place of ``params_i``, ``state_of`` and
-  ``state_i``, the whole ``params`` and the whole device ``states`` (or, on the host, slice
-  i's, packed: a `packed_rows.Row`; it returns the tree): it reads and writes slice i. With
+  ``whole``, ``fn`` takes and returns, in place of ``params_i`` and ``state_i``, the whole
+  ``params`` and the whole device ``states`` (or, on the host, slice i's, packed: a
+  `packed_rows.Row`; it returns the tree): it reads and writes slice i. With
   ``fence``, ``fn`` takes a last argument, ``fence(x) -> x``, and calls it once, in its own
   trace (not in a nested loop or cond), on a value its compute makes midway: in one host bank,
   the next row is to have come over by then and the previous one goes back from there
@@ -150,9 +150,8 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
     if whole:
       out = fn(c, i, params, row if place == "host" else kept, x, *extra)
     else:
-      state_of = ((lambda after: row.unpack()) if place == "host" else
-                  (lambda after: at(kept, *late((*state_outer, i), after))))
-      c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state_of, x, *extra)
+      state = row.unpack() if place == "host" else at(kept, *state_outer, i)
+      c, p, s = fn(c, i, at(params, *outer, i, rows=rows), state, x, *extra)
       out = c, put(params, p, *outer, i, rows=rows), s
     if fence and len(calls) != 1:
       raise RuntimeError(f"`scan_slices`' fn must call its fence once, called it {len(calls)} "

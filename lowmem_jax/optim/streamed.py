@@ -71,9 +71,9 @@ from lowmem_jax._checks import is_int
 from lowmem_jax.choices import Place, checked
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.ops import dispatch
-from lowmem_jax.optim import fused_update, lowbit, offload, slicing
+from lowmem_jax.optim import fused_update, hoisted, lowbit, offload, slicing
 from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_layer,
-                                          check_state, layer_count, shape_text, split)
+                                          check_state, layer_count, shape_text, split, wheres)
 from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 
 
@@ -199,51 +199,6 @@ def _sliced(x: jax.Array, n: int) -> jax.Array:
   return x.reshape(n, -1, *jnp.shape(x)[1:])
 
 
-def _key(entry: Any) -> Any:
-  """A key path entry as a dict key: a dict's key, a sequence's index, an attribute's name."""
-  for field in ("key", "idx", "name"):
-    if hasattr(entry, field):
-      return getattr(entry, field)
-  raise TypeError(f"a parameter tree's key path entry {entry!r} is not a key, index or name.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Where:
-  """Where a leaf, or a part of one, lies in the whole params tree: its
-  `lowmem_jax.optim.lowbit.Position` (a seeded rounding draws the whole tree's bits there)
-  and its path. Not a pytree: trees of them have them as leaves."""
-  at: lowbit.Position
-  path: tuple  # the leaf's keys in the whole params tree
-
-  def index(self, i: Any) -> "_Where":
-    return _Where(self.at.index(i), self.path)
-
-  def part(self, i: Any, shape: tuple[int, ...]) -> "_Where":
-    return _Where(self.at.part(i, shape), self.path)
-
-  def nest(self, x: Any) -> Any:
-    """``x`` as the only leaf of nested dicts along the path: what ``tx`` is given, so a
-    mask or partition by path (`optax.masked`, `optax.partition`, ``adamw(mask=...)``)
-    sees the leaf where it sees it in the whole tree."""
-    for key in reversed(self.path):
-      x = {key: x}
-    return x
-
-  def leaf(self, tree: Any) -> Any:
-    """The leaf of a tree `nest` made."""
-    for key in self.path:
-      tree = tree[key]
-    return tree
-
-
-def _wheres(params: Any, key: str) -> tuple[Any, Any]:
-  """Each leaf's `_Where` in the whole tree, split as `split` splits ``params``."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  where = [_Where(lowbit.Position(i), tuple(map(_key, path)))
-           for i, (path, _) in enumerate(leaves)]
-  return split(jax.tree.unflatten(treedef, where), key)
-
-
 class _Backward(NamedTuple):
   """What each layer's backward reads besides its slices: the batch, the leaves of one layer
   each part reads (``part_reads[j][k]``), the part after whose backward leaf ``k`` is
@@ -281,7 +236,7 @@ class _Streamer:
     one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), rest)
     check_per_leaf(self.tx, {**shapes, self.stack.key: one_layer})  # at the whole tree's paths
-    rest_where, layers_where = _wheres(params, self.stack.key)
+    rest_where, layers_where = wheres(params, self.stack.key)
     jax.tree.map(self.check_slices, shapes, rest_where)
     jax.tree.map(lambda x, where: self.check_slices(x, where.index(0)), one_layer, layers_where)
     return rest, layers, one_layer
@@ -321,7 +276,7 @@ class _Streamer:
 
   def init(self, params):
     rest, layers, _ = self.checked(params)
-    rest_where, layers_where = _wheres(params, self.stack.key)
+    rest_where, layers_where = wheres(params, self.stack.key)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
     return StreamedState(slicing.layer_states(init_layer, layers, self.state, self.prefetch),
                          jax.tree.map(self.rest_init, rest, rest_where),
@@ -353,7 +308,7 @@ class _Streamer:
 
   def update(self, g, s, p, where, ok):
     """``(p, s, ok)``: ``tx`` on one leaf (or slice), given as the only leaf of its path
-    (`_Where.nest`), where ``ok`` (bool[]) and the gradient are finite; else the leaf and
+    (`layer_stack.Where.nest`), where ``ok`` (bool[]) and the gradient are finite; else the leaf and
     its state as they were, and ``ok`` False."""
     ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
     updates, new_s = self.tx.update(where.nest(g), s, where.nest(p),
@@ -377,15 +332,20 @@ class _Streamer:
     return options
 
   def layer_tables(self, layers, states, layers_at):
-    """Each layer leaf's `fused_update.layer_table`, made before the layers' backward, where
-    the kernel updates it in place in the device's stacks (`kernel`); else None."""
-    treedef = jax.tree.structure(layers)
+    """Each layer leaf's table, made before the layers' backward where the states are
+    stacked on the device: `fused_update.layer_table` where the kernel updates it (`kernel`),
+    `hoisted.stack_table` of `update` where XLA does, the leaf whole; else None."""
+    treedef, tables = jax.tree.structure(layers), []
     if self.state != "device":
       return [None] * treedef.num_leaves
-    return [None if self.kernel(p, jnp.shape(p)[1:]) is None else
-            fused_update.layer_table(self.fused, p, s, where.at, self.slice_elements)
-            for p, s, where in zip(jax.tree.leaves(layers), treedef.flatten_up_to(states),
-                                   treedef.flatten_up_to(layers_at))]
+    for p, s, at in zip(jax.tree.leaves(layers), treedef.flatten_up_to(states),
+                        treedef.flatten_up_to(layers_at)):
+      whole, update = slices(jnp.shape(p)[1:], self.slice_elements) == 1, functools.partial(
+          lambda at, i, g, s, p, ok: self.update(g, s, p, at.index(i), ok), at)
+      tables.append(fused_update.layer_table(self.fused, p, s, at.at, self.slice_elements)
+                    if self.kernel(p, jnp.shape(p)[1:]) is not None else
+                    hoisted.stack_table(update, p, s) if whole else None)
+    return tables
 
   def update_leaf(self, g, s, p, place, at, ok, outer=(), state_outer=(), table=None):
     """``(p, s, ok)``: one leaf's update, its state in ``place`` before and after; ``at``:
@@ -394,7 +354,7 @@ class _Streamer:
     its values; the returned ``ok`` is False). ``p`` may be a stack of such leaves, this
     one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of states,
     this one's at ``s[*state_outer]``: they come back updated in place; ``table``: the
-    stack's `fused_update.Table` (`layer_tables`), or None."""
+    stack's (`layer_tables`), or None."""
     shape = jnp.shape(p)[len(outer):]
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
@@ -403,15 +363,18 @@ class _Streamer:
       return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
                                       self.slice_elements, outer, state_outer, table)
     if n == 1:
-      late = slicing.late((outer, state_outer), g)
-      new_p, new_s, ok = self.update(g, slicing.to("device", slicing.at(s, *late[1])),
-                                     slicing.at(p, *late[0]), at, ok)
+      # In the device's stacks, read at the index written: XLA reads each slice in place (at
+      # a barrier's copy of it, it copies the slice out first). Else once ``g`` is made.
+      p_at, s_at = (outer, state_outer) if state_outer else slicing.late((outer, ()), g)
+      args = (g, slicing.to("device", slicing.at(s, *s_at)), slicing.at(p, *p_at))
+      new_p, new_s, ok = (self.update(*args, at, ok) if table is None else
+                          hoisted.apply(table, state_outer[0], *args, ok))
       new_p = slicing.put(p, new_p, *outer) if outer else new_p
       return new_p, (slicing.put(s, new_s, *state_outer) if state_outer
                      else slicing.to(place, new_s)), ok
 
     def fn(all_ok, i, p, s, g):
-      p, s, slice_ok = self.update(g, s(g), p, at.part(i, part), ok)
+      p, s, slice_ok = self.update(g, s, p, at.part(i, part), ok)
       return jnp.logical_and(all_ok, slice_ok), p, s
 
     if outer:
@@ -458,7 +421,7 @@ class _Streamer:
     rest, layers, one_layer = self.checked(params)
     check_state(jax.eval_shape(self.init, params), opt_state, self.state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
-    rest_at, layers_at = _wheres(params, self.stack.key)
+    rest_at, layers_at = wheres(params, self.stack.key)
     embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
     new_rest, rest_states, dh, head_ok = self.update_head(
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))

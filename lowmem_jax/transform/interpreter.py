@@ -17,6 +17,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from lowmem_jax import _jax
+from lowmem_jax._jaxpr import bind
 from lowmem_jax.transform.graph import Graph, aval, live
 
 
@@ -26,14 +27,6 @@ class Action:
   inputs: list
   outputs: list
   fn: Callable[..., list]
-
-
-def bind(eqn, invals):
-  """``eqn``'s primitive bound again to ``invals``: its list of outputs."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
 
 
 def apply_layout(e, x, own_name):

@@ -1,0 +1,195 @@
+"""A function's small work on inputs known before a loop, split off to run before it.
+
+The layer-streamed step updates each layer's leaves inside the layers' loop, and much of
+an optax update reads only the leaf's small state: its step count, its rounding key, the
+layer's index (Adam's bias corrections, the step's keys folded and split). Each such value
+is a scalar kernel of its own on a GPU, a few microseconds each, about a hundred a layer of
+Llama-3.2-1B (``docs/benchmarks.md``). `split` cuts the update's jaxpr in two, as JAX's
+partial evaluation does (``jax.linearize``'s known and unknown parts), but keeping only
+small values on the known side: what the known inputs alone determine, a few elements an
+equation, runs before the loop for every layer at once (``jax.vmap``), and the loop's part
+reads each layer's row of those values (the residuals). The same equations run on the same
+values: the split step is the unsplit one, bit for bit.
+"""
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from lowmem_jax import _jaxpr
+
+SMALL = 64
+"""The most elements an equation's output may have to run before the loop: the step's
+scalars and keys, not a leaf's elements (a stochastic rounding's bits depend on the key
+and the position alone, and would be made for every layer at once)."""
+
+
+class Split(NamedTuple):
+  """A function of ``(known, unknown)`` leaves cut in two (`split`).
+
+  Fields:
+    known: ``known(*known_leaves) -> residuals``, a list of arrays, each of at most `SMALL`
+      elements (any of them may be a known input itself).
+    rest: ``rest(residuals, *unknown_leaves) -> outputs``, the function's flat outputs.
+    out_tree: the outputs' tree structure.
+    rest_inputs: the shape and dtype of each of ``rest``'s unknown leaves.
+  """
+  known: Callable[..., list]
+  rest: Callable[..., list]
+  out_tree: Any
+  rest_inputs: list
+
+
+def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
+          small: int = SMALL) -> Split:
+  """``fn(*known, *unknown)`` cut into the small work on ``known`` alone and the rest.
+
+  Args:
+    fn: a function of ``len(known) + len(unknown)`` arrays, returning a pytree.
+    known, unknown: their shapes and dtypes (``jax.ShapeDtypeStruct`` s or arrays): the
+      inputs known before the loop and those made inside it.
+    small: the most elements an equation's outputs, and every equation nested in it, may
+      have to be on the known side.
+
+  Returns:
+    The `Split`: ``rest(known(*k), *u)`` is ``fn(*k, *u)``'s leaves, for any ``k``, ``u``
+    of these shapes, bit for bit (the same equations on the same values).
+  """
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*known, *unknown)
+  jaxpr = closed.jaxpr
+  ops, values = [], dict(enumerate(closed.consts))
+  env = dict(zip(jaxpr.constvars, values))
+  env.update((v, len(values) + k) for k, v in enumerate(jaxpr.invars))
+  outputs = _flatten(jaxpr, env, ops, itertools.count(len(env)))
+  inputs = [env[v] for v in jaxpr.invars]
+  is_known = set(inputs[:len(known)]) | {k for k, c in values.items() if jnp.size(c) <= small}
+  first = []
+  for k, op in enumerate(ops):
+    if all(_atom_in(x, is_known) for x in op.reads) and _small_work(op.eqn, small):
+      is_known.update(op.makes)
+      first.append(k)
+  second = [k for k in range(len(ops)) if k not in set(first)]
+  read_later = {x for x in [*(x for k in second for x in ops[k].reads), *outputs]
+                if not isinstance(x, jcore.Literal)}
+  residuals = [x for x in [*inputs[:len(known)], *(x for k in first for x in ops[k].makes)]
+               if x in read_later]
+
+  def run(order, env, wanted):
+    for k in _needed(ops, order, wanted):
+      op = ops[k]
+      env.update(zip(op.makes, _jaxpr.bind(op.eqn, [_read(env, x) for x in op.reads])))
+    return [_read(env, x) for x in wanted]
+
+  def known_fn(*leaves):
+    return run(first, values | dict(zip(inputs, leaves)), residuals)
+
+  def rest_fn(residual_values, *leaves):
+    env = values | dict(zip(residuals, residual_values)) | dict(zip(inputs[len(known):], leaves))
+    return run(second, env, outputs)
+
+  return Split(known_fn, rest_fn, jax.tree.structure(out_shape),
+               [(jnp.shape(x), jnp.dtype(x.dtype)) for x in unknown])
+
+
+class _Op(NamedTuple):
+  """An equation of the flattened program: the values it reads (ids, or literals) and makes."""
+  eqn: jcore.JaxprEqn
+  reads: list
+  makes: list
+
+
+def _flatten(jaxpr: jcore.Jaxpr, env: dict, ops: list[_Op], ids: Iterator[int]) -> list:
+  """Appends ``jaxpr``'s equations to ``ops``, each value made an id of its own (``env``:
+  var -> id or literal, the inputs' given; ``ids``: the unused ones), a call's body inlined
+  (a ``jit``, a custom rule's primal: the update is not differentiated) so its small work
+  can be split from the rest; returns the outputs' ids."""
+  for eqn in jaxpr.eqns:
+    reads = [v if isinstance(v, jcore.Literal) else env[v] for v in eqn.invars]
+    body = _jaxpr.call_body(eqn)
+    if body is not None and not body.constvars and not eqn.effects:
+      outs = _flatten(body, dict(zip(body.invars, reads)), ops, ids)
+    else:
+      outs = [next(ids) for _ in eqn.outvars]
+      ops.append(_Op(eqn, reads, outs))
+    env.update(zip(eqn.outvars, outs))
+  return [v if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+
+
+class Table(NamedTuple):
+  """A stacked leaf's update split by `stack_table`, with every layer's residuals.
+
+  Fields:
+    split: the update's `Split`.
+    small: which of the state's leaves (``jax.tree.leaves`` order) are known inputs.
+    residuals: the `Split`'s residuals of every layer, each ``[L, ...]``.
+  """
+  split: Split
+  small: tuple[bool, ...]
+  residuals: list
+
+
+def stack_table(update: Callable, p: jax.Array, s: Any, small: int = SMALL) -> Table:
+  """The `Table` of ``update(i, g, s_i, p_i, ok) -> outputs``, the update of layer ``i`` of
+  stacked leaf ``p`` (``[L, ...]``) whose state ``s`` is stacked too (each leaf ``[L, ...]``):
+  the state's leaves of at most ``small`` elements a layer and ``i`` known before the loop;
+  the gradient ``g`` (``p``'s dtype), the other state leaves, ``p_i`` and ``ok`` (bool [])
+  not. Its residuals are made here for every layer at once: call it before the loop."""
+  layers = jnp.shape(p)[0]
+  leaves, treedef = jax.tree.flatten(s)
+  is_small = tuple(math.prod(jnp.shape(x)[1:]) <= small for x in leaves)
+  one = lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype)
+
+  def fn(i, *inputs):
+    known, (*big, g, p_i, ok) = inputs[:sum(is_small)], inputs[sum(is_small):]
+    known, big = iter(known), iter(big)
+    s_i = [next(known) if k else next(big) for k in is_small]
+    return update(i, g, jax.tree.unflatten(treedef, s_i), p_i, ok)
+
+  cut = split(fn, [jax.ShapeDtypeStruct((), jnp.int32),
+                   *[one(x) for x, k in zip(leaves, is_small) if k]],
+              [*[one(x) for x, k in zip(leaves, is_small) if not k], one(p), one(p),
+               jax.ShapeDtypeStruct((), jnp.bool_)], small)
+  residuals = jax.vmap(cut.known)(jnp.arange(layers, dtype=jnp.int32),
+                                   *[x for x, k in zip(leaves, is_small) if k])
+  return Table(cut, is_small, residuals)
+
+
+def apply(table: Table, i: jax.Array, g: jax.Array, s_i: Any, p_i: jax.Array,
+          ok: jax.Array) -> Any:
+  """`stack_table`'s ``update(i, g, s_i, p_i, ok)`` for layer ``i`` (int32 []), from the
+  table's residuals: ``s_i``'s known leaves are not read."""
+  want = table.split.rest_inputs
+  big = [x for x, k in zip(jax.tree.leaves(s_i), table.small) if not k]
+  got = [(jnp.shape(x), jnp.dtype(jnp.result_type(x))) for x in (*big, g, p_i, ok)]
+  if got != want:
+    raise ValueError(f"layer {i}'s update was split for inputs {want}, given {got}.")
+  out = table.split.rest([r[i] for r in table.residuals], *big, g, p_i, ok)
+  return jax.tree.unflatten(table.split.out_tree, out)
+
+
+def _atom_in(x: Any, known: set) -> bool:
+  return isinstance(x, jcore.Literal) or x in known
+
+
+def _small_work(eqn: jcore.JaxprEqn, small: int) -> bool:
+  """Whether ``eqn``'s outputs and those of every equation nested in it have at most
+  ``small`` elements each, and none has effects."""
+  for e, _ in [(eqn, 1), *(x for j in _jaxpr.inner_jaxprs(eqn) for x in _jaxpr.walk(j))]:
+    if e.effects or any(math.prod(v.aval.shape) > small for v in e.outvars):
+      return False
+  return True
+
+
+def _read(env: dict, x: Any) -> Any:
+  return x.val if isinstance(x, jcore.Literal) else env[x]
+
+
+def _needed(ops: list[_Op], order: list[int], outputs: Sequence) -> list[int]:
+  """Those of ``ops`` at ``order`` that ``outputs`` need, in order."""
+  steps = [_jaxpr.Step(ops[k].reads, ops[k].makes, False) for k in order]
+  return [order[k] for k in _jaxpr.live(steps, outputs)]

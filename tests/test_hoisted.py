@@ -1,0 +1,90 @@
+"""`lowmem_jax.optim.hoisted`: an update's small work split off to run before the loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lowmem_jax as lm
+from lowmem_jax import _jaxpr
+from lowmem_jax.optim import hoisted
+from lowmem_jax.optim.lowbit import Position
+from third_party_promotion import OPTAX_BIAS_CORRECTION
+
+pytestmark = OPTAX_BIAS_CORRECTION
+S = jax.ShapeDtypeStruct
+
+
+def _primitives(fn, *args):
+  return [e.primitive.name for e, _ in _jaxpr.walk(jax.make_jaxpr(fn)(*args).jaxpr)]
+
+
+def test_a_split_function_is_the_function_bit_for_bit_with_its_scalar_work_before():
+  def fn(i, count, g):
+    c = count + 1
+    correction = 1 - 0.9 ** c.astype(jnp.float32)
+    key = jax.random.fold_in(jax.random.key(0), c + i)
+    noise = jax.random.uniform(key, g.shape)
+    return {"g": g / correction + noise,
+            "count": jnp.where(jnp.all(jnp.isfinite(g)), c, count)}
+
+  cut = hoisted.split(fn, [S((), jnp.int32)] * 2, [S((64, 8), jnp.float32)])
+  layers = 5
+  residuals = jax.vmap(cut.known)(jnp.arange(layers), jnp.arange(layers) * 3)
+  assert all(r.size <= hoisted.SMALL * layers for r in residuals)  # no element's noise
+  g = jax.random.normal(jax.random.key(1), (64, 8)).at[0, 0].set(jnp.nan)
+  for i in range(layers):
+    got = jax.jit(lambda r, g: cut.rest(r, g))([r[i] for r in residuals], g)
+    want = jax.tree.leaves(jax.jit(fn)(jnp.int32(i), jnp.int32(3 * i), g))
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+  # The key's folding and the bias correction run before; the noise's bits in the rest.
+  rest = _primitives(lambda r, g: cut.rest(r, g), [r[0] for r in residuals], g)
+  assert "pow" not in rest and "random_fold_in" not in rest
+  assert "threefry2x32" in rest or "random_bits" in rest
+
+
+def test_a_stacked_leafs_8bit_update_from_its_table_is_each_layers_update():
+  """The table's update of each layer of a stacked leaf, against the chain's own update of
+  that layer (`lowmem_jax.adamw_8bit`, bfloat16 parameters, rounded stochastically: the
+  step's keys and bias corrections are what moves before the loop)."""
+  tx = lm.adamw_8bit(1e-2, bfloat16_params=True, min_size=256)
+  layers, shape = 3, (16, 256)
+  p = jax.random.normal(jax.random.key(0), (layers, *shape)).astype(jnp.bfloat16)
+  s = jax.vmap(tx.init)(p)
+  at = Position(0)
+
+  def update(i, g, s_i, p_i, ok):
+    u, new_s = tx.update(g, s_i, p_i, positions=at.index(i))
+    return (jnp.where(ok, optax.apply_updates(p_i, u), p_i),
+            jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_s, s_i))
+
+  table = hoisted.stack_table(update, p, s)
+  assert any(table.small) and not all(table.small)  # the count and key known, not the moments
+  g = jax.random.normal(jax.random.key(1), (layers, *shape)).astype(jnp.bfloat16)
+  ok = jnp.bool_(True)
+  for i in range(layers):
+    s_i = jax.tree.map(lambda x: x[i], s)
+    got = jax.jit(lambda i, g, s_i, p_i: hoisted.apply(table, i, g, s_i, p_i, ok))(
+        jnp.int32(i), g[i], s_i, p[i])
+    want = jax.jit(update)(jnp.int32(i), g[i], s_i, p[i], ok)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+  rest = _primitives(lambda i, g, s_i, p_i: hoisted.apply(table, i, g, s_i, p_i, ok),
+                     jnp.int32(0), g[0], jax.tree.map(lambda x: x[0], s), p[0])
+  assert "pow" not in rest and "random_fold_in" not in rest and "random_split" not in rest
+
+
+def test_apply_refuses_inputs_other_than_the_split_ones():
+  p = jnp.zeros((2, 8), jnp.float32)
+  tx = optax.adam(1e-3)
+  s = jax.vmap(tx.init)(p)
+  table = hoisted.stack_table(
+      lambda i, g, s_i, p_i, ok: tx.update(g, s_i, p_i), p, s)
+  try:
+    hoisted.apply(table, jnp.int32(0), jnp.zeros((8,), jnp.bfloat16),
+                  jax.tree.map(lambda x: x[0], s), p[0], jnp.bool_(True))
+  except ValueError as e:
+    assert "was split for inputs" in str(e)
+  else:
+    raise AssertionError("a bfloat16 gradient was taken by a float32 split")

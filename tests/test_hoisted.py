@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import lowmem_jax as lm
 from lowmem_jax import _jaxpr
@@ -21,7 +22,7 @@ def _primitives(fn, *args):
 
 def test_a_split_function_is_the_function_bit_for_bit_with_its_scalar_work_before():
   def fn(i, count, g):
-    c = count + 1
+    c = count + 1  # integer work: before the loop
     correction = 1 - 0.9 ** c.astype(jnp.float32)
     key = jax.random.fold_in(jax.random.key(0), c + i)
     noise = jax.random.uniform(key, g.shape)
@@ -31,16 +32,17 @@ def test_a_split_function_is_the_function_bit_for_bit_with_its_scalar_work_befor
   cut = hoisted.split(fn, [S((), jnp.int32)] * 2, [S((64, 8), jnp.float32)])
   layers = 5
   residuals = jax.vmap(cut.known)(jnp.arange(layers), jnp.arange(layers) * 3)
-  assert all(r.size <= hoisted.SMALL * layers for r in residuals)  # no element's noise
+  assert all(jnp.size(r) <= hoisted.SMALL * layers for r in residuals)  # no element's noise
   g = jax.random.normal(jax.random.key(1), (64, 8)).at[0, 0].set(jnp.nan)
   for i in range(layers):
     got = jax.jit(lambda r, g: cut.rest(r, g))([r[i] for r in residuals], g)
     want = jax.tree.leaves(jax.jit(fn)(jnp.int32(i), jnp.int32(3 * i), g))
     for a, b in zip(got, want):
       np.testing.assert_array_equal(a, b)
-  # The key's folding and the bias correction run before; the noise's bits in the rest.
+  # The count and the key's folding run before; the float correction and the noise's bits
+  # in the rest.
   rest = _primitives(lambda r, g: cut.rest(r, g), [r[0] for r in residuals], g)
-  assert "pow" not in rest and "random_fold_in" not in rest
+  assert "random_fold_in" not in rest and "pow" in rest
   assert "threefry2x32" in rest or "random_bits" in rest
 
 
@@ -62,17 +64,69 @@ def test_a_stacked_leafs_8bit_update_from_its_table_is_each_layers_update():
   table = hoisted.stack_table(update, p, s)
   assert any(table.small) and not all(table.small)  # the count and key known, not the moments
   g = jax.random.normal(jax.random.key(1), (layers, *shape)).astype(jnp.bfloat16)
-  ok = jnp.bool_(True)
-  for i in range(layers):
-    s_i = jax.tree.map(lambda x: x[i], s)
-    got = jax.jit(lambda i, g, s_i, p_i: hoisted.apply(table, i, g, s_i, p_i, ok))(
-        jnp.int32(i), g[i], s_i, p[i])
-    want = jax.jit(update)(jnp.int32(i), g[i], s_i, p[i], ok)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(a, b)
-  rest = _primitives(lambda i, g, s_i, p_i: hoisted.apply(table, i, g, s_i, p_i, ok),
+  _assert_each_layer_is_its_update(table, update, g, s, p)
+  rest = _primitives(lambda i, g, s_i, p_i: hoisted.apply(table, i, g, s_i, p_i, True),
                      jnp.int32(0), g[0], jax.tree.map(lambda x: x[0], s), p[0])
-  assert "pow" not in rest and "random_fold_in" not in rest and "random_split" not in rest
+  assert "random_fold_in" not in rest and "random_split" not in rest
+  assert "pow" in rest  # float work stays in the loop, as XLA would fuse it there
+
+
+def _assert_each_layer_is_its_update(table, update, g, s, p, ok=True):
+  """Each layer's update from ``table`` (its residuals passed in, not folded as constants)
+  against ``update`` on that layer, both compiled, bit for bit."""
+  def from_table(residuals, i, g, s_i, p_i):
+    return hoisted.apply(table._replace(residuals=residuals), i, g, s_i, p_i, ok)
+
+  for i in range(jnp.shape(p)[0]):
+    s_i = jax.tree.map(lambda x: x[i], s)
+    got = jax.jit(from_table)(table.residuals, jnp.int32(i), g[i], s_i, p[i])
+    want = jax.jit(update)(jnp.int32(i), g[i], s_i, p[i], jnp.bool_(ok))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(*map(_data, (a, b)))
+
+
+def _data(x):
+  return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+@pytest.mark.parametrize("prng", ["threefry2x32", "rbg"])
+def test_float_work_and_other_prngs_stay_in_the_loop_bit_for_bit(prng):
+  """A small leaf's float state (momentum: ``0.9 * mu + g``, which XLA fuses into one
+  multiply-add where it sees it whole) and noise from a PRNG other than Threefry (whose bits
+  differ under ``jax.vmap``) stay in the loop's part: the same bits as the unsplit update."""
+  tx = optax.chain(optax.add_noise(0.1, 0.55, 0), optax.sgd(1e-2, momentum=0.9))
+  layers, shape = 3, (8, 8)
+  with jax.default_prng_impl(prng):
+    p = jax.random.normal(jax.random.key(0), (layers, *shape))
+    s = jax.vmap(tx.init)(p)
+
+    def update(i, g, s_i, p_i, ok):
+      u, new_s = tx.update(g, s_i, p_i)
+      return optax.apply_updates(p_i, u), new_s
+
+    table = hoisted.stack_table(update, p, s)
+    g = jax.random.normal(jax.random.key(1), (layers, *shape))
+    _assert_each_layer_is_its_update(table, update, g, s, p)
+
+
+def test_effects_run_and_callbacks_stay_in_the_loop():
+  """A callback in the update (a schedule through ``jax.pure_callback``, which ``jax.vmap``
+  refuses by default) is not moved before the loop, and an effect still runs in it."""
+  lr = lambda count: jax.pure_callback(lambda c: np.float32(1e-2), jax.ShapeDtypeStruct(
+      (), jnp.float32), count)
+  tx = optax.adam(lr)
+  p = jnp.ones((2, 8), jnp.float32)
+  s = jax.vmap(tx.init)(p)
+  seen = []
+
+  def update(i, g, s_i, p_i, ok):
+    jax.debug.callback(lambda i: seen.append(int(i)), i)
+    u, new_s = tx.update(g, s_i, p_i)
+    return optax.apply_updates(p_i, u), new_s
+
+  table = hoisted.stack_table(update, p, s)
+  _assert_each_layer_is_its_update(table, update, jnp.ones_like(p), s, p)
+  assert seen == [0, 0, 1, 1]  # each layer's effect, split and unsplit
 
 
 def test_apply_refuses_inputs_other_than_the_split_ones():

@@ -1,15 +1,20 @@
-"""A function's small work on inputs known before a loop, split off to run before it.
+"""A function's small exact work on inputs known before a loop, split off to run before it.
 
 The layer-streamed step updates each layer's leaves inside the layers' loop, and much of
 an optax update reads only the leaf's small state: its step count, its rounding key, the
-layer's index (Adam's bias corrections, the step's keys folded and split). Each such value
-is a scalar kernel of its own on a GPU, a few microseconds each, about a hundred a layer of
+layer's index (the count incremented, the step's keys folded and split). Each such value is
+a scalar kernel of its own on a GPU, a few microseconds each, dozens a layer of
 Llama-3.2-1B (``docs/benchmarks.md``). `split` cuts the update's jaxpr in two, as JAX's
 partial evaluation does (``jax.linearize``'s known and unknown parts), but keeping only
-small values on the known side: what the known inputs alone determine, a few elements an
-equation, runs before the loop for every layer at once (``jax.vmap``), and the loop's part
-reads each layer's row of those values (the residuals). The same equations run on the same
-values: the split step is the unsplit one, bit for bit.
+small integer, boolean and Threefry-key work on the known side: what the known inputs alone
+determine runs before the loop for every layer at once (``jax.vmap``), and the loop's part
+reads each layer's row of those values (the residuals). That work is exact however XLA
+fuses it, and every floating-point operation stays where it was, with the operands it had
+(XLA rewrites float expressions it sees whole, a multiply and an add into one fused
+multiply-add, ``a / sqrt(b)`` into ``a * rsqrt(b)``, and a value made before the loop would
+change the bits): the split step is the unsplit one, bit for bit. Other PRNG
+implementations stay in the loop (``rbg``'s bits differ under ``jax.vmap``), and so do
+callbacks and effects.
 """
 
 import itertools
@@ -27,14 +32,18 @@ SMALL = 64
 """The most elements an equation's output may have to run before the loop: the step's
 scalars and keys, not a leaf's elements (a stochastic rounding's bits depend on the key
 and the position alone, and would be made for every layer at once)."""
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+"""The calls whose bodies `split` inlines: each runs its body once on its operands (not a
+``shard_map``, whose body's collectives need its mesh axes)."""
 
 
 class Split(NamedTuple):
   """A function of ``(known, unknown)`` leaves cut in two (`split`).
 
   Fields:
-    known: ``known(*known_leaves) -> residuals``, a list of arrays, each of at most `SMALL`
-      elements (any of them may be a known input itself).
+    known: ``known(*known_leaves) -> residuals``, a list of integer, boolean or key arrays,
+      each of at most `SMALL` elements (any of them may be a known input itself).
     rest: ``rest(residuals, *unknown_leaves) -> outputs``, the function's flat outputs.
     out_tree: the outputs' tree structure.
     rest_inputs: the shape and dtype of each of ``rest``'s unknown leaves.
@@ -47,14 +56,14 @@ class Split(NamedTuple):
 
 def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
           small: int = SMALL) -> Split:
-  """``fn(*known, *unknown)`` cut into the small work on ``known`` alone and the rest.
+  """``fn(*known, *unknown)`` cut into the small exact work on ``known`` alone and the rest.
 
   Args:
     fn: a function of ``len(known) + len(unknown)`` arrays, returning a pytree.
     known, unknown: their shapes and dtypes (``jax.ShapeDtypeStruct`` s or arrays): the
       inputs known before the loop and those made inside it.
     small: the most elements an equation's outputs, and every equation nested in it, may
-      have to be on the known side.
+      have to be on the known side (`_exact_before`).
 
   Returns:
     The `Split`: ``rest(known(*k), *u)`` is ``fn(*k, *u)``'s leaves, for any ``k``, ``u``
@@ -70,10 +79,10 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
   is_known = set(inputs[:len(known)]) | {k for k, c in values.items() if jnp.size(c) <= small}
   first = []
   for k, op in enumerate(ops):
-    if all(_atom_in(x, is_known) for x in op.reads) and _small_work(op.eqn, small):
+    if all(_atom_in(x, is_known) for x in op.reads) and _exact_before(op.eqn, small):
       is_known.update(op.makes)
       first.append(k)
-  second = [k for k in range(len(ops)) if k not in set(first)]
+  second = sorted(set(range(len(ops))) - set(first))
   read_later = {x for x in [*(x for k in second for x in ops[k].reads), *outputs]
                 if not isinstance(x, jcore.Literal)}
   residuals = [x for x in [*inputs[:len(known)], *(x for k in first for x in ops[k].makes)]
@@ -83,7 +92,7 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
     for k in _needed(ops, order, wanted):
       op = ops[k]
       env.update(zip(op.makes, _jaxpr.bind(op.eqn, [_read(env, x) for x in op.reads])))
-    return [_read(env, x) for x in wanted]
+    return [jnp.asarray(_read(env, x)) for x in wanted]
 
   def known_fn(*leaves):
     return run(first, values | dict(zip(inputs, leaves)), residuals)
@@ -110,7 +119,7 @@ def _flatten(jaxpr: jcore.Jaxpr, env: dict, ops: list[_Op], ids: Iterator[int]) 
   can be split from the rest; returns the outputs' ids."""
   for eqn in jaxpr.eqns:
     reads = [v if isinstance(v, jcore.Literal) else env[v] for v in eqn.invars]
-    body = _jaxpr.call_body(eqn)
+    body = _jaxpr.call_body(eqn) if eqn.primitive.name in _CALLS else None
     if body is not None and not body.constvars and not eqn.effects:
       outs = _flatten(body, dict(zip(body.invars, reads)), ops, ids)
     else:
@@ -176,13 +185,33 @@ def _atom_in(x: Any, known: set) -> bool:
   return isinstance(x, jcore.Literal) or x in known
 
 
-def _small_work(eqn: jcore.JaxprEqn, small: int) -> bool:
-  """Whether ``eqn``'s outputs and those of every equation nested in it have at most
-  ``small`` elements each, and none has effects."""
+def _exact_before(eqn: jcore.JaxprEqn, small: int) -> bool:
+  """Whether ``eqn`` may run before the loop, for every layer at once: it and every equation
+  nested in it (a loop's, a branch's; no other call) make only integer, boolean or Threefry
+  key values of at most ``small`` elements each, from no key of another implementation,
+  with no effects and no callback."""
+  if _jaxpr.inner_jaxprs(eqn) and eqn.primitive.name not in _jaxpr.LOOPS_AND_BRANCHES:
+    return False
   for e, _ in [(eqn, 1), *(x for j in _jaxpr.inner_jaxprs(eqn) for x in _jaxpr.walk(j))]:
-    if e.effects or any(math.prod(v.aval.shape) > small for v in e.outvars):
+    if e.effects or "callback" in e.primitive.name:
+      return False
+    if not all(_exact(v.aval, small) for v in e.outvars) or any(
+        _other_key(v.aval) for v in e.invars if not isinstance(v, jcore.Literal)):
       return False
   return True
+
+
+def _exact(aval: Any, small: int) -> bool:
+  """An integer, boolean or Threefry key array of at most ``small`` elements."""
+  dtype = aval.dtype
+  keys = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  return math.prod(aval.shape) <= small and (
+      str(dtype) == "key<fry>" if keys else jnp.issubdtype(dtype, jnp.integer)
+      or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def _other_key(aval: Any) -> bool:
+  return jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) and str(aval.dtype) != "key<fry>"
 
 
 def _read(env: dict, x: Any) -> Any:
@@ -191,5 +220,5 @@ def _read(env: dict, x: Any) -> Any:
 
 def _needed(ops: list[_Op], order: list[int], outputs: Sequence) -> list[int]:
   """Those of ``ops`` at ``order`` that ``outputs`` need, in order."""
-  steps = [_jaxpr.Step(ops[k].reads, ops[k].makes, False) for k in order]
+  steps = [_jaxpr.Step(ops[k].reads, ops[k].makes, bool(ops[k].eqn.effects)) for k in order]
   return [order[k] for k in _jaxpr.live(steps, outputs)]

@@ -333,18 +333,23 @@ class _Streamer:
 
   def layer_tables(self, layers, states, layers_at):
     """Each layer leaf's table, made before the layers' backward where the states are
-    stacked on the device: `fused_update.layer_table` where the kernel updates it (`kernel`),
-    `hoisted.stack_table` of `update` where XLA does, the leaf whole; else None."""
-    treedef, tables = jax.tree.structure(layers), []
-    if self.state != "device":
+    stacked on the device and updated in place (not under a mesh: `layer_backward`):
+    `fused_update.layer_table` where the kernel updates the leaf (`kernel`),
+    `hoisted.stack_table` of `update` where XLA updates it whole; else None."""
+    treedef = jax.tree.structure(layers)
+    if self.state != "device" or _sharding.in_auto_mesh():
       return [None] * treedef.num_leaves
+    tables = []
     for p, s, at in zip(jax.tree.leaves(layers), treedef.flatten_up_to(states),
                         treedef.flatten_up_to(layers_at)):
-      whole, update = slices(jnp.shape(p)[1:], self.slice_elements) == 1, functools.partial(
-          lambda at, i, g, s, p, ok: self.update(g, s, p, at.index(i), ok), at)
-      tables.append(fused_update.layer_table(self.fused, p, s, at.at, self.slice_elements)
-                    if self.kernel(p, jnp.shape(p)[1:]) is not None else
-                    hoisted.stack_table(update, p, s) if whole else None)
+      shape = jnp.shape(p)[1:]
+      if self.kernel(p, shape) is not None:
+        tables.append(fused_update.layer_table(self.fused, p, s, at.at, self.slice_elements))
+      elif slices(shape, self.slice_elements) == 1:
+        update = lambda i, g, s, p, ok, at=at: self.update(g, s, p, at.index(i), ok)
+        tables.append(hoisted.stack_table(update, p, s))
+      else:
+        tables.append(None)
     return tables
 
   def update_leaf(self, g, s, p, place, at, ok, outer=(), state_outer=(), table=None):
@@ -363,10 +368,14 @@ class _Streamer:
       return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
                                       self.slice_elements, outer, state_outer, table)
     if n == 1:
-      # In the device's stacks, read at the index written: XLA reads each slice in place (at
-      # a barrier's copy of it, it copies the slice out first). Else once ``g`` is made.
-      p_at, s_at = (outer, state_outer) if state_outer else slicing.late((outer, ()), g)
-      args = (g, slicing.to("device", slicing.at(s, *s_at)), slicing.at(p, *p_at))
+      # Read once ``g`` is made. In the device's stacks the stacks wait for it, not the index,
+      # which XLA must see written at to read a slice in place (at a barrier's copy, it
+      # copies the slice out); beside a host row, the index (the stack held more memory).
+      if state_outer:
+        p, s, p_at = *slicing.late((p, s), g), outer
+      else:
+        p_at = slicing.late(outer, g)
+      args = (g, slicing.to("device", slicing.at(s, *state_outer)), slicing.at(p, *p_at))
       new_p, new_s, ok = (self.update(*args, at, ok) if table is None else
                           hoisted.apply(table, state_outer[0], *args, ok))
       new_p = slicing.put(p, new_p, *outer) if outer else new_p

@@ -42,8 +42,9 @@ class Split(NamedTuple):
   """A function of ``(known, unknown)`` leaves cut in two (`split`).
 
   Fields:
-    known: ``known(*known_leaves) -> residuals``, a list of integer, boolean or key arrays,
-      each of at most `SMALL` elements (any of them may be a known input itself).
+    known: ``known(*known_leaves) -> residuals``, the list of values the rest reads from
+      the known side: known inputs themselves, and integer, boolean or Threefry key arrays
+      of at most `SMALL` elements made from them.
     rest: ``rest(residuals, *unknown_leaves) -> outputs``, the function's flat outputs.
     out_tree: the outputs' tree structure.
     rest_inputs: the shape and dtype of each of ``rest``'s unknown leaves.

@@ -100,9 +100,8 @@ def scan_slices(fn: Callable, carry: Any, params: Any, states: Any, xs: Any, pla
                  rows: int | None = None, whole: bool = False,
                  fence: bool = False) -> tuple[Any, Any, Any]:
   """``fn(carry, i, params_i, state_i, xs_i) -> (carry, params_i, state_i)`` over the slices i
-  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop. A device state's
-  slice is read at the index it is written at, so XLA reads it in place (at a barrier's copy
-  of the index, one that waits for the gradient, XLA copies each slice out first).
+  of stacked ``params``, ``states`` and ``xs`` (leading axis), in a loop; a device state's
+  slice read at the loop's index, which XLA reads in place (not at a barrier's copy of it).
 
   The params are updated in place; the states too where they live on the device
   (``place``); on the host they are `PackedRows` (`stacked`), brought over ahead and written

@@ -94,14 +94,18 @@ def test_bad_sizes_raise_naming_the_argument(argv, name):
 
 @pytest.mark.heavy
 def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_path):
-  """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh."""
+  """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh. With SiLU
+  (``--activation exact``): under jax 0.12.1 the two processes' reduction order puts a gate
+  pre-activation across a ReSiLU2 kink within 6 steps (1.46e-4 in the parameters against
+  3.75e-7 with SiLU), the drift `sharded_train`'s docstring describes, not a sharding error."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   script = Path(sharded_train.__file__)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   procs = [subprocess.Popen(
-      [sys.executable, str(script), "--quick", "--coordinator", f"localhost:{port}",
+      [sys.executable, str(script), "--quick", "--activation", "exact",
+       "--coordinator", f"localhost:{port}",
        "--num-processes", "2", "--process-id", str(i), "--out", str(tmp_path)],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outputs = [p.communicate(timeout=300)[0] for p in procs]

@@ -343,8 +343,10 @@ def test_fused_ce_for_language_models(capsys):
   assert app.ladder(4) == (["baseline", "bf16"] + rungs(exact, ["offload-opt"])
                            + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
                            + micro("all", (2, 4)))
-  streamed = ["stream:device+mlp-chunk:off", "stream:device", "stream:host",
-              "stream:host+late-embed",
+  whole = f"+update-slice:{2 ** 26}"
+  streamed = [f"stream:device+mlp-chunk:off{whole}", "stream:device+mlp-chunk:off",
+              "stream:device", "stream:host", "stream:host+late-embed",
+              f"stream:host+offload-opt+mlp-chunk:off{whole}",
               "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",
               "stream:host+offload-opt+mlp-chunk:off"]
   assert app.ladder(2, language_model=True) == (

@@ -27,6 +27,8 @@ SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
     ("prefetch:3", "prefetch:3: the layers ahead must be 1 or 2"),
     ("mlp-chunk:0", "mlp-chunk:0: the MLP's chunk must be a positive number of tokens or off"),
     ("mlp-chunk:whole", "mlp-chunk:whole: the MLP's chunk"),
+    ("update-slice:0", "update-slice:0: the elements a leaf is updated in at once must be"),
+    ("update-slice:2^26", "update-slice:2\\^26: the elements"),
 ])
 def test_parse_errors_name_the_term(text, message):
   with pytest.raises(app.TechniqueError, match=message):
@@ -66,6 +68,20 @@ def test_fused_update_runs_adamw_8bit_with_bfloat16_parameters_as_one_kernel():
   plain = app.parse("8bit+bf16-params+stream:device").python(job)
   assert "update_impl" not in plain and "lm.lowbit.stochastic_rounding()" in plain
   assert app.parse("8bit+bf16-params+stream:device+fused-update").exact
+
+
+def test_update_slice_sets_the_streamed_steps_slice_elements():
+  """``update-slice:<n>`` is `layer_streamed`'s ``slice_elements``; without it the default;
+  it needs the streamed step, and trains as the plain step does (the same updates)."""
+  job = app.Job("llama-tiny", batch=2, seq=16, target="h100")
+  assert "slice_elements=1024" in app.parse(
+      "8bit+stream:device+update-slice:1024").python(job)
+  assert "slice_elements" not in app.parse("8bit+stream:device").python(job)
+  assert sum(t.endswith(f"+update-slice:{2 ** 26}") for t in app.ladder(
+      2, language_model=True)) == 4  # stream:device and stream:host+offload-opt, each family
+  with pytest.raises(app.TechniqueError, match="update-slice needs stream"):
+    app.parse("8bit+update-slice:1024").check_together()
+  assert app.parse("stream:host+offload-opt+update-slice:1024").exact
 
 
 def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():
@@ -390,11 +406,14 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   on_device = min(app.device_argument_bytes(job, app.parse(
       t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
-  assert texts[k].endswith("+prefetch:2") and texts[k + 1] == texts[k][:-len("+prefetch:2")]
-  assert texts[k + 2] == texts[k + 1] + "+mlp-chunk:off"
+  assert texts[k] == texts[k + 3] + app.fits.WHOLE
+  assert texts[k + 1].endswith("+prefetch:2")
+  assert texts[k + 2] == texts[k + 1][:-len("+prefetch:2")]
+  assert texts[k + 3] == texts[k + 2] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  assert tried == texts[k:k + 3]  # the state brought over two layers ahead, one, MLPs whole
+  # MLPs whole in bigger slices, the state brought over two layers ahead, one, MLPs whole
+  assert tried == texts[k:k + 4]
   assert [t for t, _ in fit.skipped] == texts[:k] and fit.fixed_bytes == floor
   assert fit.fits is not None and fit.fitting and all(
       b.stats.peak_bytes <= on_device - 1 for b, _ in fit.fitting)

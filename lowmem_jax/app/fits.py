@@ -11,6 +11,13 @@ from lowmem_jax.app.techniques import TechniqueError, TechniqueSet, parse
 from lowmem_jax.compile import planner
 
 
+WHOLE = f"+update-slice:{2 ** 26}"
+"""The streamed rungs' bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP weights
+(58.7M) updated whole. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 tokens on the
+``h100`` target: 610.9 ms and 32.87 GiB estimated, against 665.8 ms and 32.44 GiB at the
+default 2^24 (docs/benchmarks.md, session 46)."""
+
+
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
   """Technique sets `cheapest_fit` tries, in order: the exact ones (`TechniqueSet.exact`:
   training as the plain step's up to rounding), then those that are not, tried only where
@@ -22,10 +29,12 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   (8-bit moments, bfloat16 parameters), then recompute (``remat:plan``:
   `lowmem_jax.plan`'s policy); a language model's then the layer-streamed step (its saved
   inputs on the device, each layer's MLP whole (``mlp-chunk:off``: Llama-3.1-8B's step at
-  2 x 2,048 tokens on the ``h100`` target 4% faster at the same peak), then over chunks of
+  2 x 2,048 tokens on the ``h100`` target 4% faster at the same peak), first with bigger
+  update slices (`WHOLE`), then over chunks of
   1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the
   host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
-  schedule); then its state on the host too, brought over two layers ahead, then one, then
+  schedule); then its state on the host too, each MLP whole in bigger update slices
+  (`WHOLE`), brought over two layers ahead, then one, then
   one with each MLP whole (Llama-3.1-8B at 2 x 2,048 tokens on the ``rtx4090`` target: 0.23
   GiB less than over chunks, 4% slower: XLA hides the rows' transfers under the chunks'
   loops)), any other model's
@@ -42,9 +51,11 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
     state = f"{best}+8bit+bf16-params"
     sets = [best, f"{best}+8bit", state, f"{state}+remat:plan"]
     if language_model:
-      return sets + [f"{state}+stream:device+mlp-chunk:off", f"{state}+stream:device",
+      return sets + [f"{state}+stream:device+mlp-chunk:off{WHOLE}",
+                     f"{state}+stream:device+mlp-chunk:off", f"{state}+stream:device",
                      f"{state}+stream:host",
                      f"{state}+stream:host+late-embed",
+                     f"{state}+stream:host+offload-opt+mlp-chunk:off{WHOLE}",
                      f"{state}+stream:host+offload-opt+prefetch:2",
                      f"{state}+stream:host+offload-opt",
                      f"{state}+stream:host+offload-opt+mlp-chunk:off"]

@@ -318,7 +318,7 @@ def test_cli_plan(capsys):
   out = capsys.readouterr().out
   fits = next(line for line in out.splitlines() if line.startswith("Fits"))
   assert "baseline" not in fits and "lm.models.workload(\"vit-tiny\"" in out
-  assert "The first that fits, cheapest memory first (--objective memory)." in fits
+  assert "The first in the ladder that fits (--objective memory)." in fits
   assert "donate_argnums=(0, 1)" in out
 
 

@@ -2,6 +2,7 @@
 FSDP x data parallelism equals the single-device run, and really shards."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,18 +94,21 @@ def test_bad_sizes_raise_naming_the_argument(argv, name):
 
 
 @pytest.mark.heavy
-def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_path):
-  """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh. With SiLU
-  (``--activation exact``): under jax 0.12.1 the two processes' reduction order puts a gate
-  pre-activation across a ReSiLU2 kink within 6 steps (1.46e-4 in the parameters against
-  3.75e-7 with SiLU), the drift `sharded_train`'s docstring describes, not a sharding error."""
+@pytest.mark.parametrize("activation", ["exact", "approx"])
+def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_path, activation):
+  """Multi-host on one machine: 2 processes of 4 CPU devices each, one 2 x 4 mesh, equal to
+  the single-device run within tolerance with SiLU (``--activation exact``). With ReSiLU2, the
+  losses: under jax 0.12.1 the two processes' reduction order puts a gate pre-activation
+  across a ReSiLU2 kink within the 6 steps (1.46e-4 in the parameters against 3.75e-7 with
+  SiLU; the losses within 2e-6), the drift `sharded_train`'s docstring describes, not a
+  sharding error."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   script = Path(sharded_train.__file__)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
   procs = [subprocess.Popen(
-      [sys.executable, str(script), "--quick", "--activation", "exact",
+      [sys.executable, str(script), "--quick", "--activation", activation,
        "--coordinator", f"localhost:{port}",
        "--num-processes", "2", "--process-id", str(i), "--out", str(tmp_path)],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -113,4 +117,7 @@ def test_two_processes_through_jax_distributed_equal_the_single_device_run(tmp_p
     assert p.returncode == 0, out[-3000:]
   text = (tmp_path / "sharded_train.md").read_text()  # written by process 0
   assert "8 CPU device(s), 2 process(es)" in text
-  assert ": within tolerance" in text
+  if activation == "exact":
+    assert ": within tolerance" in text
+  loss_diff = re.search(r"max relative \|loss diff\| ([0-9.e+-]+)", text)
+  assert loss_diff and float(loss_diff.group(1)) <= LOSS_RTOL, text

@@ -28,6 +28,7 @@ SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
     ("mlp-chunk:0", "mlp-chunk:0: the MLP's chunk must be a positive number of tokens or off"),
     ("mlp-chunk:whole", "mlp-chunk:whole: the MLP's chunk"),
     ("update-slice:0", "update-slice:0: the elements a leaf is updated in at once must be"),
+    ("update-slice:1024", "update-slice:1024: the elements .* at least 1048576"),
     ("update-slice:2^26", "update-slice:2\\^26: the elements"),
 ])
 def test_parse_errors_name_the_term(text, message):
@@ -71,17 +72,17 @@ def test_fused_update_runs_adamw_8bit_with_bfloat16_parameters_as_one_kernel():
 
 
 def test_update_slice_sets_the_streamed_steps_slice_elements():
-  """``update-slice:<n>`` is `layer_streamed`'s ``slice_elements``; without it the default;
-  it needs the streamed step, and trains as the plain step does (the same updates)."""
+  """``update-slice:<n>`` is `layer_streamed`'s ``slice_elements`` (a leaf in slices trains
+  as it does whole: tests/test_streamed.py's ``slice_elements`` cases); without it the
+  default; it needs the streamed step."""
   job = app.Job("llama-tiny", batch=2, seq=16, target="h100")
-  assert "slice_elements=1024" in app.parse(
-      "8bit+stream:device+update-slice:1024").python(job)
+  assert "slice_elements=2097152" in app.parse(
+      "8bit+stream:device+update-slice:2097152").python(job)
   assert "slice_elements" not in app.parse("8bit+stream:device").python(job)
   assert sum(t.endswith(f"+update-slice:{2 ** 26}") for t in app.ladder(
       2, language_model=True)) == 4  # stream:device and stream:host+offload-opt, each family
   with pytest.raises(app.TechniqueError, match="update-slice needs stream"):
-    app.parse("8bit+update-slice:1024").check_together()
-  assert app.parse("stream:host+offload-opt+update-slice:1024").exact
+    app.parse("8bit+update-slice:2097152").check_together()
 
 
 def test_exact_is_what_trains_as_the_plain_step_up_to_rounding():

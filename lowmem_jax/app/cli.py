@@ -351,7 +351,7 @@ def _why(fit: fits.Fit, chosen: memory.Breakdown) -> str:
   """A sentence on why ``plan`` picked ``chosen`` of the sets that fit."""
   fitting = fit.fitting
   if fit.objective == "memory":
-    return "The first that fits, cheapest memory first (--objective memory). "
+    return "The first in the ladder that fits (--objective memory). "
   if chosen.step_time is None:
     return (f"No step-time estimate for target {chosen.target.name}: the first of "
             f"{len(fitting)} that fit. ")

@@ -128,9 +128,11 @@ def _mlp_chunk(text: str) -> int:
 
 
 def _elements(text: str) -> int:
-  if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
-    raise ValueError("the elements a leaf is updated in at once must be a positive integer, "
-                     "e.g. update-slice:67108864")
+  if not re.fullmatch(r"[0-9]+", text) or int(text) < 2**20:
+    raise ValueError("the elements a leaf is updated in at once must be an integer of at "
+                     "least 1048576 (2^20; smaller slices would keep float32 moments where "
+                     "8-bit ones fit, and update whole a leaf whose row is larger), e.g. "
+                     "update-slice:67108864")
   return int(text)
 
 
@@ -237,8 +239,9 @@ TECHNIQUES = {t.term: t for t in (
                      ("bf16-params", "the kernel updates bfloat16 parameters with 8-bit "
                       "moments"))),
     Technique("update-slice", "with stream: the most elements of a leaf the streamed step "
-              "updates at once (layer_streamed's slice_elements; 16777216 = 2^24 without it); "
-              "a bigger leaf is updated in slices, one after the other. Bigger slices take "
+              "updates at once, 2^20 or more (layer_streamed's slice_elements; 16777216 = 2^24 "
+              "without it); a bigger leaf is updated in slices along its first axis, one "
+              "after the other (whole where no such split fits). Bigger slices take "
               "fewer kernels for more temporaries (Llama-3.1-8B's stream:device+mlp-chunk:off "
               "step, 2 x 2,048 tokens on the h100 target: 665.8 ms and 32.44 GiB estimated, "
               "610.9 ms and 32.87 GiB at 67108864 = 2^26, each MLP weight whole; "

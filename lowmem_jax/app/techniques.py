@@ -242,10 +242,8 @@ TECHNIQUES = {t.term: t for t in (
               "updates at once, 2^20 or more (layer_streamed's slice_elements; 16777216 = 2^24 "
               "without it); a bigger leaf is updated in slices along its first axis, one "
               "after the other (whole where no such split fits). Bigger slices take "
-              "fewer kernels for more temporaries (Llama-3.1-8B's stream:device+mlp-chunk:off "
-              "step, 2 x 2,048 tokens on the h100 target: 665.8 ms and 32.44 GiB estimated, "
-              "610.9 ms and 32.87 GiB at 67108864 = 2^26, each MLP weight whole; "
-              "docs/benchmarks.md)",
+              "fewer kernels for more temporaries (plan's ladder tries 2^26: "
+              "lowmem_jax.app.fits.WHOLE)",
               value="<elements>", parse=_elements,
               needs=(("stream", "it is the streamed step's update"),)),
     Technique("mlp-chunk", "LLaMA: each layer's MLP over chunks of at most this many "

@@ -11,7 +11,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
 from lowmem_jax import app
-from lowmem_jax.app import code, techniques
+from lowmem_jax.app import code, measurement, techniques
 
 SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
 
@@ -170,6 +170,23 @@ def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
       "bf16", "8bit", "bf16-params", "remat:plan", "offload-opt", "remat:full", "adama:2",
       "adama:4", "adama:8"))
   assert only.default_sets() == ["baseline", "lowmem", "lowmem+approx"]
+
+
+@OPTAX_BIAS_CORRECTION
+def test_the_ladder_has_the_whole_slice_rungs_only_where_a_leaf_is_sliced():
+  # llama-tiny's leaves all hold under 2^24 elements: its WHOLE rungs' steps are the rungs'
+  # after them, equation for equation, and are left out; LLaMA-100M's embedding is sliced.
+  tiny = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  kept, _ = app.ladder_of(tiny)
+  full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))
+  assert kept == [t for t in full if app.fits.WHOLE not in t] and len(full) == len(kept) + 4
+
+  def jaxpr(text):
+    built, *args = measurement.arguments(tiny, app.parse(text))
+    return str(jax.make_jaxpr(built["step"])(*args))
+
+  whole = next(t for t in full if app.fits.WHOLE in t)
+  assert jaxpr(whole) == jaxpr(whole.replace(app.fits.WHOLE, ""))
 
 
 def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():

@@ -9,6 +9,7 @@ from lowmem_jax.app.job import Job
 from lowmem_jax.app.measurement import device_argument_bytes, measure, user_step
 from lowmem_jax.app.techniques import TechniqueError, TechniqueSet, parse
 from lowmem_jax.compile import planner
+from lowmem_jax.optim.streamed import SLICE_ELEMENTS
 
 
 WHOLE = f"+update-slice:{2 ** 26}"
@@ -69,15 +70,28 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
-  hold state in host memory (``offload-opt``: such a step compiles for one device); for a
+  hold state in host memory (``offload-opt``: such a step compiles for one device), and
+  without the `WHOLE` rungs where no parameter leaf is sliced anyway (`_sliced`); for a
   user's step, each set without the techniques whose options ``make_step`` does not take
   (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
-    return [t for t in texts if job.devices == 1 or "offload-opt" not in t], ()
+    texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
+    whole = [t for t in texts if WHOLE in t]
+    if whole and not _sliced(job, parse(whole[0])):
+      texts = [t for t in texts if WHOLE not in t]
+    return texts, ()
   reduced = [job.without_missing(t) for t in texts]
   return (list(dict.fromkeys(t for t, _ in reduced)),
           tuple(dict.fromkeys(term for _, left in reduced for term in left)))
+
+
+def _sliced(job: Job, techniques: TechniqueSet) -> bool:
+  """Whether a leaf of ``job``'s parameters holds more than `SLICE_ELEMENTS`, the streamed
+  step's default update slice. Where none does, every leaf is updated whole under both
+  slice sizes, so a `WHOLE` rung compiles the program of the rung after it."""
+  params = techniques.workload(job).abstract_params()
+  return any(x.size > SLICE_ELEMENTS for x in jax.tree.leaves(params))
 
 
 def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:

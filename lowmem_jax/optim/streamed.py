@@ -76,10 +76,13 @@ from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedSta
                                           check_state, layer_count, shape_text, split, wheres)
 from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 
+SLICE_ELEMENTS = 2 ** 24
+"""`layer_streamed`'s default ``slice_elements``: a leaf of more elements is updated in slices."""
+
 
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
-                   slice_elements: int = 2 ** 24, prefetch: int = 1,
+                   slice_elements: int = SLICE_ELEMENTS, prefetch: int = 1,
                    gather_params: bool = False, update_impl: str | None = None) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 

@@ -343,8 +343,8 @@ def test_fused_ce_for_language_models(capsys):
   assert app.ladder(4) == (["baseline", "bf16"] + rungs(exact, ["offload-opt"])
                            + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
                            + micro("all", (2, 4)))
-  whole = f"+update-slice:{2 ** 26}"
-  streamed = [f"stream:device+mlp-chunk:off{whole}", "stream:device+mlp-chunk:off",
+  whole, every = f"+update-slice:{2 ** 26}", f"+update-slice:{2 ** 30}"
+  streamed = [f"stream:device+mlp-chunk:off{every}", "stream:device+mlp-chunk:off",
               "stream:device", "stream:host", "stream:host+late-embed",
               f"stream:host+offload-opt+mlp-chunk:off{whole}",
               "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",

@@ -13,10 +13,17 @@ from lowmem_jax.optim.streamed import SLICE_ELEMENTS
 
 
 WHOLE = f"+update-slice:{2 ** 26}"
-"""The streamed rungs' bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP weights
-(58.7M) updated whole. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 tokens on the
-``h100`` target: 610.9 ms and 32.87 GiB estimated, against 665.8 ms and 32.44 GiB at the
-default 2^24 (docs/benchmarks.md, session 46)."""
+"""The host-state rungs' bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP
+weights (58.7M) updated whole. Its ``stream:host+offload-opt`` step at 2 x 2,048 tokens on the
+``h100`` target: 841.5 ms and 17.65 GiB estimated, against 871.5 ms and 17.16 GiB at the
+default 2^24 (docs/benchmarks.md, session 46). Not every leaf: a whole head's or embedding's
+state crosses the host link with nothing to hide it under."""
+
+EVERY_LEAF = f"+update-slice:{2 ** 30}"
+"""The device-state rung's: 2^30 elements, every leaf of Llama-3.1-8B updated whole, its head
+and embedding (525M) too. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 tokens on the
+``h100`` target: 606.6 ms and 32.87 GiB estimated, against 610.9 ms at 2^26 and 665.8 ms and
+32.44 GiB at the default 2^24 (docs/benchmarks.md, session 47)."""
 
 
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
@@ -31,7 +38,7 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   `lowmem_jax.plan`'s policy); a language model's then the layer-streamed step (its saved
   inputs on the device, each layer's MLP whole (``mlp-chunk:off``: Llama-3.1-8B's step at
   2 x 2,048 tokens on the ``h100`` target 4% faster at the same peak), first with bigger
-  update slices (`WHOLE`), then over chunks of
+  update slices (`EVERY_LEAF`: every leaf of a Llama 3 whole), then over chunks of
   1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the
   host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
   schedule); then its state on the host too: a layer ahead with each MLP whole in bigger
@@ -52,7 +59,7 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
     state = f"{best}+8bit+bf16-params"
     sets = [best, f"{best}+8bit", state, f"{state}+remat:plan"]
     if language_model:
-      return sets + [f"{state}+stream:device+mlp-chunk:off{WHOLE}",
+      return sets + [f"{state}+stream:device+mlp-chunk:off{EVERY_LEAF}",
                      f"{state}+stream:device+mlp-chunk:off", f"{state}+stream:device",
                      f"{state}+stream:host",
                      f"{state}+stream:host+late-embed",
@@ -71,15 +78,16 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device), and
-  without the `WHOLE` rungs where no parameter leaf is sliced anyway (`_sliced`); for a
+  without the bigger slices' rungs (`WHOLE`, `EVERY_LEAF`) where no parameter leaf is sliced
+  anyway (`_sliced`); for a
   user's step, each set without the techniques whose options ``make_step`` does not take
   (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
     texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
-    whole = [t for t in texts if WHOLE in t]
-    if whole and not _sliced(job, parse(whole[0])):
-      texts = [t for t in texts if WHOLE not in t]
+    bigger = [t for t in texts if WHOLE in t or EVERY_LEAF in t]
+    if bigger and not _sliced(job, parse(bigger[0])):
+      texts = [t for t in texts if t not in bigger]
     return texts, ()
   reduced = [job.without_missing(t) for t in texts]
   return (list(dict.fromkeys(t for t, _ in reduced)),
@@ -88,8 +96,8 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
 
 def _sliced(job: Job, techniques: TechniqueSet) -> bool:
   """Whether a leaf of ``job``'s parameters holds more than `SLICE_ELEMENTS`, the streamed
-  step's default update slice. Where none does, every leaf is updated whole under both
-  slice sizes, so a `WHOLE` rung compiles the program of the rung after it."""
+  step's default update slice. Where none does, every leaf is updated whole under every
+  slice size, so a `WHOLE` or `EVERY_LEAF` rung compiles the program of the rung after it."""
   params = techniques.workload(job).abstract_params()
   return any(x.size > SLICE_ELEMENTS for x in jax.tree.leaves(params))
 

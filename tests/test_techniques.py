@@ -176,10 +176,10 @@ def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
 
 
 @OPTAX_BIAS_CORRECTION
-def test_the_ladder_has_the_whole_slice_rungs_only_where_a_leaf_is_sliced():
+def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   # llama-tiny's leaves all hold under 2^24 elements: its bigger slices' rungs' steps are the
-  # rungs' after them, equation for equation, and are left out; LLaMA-100M's embedding is
-  # sliced.
+  # same sets' without the term, equation for equation, and are left out; LLaMA-100M's
+  # embedding is sliced.
   tiny = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
   kept, _ = app.ladder_of(tiny)
   full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))

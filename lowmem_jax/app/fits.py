@@ -13,17 +13,18 @@ from lowmem_jax.optim.streamed import SLICE_ELEMENTS
 
 
 WHOLE = f"+update-slice:{2 ** 26}"
-"""The host-state rungs' bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP
-weights (58.7M) updated whole. Its ``stream:host+offload-opt`` step at 2 x 2,048 tokens on the
-``h100`` target: 841.5 ms and 17.65 GiB estimated, against 871.5 ms and 17.16 GiB at the
-default 2^24 (docs/benchmarks.md, session 46). Not every leaf: a whole head's or embedding's
-state crosses the host link with nothing to hide it under."""
+"""The host-state rung's bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP
+weights (58.7M) updated whole. Its ``stream:host+offload-opt+mlp-chunk:off`` step at 2 x 2,048
+tokens on the ``rtx4090`` target: 2,642.7 ms and 17.46 GiB estimated, against 2,698.5 ms and
+16.85 GiB at the default 2^24 (jax 0.12.0.1; docs/benchmarks.md, session 46). Not every
+leaf: a whole head's or embedding's state crosses the host link with nothing to hide it
+under."""
 
 EVERY_LEAF = f"+update-slice:{2 ** 30}"
 """The device-state rung's: 2^30 elements, every leaf of Llama-3.1-8B updated whole, its head
 and embedding (525M) too. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 tokens on the
 ``h100`` target: 606.6 ms and 32.87 GiB estimated, against 610.9 ms at 2^26 and 665.8 ms and
-32.44 GiB at the default 2^24 (docs/benchmarks.md, session 47)."""
+32.44 GiB at the default 2^24 (jax 0.11.2; docs/benchmarks.md, session 47)."""
 
 
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
@@ -78,15 +79,15 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device), and
-  without the bigger slices' rungs (`WHOLE`, `EVERY_LEAF`) where no parameter leaf is sliced
-  anyway (`_sliced`); for a
-  user's step, each set without the techniques whose options ``make_step`` does not take
-  (`Job.without_missing`), once, and those techniques."""
+  without the bigger slices' rungs (`WHOLE`, `EVERY_LEAF`) where no parameter leaf holds
+  more than the default slice (`_over_default_slice`); for a user's step, each set without
+  the techniques whose options ``make_step`` does not take (`Job.without_missing`), once,
+  and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
     texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
     bigger = [t for t in texts if WHOLE in t or EVERY_LEAF in t]
-    if bigger and not _sliced(job, parse(bigger[0])):
+    if bigger and not _over_default_slice(job, parse(bigger[0])):
       texts = [t for t in texts if t not in bigger]
     return texts, ()
   reduced = [job.without_missing(t) for t in texts]
@@ -94,10 +95,12 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
           tuple(dict.fromkeys(term for _, left in reduced for term in left)))
 
 
-def _sliced(job: Job, techniques: TechniqueSet) -> bool:
-  """Whether a leaf of ``job``'s parameters holds more than `SLICE_ELEMENTS`, the streamed
-  step's default update slice. Where none does, every leaf is updated whole under every
-  slice size, so a `WHOLE` or `EVERY_LEAF` rung compiles the program of the rung after it."""
+def _over_default_slice(job: Job, techniques: TechniqueSet) -> bool:
+  """Whether a leaf of ``job``'s parameters (a stack of layers' leaves as one) holds more
+  than `SLICE_ELEMENTS`, the streamed step's default update slice. Where none does, every
+  leaf is updated whole under every slice size of `SLICE_ELEMENTS` or more, so a `WHOLE` or
+  `EVERY_LEAF` rung compiles the program of the same set without it. (A stack over the bound
+  whose layers are within it keeps the rungs: a compile more, never one less.)"""
   params = techniques.workload(job).abstract_params()
   return any(x.size > SLICE_ELEMENTS for x in jax.tree.leaves(params))
 

@@ -242,8 +242,8 @@ TECHNIQUES = {t.term: t for t in (
               "updates at once, 2^20 or more (layer_streamed's slice_elements; 16777216 = 2^24 "
               "without it); a bigger leaf is updated in slices along its first axis, one "
               "after the other (whole where no such split fits). Bigger slices take "
-              "fewer kernels for more temporaries (plan's ladder tries 2^30 with the state "
-              "on the device, 2^26 on the host: lowmem_jax.app.fits)",
+              "fewer kernels for more temporaries (plan's ladder tries bigger ones: "
+              "lowmem_jax.app.fits.EVERY_LEAF, WHOLE)",
               value="<elements>", parse=_elements,
               needs=(("stream", "it is the streamed step's update"),)),
     Technique("mlp-chunk", "LLaMA: each layer's MLP over chunks of at most this many "

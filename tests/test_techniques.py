@@ -194,6 +194,29 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
     assert jaxpr(text) == jaxpr(text[:text.index("+update-slice")])
 
 
+@OPTAX_BIAS_CORRECTION
+def test_the_ladder_leaves_out_mlp_chunk_off_where_the_stream_runs_one_chunk():
+  # 2 x 16 tokens are one chunk of the stream's 1,024: a streamed set and the same set with
+  # mlp-chunk:off trace to one step, and the later of the two is left out; 2 x 1,024 are two.
+  one = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  kept, _ = app.ladder_of(one)
+  full, _ = app.ladder_of(app.Job("llama-tiny", batch=2, seq=1024, target="cpu"))
+  state = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+stream:"
+  twins = [(state + "device+mlp-chunk:off", state + "device"),
+           (state + "host+offload-opt", state + "host+offload-opt+mlp-chunk:off")]
+  dropped = [later.replace("bf16+ms-norm+attention", best) for _, later in twins
+             for best in ("bf16+ms-norm+attention", "all")]  # each family's
+  assert kept == [t for t in full if t not in dropped] and len(full) == len(kept) + 4
+
+  def jaxpr(text):
+    built, *args = measurement.arguments(one, app.parse(text))
+    return str(built["step"].trace(*args).jaxpr)
+
+  for earlier, later in twins:
+    assert earlier in kept and later not in kept and later in full
+    assert jaxpr(earlier) == jaxpr(later)
+
+
 def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():
   """**unused takes every option: bf16-params stays; without 8bit's (adamw) it goes too."""
   job = app.Job(make_step=_lowmem_and_params, target="cpu")
@@ -435,8 +458,9 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   assert texts[k + 3] == texts[k + 2] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  # MLPs whole in bigger slices, the state brought over two layers ahead, one, MLPs whole
-  assert tried == texts[k:k + 4]
+  # MLPs whole in bigger slices, the state brought over two layers ahead, one (MLPs whole
+  # is the same step at 64 tokens, one chunk: left out)
+  assert tried == texts[k:k + 3]
   assert [t for t, _ in fit.skipped] == texts[:k] and fit.fixed_bytes == floor
   assert fit.fits is not None and fit.fitting and all(
       b.stats.peak_bytes <= on_device - 1 for b, _ in fit.fitting)

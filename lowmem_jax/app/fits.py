@@ -9,6 +9,7 @@ from lowmem_jax.app.job import Job
 from lowmem_jax.app.measurement import device_argument_bytes, measure, user_step
 from lowmem_jax.app.techniques import TechniqueError, TechniqueSet, parse
 from lowmem_jax.compile import planner
+from lowmem_jax.ops.token_chunks import mlp_chunks
 from lowmem_jax.optim.streamed import SLICE_ELEMENTS
 
 
@@ -78,17 +79,25 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
-  hold state in host memory (``offload-opt``: such a step compiles for one device), and
-  without the bigger slices' rungs (`WHOLE`, `EVERY_LEAF`) where no parameter leaf holds
-  more than the default slice (`_over_default_slice`); for a user's step, each set without
-  the techniques whose options ``make_step`` does not take (`Job.without_missing`), once,
-  and those techniques."""
+  hold state in host memory (``offload-opt``: such a step compiles for one device); without
+  a set that compiles an earlier one's program: the bigger slices' rungs (`WHOLE`,
+  `EVERY_LEAF`) where no parameter leaf holds more than the default slice
+  (`_over_default_slice`), and on one device the later of two streamed sets that differ in
+  ``mlp-chunk:off`` alone where the stream's MLP runs in one chunk (`_one_chunk`). For a
+  user's step, each set without the techniques whose options ``make_step`` does not take
+  (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
     texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
     bigger = [t for t in texts if WHOLE in t or EVERY_LEAF in t]
     if bigger and not _over_default_slice(job, parse(bigger[0])):
       texts = [t for t in texts if t not in bigger]
+    chunked = next((t for t in texts if "+stream:" in t and "mlp-chunk" not in t), None)
+    if chunked and job.devices == 1 and _one_chunk(job, parse(chunked)):
+      first = {}  # each set by its text without mlp-chunk:off, the first in ladder order
+      for t in texts:
+        first.setdefault(t.replace("+mlp-chunk:off", ""), t)
+      texts = list(first.values())
     return texts, ()
   reduced = [job.without_missing(t) for t in texts]
   return (list(dict.fromkeys(t for t, _ in reduced)),
@@ -103,6 +112,14 @@ def _over_default_slice(job: Job, techniques: TechniqueSet) -> bool:
   whose layers are within it keeps the rungs: a compile more, never one less.)"""
   params = techniques.workload(job).abstract_params()
   return any(x.size > SLICE_ELEMENTS for x in jax.tree.leaves(params))
+
+
+def _one_chunk(job: Job, techniques: TechniqueSet) -> bool:
+  """Whether streamed set ``techniques`` (no ``mlp-chunk`` term) runs each layer's MLP of
+  ``job`` in one chunk of tokens on one device (`lowmem_jax.ops.token_chunks.mlp_chunks`):
+  then the set and the same set with ``mlp-chunk:off`` trace to the same step."""
+  chunk_tokens = techniques.switches(job).get("mlp_chunk_tokens")
+  return mlp_chunks(job.batch * job.seq, chunk_tokens) == 1
 
 
 def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:

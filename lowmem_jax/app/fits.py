@@ -80,9 +80,9 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device); without
-  a set that compiles an earlier one's program: the bigger slices' rungs (`WHOLE`,
+  a set that compiles another one's program: the bigger slices' rungs (`WHOLE`,
   `EVERY_LEAF`) where no parameter leaf holds more than the default slice
-  (`_over_default_slice`), and on one device the later of two streamed sets that differ in
+  (`_over_default_slice`), and the later of two streamed sets that differ in
   ``mlp-chunk:off`` alone where the stream's MLP runs in one chunk (`_one_chunk`). For a
   user's step, each set without the techniques whose options ``make_step`` does not take
   (`Job.without_missing`), once, and those techniques."""
@@ -93,7 +93,7 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
     if bigger and not _over_default_slice(job, parse(bigger[0])):
       texts = [t for t in texts if t not in bigger]
     chunked = next((t for t in texts if "+stream:" in t and "mlp-chunk" not in t), None)
-    if chunked and job.devices == 1 and _one_chunk(job, parse(chunked)):
+    if chunked and _one_chunk(job, parse(chunked)):
       first = {}  # each set by its text without mlp-chunk:off, the first in ladder order
       for t in texts:
         first.setdefault(t.replace("+mlp-chunk:off", ""), t)
@@ -116,7 +116,8 @@ def _over_default_slice(job: Job, techniques: TechniqueSet) -> bool:
 
 def _one_chunk(job: Job, techniques: TechniqueSet) -> bool:
   """Whether streamed set ``techniques`` (no ``mlp-chunk`` term) runs each layer's MLP of
-  ``job`` in one chunk of tokens on one device (`lowmem_jax.ops.token_chunks.mlp_chunks`):
+  ``job`` in one chunk of tokens (`lowmem_jax.ops.token_chunks.mlp_chunks`: batch x seq
+  within the chunk; over a mesh too, where a chunk holds whole positions of every sequence):
   then the set and the same set with ``mlp-chunk:off`` trace to the same step."""
   chunk_tokens = techniques.switches(job).get("mlp_chunk_tokens")
   return mlp_chunks(job.batch * job.seq, chunk_tokens) == 1

@@ -175,6 +175,12 @@ def test_a_steps_ladder_is_the_reference_ladder_in_its_terms():
   assert only.default_sets() == ["baseline", "lowmem", "lowmem+approx"]
 
 
+def _jaxpr(job, text: str) -> str:
+  """The jaxpr of set ``text``'s step for ``job``, as text."""
+  built, *args = measurement.arguments(job, app.parse(text))
+  return str(built["step"].trace(*args).jaxpr)
+
+
 @OPTAX_BIAS_CORRECTION
 def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   # llama-tiny's leaves all hold under 2^24 elements: its bigger slices' rungs' steps are the
@@ -186,12 +192,8 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   bigger = [t for t in full if "update-slice" in t]
   assert kept == [t for t in full if t not in bigger] and len(bigger) == 4
 
-  def jaxpr(text):
-    built, *args = measurement.arguments(tiny, app.parse(text))
-    return str(built["step"].trace(*args).jaxpr)
-
   for text in bigger[:2]:  # the state on the device, on the host
-    assert jaxpr(text) == jaxpr(text[:text.index("+update-slice")])
+    assert _jaxpr(tiny, text) == _jaxpr(tiny, text[:text.index("+update-slice")])
 
 
 @OPTAX_BIAS_CORRECTION
@@ -208,13 +210,9 @@ def test_the_ladder_leaves_out_mlp_chunk_off_where_the_stream_runs_one_chunk():
              for best in ("bf16+ms-norm+attention", "all")]  # each family's
   assert kept == [t for t in full if t not in dropped] and len(full) == len(kept) + 4
 
-  def jaxpr(text):
-    built, *args = measurement.arguments(one, app.parse(text))
-    return str(built["step"].trace(*args).jaxpr)
-
   for earlier, later in twins:
     assert earlier in kept and later not in kept and later in full
-    assert jaxpr(earlier) == jaxpr(later)
+    assert _jaxpr(one, earlier) == _jaxpr(one, later)
 
 
 def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():

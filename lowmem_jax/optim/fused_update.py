@@ -74,10 +74,11 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
                 place: str, at: Position, ok: jax.Array, slice_elements: int,
                 outer: tuple = (), state_outer: tuple = (),
                 table: Table | None = None) -> tuple[Any, Any, jax.Array]:
-  """`lowmem_jax.optim.streamed`'s ``update_leaf`` (the same arguments and returns) of a leaf
-  the kernel `takes`, each slice in place; ``table``: the stack's `layer_table`, where ``s``
-  is the device's stack of a layer leaf's states (``state_outer`` given), else None. A leaf
-  outside the stacks (no ``outer``) in many slices, its states on the device, makes its own."""
+  """`lowmem_jax.optim.streamed`'s ``update_leaf`` (its arguments; its returns but the
+  flags) of a leaf the kernel `takes`, each slice in place; ``table``: the stack's
+  `layer_table`, where ``s`` is the device's stack of a layer leaf's states (``state_outer``
+  given), else None. A leaf outside the stacks (no ``outer``) in many slices, its states on
+  the device, makes its own."""
   shape = jnp.shape(p)[len(outer):]
   n = slices(shape, slice_elements)
   if n == 1:

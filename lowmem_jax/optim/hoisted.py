@@ -14,7 +14,10 @@ fuses it, and every floating-point operation stays where it was, with the operan
 multiply-add, ``a / sqrt(b)`` into ``a * rsqrt(b)``, and a value made before the loop would
 change the bits): the split step is the unsplit one, bit for bit. Other PRNG
 implementations stay in the loop (``rbg``'s bits differ under ``jax.vmap``), and so do
-callbacks and effects.
+callbacks and effects. An output that a flag made in the loop picks from known values
+(a step count or key kept where the gradient is not finite: ``jnp.where(ok, new, old)``)
+can be left to after the loop (`Later`): the loop writes the flag, and `picked` makes the
+output for every layer at once.
 """
 
 import itertools
@@ -38,6 +41,14 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"
 ``shard_map``, whose body's collectives need its mesh axes)."""
 
 
+class Later(NamedTuple):
+  """An output that a boolean made in the loop picks from values known before it
+  (``jnp.where(ok, new_count, count)``): ``lax.select_n(flags[flag], *cases)``, ``cases``
+  the indices of the residuals it picks from."""
+  flag: int
+  cases: tuple[int, ...]
+
+
 class Split(NamedTuple):
   """A function of ``(known, unknown)`` leaves cut in two (`split`).
 
@@ -45,18 +56,22 @@ class Split(NamedTuple):
     known: ``known(*known_leaves) -> residuals``, the list of values the rest reads from
       the known side: known inputs themselves, and integer, boolean or Threefry key arrays
       of at most `SMALL` elements made from them.
-    rest: ``rest(residuals, *unknown_leaves) -> outputs``, the function's flat outputs.
+    rest: ``rest(residuals, *unknown_leaves) -> (outputs, flags)``: the function's flat
+      outputs, None for each `Later` one, and the bool ``[]`` flags that pick those.
     out_tree: the outputs' tree structure.
     rest_inputs: the shape and dtype of each of ``rest``'s unknown leaves.
+    later: each flat output's `Later`, or None: the outputs `split`'s ``later`` let be
+      picked after the loop.
   """
   known: Callable[..., list]
-  rest: Callable[..., list]
+  rest: Callable[..., tuple[list, list]]
   out_tree: Any
   rest_inputs: list
+  later: tuple[Later | None, ...]
 
 
 def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
-          small: int = SMALL) -> Split:
+          small: int = SMALL, later: Sequence[bool] | None = None) -> Split:
   """``fn(*known, *unknown)`` cut into the small exact work on ``known`` alone and the rest.
 
   Args:
@@ -65,10 +80,13 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
       inputs known before the loop and those made inside it.
     small: the most elements an equation's outputs, and every equation nested in it, may
       have to be on the known side (`_exact_before`).
+    later: which of ``fn``'s flat outputs may be picked after the loop (`Later`) where a
+      boolean scalar made in the loop picks them from known values; None: none.
 
   Returns:
-    The `Split`: ``rest(known(*k), *u)`` is ``fn(*k, *u)``'s leaves, for any ``k``, ``u``
-    of these shapes, bit for bit (the same equations on the same values).
+    The `Split`: ``rest(known(*k), *u)``'s outputs are ``fn(*k, *u)``'s leaves, for any
+    ``k``, ``u`` of these shapes, bit for bit (the same equations on the same values), and
+    so are its `Later` ones, picked from its flags after the loop (`picked`).
   """
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*known, *unknown)
   jaxpr = closed.jaxpr
@@ -98,12 +116,44 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
   def known_fn(*leaves):
     return run(first, values | dict(zip(inputs, leaves)), residuals)
 
+  picked = _picked(ops, second, inputs, jaxpr.invars, outputs, residuals,
+                   later or [False] * len(outputs))
+  flags = list(dict.fromkeys(flag for flag, _ in filter(None, picked)))
+  picked = tuple(None if x is None else Later(flags.index(x[0]), x[1]) for x in picked)
+
   def rest_fn(residual_values, *leaves):
     env = values | dict(zip(residuals, residual_values)) | dict(zip(inputs[len(known):], leaves))
-    return run(second, env, outputs)
+    now = [x for x, p in zip(outputs, picked) if p is None]
+    made = iter(run(second, env, [*now, *flags]))
+    return [None if p else next(made) for p in picked], list(made)
 
   return Split(known_fn, rest_fn, jax.tree.structure(out_shape),
-               [(jnp.shape(x), jnp.dtype(x.dtype)) for x in unknown])
+               [(jnp.shape(x), jnp.dtype(x.dtype)) for x in unknown], picked)
+
+
+def _picked(ops: list["_Op"], second: list[int], inputs: list, invars: list, outputs: list,
+            residuals: list, allowed: Sequence[bool]) -> list:
+  """Each output's ``(flag, cases)`` where ``allowed`` and it is ``select_n`` of residuals
+  ``cases`` (their indices) on ``flag``, a boolean scalar made in the loop (the value a
+  ``jnp.where`` broadcasts), else None."""
+  makers = {x: ops[k] for k in second for x in ops[k].makes}
+  avals = dict(zip(inputs, (v.aval for v in invars)))
+  avals.update((x, v.aval) for op in ops for x, v in zip(op.makes, op.eqn.outvars))
+  at = {x: k for k, x in enumerate(residuals)}
+  out = []
+  for x, allow in zip(outputs, allowed, strict=True):
+    op = makers.get(x) if allow and not isinstance(x, jcore.Literal) else None
+    if op is None or op.eqn.primitive.name != "select_n" or not all(
+        not isinstance(c, jcore.Literal) and c in at for c in op.reads[1:]):
+      out.append(None)
+      continue
+    flag = op.reads[0]
+    if flag in makers and makers[flag].eqn.primitive.name == "broadcast_in_dim":
+      flag = makers[flag].reads[0]
+    aval = None if isinstance(flag, jcore.Literal) or flag in at else avals.get(flag)
+    scalar_bool = aval is not None and aval.shape == () and aval.dtype == jnp.bool_
+    out.append((flag, tuple(at[c] for c in op.reads[1:])) if scalar_bool else None)
+  return out
 
 
 class _Op(NamedTuple):
@@ -143,12 +193,15 @@ class Table(NamedTuple):
   residuals: list
 
 
-def stack_table(update: Callable, p: jax.Array, s: Any, small: int = SMALL) -> Table:
+def stack_table(update: Callable, p: jax.Array, s: Any, small: int = SMALL,
+                later: Any = None) -> Table:
   """The `Table` of ``update(i, g, s_i, p_i, ok) -> outputs``, the update of layer ``i`` of
   stacked leaf ``p`` (``[L, ...]``) whose state ``s`` is stacked too (each leaf ``[L, ...]``):
   the state's leaves of at most ``small`` elements a layer and ``i`` known before the loop;
   the gradient ``g`` (``p``'s dtype), the other state leaves, ``p_i`` and ``ok`` (bool [])
-  not. Its residuals are made here for every layer at once: call it before the loop."""
+  not. Its residuals are made here for every layer at once: call it before the loop.
+  ``later``: a prefix of the outputs' tree, True where they may be picked after the loop
+  (`split`'s; `apply`, `picked`)."""
   layers = jnp.shape(p)[0]
   leaves, treedef = jax.tree.flatten(s)
   is_small = tuple(math.prod(jnp.shape(x)[1:]) <= small for x in leaves)
@@ -160,25 +213,49 @@ def stack_table(update: Callable, p: jax.Array, s: Any, small: int = SMALL) -> T
     s_i = [next(known) if k else next(big) for k in is_small]
     return update(i, g, jax.tree.unflatten(treedef, s_i), p_i, ok)
 
-  cut = split(fn, [jax.ShapeDtypeStruct((), jnp.int32),
-                   *[one(x) for x, k in zip(leaves, is_small) if k]],
-              [*[one(x) for x, k in zip(leaves, is_small) if not k], one(p), one(p),
-               jax.ShapeDtypeStruct((), jnp.bool_)], small)
+  known = [jax.ShapeDtypeStruct((), jnp.int32), *[one(x) for x, k in zip(leaves, is_small) if k]]
+  unknown = [*[one(x) for x, k in zip(leaves, is_small) if not k], one(p), one(p),
+             jax.ShapeDtypeStruct((), jnp.bool_)]
+  allowed = None if later is None else jax.tree.leaves(
+      jax.tree.broadcast(later, jax.eval_shape(fn, *known, *unknown)))
+  cut = split(fn, known, unknown, small, allowed)
   residuals = jax.vmap(cut.known)(jnp.arange(layers, dtype=jnp.int32),
                                    *[x for x, k in zip(leaves, is_small) if k])
   return Table(cut, is_small, residuals)
 
 
 def apply(table: Table, i: jax.Array, g: jax.Array, s_i: Any, p_i: jax.Array,
-          ok: jax.Array) -> Any:
-  """`stack_table`'s ``update(i, g, s_i, p_i, ok)`` for layer ``i`` (int32 []), from the
-  table's residuals: ``s_i``'s known leaves are not read."""
+          ok: jax.Array) -> tuple[Any, jax.Array]:
+  """``(outputs, flags)``: `stack_table`'s ``update(i, g, s_i, p_i, ok)`` for layer ``i``
+  (int32 []), from the table's residuals (``s_i``'s known leaves are not read), None in the
+  places of the outputs picked after the loop; ``flags`` (bool ``[F]``) what picks them:
+  give `picked` every layer's."""
   want = table.split.rest_inputs
   big = [x for x, k in zip(jax.tree.leaves(s_i), table.small) if not k]
   got = [(jnp.shape(x), jnp.dtype(jnp.result_type(x))) for x in (*big, g, p_i, ok)]
   if got != want:
     raise ValueError(f"layer {i}'s update was split for inputs {want}, given {got}.")
-  out = table.split.rest([r[i] for r in table.residuals], *big, g, p_i, ok)
+  out, flags = table.split.rest([r[i] for r in table.residuals], *big, g, p_i, ok)
+  flags = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
+  return jax.tree.unflatten(table.split.out_tree, out), flags
+
+
+def flag_count(table: Table) -> int:
+  """How many flags `apply` returns a layer."""
+  return len({x.flag for x in table.split.later if x is not None})
+
+
+def picked(table: Table, flags: jax.Array) -> Any:
+  """The outputs `apply` left out, for every layer (each ``[L, ...]``; None for the others,
+  in the outputs' tree), from ``flags`` (bool ``[L, F]``): each layer's `apply` flags."""
+  out = []
+  for later in table.split.later:
+    if later is None:
+      out.append(None)
+      continue
+    cases = [table.residuals[k] for k in later.cases]
+    flag = flags[:, later.flag].reshape(-1, *[1] * (jnp.ndim(cases[0]) - 1))
+    out.append(jax.lax.select_n(jnp.broadcast_to(flag, jnp.shape(cases[0])), *cases))
   return jax.tree.unflatten(table.split.out_tree, out)
 
 

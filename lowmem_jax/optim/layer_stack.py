@@ -1,8 +1,8 @@
 """The model the layer-streamed step takes and the state it keeps: `LayerStack` (stacked
 layers between an embedding and a head), `StreamedState`, `LayerStreamed` (``init``,
 ``step``, ``abstract``), and the checks that name what does not fit them (`split`,
-`layer_count`, `check_state`, `check_layer`), and where each leaf lies in the whole tree
-(`Where`, `wheres`). The step itself:
+`layer_count`, `check_state`, `check_layer`, `check_args`), and where each leaf lies in the
+whole tree (`Where`, `wheres`). The step itself:
 `lowmem_jax.optim.streamed.layer_streamed`."""
 
 import dataclasses
@@ -10,7 +10,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from lowmem_jax._checks import is_int
+from lowmem_jax.choices import Place, checked
+from lowmem_jax.ops import dispatch
 from lowmem_jax.optim.packed_rows import PackedRows
 from lowmem_jax.optim.rounding import Position
 
@@ -202,6 +206,35 @@ def check_state(expected: StreamedState, opt_state: StreamedState, place: str) -
           f"`opt_state` at {jax.tree_util.keystr(path)} is in "
           f"{jax.typeof(x).memory_space.name.lower()} memory; this step keeps its state in "
           f"{place} memory (`state='{place}'`). {why}")
+
+
+def check_args(stack: Any, tx: Any, state: Any, saved_inputs: Any, slice_elements: Any,
+               prefetch: Any, gather_params: Any, update_impl: Any) -> tuple[str, str]:
+  """`lowmem_jax.optim.streamed.layer_streamed`'s arguments checked, each refused by name:
+  ``(state, saved_inputs)``, the places named."""
+  if not isinstance(stack, LayerStack):
+    raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
+  state = checked(Place, state, "`state`")
+  saved_inputs = checked(Place, saved_inputs, "`saved_inputs`")
+  if not isinstance(gather_params, bool):
+    raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
+  if not is_int(slice_elements) or slice_elements < 1:
+    raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
+  if not is_int(prefetch) or prefetch not in (1, 2):
+    raise ValueError(f"`prefetch` must be 1 or 2, got {prefetch!r}.")
+  impl, _ = dispatch.choose(update_impl, "layer_streamed's update", dispatch.KERNEL_IMPLS,
+                            "`update_impl`")
+  fused = getattr(tx, "fused", None)
+  if impl in ("pallas", "pallas_interpret") and fused is None:
+    raise ValueError(f"`update_impl`={impl!r} runs lowmem_jax.optim.lowbit.adamw_8bit(..., "
+                     "bfloat16_params=True) as one kernel a leaf, with no mask and constant "
+                     f"hyperparameters; `tx` is another transformation ({type(tx).__name__}).")
+  if impl in ("pallas", "pallas_interpret") and gather_params:
+    raise ValueError(f"`update_impl`={impl!r} runs a kernel on one device's whole arrays; "
+                     "parameters sharded with `gather_params` need update_impl='xla'.")
+  return state, saved_inputs
 
 
 def check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:

@@ -67,13 +67,12 @@ import jax.numpy as jnp
 import optax
 
 from lowmem_jax import _sharding
-from lowmem_jax._checks import is_int
-from lowmem_jax.choices import Place, checked
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.ops import dispatch
 from lowmem_jax.optim import fused_update, hoisted, lowbit, offload, slicing
-from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_layer,
-                                          check_state, layer_count, shape_text, split, wheres)
+from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_args,
+                                          check_layer, check_state, layer_count, shape_text,
+                                          split, wheres)
 from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
 
 SLICE_ELEMENTS = 2 ** 24
@@ -164,32 +163,14 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
 
 def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
               update_impl):
-  """`layer_streamed`'s arguments checked, each refused by name, as a `_Streamer`."""
-  if not isinstance(stack, LayerStack):
-    raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
-  if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
-  state = checked(Place, state, "`state`")
-  saved_inputs = checked(Place, saved_inputs, "`saved_inputs`")
-  if not isinstance(gather_params, bool):
-    raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
-  if not is_int(slice_elements) or slice_elements < 1:
-    raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
-  if not is_int(prefetch) or prefetch not in (1, 2):
-    raise ValueError(f"`prefetch` must be 1 or 2, got {prefetch!r}.")
-  impl, _ = dispatch.choose(update_impl, "layer_streamed's update", dispatch.KERNEL_IMPLS,
-                            "`update_impl`")
-  fused = getattr(tx, "fused", None)
-  if impl in ("pallas", "pallas_interpret") and fused is None:
-    raise ValueError(f"`update_impl`={impl!r} runs lowmem_jax.optim.lowbit.adamw_8bit(..., "
-                     "bfloat16_params=True) as one kernel a leaf, with no mask and constant "
-                     f"hyperparameters; `tx` is another transformation ({type(tx).__name__}).")
-  if impl in ("pallas", "pallas_interpret") and gather_params:
-    raise ValueError(f"`update_impl`={impl!r} runs a kernel on one device's whole arrays; "
-                     "parameters sharded with `gather_params` need update_impl='xla'.")
+  """`layer_streamed`'s arguments checked, each refused by name (`check_args`), as a
+  `_Streamer`."""
+  state, saved_inputs = check_args(stack, tx, state, saved_inputs, slice_elements, prefetch,
+                                   gather_params, update_impl)
   return _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
                    slice_elements, prefetch,
-                   _sharding.gathered if gather_params else lambda tree: tree, fused, update_impl)
+                   _sharding.gathered if gather_params else lambda tree: tree,
+                   getattr(tx, "fused", None), update_impl)
 
 
 def _last_first(out: tuple) -> tuple:
@@ -350,26 +331,29 @@ class _Streamer:
         tables.append(fused_update.layer_table(self.fused, p, s, at.at, self.slice_elements))
       elif slices(shape, self.slice_elements) == 1:
         update = lambda i, g, s, p, ok, at=at: self.update(g, s, p, at.index(i), ok)
-        tables.append(hoisted.stack_table(update, p, s))
+        # The state's leaves kept or stepped on the gradient's finiteness alone (the count,
+        # the rounding key) picked after the loop, for every layer at once (`picked_states`).
+        tables.append(hoisted.stack_table(update, p, s, later=(False, True, False)))
       else:
         tables.append(None)
     return tables
 
   def update_leaf(self, g, s, p, place, at, ok, outer=(), state_outer=(), table=None):
-    """``(p, s, ok)``: one leaf's update, its state in ``place`` before and after; ``at``:
-    its `lowbit.Position` in the whole params tree; ``ok``: `update`'s, checked a slice at a
-    time where the leaf is updated in slices (a slice whose gradient is not finite keeps
-    its values; the returned ``ok`` is False). ``p`` may be a stack of such leaves, this
-    one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of states,
-    this one's at ``s[*state_outer]``: they come back updated in place; ``table``: the
-    stack's (`layer_tables`), or None."""
+    """``(p, s, ok, flags)``: one leaf's update, its state in ``place`` before and after;
+    ``at``: its `lowbit.Position` in the whole params tree; ``ok``: `update`'s, checked a
+    slice at a time where the leaf is updated in slices (a slice whose gradient is not
+    finite keeps its values; the returned ``ok`` is False). ``p`` may be a stack of such
+    leaves, this one at ``p[*outer]`` (leading indices), and ``s`` on the device a stack of
+    states, this one's at ``s[*state_outer]``: they come back updated in place; ``table``: the
+    stack's (`layer_tables`), or None. ``flags``: a `hoisted.Table`'s flags (bool ``[F]``),
+    the state's leaves it leaves out not written (`picked_states` writes them); else None."""
     shape = jnp.shape(p)[len(outer):]
     n = slices(shape, self.slice_elements)
     part = (shape[0] // n, *shape[1:]) if shape else shape
     options = self.kernel(p, shape)
     if options is not None:
-      return fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
-                                      self.slice_elements, outer, state_outer, table)
+      return (*fused_update.update_leaf(self.fused, options, g, s, p, place, at.at, ok,
+                                        self.slice_elements, outer, state_outer, table), None)
     if n == 1:
       # Read once ``g`` is made. In the device's stacks the stacks wait for it, not the index,
       # which XLA must see written at to read a slice in place (at a barrier's copy, it
@@ -379,24 +363,27 @@ class _Streamer:
       else:
         p_at = slicing.late(outer, g)
       args = (g, slicing.to("device", slicing.at(s, *state_outer)), slicing.at(p, *p_at))
-      new_p, new_s, ok = (self.update(*args, at, ok) if table is None else
-                          hoisted.apply(table, state_outer[0], *args, ok))
+      (new_p, new_s, ok), flags = ((self.update(*args, at, ok), None) if table is None else
+                                   hoisted.apply(table, state_outer[0], *args, ok))
       new_p = slicing.put(p, new_p, *outer) if outer else new_p
-      return new_p, (slicing.put(s, new_s, *state_outer) if state_outer
-                     else slicing.to(place, new_s)), ok
+      if state_outer:
+        new_s = jax.tree.map(lambda new, old: old if new is None else
+                             slicing.put(old, new, *state_outer), new_s, s,
+                             is_leaf=lambda x: x is None)
+      return new_p, new_s if state_outer else slicing.to(place, new_s), ok, flags
 
     def fn(all_ok, i, p, s, g):
       p, s, slice_ok = self.update(g, s, p, at.part(i, part), ok)
       return jnp.logical_and(all_ok, slice_ok), p, s
 
     if outer:
-      return _last_first(slicing.scan_slices(fn, ok, p, s, _sliced(g, n), place, outer=outer,
-                                             state_outer=state_outer, rows=part[0]))
+      return (*_last_first(slicing.scan_slices(fn, ok, p, s, _sliced(g, n), place, outer=outer,
+                                               state_outer=state_outer, rows=part[0])), None)
     ok, p, s = slicing.scan_slices(fn, ok, _sliced(p, n), s, _sliced(g, n), place)
-    return p.reshape(shape), s, ok
+    return p.reshape(shape), s, ok, None
 
   def update_tree(self, grads, states, params, place, where, ok, which=None, outer=(),
-                  state_outer=(), row=None, tables=None):
+                  state_outer=(), row=None, tables=None, flags=None):
     """``(params, states, ok)``: each leaf's update (those ``which`` selects), the new params
     and states as trees; each leaf (or slice) updated where ``ok`` (bool[]) and its own
     gradient are finite, else kept, the returned ``ok`` False if any was kept (`update`);
@@ -404,7 +391,8 @@ class _Streamer:
     With ``row`` (a `packed_rows.Row` of the states), each leaf's state is unpacked from it
     once the selected gradients, then the leaf before it, are done, not from ``states``: the
     copies out of a host row are made one leaf at a time, not all at the row's arrival.
-    ``tables``: each leaf's `update_leaf` ``table`` (a list), or None."""
+    ``tables``: each leaf's `update_leaf` ``table`` (a list), or None; ``flags``: a list
+    over the leaves, each updated leaf's `update_leaf` flags set in it, or None."""
     treedef = jax.tree.structure(params)
     leaves = zip(treedef.flatten_up_to(grads), treedef.flatten_up_to(states),
                  jax.tree.leaves(params), treedef.flatten_up_to(where))
@@ -415,16 +403,18 @@ class _Streamer:
         jax.tree.unflatten(row.layout.treedef, range(len(row.layout.leaves))))
     for i, (g, s, p, at) in enumerate(leaves):
       if which is not None and not which[i]:
-        out.append((p, s, ok))
+        out.append((p, s, ok, None))
         continue
       if row is not None:
         s = treedef.flatten_up_to(row.read_after(done, set(jax.tree.leaves(parts[i]))))[i]
       out.append(self.update_leaf(g, s, p, place, at, ok, outer, state_outer,
                                   None if tables is None else tables[i]))
       done = out[-1][:2]
-    return (jax.tree.unflatten(treedef, [p for p, _, _ in out]),
-            jax.tree.unflatten(treedef, [s for _, s, _ in out]),
-            functools.reduce(jnp.logical_and, [o for *_, o in out], ok))
+      if flags is not None:
+        flags[i] = out[-1][3]
+    return (jax.tree.unflatten(treedef, [p for p, *_ in out]),
+            jax.tree.unflatten(treedef, [s for _, s, *_ in out]),
+            functools.reduce(jnp.logical_and, [o for *_, o, _ in out], ok))
 
   def step(self, params, opt_state, batch):
     if not isinstance(opt_state, StreamedState):
@@ -439,9 +429,12 @@ class _Streamer:
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))
     plan = self.backward_plan(one_layer, dh, batch, layers_at,
                               self.layer_tables(layers, opt_state.layers, layers_at))
-    (dh, ok), layers, layer_states = slicing.scan_slices(
-        functools.partial(self.layer_backward, plan), (dh, head_ok), layers,
+    flag_rows = jnp.zeros((layer_count(layers), sum(
+        hoisted.flag_count(t) for t in plan.tables if isinstance(t, hoisted.Table))), bool)
+    (dh, ok, flag_rows), layers, layer_states = slicing.scan_slices(
+        functools.partial(self.layer_backward, plan), (dh, head_ok, flag_rows), layers,
         opt_state.layers, saved, self.state, reverse=True, whole=True, fence=True)
+    layer_states = self.picked_states(plan.tables, flag_rows, layers, layer_states)
     grads = jax.tree.map(jnp.add, head_grads, embed_vjp(dh)[0])
     new_rest, rest_states, ok = self.update_embedding(grads, rest_states, rest, new_rest,
                                                       rest_at, embed_reads, ok)
@@ -450,6 +443,24 @@ class _Streamer:
     return ({**new_rest, self.stack.key: layers},
             StreamedState(layer_states, rest_states, total_notfinite),
             {"loss": loss, "finite": ok})
+
+  def picked_states(self, tables, flag_rows, layers, states):
+    """The layers' ``states`` with the leaves each `hoisted.Table` left out of the loop
+    picked for every layer (`hoisted.picked`) from ``flag_rows`` (bool ``[L, F]``: each
+    layer's tables' flags, in the leaves' order); with none, ``states`` as they are."""
+    if not any(isinstance(t, hoisted.Table) for t in tables):
+      return states
+    treedef = jax.tree.structure(layers)
+    out, start = [], 0
+    for s, table in zip(treedef.flatten_up_to(states), tables):
+      if isinstance(table, hoisted.Table):
+        n = hoisted.flag_count(table)
+        _, new_s, _ = hoisted.picked(table, flag_rows[:, start:start + n])
+        start += n
+        s = jax.tree.map(lambda new, old: old if new is None else new, new_s, s,
+                         is_leaf=lambda x: x is None)
+      out.append(s)
+    return jax.tree.unflatten(treedef, out)
 
   def forward(self, rest, layers, batch):
     """``(embed_vjp, saved, loss, head_grads, dh)``: the forward, each layer's input kept in
@@ -515,8 +526,9 @@ class _Streamer:
     output's gradient and that flag); ``states``: the device's whole stack, updated, or layer
     i's from the host, packed (a `packed_rows.Row`), returned updated as a tree. The first
     update waits at ``fence`` (`slicing.scan_slices`): host rows cross the link under the
-    backward before it and the updates after."""
-    dh, ok = carry
+    backward before it and the updates after. The carry's ``flag_rows`` get layer i's flags
+    (`picked_states`)."""
+    dh, ok, flag_rows = carry
     p = slicing.at(stacked, i)
     treedef, old = jax.tree.structure(p), jax.tree.leaves(p)
     at = jax.tree.map(lambda at: at.index(i), plan.layers_at)
@@ -531,7 +543,7 @@ class _Streamer:
     outer = (i,) if in_place else ()
     state_outer = (i,) if in_place and self.state == "device" else ()
     inputs = self.part_inputs(p, h, plan.batch)
-    grads = [None] * len(old)
+    grads, flags = [None] * len(old), [None] * len(old)
     for j in reversed(range(len(self.stack.parts))):
       dh = self.part_backward(plan, j, treedef, old, inputs[j], dh, grads)
       mine = [o == j for o in plan.owner]
@@ -543,7 +555,7 @@ class _Streamer:
           new_s = slicing.at(states, *slicing.late((i,), [g for g, m in zip(full, mine) if m]))
         new_p, new_s, ok = self.update_tree(jax.tree.unflatten(treedef, full), new_s, new_p,
                                             "device", at, ok, mine, outer, state_outer, row,
-                                            plan.tables if state_outer else None)
+                                            plan.tables if state_outer else None, flags)
       if j:  # this part's update, then the part before: its forward recomputed, not kept
         dh, inputs[j - 1], new_p, new_s = jax.lax.optimization_barrier(
             (dh, inputs[j - 1], new_p, new_s))
@@ -551,9 +563,13 @@ class _Streamer:
         # not held through this part's backward. None of them has changed: a leaf is updated
         # after the backward of the earliest part that reads it.
         old = jax.tree.leaves(slicing.at(new_p, *outer))
+    flags = [f for f in flags if f is not None]
+    if flags:
+      flag_rows = slicing.put(flag_rows, jnp.concatenate(flags), i)
+    carry = dh, ok, flag_rows
     if in_place:
-      return (dh, ok), new_p, new_s
-    return ((dh, ok), slicing.put(stacked, new_p, i),
+      return carry, new_p, new_s
+    return (carry, slicing.put(stacked, new_p, i),
             new_s if self.state == "host" else slicing.put(states, new_s, i))
 
   def part_backward(self, plan, j, treedef, old, h, dh, grads):

@@ -103,7 +103,7 @@ def test_the_state_the_flag_keeps_is_picked_after_the_loop_bit_for_bit():
         np.testing.assert_array_equal(*map(_data, (a, b)))
     flags.append(layer_flags)
     wanted.append([b for a, b in zip(got, want) if a is None])
-  picked = [x for x in jax.tree.leaves(hoisted.picked(table, jnp.stack(flags)))]
+  picked = jax.tree.leaves(hoisted.picked(table, jnp.stack(flags)))
   assert len(picked) == 2
   for i in range(len(p)):
     for a, b in zip(picked, wanted[i], strict=True):

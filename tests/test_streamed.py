@@ -276,8 +276,6 @@ def test_the_layers_loop_writes_a_row_of_flags_not_each_leafs_count():
              if e.primitive.name == "dynamic_update_slice"]
   assert (jnp.dtype(jnp.int32), (LAYERS,)) not in written
   assert written.count((jnp.dtype(bool), (LAYERS, 3))) == 1  # a flag for each of 3 leaves
-  counts = [x for x in jax.tree.leaves(state.layers) if x.dtype == jnp.int32]
-  assert len(counts) == 3 and all(jnp.shape(x) == (LAYERS,) for x in counts)
 
 
 @pytest.mark.slow

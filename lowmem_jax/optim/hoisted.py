@@ -14,7 +14,7 @@ fuses it, and every floating-point operation stays where it was, with the operan
 multiply-add, ``a / sqrt(b)`` into ``a * rsqrt(b)``, and a value made before the loop would
 change the bits): the split step is the unsplit one, bit for bit. Other PRNG
 implementations stay in the loop (``rbg``'s bits differ under ``jax.vmap``), and so do
-callbacks and effects. An output that a flag made in the loop picks from known values
+callbacks and effects. An output that a flag of the loop's picks from known values
 (a step count or key kept where the gradient is not finite: ``jnp.where(ok, new, old)``)
 can be left to after the loop (`Later`): the loop writes the flag, and `picked` makes the
 output for every layer at once.
@@ -42,7 +42,7 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"
 
 
 class Later(NamedTuple):
-  """An output that a boolean made in the loop picks from values known before it
+  """An output that a boolean not known before the loop picks from values known before it
   (``jnp.where(ok, new_count, count)``): ``lax.select_n(flags[flag], *cases)``, ``cases``
   the indices of the residuals it picks from."""
   flag: int
@@ -81,7 +81,7 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
     small: the most elements an equation's outputs, and every equation nested in it, may
       have to be on the known side (`_exact_before`).
     later: which of ``fn``'s flat outputs may be picked after the loop (`Later`) where a
-      boolean scalar made in the loop picks them from known values; None: none.
+      boolean scalar not known before the loop picks them from known values; None: none.
 
   Returns:
     The `Split`: ``rest(known(*k), *u)``'s outputs are ``fn(*k, *u)``'s leaves, for any
@@ -116,26 +116,26 @@ def split(fn: Callable, known: Sequence[Any], unknown: Sequence[Any],
   def known_fn(*leaves):
     return run(first, values | dict(zip(inputs, leaves)), residuals)
 
-  picked = _picked(ops, second, inputs, jaxpr.invars, outputs, residuals,
-                   later or [False] * len(outputs))
-  flags = list(dict.fromkeys(flag for flag, _ in filter(None, picked)))
-  picked = tuple(None if x is None else Later(flags.index(x[0]), x[1]) for x in picked)
+  deferred = _picked(ops, second, inputs, jaxpr.invars, outputs, residuals,
+                     later or [False] * len(outputs))
+  flags = list(dict.fromkeys(flag for flag, _ in filter(None, deferred)))
+  deferred = tuple(None if x is None else Later(flags.index(x[0]), x[1]) for x in deferred)
 
   def rest_fn(residual_values, *leaves):
     env = values | dict(zip(residuals, residual_values)) | dict(zip(inputs[len(known):], leaves))
-    now = [x for x, p in zip(outputs, picked) if p is None]
+    now = [x for x, d in zip(outputs, deferred) if d is None]
     made = iter(run(second, env, [*now, *flags]))
-    return [None if p else next(made) for p in picked], list(made)
+    return [None if d else next(made) for d in deferred], list(made)
 
   return Split(known_fn, rest_fn, jax.tree.structure(out_shape),
-               [(jnp.shape(x), jnp.dtype(x.dtype)) for x in unknown], picked)
+               [(jnp.shape(x), jnp.dtype(x.dtype)) for x in unknown], deferred)
 
 
 def _picked(ops: list["_Op"], second: list[int], inputs: list, invars: list, outputs: list,
             residuals: list, allowed: Sequence[bool]) -> list:
   """Each output's ``(flag, cases)`` where ``allowed`` and it is ``select_n`` of residuals
-  ``cases`` (their indices) on ``flag``, a boolean scalar made in the loop (the value a
-  ``jnp.where`` broadcasts), else None."""
+  ``cases`` (their indices) on ``flag``, a boolean scalar not known before the loop (an
+  unknown input, or made from one), else None."""
   makers = {x: ops[k] for k in second for x in ops[k].makes}
   avals = dict(zip(inputs, (v.aval for v in invars)))
   avals.update((x, v.aval) for op in ops for x, v in zip(op.makes, op.eqn.outvars))
@@ -148,8 +148,6 @@ def _picked(ops: list["_Op"], second: list[int], inputs: list, invars: list, out
       out.append(None)
       continue
     flag = op.reads[0]
-    if flag in makers and makers[flag].eqn.primitive.name == "broadcast_in_dim":
-      flag = makers[flag].reads[0]
     aval = None if isinstance(flag, jcore.Literal) or flag in at else avals.get(flag)
     scalar_bool = aval is not None and aval.shape == () and aval.dtype == jnp.bool_
     out.append((flag, tuple(at[c] for c in op.reads[1:])) if scalar_bool else None)

@@ -178,6 +178,13 @@ def _last_first(out: tuple) -> tuple:
   return (*out[1:], out[0])
 
 
+def _made(new: Any, old: Any, put: Callable = lambda old, new: new) -> Any:
+  """``old`` with ``put(old_leaf, new_leaf)`` where ``new`` has a leaf (None: left to
+  after the loop, `hoisted.Later`)."""
+  return jax.tree.map(lambda n, o: o if n is None else put(o, n), new, old,
+                      is_leaf=lambda x: x is None)
+
+
 def _sliced(x: jax.Array, n: int) -> jax.Array:
   """``x`` as ``n`` equal slices of its first axis, stacked: ``[n, len / n, ...]``."""
   return x.reshape(n, -1, *jnp.shape(x)[1:])
@@ -367,9 +374,7 @@ class _Streamer:
                                    hoisted.apply(table, state_outer[0], *args, ok))
       new_p = slicing.put(p, new_p, *outer) if outer else new_p
       if state_outer:
-        new_s = jax.tree.map(lambda new, old: old if new is None else
-                             slicing.put(old, new, *state_outer), new_s, s,
-                             is_leaf=lambda x: x is None)
+        new_s = _made(new_s, s, lambda old, new: slicing.put(old, new, *state_outer))
       return new_p, new_s if state_outer else slicing.to(place, new_s), ok, flags
 
     def fn(all_ok, i, p, s, g):
@@ -457,8 +462,7 @@ class _Streamer:
         n = hoisted.flag_count(table)
         _, new_s, _ = hoisted.picked(table, flag_rows[:, start:start + n])
         start += n
-        s = jax.tree.map(lambda new, old: old if new is None else new, new_s, s,
-                         is_leaf=lambda x: x is None)
+        s = _made(new_s, s)
       out.append(s)
     return jax.tree.unflatten(treedef, out)
 
@@ -523,11 +527,11 @@ class _Streamer:
   def layer_backward(self, plan, carry, i, stacked, states, h, fence):
     """Layer i's backward, each part's parameters updated in ``stacked`` (all layers')
     once its backward is done, where the gradients so far are finite (``carry``: the
-    output's gradient and that flag); ``states``: the device's whole stack, updated, or layer
-    i's from the host, packed (a `packed_rows.Row`), returned updated as a tree. The first
-    update waits at ``fence`` (`slicing.scan_slices`): host rows cross the link under the
-    backward before it and the updates after. The carry's ``flag_rows`` get layer i's flags
-    (`picked_states`)."""
+    output's gradient, that flag, and the ``flag_rows`` that get layer i's tables' flags,
+    `picked_states`); ``states``: the device's whole stack, updated, or layer i's from the
+    host, packed (a `packed_rows.Row`), returned updated as a tree. The first update waits
+    at ``fence`` (`slicing.scan_slices`): host rows cross the link under the backward
+    before it and the updates after."""
     dh, ok, flag_rows = carry
     p = slicing.at(stacked, i)
     treedef, old = jax.tree.structure(p), jax.tree.leaves(p)

@@ -372,9 +372,11 @@ class _Streamer:
       args = (g, slicing.to("device", slicing.at(s, *state_outer)), slicing.at(p, *p_at))
       (new_p, new_s, ok), flags = ((self.update(*args, at, ok), None) if table is None else
                                    hoisted.apply(table, state_outer[0], *args, ok))
-      new_p = slicing.put(p, new_p, *outer) if outer else new_p
-      if state_outer:
+      if state_outer:  # made in one multi-output kernel, then copied into the stacks: XLA
+        # fuses no two in-place writes, and each would make the shared work again
+        new_p, new_s = jax.lax.optimization_barrier((new_p, new_s))
         new_s = _made(new_s, s, lambda old, new: slicing.put(old, new, *state_outer))
+      new_p = slicing.put(p, new_p, *outer) if outer else new_p
       return new_p, new_s if state_outer else slicing.to(place, new_s), ok, flags
 
     def fn(all_ok, i, p, s, g):

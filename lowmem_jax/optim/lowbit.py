@@ -203,9 +203,9 @@ def moments_step(update: Callable, mu: Any, nu: Any, grads: Any, *, min_size: in
   keeps XLA from merging the two, where the caller quantises them (`moments_store` with
   the scales) and takes Adam's direction in the same pass. Compiled for a GPU, an 8-bit
   AdamW update of a bfloat16 weight, rounded stochastically, then moves about 14 bytes a
-  parameter, not 26 (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step,
-  whose update writes three stacks in place, XLA still keeps one float32 moment
-  (``docs/benchmarks.md``).
+  parameter, not 26 (``benchmarks/optimizer_bytes.py``); inside the layer-streamed step
+  too, whose new values pass one barrier before they are written into their stacks
+  (``docs/benchmarks.md``, session 48).
 
   Returns:
     ``(mu32, nu32, grads, scales)``: the moments made again; ``grads`` from the barrier (the

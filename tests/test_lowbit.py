@@ -127,6 +127,25 @@ def test_zero_moments_are_quantized_zeros_made_without_a_float32_array(signed):
   assert max(sizes, default=0) < 1000, sizes
 
 
+@pytest.mark.parametrize("shape", [(3, 5), (4, 1024), (3, 1500), (5000,)],
+                         ids=["small", "whole-blocks", "padded-block", "one-row"])
+def test_all_finite_is_ok_and_every_element_finite(shape):
+  """`all_finite` against ``ok and np.all(np.isfinite(x))`` with one NaN or infinity at the
+  first, a middle and the last element (in a padded last block too), and ``ok`` False; a
+  leaf of 8-bit moments' size holds its blocks' results (``[..., blocks]``) at a barrier."""
+  check = jax.jit(lowbit.all_finite)
+  x = jax.random.normal(jax.random.key(0), shape)
+  assert bool(check(x, True)) and not bool(check(x, False))
+  for bad in (np.nan, np.inf, -np.inf):
+    for at in (0, x.size // 2, x.size - 1):
+      y = x.reshape(-1).at[at].set(bad).reshape(shape)
+      assert not bool(check(y, True)), (bad, at)
+  held = [e.outvars[0].aval.shape for e in jax.make_jaxpr(lowbit.all_finite)(x).eqns
+          if e.primitive.name == "optimization_barrier"]
+  blocks = (*shape[:-1], -(-shape[-1] // lowbit.BLOCK))
+  assert held == ([blocks] if x.size >= lowbit.MIN_SIZE else []), held
+
+
 @OPTAX_BIAS_CORRECTION
 @OPTAX_UPDATE_MOMENT
 def test_non_finite_poisons_its_block_on_cpu():

@@ -90,7 +90,7 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
 
   part = (shape[0] // n, *shape[1:])
   if not outer:
-    p = p.reshape(n, *part)
+    p = slicing.sliced(p, n)
     if place == "device":
       words = lambda j: _words_at(fused, s, (j,), p, (j,), None, at.part(j, part))
       table = Table(*jax.vmap(words)(jnp.arange(n, dtype=jnp.int32)))
@@ -104,10 +104,10 @@ def update_leaf(fused: lowbit.FusedAdamW8bit, options: Any, g: jax.Array, s: Any
     return jnp.logical_and(all_ok, slice_ok), p, state
 
   if outer:
-    ok, p, s = slicing.scan_slices(fn, ok, p, s, g.reshape(n, *part), place, outer=outer,
+    ok, p, s = slicing.scan_slices(fn, ok, p, s, slicing.sliced(g, n), place, outer=outer,
                                    state_outer=state_outer, rows=part[0], whole=True)
     return p, s, ok
-  ok, p, s = slicing.scan_slices(fn, ok, p, s, g.reshape(n, *part), place, whole=True)
+  ok, p, s = slicing.scan_slices(fn, ok, p, s, slicing.sliced(g, n), place, whole=True)
   return p.reshape(shape), s, ok
 
 

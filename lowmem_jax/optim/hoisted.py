@@ -238,6 +238,13 @@ def apply(table: Table, i: jax.Array, g: jax.Array, s_i: Any, p_i: jax.Array,
   return jax.tree.unflatten(table.split.out_tree, out), flags
 
 
+def made(new: Any, old: Any, put: Callable = lambda old, new: new) -> Any:
+  """``old`` with ``put(old_leaf, new_leaf)`` where ``new`` (`apply`'s outputs) has a leaf,
+  not None (a `Later` one, picked after the loop)."""
+  return jax.tree.map(lambda n, o: o if n is None else put(o, n), new, old,
+                      is_leaf=lambda x: x is None)
+
+
 def flag_count(table: Table) -> int:
   """How many flags `apply` returns a layer."""
   return len({x.flag for x in table.split.later if x is not None})

@@ -54,9 +54,9 @@ from lowmem_jax.optim.rounding import (Position, StochasticRoundingState, positi
 
 __all__ = ["AdamW8bit", "BLOCK", "FusedAdamW8bit", "MIN_SIZE", "Position", "QuantizedArray",
            "ScaleByAdam8bitState", "StochasticRoundingState", "adam_direction", "adamw_8bit",
-           "block_scales", "dequantize", "error_bound", "is_quantized", "moments_load",
-           "moments_step", "moments_store", "moments_zeros", "positions_of", "quantize",
-           "rounding_bits", "scale_by_adam_8bit", "step_key", "stochastic_round",
+           "all_finite", "block_scales", "dequantize", "error_bound", "is_quantized",
+           "moments_load", "moments_step", "moments_store", "moments_zeros", "positions_of",
+           "quantize", "rounding_bits", "scale_by_adam_8bit", "step_key", "stochastic_round",
            "stochastic_rounding", "tree_load", "tree_zeros"]
 
 BLOCK = 256
@@ -118,6 +118,21 @@ def _quantize(x: jax.Array, *, signed: bool, block: int, noise: jax.Array | None
   noise = None if noise is None else _blocks(noise, block)
   codes = reference.codes(blocks, scales, noise, signed=signed)
   return QuantizedArray(_unblocked(codes, x.shape), scales)
+
+
+def all_finite(x: jax.Array, ok: Any = True, *, min_size: int = MIN_SIZE,
+               block: int = BLOCK) -> jax.Array:
+  """bool []: ``ok`` (bool []) and whether every element of ``x`` is finite. Where the 8-bit
+  moments of ``x``'s shape take block scales (``x`` of at least ``min_size`` elements), each
+  block is checked first, the blocks' results held by an ``optimization_barrier`` (XLA would
+  fold the two reductions into one of another shape), then reduced with ``ok``: XLA reads a
+  gradient once for its finiteness and `moments_step`'s first pass, and ands no ``ok`` in a
+  kernel of its own."""
+  if jnp.size(x) < min_size:
+    return jnp.logical_and(ok, jnp.all(jnp.isfinite(x)))
+  _check(block)
+  blocks = jnp.all(jnp.isfinite(_blocks(x, block)), axis=-1)
+  return jnp.all(jnp.logical_and(jax.lax.optimization_barrier(blocks), ok))
 
 
 def block_scales(x: jax.Array, *, block: int = BLOCK) -> jax.Array:

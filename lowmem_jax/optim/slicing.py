@@ -88,6 +88,11 @@ def window(t: Any, index: tuple, rows: int | None = None) -> tuple[tuple, tuple]
   return (*start, *[0] * len(rest)), (*size, *rest)
 
 
+def sliced(x: jax.Array, n: int) -> jax.Array:
+  """``x`` as ``n`` equal slices of its first axis, stacked: ``[n, len / n, ...]``."""
+  return x.reshape(n, -1, *jnp.shape(x)[1:])
+
+
 def late(index: Any, after: Any) -> Any:
   """``index``, not to be used before ``after`` is made (an optimization barrier)."""
   if after is None or not jax.tree.leaves(index):

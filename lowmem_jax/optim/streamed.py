@@ -178,16 +178,12 @@ def _last_first(out: tuple) -> tuple:
   return (*out[1:], out[0])
 
 
-def _made(new: Any, old: Any, put: Callable = lambda old, new: new) -> Any:
-  """``old`` with ``put(old_leaf, new_leaf)`` where ``new`` has a leaf (None: left to
-  after the loop, `hoisted.Later`)."""
-  return jax.tree.map(lambda n, o: o if n is None else put(o, n), new, old,
-                      is_leaf=lambda x: x is None)
-
-
-def _sliced(x: jax.Array, n: int) -> jax.Array:
-  """``x`` as ``n`` equal slices of its first axis, stacked: ``[n, len / n, ...]``."""
-  return x.reshape(n, -1, *jnp.shape(x)[1:])
+def _kept_in_write(new: jax.Array, p: jax.Array) -> bool:
+  """Whether a new state leaf of a device stack is kept where the update is finite in its
+  write into the stack, after the barrier (`_Streamer.update_leaf`), not before: a float leaf
+  not of parameter ``p``'s shape (an 8-bit moment's block scales), whose select XLA would
+  make a kernel of its own. Counts and keys stay: `hoisted` picks them after the loop."""
+  return jnp.issubdtype(new.dtype, jnp.floating) and jnp.shape(new) != jnp.shape(p)
 
 
 class _Backward(NamedTuple):
@@ -263,7 +259,7 @@ class _Streamer:
                       "or label tree (not a function of the params) cannot match it; give a "
                       f"function. ({e})") from e
 
-    return init(x) if n == 1 else jax.vmap(init)(_sliced(x, n))
+    return init(x) if n == 1 else jax.vmap(init)(slicing.sliced(x, n))
 
   def init(self, params):
     rest, layers, _ = self.checked(params)
@@ -297,16 +293,18 @@ class _Streamer:
     return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
             else slicing.stacked(self.state, self.leaf_init(x, where), n, 2))
 
-  def update(self, g, s, p, where, ok):
+  def update(self, g, s, p, where, ok, defer=False):
     """``(p, s, ok)``: ``tx`` on one leaf (or slice), given as the only leaf of its path
     (`layer_stack.Where.nest`), where ``ok`` (bool[]) and the gradient are finite; else the leaf and
-    its state as they were, and ``ok`` False."""
-    ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(g)))
+    its state as they were, and ``ok`` False. ``defer``: the state's `_kept_in_write` leaves
+    come back as made, for the caller to keep where ``ok``."""
+    ok = lowbit.all_finite(g, ok)
     updates, new_s = self.tx.update(where.nest(g), s, where.nest(p),
                                     positions=where.nest(where.at))
     kept = lambda new, old: jnp.where(ok, new, old)
+    kept_s = lambda new, old: new if defer and _kept_in_write(new, p) else kept(new, old)
     return (kept(optax.apply_updates(p, where.leaf(updates)), p),
-            jax.tree.map(kept, new_s, s), ok)
+            jax.tree.map(kept_s, new_s, s), ok)
 
   def kernel(self, p, shape):
     """The fused update kernel's options where leaf ``p`` (or a stack of them), whose part
@@ -337,7 +335,7 @@ class _Streamer:
       if self.kernel(p, shape) is not None:
         tables.append(fused_update.layer_table(self.fused, p, s, at.at, self.slice_elements))
       elif slices(shape, self.slice_elements) == 1:
-        update = lambda i, g, s, p, ok, at=at: self.update(g, s, p, at.index(i), ok)
+        update = lambda i, g, s, p, ok, at=at: self.update(g, s, p, at.index(i), ok, True)
         # The state's leaves kept or stepped on the gradient's finiteness alone (the count,
         # the rounding key) picked after the loop, for every layer at once (`picked_states`).
         tables.append(hoisted.stack_table(update, p, s, later=(False, True, False)))
@@ -370,12 +368,16 @@ class _Streamer:
       else:
         p_at = slicing.late(outer, g)
       args = (g, slicing.to("device", slicing.at(s, *state_outer)), slicing.at(p, *p_at))
-      (new_p, new_s, ok), flags = ((self.update(*args, at, ok), None) if table is None else
-                                   hoisted.apply(table, state_outer[0], *args, ok))
+      (new_p, new_s, ok), flags = (
+          (self.update(*args, at, ok, bool(state_outer)), None) if table is None else
+          hoisted.apply(table, state_outer[0], *args, ok))
       if state_outer:  # made in one multi-output kernel, then copied into the stacks: XLA
         # fuses no two in-place writes, and each would make the shared work again
         new_p, new_s = jax.lax.optimization_barrier((new_p, new_s))
-        new_s = _made(new_s, s, lambda old, new: slicing.put(old, new, *state_outer))
+        kept = lambda old, new: slicing.put(old, jnp.where(
+            ok, new, slicing.at(old, *state_outer)) if _kept_in_write(new, new_p) else new,
+            *state_outer)
+        new_s = hoisted.made(new_s, s, kept)
       new_p = slicing.put(p, new_p, *outer) if outer else new_p
       return new_p, new_s if state_outer else slicing.to(place, new_s), ok, flags
 
@@ -384,9 +386,10 @@ class _Streamer:
       return jnp.logical_and(all_ok, slice_ok), p, s
 
     if outer:
-      return (*_last_first(slicing.scan_slices(fn, ok, p, s, _sliced(g, n), place, outer=outer,
-                                               state_outer=state_outer, rows=part[0])), None)
-    ok, p, s = slicing.scan_slices(fn, ok, _sliced(p, n), s, _sliced(g, n), place)
+      return (*_last_first(slicing.scan_slices(fn, ok, p, s, slicing.sliced(g, n), place,
+                                               outer=outer, state_outer=state_outer,
+                                               rows=part[0])), None)
+    ok, p, s = slicing.scan_slices(fn, ok, slicing.sliced(p, n), s, slicing.sliced(g, n), place)
     return p.reshape(shape), s, ok, None
 
   def update_tree(self, grads, states, params, place, where, ok, which=None, outer=(),
@@ -464,7 +467,7 @@ class _Streamer:
         n = hoisted.flag_count(table)
         _, new_s, _ = hoisted.picked(table, flag_rows[:, start:start + n])
         start += n
-        s = _made(new_s, s)
+        s = hoisted.made(new_s, s)
       out.append(s)
     return jax.tree.unflatten(treedef, out)
 

@@ -18,7 +18,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 import lowmem_jax as lm
 import lowmem_jax_cli
 from lowmem_jax import app, names
-from lowmem_jax.app import cli, fits, techniques
+from lowmem_jax.app import cli, fits, step_options, techniques
 from lowmem_jax.compile import memory
 
 BATCH, D_IN, HIDDEN, D_OUT = 32, 64, 256, 16
@@ -199,7 +199,7 @@ def test_report_help_lists_the_lowmem_rewrites_and_the_options_of_make_step(caps
   out = capsys.readouterr().out
   lowmem = next(line for line in out.splitlines() if line.lstrip().startswith("lowmem "))
   assert all(w in lowmem for w in ("norms", "attention", "loss head"))
-  for keyword, option in techniques.STEP_OPTIONS.items():
+  for keyword, option in step_options.STEP_OPTIONS.items():
     assert f"  {keyword}={option.default}: " in out
 
 
@@ -344,7 +344,8 @@ def test_fused_ce_for_language_models(capsys):
                            + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
                            + micro("all", (2, 4)))
   whole, every = f"+update-slice:{2 ** 26}", f"+update-slice:{2 ** 30}"
-  streamed = [f"stream:device+mlp-chunk:off{every}", "stream:device+mlp-chunk:off",
+  streamed = [f"stream:device+whole-layer+mlp-chunk:off{every}",
+              f"stream:device+mlp-chunk:off{every}", "stream:device+mlp-chunk:off",
               "stream:device", "stream:host", "stream:host+late-embed",
               f"stream:host+offload-opt+mlp-chunk:off{whole}",
               "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",

@@ -11,7 +11,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
 from lowmem_jax import app
-from lowmem_jax.app import code, measurement, techniques
+from lowmem_jax.app import code, measurement, step_options
 
 SMALL = app.Job("vit-tiny", batch=4, image=32, target="cpu")
 
@@ -182,15 +182,34 @@ def _jaxpr(job, text: str) -> str:
 
 
 @OPTAX_BIAS_CORRECTION
+def test_whole_layer_is_the_streamed_step_with_one_attention_forward_less():
+  """``whole-layer`` is `layer_stack`'s ``split_layer=False`` (tests/test_llama.py: the same
+  model either way): a layer's backward in one piece, so the attention half's forward runs
+  once a layer, not twice (fewer matmuls and attentions in the step); it needs stream."""
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  split, whole = "8bit+stream:device", "8bit+stream:device+whole-layer"
+  assert "split_layer=False" in app.parse(whole).python(job)
+  assert "split_layer" not in app.parse(split).python(job)
+  count = lambda text, op: _jaxpr(job, text).count(op)
+  for op in ("dot_general", "exp"):
+    assert count(whole, op) < count(split, op), op
+  with pytest.raises(app.TechniqueError, match="whole-layer needs stream"):
+    app.parse("8bit+whole-layer").check_together()
+
+
+@OPTAX_BIAS_CORRECTION
 def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   # llama-tiny's leaves all hold under 2^24 elements: its bigger slices' rungs' steps are the
-  # same sets' without the term, equation for equation, and are left out; LLaMA-100M's
-  # embedding is sliced.
+  # same sets' without the term, equation for equation, and are left out (whole-layer's kept
+  # without the term: no other rung is its set); LLaMA-100M's embedding is sliced.
   tiny = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
   kept, _ = app.ladder_of(tiny)
   full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))
-  bigger = [t for t in full if "update-slice" in t]
-  assert kept == [t for t in full if t not in bigger] and len(bigger) == 4
+  bigger = [t for t in full if "update-slice" in t and "whole-layer" not in t]
+  whole = [t for t in full if "whole-layer" in t]
+  assert len(bigger) == 4 and len(whole) == 2
+  assert kept == [t[:t.index("+update-slice")] if t in whole else t for t in full
+                  if t not in bigger]
 
   for text in bigger[:2]:  # the state on the device, on the host
     assert _jaxpr(tiny, text) == _jaxpr(tiny, text[:text.index("+update-slice")])
@@ -218,7 +237,7 @@ def test_the_ladder_leaves_out_mlp_chunk_off_where_the_stream_runs_one_chunk():
 def test_a_technique_goes_with_those_it_needs_where_make_step_takes_not_their_options():
   """**unused takes every option: bf16-params stays; without 8bit's (adamw) it goes too."""
   job = app.Job(make_step=_lowmem_and_params, target="cpu")
-  assert job.step_keywords() == frozenset(techniques.STEP_OPTIONS)
+  assert job.step_keywords() == frozenset(step_options.STEP_OPTIONS)
   job = app.Job(make_step=_all_options, target="cpu")
   assert job.without_missing("bf16+lowmem+8bit+bf16-params") == (
       "bf16+lowmem+8bit+bf16-params", ())

@@ -49,7 +49,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lowmem_jax import models
-from lowmem_jax.app import fits, measurement, techniques
+from lowmem_jax.app import fits, measurement, step_options, techniques
 from lowmem_jax.app.job import Job
 from lowmem_jax.compile import memory, targets
 
@@ -243,7 +243,8 @@ def report(args, job: Job, console: Console) -> int:
   texts = args.techniques.split(",") if args.techniques is not None else job.default_sets()
   sets = [techniques.parse(t, step=job.make_step is not None) for t in texts]
   left_out = [] if job.make_step is None or args.techniques is not None else _left_out(
-      job, [term for t in techniques.STEP_DEFAULT.split(",") for term in job.without_missing(t)[1]])
+      job, [term for t in step_options.STEP_DEFAULT.split(",")
+            for term in job.without_missing(t)[1]])
   for s in sets:
     measurement.check(job, s)
   if args.plot:
@@ -413,11 +414,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="techniques (those not marked [approximate] train as the "
                        "plain step does, up to rounding; plan tries them first):\n"
                        f"{described}\n\nwith --step: "
-                       f"{', '.join(techniques.STEP_TECHNIQUES)} (default "
-                       f"{techniques.STEP_DEFAULT}, each where make_step takes its options). "
+                       f"{', '.join(step_options.STEP_TECHNIQUES)} (default "
+                       f"{step_options.STEP_DEFAULT}, each where make_step takes its options). "
                        "Each technique calls make_step with its options, these keyword "
                        "arguments, which make_step must give the defaults shown; one it does "
-                       f"not take leaves its techniques unmeasured:\n{techniques.step_help()}",
+                       f"not take leaves its techniques unmeasured:\n{step_options.step_help()}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
   pl = sub.add_parser("plan", help="the cheapest technique set whose step fits a memory budget",
                       description="Tries the exact sets (training as the plain step's up "
@@ -462,7 +463,7 @@ def _parser() -> argparse.ArgumentParser:
                         "GPU, else h100 where the target packages are installed, else cpu")
   rep.add_argument("--techniques",
                    help=f"comma list of technique sets (default {techniques.DEFAULT}; with --step "
-                        f"{techniques.STEP_DEFAULT})")
+                        f"{step_options.STEP_DEFAULT})")
   rep.add_argument("--top", type=int, default=10, help="largest live buffers to list (default 10)")
   rep.add_argument("--details", action="store_true",
                    help="the full breakdown of every technique set, not only the last")

@@ -40,7 +40,9 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   `lowmem_jax.plan`'s policy); a language model's then the layer-streamed step (its saved
   inputs on the device, each layer's MLP whole (``mlp-chunk:off``: Llama-3.1-8B's step at
   2 x 2,048 tokens on the ``h100`` target 4% faster at the same peak), first with bigger
-  update slices (`EVERY_LEAF`: every leaf of a Llama 3 whole), then over chunks of
+  update slices (`EVERY_LEAF`: every leaf of a Llama 3 whole), first of all with each
+  layer's backward whole (``whole-layer``: one attention forward less a layer, the MLP's
+  gradient held through the attention's backward), then over chunks of
   1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the
   host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
   schedule); then its state on the host too: a layer ahead with each MLP whole in bigger
@@ -61,7 +63,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
     state = f"{best}+8bit+bf16-params"
     sets = [best, f"{best}+8bit", state, f"{state}+remat:plan"]
     if language_model:
-      return sets + [f"{state}+stream:device+mlp-chunk:off{EVERY_LEAF}",
+      return sets + [f"{state}+stream:device+whole-layer+mlp-chunk:off{EVERY_LEAF}",
+                     f"{state}+stream:device+mlp-chunk:off{EVERY_LEAF}",
                      f"{state}+stream:device+mlp-chunk:off", f"{state}+stream:device",
                      f"{state}+stream:host",
                      f"{state}+stream:host+late-embed",
@@ -80,10 +83,11 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device); without
-  a set that compiles another one's program: the bigger slices' rungs (`WHOLE`,
+  a set that compiles another one's program: the bigger slices' terms (`WHOLE`,
   `EVERY_LEAF`) where no parameter leaf holds more than the default slice
-  (`_over_default_slice`), and the later of two streamed sets that differ in
-  ``mlp-chunk:off`` alone where the stream's MLP runs in one chunk (`_one_chunk`). For a
+  (`_over_default_slice`; of two rungs then the same, the later kept), and the later of two
+  streamed sets that differ in ``mlp-chunk:off`` alone where the stream's MLP runs in one
+  chunk (`_one_chunk`). For a
   user's step, each set without the techniques whose options ``make_step`` does not take
   (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
@@ -91,7 +95,8 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
     texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
     bigger = [t for t in texts if WHOLE in t or EVERY_LEAF in t]
     if bigger and not _over_default_slice(job, parse(bigger[0])):
-      texts = [t for t in texts if t not in bigger]
+      texts = [t.replace(WHOLE, "").replace(EVERY_LEAF, "") for t in texts]
+      texts = [t for k, t in enumerate(texts) if t not in texts[k + 1:]]
     chunked = next((t for t in texts if "+stream:" in t and "mlp-chunk" not in t), None)
     if chunked and _one_chunk(job, parse(chunked)):
       first = {}  # each set by its text without mlp-chunk:off, the first in ladder order

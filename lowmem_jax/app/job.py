@@ -13,12 +13,11 @@ from lowmem_jax.app.techniques import (
   CONV_NET_DEFAULT,
   DEFAULT,
   LANGUAGE_MODEL_EXTRA,
-  STEP_DEFAULT,
-  STEP_OPTIONS,
   TECHNIQUES,
   TechniqueError,
   TechniqueSet,
 )
+from lowmem_jax.app.step_options import STEP_DEFAULT, STEP_OPTIONS
 from lowmem_jax.compile import targets
 from lowmem_jax.ops import dispatch
 

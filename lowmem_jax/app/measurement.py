@@ -8,9 +8,8 @@ import jax
 
 from lowmem_jax.app import code
 from lowmem_jax.app.job import Job
+from lowmem_jax.app.step_options import STEP_OPTIONS, STEP_TECHNIQUES
 from lowmem_jax.app.techniques import (
-  STEP_OPTIONS,
-  STEP_TECHNIQUES,
   TechniqueError,
   TechniqueSet,
   describe,

@@ -17,13 +17,14 @@ import dataclasses
 import inspect
 import json
 import re
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import optax
 
 from lowmem_jax import models, transform
 from lowmem_jax.app import code
+from lowmem_jax.app.step_options import STEP_TECHNIQUES
 from lowmem_jax.choices import Activation, Attention, Conv, Embedding, Loss, Norm, Place
 from lowmem_jax.compile import policies, targets
 
@@ -213,7 +214,8 @@ TECHNIQUES = {t.term: t for t in (
     Technique("stream", "LLaMA: the layer-streamed step (lowmem_jax.optim.layer_streamed): the "
               "optimizer applied inside the backward, one layer at a time, so no whole-model "
               "gradient; each layer's saved input on the device or the host; each layer in "
-              "two parts, the MLP's parameters updated before the attention's backward; each "
+              "two parts (whole-layer: one), the MLP's parameters updated before the "
+              "attention's backward; each "
               "layer's MLP over chunks of 1,024 tokens, recomputed chunk by chunk "
               "(mlp_chunk_tokens)",
               value="<device|host>", parse=_place,
@@ -222,6 +224,13 @@ TECHNIQUES = {t.term: t for t in (
                          "at the micro-batch's size"),
                         ("remat", "the streamed backward recomputes each layer from its input "
                          "already"))),
+    Technique("whole-layer", "with stream: each layer's backward whole, not its attention "
+              "half then its MLP half: one forward of the attention half less a layer (the "
+              "plain step with full remat's FLOPs), the MLP's parameter gradient held through "
+              "the attention's backward (layer_stack's split_layer=False; Llama-3.2-1B's "
+              "stream:device step at 2 x 2,048 tokens on the h100: 122.9 ms estimated, 126.7 "
+              "in two parts, the same peak; docs/benchmarks.md)",
+              needs=(("stream", "only the streamed step takes a layer's backward in parts"),)),
     Technique("prefetch", "with stream and offload-opt: how many layers ahead the streamed "
               "step brings the host state over (layer_streamed's prefetch): 1, the default, "
               "holds the least, the read and the write each under part of a layer's "
@@ -268,52 +277,6 @@ LANGUAGE_MODEL_EXTRA = ",fused-ce,all+fused-ce"
 """Added to `DEFAULT` for the language models (``fused-ce``)."""
 CONV_NET_DEFAULT = "baseline,relu-1bit,conv:pooled,conv:int8,bf16,relu-1bit+conv:int8+bf16"
 """The default technique sets of the WideResNet (batch norm, no attention)."""
-STEP_TECHNIQUES = ("baseline", "lowmem", "approx", "bf16", "remat", "adama", "8bit",
-                   "bf16-params", "offload-opt")
-"""The techniques of a user's step, each given to ``make_step`` as `STEP_OPTIONS`."""
-STEP_DEFAULT = "baseline,lowmem,lowmem+approx"
-"""The default technique sets of a user's step."""
-class StepOption(NamedTuple):
-  """A keyword argument of a user's ``make_step``: ``default`` its default's Python, ``what``
-  it is and what each technique of ``terms`` passes."""
-  default: str
-  what: str
-  terms: tuple[str, ...]
-
-
-STEP_OPTIONS = {
-    "lowmem": StepOption("lambda f: f", "the step differentiates lowmem(loss_fn); lowmem: "
-                         "lm.lowmem, its exact rewrites (norms, attention, loss head, GELU/SiLU "
-                         "recomputed), approx: with activations=\"approx\"",
-                         ("lowmem", "approx")),
-    "dtype": StepOption("jnp.float32", "the compute dtype; bf16: jnp.bfloat16", ("bf16",)),
-    "policy": StepOption("None", "a remat policy, for jax.checkpoint(loss_fn, policy=policy); "
-                         "remat:<policy>: lm.policies.<policy> (plan's remat:plan: lm.plan's)",
-                         ("remat",)),
-    "adamw": StepOption("optax.adamw", "the AdamW, called adamw(learning_rate); 8bit: "
-                        "lm.lowbit.adamw_8bit; adama:<k>: functools.partial(lm.adamaw, k=<k>), "
-                        "with 8bit state_bits=8", ("8bit", "adama")),
-    "micro_batches": StepOption("1", "micro-batches a step, as lm.microbatch_step(loss_fn, tx, "
-                                "micro_batches); adama:<k>: <k>", ("adama",)),
-    "param_dtype": StepOption("jnp.float32", "the parameters' dtype; bf16-params: jnp.bfloat16",
-                              ("bf16-params",)),
-    "optimizer": StepOption("lambda tx: tx", "wraps the optimizer; bf16-params: optax.chain(tx, "
-                            "lm.lowbit.stochastic_rounding()); offload-opt: "
-                            "lm.offload.offload_state(tx), whose state the step's arguments hold "
-                            "in host memory (lm.offload.abstract_state(tx, params))",
-                            ("bf16-params", "offload-opt")),
-}
-"""``make_step``'s keyword arguments, by keyword, the one place they are declared (``lowmem-jax
-report --help`` prints them). A technique whose keywords ``make_step`` does not take is left
-out of the default sets and the ladder (`lowmem_jax.app.job.Job.without_missing`), and
-refused where a set names it (`lowmem_jax.app.measurement.check`)."""
-
-
-def step_help() -> str:
-  """The ``--help`` lines of `STEP_OPTIONS`."""
-  return "\n".join(f"  {k}={o.default}: {o.what}" for k, o in STEP_OPTIONS.items())
-
-
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4  # optax.adamw's default
 
@@ -410,8 +373,8 @@ class TechniqueSet:
                         tuple((t, values[t]) for t in TECHNIQUES if t in values))
 
   def step_options(self) -> dict[str, Any]:
-    """The `STEP_OPTIONS` this set passes to a user's ``make_step``, as `code`
-    expressions (the defaults left out); `code.value` makes each."""
+    """The `lowmem_jax.app.step_options.STEP_OPTIONS` this set passes to a user's
+    ``make_step``, as `code` expressions (the defaults left out); `code.value` makes each."""
     out = {}
     lowmem = {}
     for t, _ in self.values:  # the first technique to set an option wins: approx over lowmem's
@@ -497,7 +460,9 @@ class TechniqueSet:
     if "stream" in self:
       fsdp = {"gather_params": True} if job.devices > 1 else {}
       streamed = (("streamed", code.Call.of(
-          "lm.optim.layer_streamed", code.Call.of("wl.layer_stack"), code.Name("tx"),
+          "lm.optim.layer_streamed", code.Call.of(
+              "wl.layer_stack", **({"split_layer": False} if "whole-layer" in self else {})),
+          code.Name("tx"),
           state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream"),
           **fsdp, **({"prefetch": self.get("prefetch")} if "prefetch" in self else {}),
           **({"slice_elements": self.get("update-slice")} if "update-slice" in self else {}),

@@ -140,6 +140,7 @@ def test_all_finite_is_ok_and_every_element_finite(shape):
     for at in (0, x.size // 2, x.size - 1):
       y = x.reshape(-1).at[at].set(bad).reshape(shape)
       assert not bool(check(y, True)), (bad, at)
+  assert not bool(lowbit.all_finite(jnp.zeros((0,)), False, min_size=0))  # no elements
   held = [e.outvars[0].aval.shape for e in jax.make_jaxpr(lowbit.all_finite)(x).eqns
           if e.primitive.name == "optimization_barrier"]
   blocks = (*shape[:-1], -(-shape[-1] // lowbit.BLOCK))

@@ -261,20 +261,24 @@ def test_each_leafs_host_state_is_sliced_out_of_its_row_behind_its_own_barrier()
   assert len(barriers) == len(jax.tree.leaves(params["layers"]))
 
 
-def test_the_layers_loop_writes_a_row_of_flags_not_each_leafs_count():
-  """With the state on the device, each layer leaf's count (int32 a layer) is stepped or kept
-  on its gradient's finiteness alone: the layers' loop writes one row of flags a layer, and
-  every layer's counts are picked after it (`hoisted.picked`), not written a leaf at a time
-  in the loop (a kernel each on a GPU). The values: the exact-twin tests above."""
+@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.inject_hyperparams(optax.adam)(1e-2)],
+                         ids=["adam", "inject_hyperparams"])
+def test_the_layers_loop_writes_a_row_of_flags_not_each_leafs_count(tx):
+  """With the state on the device, each layer leaf's count (int32 a layer) and constant
+  hyperparameters (float32 a layer) are kept or stepped on its gradient's finiteness alone:
+  the layers' loop writes one row of flags a layer, and every layer's are picked after it
+  (`hoisted.picked`), not written a leaf at a time in the loop (a kernel each on a GPU).
+  The values: the exact-twin tests above."""
   params = params_of(jax.random.key(1))
-  layered = streamed.layer_streamed(stack(), optax.adam(1e-2))
+  layered = streamed.layer_streamed(stack(), tx)
   state = layered.init(params)
   jaxpr = jax.make_jaxpr(layered.step)(params, state, batch_of(jax.random.key(0))).jaxpr
   written = [(e.invars[0].aval.dtype, e.invars[0].aval.shape)
              for loop, _ in _jaxpr.walk(jaxpr) if loop.primitive.name in ("scan", "while")
              for body in _jaxpr.inner_jaxprs(loop) for e, _ in _jaxpr.walk(body)
              if e.primitive.name == "dynamic_update_slice"]
-  assert (jnp.dtype(jnp.int32), (LAYERS,)) not in written
+  assert not {(jnp.dtype(jnp.int32), (LAYERS,)), (jnp.dtype(jnp.float32), (LAYERS,))} & set(
+      written), written
   assert written.count((jnp.dtype(bool), (LAYERS, 3))) == 1  # a flag for each of 3 leaves
 
 

@@ -128,7 +128,7 @@ def all_finite(x: jax.Array, ok: Any = True, *, min_size: int = MIN_SIZE,
   fold the two reductions into one of another shape), then reduced with ``ok``: XLA reads a
   gradient once for its finiteness and `moments_step`'s first pass, and ands no ``ok`` in a
   kernel of its own."""
-  if jnp.size(x) < min_size:
+  if jnp.size(x) == 0 or jnp.size(x) < min_size:
     return jnp.logical_and(ok, jnp.all(jnp.isfinite(x)))
   _check(block)
   blocks = jnp.all(jnp.isfinite(_blocks(x, block)), axis=-1)

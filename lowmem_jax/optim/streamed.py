@@ -179,11 +179,11 @@ def _last_first(out: tuple) -> tuple:
 
 
 def _kept_in_write(new: jax.Array, p: jax.Array) -> bool:
-  """Whether a new state leaf of a device stack is kept where the update is finite in its
-  write into the stack, after the barrier (`_Streamer.update_leaf`), not before: a float leaf
-  not of parameter ``p``'s shape (an 8-bit moment's block scales), whose select XLA would
-  make a kernel of its own. Counts and keys stay: `hoisted` picks them after the loop."""
-  return jnp.issubdtype(new.dtype, jnp.floating) and jnp.shape(new) != jnp.shape(p)
+  """Whether a device stack's new state leaf is kept where the update is finite in its write,
+  after the barrier (`_Streamer.update_leaf`): a float array not of ``p``'s shape (8-bit
+  scales), whose select XLA makes a kernel; scalars and keys `hoisted` picks after the loop."""
+  return (jnp.issubdtype(new.dtype, jnp.floating) and jnp.ndim(new) > 0
+          and jnp.shape(new) != jnp.shape(p))
 
 
 class _Backward(NamedTuple):

@@ -39,8 +39,7 @@ def codes(blocks: jax.Array, scales: jax.Array, noise: jax.Array | None, *,
   """uint8 codes of float32 ``blocks [..., block]`` in blocks of ``scales [...]`` (float32),
   rounded with ``noise`` (uint32, ``blocks``' shape; None: to nearest): `lowmem_jax.optim.lowbit.quantize`'s."""
   # Clipped: scales made in another pass of the same arithmetic may differ in the last bit.
-  # A zero is not divided: a block of scale 0 holds only zeros (made in one pass).
-  unit = jnp.clip(jnp.where(blocks == 0, blocks, blocks / scales[..., None]), -1.0, 1.0)
+  unit = jnp.clip(blocks / jnp.where(scales > 0, scales, 1.0)[..., None], -1.0, 1.0)
   magnitude = jax.lax.bitcast_convert_type(jnp.abs(unit), jnp.uint32)
   bits = rounded(magnitude, 23 - MANTISSA, noise)
   exp_bits = EXP_BITS[signed]

@@ -228,7 +228,7 @@ TECHNIQUES = {t.term: t for t in (
               "half then its MLP half: one forward of the attention half less a layer (the "
               "plain step with full remat's FLOPs), the MLP's parameter gradient held through "
               "the attention's backward (layer_stack's split_layer=False; Llama-3.2-1B's "
-              "stream:device step at 2 x 2,048 tokens on the h100: 122.9 ms estimated, 126.7 "
+              "stream:device step at 2 x 2,048 tokens on the h100: 123.2 ms estimated, 127.0 "
               "in two parts, the same peak; docs/benchmarks.md)",
               needs=(("stream", "only the streamed step takes a layer's backward in parts"),)),
     Technique("prefetch", "with stream and offload-opt: how many layers ahead the streamed "

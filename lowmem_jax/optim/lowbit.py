@@ -120,15 +120,17 @@ def _quantize(x: jax.Array, *, signed: bool, block: int, noise: jax.Array | None
   return QuantizedArray(_unblocked(codes, x.shape), scales)
 
 
-def all_finite(x: jax.Array, ok: Any = True, *, min_size: int = MIN_SIZE,
-               block: int = BLOCK) -> jax.Array:
-  """bool []: ``ok`` (bool []) and whether every element of ``x`` is finite. Where the 8-bit
-  moments of ``x``'s shape take block scales (``x`` of at least ``min_size`` elements), each
-  block is checked first, the blocks' results held by an ``optimization_barrier`` (XLA would
-  fold the two reductions into one of another shape), then reduced with ``ok``: XLA reads a
-  gradient once for its finiteness and `moments_step`'s first pass, and ands no ``ok`` in a
-  kernel of its own."""
-  if jnp.size(x) == 0 or jnp.size(x) < min_size:
+def all_finite(x: jax.Array, ok: Any = True, *, by_block: bool = True,
+               min_size: int = MIN_SIZE, block: int = BLOCK) -> jax.Array:
+  """bool []: ``ok`` (bool []) and whether every element of ``x`` is finite. ``by_block``,
+  where the 8-bit moments of ``x``'s shape take block scales (``x`` of at least ``min_size``
+  elements): each block is checked first, the blocks' results held by an
+  ``optimization_barrier`` (XLA would fold the two reductions into one of another shape),
+  then reduced with ``ok``: XLA reads a gradient once for its finiteness and
+  `moments_step`'s first pass, and ands no ``ok`` in a kernel of its own. (The
+  layer-streamed step's host rows check in one reduction: with the blocks' barrier XLA
+  hid less of the rows' transfers, ``docs/benchmarks.md``, session 49.)"""
+  if not by_block or jnp.size(x) == 0 or jnp.size(x) < min_size:
     return jnp.logical_and(ok, jnp.all(jnp.isfinite(x)))
   _check(block)
   blocks = jnp.all(jnp.isfinite(_blocks(x, block)), axis=-1)

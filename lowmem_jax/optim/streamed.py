@@ -298,7 +298,7 @@ class _Streamer:
     (`layer_stack.Where.nest`), where ``ok`` (bool[]) and the gradient are finite; else the leaf and
     its state as they were, and ``ok`` False. ``defer``: the state's `_kept_in_write` leaves
     come back as made, for the caller to keep where ``ok``."""
-    ok = lowbit.all_finite(g, ok)
+    ok = lowbit.all_finite(g, ok, by_block=self.state == "device")
     updates, new_s = self.tx.update(where.nest(g), s, where.nest(p),
                                     positions=where.nest(where.at))
     kept = lambda new, old: jnp.where(ok, new, old)

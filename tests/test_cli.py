@@ -344,12 +344,11 @@ def test_fused_ce_for_language_models(capsys):
                            + rungs("all", ["offload-opt"]) + micro(exact, (2, 4))
                            + micro("all", (2, 4)))
   whole, every = f"+update-slice:{2 ** 26}", f"+update-slice:{2 ** 30}"
-  streamed = [f"stream:device+whole-layer+mlp-chunk:off{every}",
-              f"stream:device+mlp-chunk:off{every}", "stream:device+mlp-chunk:off",
-              "stream:device", "stream:host", "stream:host+late-embed",
-              f"stream:host+offload-opt+mlp-chunk:off{whole}",
-              "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",
-              "stream:host+offload-opt+mlp-chunk:off"]
+  streamed = [f"ce-one-pass+stream:{place}" for place in (
+      f"device+whole-layer+mlp-chunk:off{every}", f"device+mlp-chunk:off{every}",
+      "device+mlp-chunk:off", "device", "host", "host+late-embed",
+      f"host+offload-opt+mlp-chunk:off{whole}", "host+offload-opt+prefetch:2",
+      "host+offload-opt", "host+offload-opt+mlp-chunk:off")]
   assert app.ladder(2, language_model=True) == (
       ["baseline", "fused-ce", "bf16+fused-ce"] + rungs(f"{exact}+fused-ce", streamed)
       + rungs("all+fused-ce", streamed) + micro(f"{exact}+fused-ce", (2,))

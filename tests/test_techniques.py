@@ -222,7 +222,7 @@ def test_the_ladder_leaves_out_mlp_chunk_off_where_the_stream_runs_one_chunk():
   one = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
   kept, _ = app.ladder_of(one)
   full, _ = app.ladder_of(app.Job("llama-tiny", batch=2, seq=1024, target="cpu"))
-  state = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+stream:"
+  state = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+ce-one-pass+stream:"
   twins = [(state + "device+mlp-chunk:off", state + "device"),
            (state + "host+offload-opt", state + "host+offload-opt+mlp-chunk:off")]
   dropped = [later.replace("bf16+ms-norm+attention", best) for _, later in twins

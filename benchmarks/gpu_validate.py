@@ -43,12 +43,14 @@ target, no GPU tests), which the test suite does to check this script.
     python benchmarks/gpu_validate.py                              # on a GPU machine
     python benchmarks/gpu_validate.py --dry-run --out /tmp/gpu.md  # anywhere
 
-``--speed`` runs issue 50's rows instead (`SPEED_CASES`): Llama-3.2-1B's plain step with
-full remat, its streamed step with the state on the device, with XLA's update and with the
-fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on the host (two
-layers ahead, the MLP whole; two; one) and on the device, with XLA's update, then each with the
-kernel. The host rows first, the fastest by the estimate first (jax 0.11.2, h100: 755.7, 798.8
-and 894.1 ms): issue 50 asks 4,000 tokens/s of them measured. Its report is ``docs/gpu_speed.md``
+``--speed`` runs issue 50's rows instead (`SPEED_CASES`, the streamed sets of `plan`'s ladder,
+each with the head's backward in one pass): Llama-3.2-1B's plain step with full remat, its
+streamed step with the state on the device and each layer's backward whole, with XLA's update
+and with the fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on
+the host (two layers ahead; one, each MLP whole in bigger update slices; one) and on the
+device (each layer's backward whole), with XLA's update, then each with the kernel. The host
+rows first, the fastest by the estimate first (jax 0.11.2, h100: 790.3, 818.2 and 863.0 ms,
+the device row 552.9): issue 50 asks 4,000 tokens/s of them measured. Its report is ``docs/gpu_speed.md``
 (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
 ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """
@@ -76,20 +78,24 @@ LLAMA3_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                     STREAMED + "+offload-opt")])
 DRY_LLAMA3_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                     for t in ("baseline", STREAMED + "+offload-opt")]
-# --speed: issue 50's rows, each streamed set with XLA's update and with the fused kernel; the
-# 1B's plain step with full remat (the same FLOPs) is their time ratio's baseline.
-SPEED_BASELINE = "all+fused-ce+8bit+bf16-params+remat:full"
-_SET_8B = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params"
-SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t) for t in (
-    SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off",
-    "all+fused-ce+8bit+bf16-params+stream:device+mlp-chunk:off+fused-update")]
+# --speed: issue 50's rows, the streamed sets `plan`'s ladder tries (`lowmem_jax.app.fits`),
+# each with XLA's update and with the fused kernel; the 1B's plain step with full remat (the
+# same FLOPs, its head's backward in one pass too) is their time ratio's baseline.
+SPEED_BASELINE = "all+fused-ce+ce-one-pass+8bit+bf16-params+remat:full"
+_EVERY_LEAF, _WHOLE = "+update-slice:1073741824", "+update-slice:67108864"  # fits' slice terms
+_STREAMED_1B = ("all+fused-ce+8bit+bf16-params+ce-one-pass+stream:device+whole-layer"
+                f"+mlp-chunk:off{_EVERY_LEAF}")
+_SET_8B = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+ce-one-pass"
+SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
+                for t in (SPEED_BASELINE, _STREAMED_1B, _STREAMED_1B + "+fused-update")]
                + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16", f"{_SET_8B}+{t}{k}")
                   for k in ("", "+fused-update")
-                  for t in ("stream:host+offload-opt+prefetch:2+mlp-chunk:off",
-                            "stream:host+offload-opt+prefetch:2", "stream:host+offload-opt",
-                            "stream:device+mlp-chunk:off")])
+                  for t in ("stream:host+offload-opt+prefetch:2",
+                            f"stream:host+offload-opt+mlp-chunk:off{_WHOLE}",
+                            "stream:host+offload-opt",
+                            f"stream:device+whole-layer+mlp-chunk:off{_EVERY_LEAF}")])
 DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
-                   for t in (SPEED_BASELINE, "all+fused-ce+8bit+bf16-params+stream:device")]
+                   for t in (SPEED_BASELINE, _STREAMED_1B)]
 MIN_CASE_SECONDS = 60  # --deadline: a case given less would not finish (the 1B's took 130 s)
 DRY_DTYPES = ("bfloat16",)  # the dry run checks the pipeline: one dtype, half the processes
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 import gpu_validate  # benchmarks/, on sys.path in conftest.py
+from lowmem_jax import app
 
 
 @pytest.mark.slow
@@ -110,12 +111,16 @@ def test_a_case_past_its_time_is_stopped():
 @pytest.mark.slow
 def test_speed_runs_issue_50s_rows_each_with_and_without_the_fused_kernel(tmp_path,
                                                                            monkeypatch):
-  """--speed: the streamed sets with and without fused-update, the 1B's full-remat step
-  first (their time ratio's baseline); a dry run of its tiny cases, the ratio read."""
+  """--speed: the streamed sets of plan's ladder with and without fused-update, the 1B's
+  full-remat step first (their time ratio's baseline, its head as theirs); a dry run of its
+  tiny cases, the ratio read."""
   sets = [t for _, _, _, t in gpu_validate.SPEED_CASES]
   assert sets[0] == gpu_validate.SPEED_BASELINE
   plain = [t for t in sets[1:] if "fused-update" not in t]
   assert sorted(t + "+fused-update" for t in plain) == sorted(t for t in sets if "fused-up" in t)
+  rungs = {app.parse(t).values for t in app.ladder(2, language_model=True) if "stream" in t}
+  assert all(app.parse(t).values in rungs for t in plain), plain
+  assert all("ce-one-pass" in app.parse(t) for t in sets if "fused-update" not in t)
   monkeypatch.setattr(gpu_validate, "loss_head", lambda dry_run: "(not timed)")
   out = tmp_path / "speed.md"
   assert gpu_validate.main(["--dry-run", "--speed", "--out", str(out), "--repeats", "1"]) == 0

@@ -47,13 +47,13 @@ target, no GPU tests), which the test suite does to check this script.
 each with the head's backward in one pass): Llama-3.2-1B's plain step with full remat, its
 streamed step with the state on the device and each layer's backward whole, with XLA's update
 and with the fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on
-the host (two layers ahead; one, each MLP whole in bigger update slices; one) and on the
-device (each layer's backward whole), with XLA's update, then each with the kernel. Issue
-50's two measured targets first (4,000 tokens/s with the state on the host, 5,500 on the
-device): the fastest host row by the estimate, then the device row, then the other host rows
-(jax 0.11.2, h100: 790.3, 552.9, 818.2 and 863.0 ms). Its report is ``docs/gpu_speed.md``
-(rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl`` for
-``benchmarks/step_time.py`` to set each estimate beside its measurement).
+the host (two layers ahead, each layer's backward and MLP whole; one, each MLP whole in bigger
+update slices; one) and on the device (each layer's backward whole), with XLA's update, then
+each with the kernel. Issue 50's two measured targets first (4,000 tokens/s with the state on
+the host, 5,500 on the device): the fastest host row by the estimate, then the device row,
+then the other host rows (jax 0.11.2, h100: 730.9, 552.9, 818.2 and 863.0 ms). Its report
+is ``docs/gpu_speed.md`` (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl``
+for ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """
 
 import argparse
@@ -91,7 +91,7 @@ SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                 for t in (SPEED_BASELINE, _STREAMED_1B, _STREAMED_1B + "+fused-update")]
                + [("llama-3.1-8b", dict(batch=2, seq=2048), "bfloat16", f"{_SET_8B}+{t}{k}")
                   for k in ("", "+fused-update")
-                  for t in ("stream:host+offload-opt+prefetch:2",
+                  for t in ("stream:host+offload-opt+prefetch:2+whole-layer+mlp-chunk:off",
                             f"stream:device+whole-layer+mlp-chunk:off{_EVERY_LEAF}",
                             f"stream:host+offload-opt+mlp-chunk:off{_WHOLE}",
                             "stream:host+offload-opt")])

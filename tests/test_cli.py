@@ -347,7 +347,8 @@ def test_fused_ce_for_language_models(capsys):
   streamed = [f"ce-one-pass+stream:{place}" for place in (
       f"device+whole-layer+mlp-chunk:off{every}", f"device+mlp-chunk:off{every}",
       "device+mlp-chunk:off", "device", "host", "host+late-embed",
-      f"host+offload-opt+mlp-chunk:off{whole}", "host+offload-opt+prefetch:2",
+      f"host+offload-opt+mlp-chunk:off{whole}",
+      "host+offload-opt+prefetch:2+whole-layer+mlp-chunk:off",
       "host+offload-opt", "host+offload-opt+mlp-chunk:off")]
   assert app.ladder(2, language_model=True) == (
       ["baseline", "fused-ce", "bf16+fused-ce"] + rungs(f"{exact}+fused-ce", streamed)

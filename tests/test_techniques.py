@@ -191,7 +191,9 @@ def test_whole_layer_is_the_streamed_step_with_one_attention_forward_less():
   assert "split_layer=False" in app.parse(whole).python(job)
   assert "split_layer" not in app.parse(split).python(job)
   count = lambda text, op: _jaxpr(job, text).count(op)
-  for op in ("dot_general", "exp"):
+  # the matmuls, and the attention's [..., 16, 16] probabilities (`exp`'s count is jax's: under
+  # jax 0.11.2 it is the same either way)
+  for op in ("dot_general", ",16,16]"):
     assert count(whole, op) < count(split, op), op
   with pytest.raises(app.TechniqueError, match="whole-layer needs stream"):
     app.parse("8bit+whole-layer").check_together()
@@ -206,7 +208,7 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   kept, _ = app.ladder_of(tiny)
   full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))
   bigger = [t for t in full if "update-slice" in t and "whole-layer" not in t]
-  whole = [t for t in full if "whole-layer" in t]
+  whole = [t for t in full if "whole-layer" in t and "update-slice" in t]
   assert len(bigger) == 4 and len(whole) == 2
   assert kept == [t[:t.index("+update-slice")] if t in whole else t for t in full
                   if t not in bigger]
@@ -470,8 +472,9 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
       t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
   assert texts[k] == texts[k + 3] + app.fits.WHOLE
-  assert texts[k + 1].endswith("+prefetch:2")
-  assert texts[k + 2] == texts[k + 1][:-len("+prefetch:2")]
+  two_ahead = "+prefetch:2+whole-layer+mlp-chunk:off"
+  assert texts[k + 1].endswith(two_ahead)
+  assert texts[k + 2] == texts[k + 1][:-len(two_ahead)]
   assert texts[k + 3] == texts[k + 2] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)

@@ -282,7 +282,7 @@ def no_gpu(script: str, dry_run: bool) -> bool:
   return True
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", help="the report to write; default docs/gpu.md (docs/"
@@ -308,6 +308,31 @@ def main(argv=None) -> int:
                       help="run issue 50's speed rows instead (SPEED_CASES: the streamed sets "
                       "with and without fused-update, the 1B's full-remat step their baseline)")
   parser.add_argument("--case", help=argparse.SUPPRESS)
+  return parser
+
+
+def _run_cases(todo, rows, rows_path, repeats, deadline, start, speed):
+  """Runs each case of ``todo`` in a process of its own, appending its row to ``rows`` and
+  to ``rows_path`` as it finishes; returns the (case, why) of those that did not finish."""
+  from tqdm import tqdm
+  failed = []
+  for case in tqdm(todo, desc="gpu_validate"):
+    left = None if deadline is None else deadline - (time.perf_counter() - start)
+    try:
+      if left is not None and left < MIN_CASE_SECONDS:
+        raise CaseFailed(f"not started: {left:.0f} s of --deadline left")
+      rows.append(run_case(*case, repeats, timeout=left, compiles=not speed))
+    except CaseFailed as why:
+      failed.append((case, str(why)))
+      print(f"gpu_validate: {case}: {why}", file=sys.stderr)
+      continue
+    with rows_path.open("a") as f:
+      f.write(json.dumps(rows[-1]) + "\n")
+  return failed
+
+
+def main(argv=None) -> int:
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.case:
     print(json.dumps(measure(*json.loads(args.case))))
@@ -315,7 +340,6 @@ def main(argv=None) -> int:
   if no_gpu("gpu_validate", args.dry_run):
     return 2
   import jax
-  from tqdm import tqdm
 
   from lowmem_jax.compile import targets
   start = time.perf_counter()
@@ -346,19 +370,7 @@ def main(argv=None) -> int:
   rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   done = {row_key(r) for r in rows}
   todo = [case for case in all_cases if case_key(*case) not in done and case[0] in models]
-  failed = []
-  for case in tqdm(todo, desc="gpu_validate"):
-    left = None if args.deadline is None else args.deadline - (time.perf_counter() - start)
-    try:
-      if left is not None and left < MIN_CASE_SECONDS:
-        raise CaseFailed(f"not started: {left:.0f} s of --deadline left")
-      rows.append(run_case(*case, args.repeats, timeout=left, compiles=not args.speed))
-    except CaseFailed as why:
-      failed.append((case, str(why)))
-      print(f"gpu_validate: {case}: {why}", file=sys.stderr)
-      continue
-    with rows_path.open("a") as f:
-      f.write(json.dumps(rows[-1]) + "\n")
+  failed = _run_cases(todo, rows, rows_path, args.repeats, args.deadline, start, args.speed)
   if args.cases_only:
     print(f"gpu_validate: {len(rows)} of {len(all_cases)} cases in {rows_path}, "
           f"{len(failed)} did not finish")

@@ -135,7 +135,9 @@ def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -
   return stream[starts[:, None] + np.arange(length)].astype(np.int32)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  """The parser and ``argv``'s arguments, the defaults of a full or ``--quick`` run filled in
+  and every number checked."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a smaller model, few steps, baseline and lowmem only")
@@ -175,12 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
     if not getattr(args, name) > 0:
       parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
   check_multiple_of_k(parser, args, "batch", "memory_batch")
-  start = time.time()
-  config = QUICK_CONFIG if quick else CONFIG
-  train, validation, n_files = corpus(int(args.corpus_mb * 1e6))
-  if min(len(train), len(validation)) <= args.seq + 1:
-    parser.error(f"--seq {args.seq} is longer than the corpus; raise --corpus-mb")
-  val = windows(validation, args.val_windows, args.seq + 1, np.random.default_rng(0))
+  return parser, args
+
+
+def train_rows(args, config: LlamaConfig, train: np.ndarray,
+               val: np.ndarray) -> tuple[dict, int]:
+  """``(results, shared)``: each row of ``args.rows`` trained from the same initial params on
+  ``train``'s batches and evaluated on ``val`` (``int32[windows, seq + 1]``); ``shared`` is the
+  number of tensors the rows' initial trees share (each checked equal)."""
 
   def batch_at(i):
     return windows(train, args.batch, args.seq + 1, np.random.default_rng([args.seed, i]))
@@ -221,14 +225,21 @@ def main(argv: list[str] | None = None) -> dict:
     else:
       results[row] = run(row, lambda params, tokens, net=net: loss_fn(params, tokens, net),
                          params, k, batch_at, **common)
-  seconds = time.time() - start
+  return results, shared
+
+
+def report(args, argv, config: LlamaConfig, results: dict, corpus_sizes: tuple[int, int, int],
+           shared: int, seconds: float) -> str:
+  """The markdown report of ``results``: the setting, one table row a run, the memory lines
+  and the command; ``corpus_sizes`` is ``(files, training, validation characters)``."""
+  n_files, n_train, n_validation = corpus_sizes
   reference = args.rows[0]
   base = results[reference]["val_loss"]
   sizes = {row: sum(p.size for p in jax.tree.leaves(results[row]["params"])) for row in args.rows}
   lines = [
       f"Character-level LLaMA on the Python {sys.version_info.major}.{sys.version_info.minor} "
-      f"standard library's sources: {n_files} files, {len(train):,} training and "
-      f"{len(validation):,} validation characters (every 10th file), vocabulary 128 (ASCII; "
+      f"standard library's sources: {n_files} files, {n_train:,} training and "
+      f"{n_validation:,} validation characters (every 10th file), vocabulary 128 (ASCII; "
       f"other characters one token). Llama dim {config.dim}, {config.n_layers} layers, "
       f"{config.n_heads} heads, ffn {config.ffn_dim}, float32; parameters: "
       + ", ".join(f"{row} {n:,}" for row, n in sizes.items())
@@ -260,13 +271,27 @@ def main(argv: list[str] | None = None) -> dict:
                  "differentiates one layer at a time, keeping each layer's input, so there is "
                  "no whole-loss autodiff to measure saved activations of (n/a).")
   lines += ["", "    " + command("llama_charlm.py", argv)]
-  text = "\n".join(lines)
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser, args = parse_args(argv)
+  start = time.time()
+  config = QUICK_CONFIG if args.quick else CONFIG
+  train, validation, n_files = corpus(int(args.corpus_mb * 1e6))
+  if min(len(train), len(validation)) <= args.seq + 1:
+    parser.error(f"--seq {args.seq} is longer than the corpus; raise --corpus-mb")
+  val = windows(validation, args.val_windows, args.seq + 1, np.random.default_rng(0))
+  results, shared = train_rows(args, config, train, val)
+  seconds = time.time() - start
+  text = report(args, argv, config, results, (n_files, len(train), len(validation)), shared,
+                seconds)
   print(text)
   write(args.out, "llama_charlm", text, results, "Character LLaMA on stdlib sources: training loss")
+  base = results[args.rows[0]]["val_loss"]
   return {"results": results, "relative_diff": {row: (r["val_loss"] - base) / base
                                                 for row, r in results.items()},
           "shared_params": shared, "seconds": seconds, "text": text}
-
 
 if __name__ == "__main__":
   main()

@@ -400,28 +400,16 @@ def main(argv=None) -> dict:
                            else (BF16_PARAM_ATOL, BF16_LOSS_RTOL))
   result["tolerance"] = {"param_atol": param_atol, "loss_rtol": loss_rtol}
   if args.reference:
-    device = jax.local_devices()[0]
-    single = jax.jit(step, donate_argnums=(0, 1))
-    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (*abstract, tokens))
-    single_compiled = lm.memory.aot_compile(single, *plain, target="attached")
-    memory["single"] = lm.memory.stats_of(single_compiled).__dict__
-    ref = jax.device_put(jax.jit(init)(key), device)
-    result["init_param_diff"] = max_abs_diff(to_host(ref[0]), init_host)
-    all_rows = np.arange(args.batch)
-    ref_losses = []
-    start = time.perf_counter()
-    for i in range(args.steps):
-      batch = jax.device_put(batch_rows(text, i, all_rows, args.batch, args.seq, args.seed), device)
-      *ref, metrics = single_compiled(*ref, batch)
-      ref_losses.append(float(metrics["loss"]))
-    jax.block_until_ready(ref)
-    result["seconds"]["single"] = time.perf_counter() - start
-    result["reference_losses"] = ref_losses
-    result["reference_state"] = to_host(tuple(ref))
+    reference, memory["single"] = single_device_run(args, step, init, key, (*abstract, tokens),
+                                                    text)
+    result["seconds"]["single"] = reference.pop("seconds")
+    result.update(reference)
+    result["init_param_diff"] = max_abs_diff(result.pop("reference_init"), init_host)
     result["max_param_diff"] = max_abs_diff(to_host(state[0]), result["reference_state"][0])
     result["max_moment_diff"] = max_abs_diff(to_host(state[1]), result["reference_state"][1])
-    result["max_loss_rel_diff"] = float(np.max(np.abs(np.subtract(result["losses"], ref_losses))
-                                               / np.abs(ref_losses)))
+    result["max_loss_rel_diff"] = float(np.max(np.abs(np.subtract(result["losses"],
+                                                                  result["reference_losses"]))
+                                               / np.abs(result["reference_losses"])))
   result["memory"] = memory
   text_out = markdown(result, args, argv)
   print(text_out)
@@ -429,6 +417,33 @@ def main(argv=None) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sharded_train.md").write_text(text_out + "\n")
   return result
+
+
+def single_device_run(args, step, init, key, abstract, text) -> tuple[dict, dict]:
+  """The reference: ``step`` unsharded on this process's first device, from ``init(key)``,
+  on every row of each batch. ``abstract`` is ``(params, opt_state, tokens)``' shapes.
+
+  Returns ``(run, memory)``: ``run`` holds ``reference_init`` (the initial params on the
+  host), ``reference_losses``, ``reference_state`` (the final state on the host) and
+  ``seconds`` (after compiling); ``memory`` the compiled `MemoryStats` as a dict.
+  """
+  device = jax.local_devices()[0]
+  single = jax.jit(step, donate_argnums=(0, 1))
+  plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+  single_compiled = lm.memory.aot_compile(single, *plain, target="attached")
+  ref = jax.device_put(jax.jit(init)(key), device)
+  reference_init = to_host(ref[0])
+  all_rows = np.arange(args.batch)
+  losses = []
+  start = time.perf_counter()
+  for i in range(args.steps):
+    batch = jax.device_put(batch_rows(text, i, all_rows, args.batch, args.seq, args.seed), device)
+    *ref, metrics = single_compiled(*ref, batch)
+    losses.append(float(metrics["loss"]))
+  jax.block_until_ready(ref)
+  run = {"seconds": time.perf_counter() - start, "reference_init": reference_init,
+         "reference_losses": losses, "reference_state": to_host(tuple(ref))}
+  return run, lm.memory.stats_of(single_compiled).__dict__
 
 
 def _mib(n: int) -> str:

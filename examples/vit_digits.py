@@ -82,7 +82,9 @@ def model(row: str, size: dict, policy: str) -> ViT:
   return ViT(**size)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  """``argv``'s arguments, the defaults of a full or ``--quick`` run filled in and every number
+  checked."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a smaller ViT (patch 4, width 32, depth 2), few steps")
@@ -112,6 +114,49 @@ def main(argv: list[str] | None = None) -> dict:
   if not args.lr > 0:
     parser.error(f"--lr must be > 0, got {args.lr}")
   check_multiple_of_k(parser, args, "batch", "memory_batch")
+  return args
+
+
+def report(args, argv, size: dict, init: dict, results: dict, images: tuple[int, int],
+           shared: int | None, seconds: float) -> tuple[str, float | None]:
+  """``(text, diff)``: the markdown report of ``results`` and lowmem's accuracy minus
+  baseline's in percentage points (None unless both ran); ``images`` is ``(training, test
+  images)``, ``init`` each row's initial params."""
+  n_train, n_test = images
+  rows = list(results)
+  n_params = ", ".join(f"{row} {sum(p.size for p in jax.tree.leaves(init[row])):,}" for row in rows)
+  lines = [
+      f"ViT on scikit-learn's digits, from scratch: {n_train} training and {n_test} "
+      f"test images (8x8, stratified split, random_state 0). ViT patch {size['patch_size']}, "
+      f"width {size['width']}, depth {size['depth']}, {size['num_heads']} heads, MLP "
+      f"{size['mlp_dim']}, float32; parameters: {n_params} (MS norms have no affine). "
+      f"{args.steps} steps of batch {args.batch}, the same batches, "
+      f"lr {args.lr:g}{schedule_text(args)} and "
+      f"initial params (init key {args.seed}"
+      + (f"; the {shared} tensors the two trees share are equal" if shared else "")
+      + f") for every run. lowmem: ReGELU2, MS-LayerNorm, recomputed attention, remat policy "
+      f"`{args.policy}`, AdamA (nu_scale {args.nu_scale}) over k={args.k} micro-batches of "
+      f"{args.batch // args.k}; "
+      f"baseline: exact GELU, LayerNorm, plain attention, no remat, Adam. JAX {jax.__version__} "
+      f"on {jax.default_backend()}, {seconds:.0f} s in all.", "",
+      f"| run | test accuracy | test loss | final training loss (mean of last {TAIL} steps) |",
+      "|---|---:|---:|---:|"]
+  for row, r in results.items():
+    lines.append(f"| {row} | {100 * r['accuracy']:.2f}% | {r['test_loss']:.4f} | "
+                 f"{r['train_loss']:.4f} |")
+  diff = None
+  if len(rows) == 2:
+    diff = 100 * (results["lowmem"]["accuracy"] - results["baseline"]["accuracy"])
+    lines += ["", f"Accuracy lowmem - baseline: {diff:+.2f} percentage points (one test image is "
+              f"{100 / n_test:.2f}); the parity target is within 1 point."]
+  lines += [""] + memory_lines(results, args.batch, args.memory_batch,
+                               {"baseline": 1, "lowmem": args.k})
+  lines += ["", "    " + command("vit_digits.py", argv)]
+  return "\n".join(lines), diff
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = parse_args(argv)
   start = time.time()
   size = QUICK_MODEL if args.quick else MODEL
   x_train, x_test, y_train, y_test = data()
@@ -144,35 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     results[row] = run(row, loss_fn, init[row], args.k if row == "lowmem" else 1, batch_at,
                        args=args, evaluate=evaluate, memory_batch=args.memory_batch)
   seconds = time.time() - start
-  n_params = ", ".join(f"{row} {sum(p.size for p in jax.tree.leaves(init[row])):,}" for row in rows)
-  lines = [
-      f"ViT on scikit-learn's digits, from scratch: {len(x_train)} training and {len(x_test)} "
-      f"test images (8x8, stratified split, random_state 0). ViT patch {size['patch_size']}, "
-      f"width {size['width']}, depth {size['depth']}, {size['num_heads']} heads, MLP "
-      f"{size['mlp_dim']}, float32; parameters: {n_params} (MS norms have no affine). "
-      f"{args.steps} steps of batch {args.batch}, the same batches, "
-      f"lr {args.lr:g}{schedule_text(args)} and "
-      f"initial params (init key {args.seed}"
-      + (f"; the {shared} tensors the two trees share are equal" if shared else "")
-      + f") for every run. lowmem: ReGELU2, MS-LayerNorm, recomputed attention, remat policy "
-      f"`{args.policy}`, AdamA (nu_scale {args.nu_scale}) over k={args.k} micro-batches of "
-      f"{args.batch // args.k}; "
-      f"baseline: exact GELU, LayerNorm, plain attention, no remat, Adam. JAX {jax.__version__} "
-      f"on {jax.default_backend()}, {seconds:.0f} s in all.", "",
-      f"| run | test accuracy | test loss | final training loss (mean of last {TAIL} steps) |",
-      "|---|---:|---:|---:|"]
-  for row, r in results.items():
-    lines.append(f"| {row} | {100 * r['accuracy']:.2f}% | {r['test_loss']:.4f} | "
-                 f"{r['train_loss']:.4f} |")
-  diff = None
-  if len(rows) == 2:
-    diff = 100 * (results["lowmem"]["accuracy"] - results["baseline"]["accuracy"])
-    lines += ["", f"Accuracy lowmem - baseline: {diff:+.2f} percentage points (one test image is "
-              f"{100 / len(x_test):.2f}); the parity target is within 1 point."]
-  lines += [""] + memory_lines(results, args.batch, args.memory_batch,
-                               {"baseline": 1, "lowmem": args.k})
-  lines += ["", "    " + command("vit_digits.py", argv)]
-  text = "\n".join(lines)
+  text, diff = report(args, argv, size, init, results, (len(x_train), len(x_test)), shared,
+                      seconds)
   print(text)
   write(args.out, "vit_digits", text, results, "ViT on digits: training loss")
   return {"results": results, "accuracy_diff_points": diff, "shared_params": shared,

@@ -276,8 +276,7 @@ TESTED_IN = {
     "lowmem_jax.ops._packing": "test_pack.py", "lowmem_jax.optim.accumulation": "test_optim.py",
     "lowmem_jax.ops._lowbit_reference": "test_pallas_adam8bit.py",
     "lowmem_jax.optim.rounding": "test_lowbit.py",
-    "lowmem_jax.optim.fused_update": "test_streamed.py",
-    "lowmem_jax.optim.in_backward": "test_optim.py", "lowmem_jax.optim.steps": "test_optim.py",
+    "lowmem_jax.optim.steps": "test_optim.py",
     "lowmem_jax.transform.api": "test_transform.py", "lowmem_jax.transform.rewrites": "test_transform.py",
     "lowmem_jax.transform.attention": "test_transform_attention_patterns.py",
 }

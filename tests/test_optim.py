@@ -1,3 +1,6 @@
+"""`lowmem_jax.adama` (AdamA) against Adam and its spec, and `lowmem_jax.microbatch_step`: one
+update over k micro-batches, with state, aux, sharding and non-finite micro-batches."""
+
 import chex
 import flax.linen
 import flax.serialization
@@ -12,21 +15,14 @@ import lowmem_jax as lm
 from adama import dense_stack_loss  # benchmarks/, on sys.path in conftest.py
 from lowmem_jax import optim
 from lowmem_jax.optim import steps
+from optim_checks import (PARAMS, exact, mlp_batch, mlp_init, mlp_loss, scanned_init,
+                          scanned_loss, stateful_loss, three_steps)
 from third_party_promotion import OPTAX_BIAS_CORRECTION, OPTAX_UPDATE_MOMENT
-
-
-def exact(a, b):
-  """Bit-identical pytrees."""
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def random_grads(params, n, seed=0):
   keys = jax.random.split(jax.random.key(seed), n)
   return [jax.tree.map(lambda p: jax.random.normal(key, p.shape, p.dtype), params) for key in keys]
-
-
-PARAMS = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
 
 
 @pytest.mark.parametrize("mu_dtype", [
@@ -148,22 +144,6 @@ def test_inject_hyperparams():
     optax.inject_hyperparams(lm.adamaw)(learning_rate=1e-2, k=k).init(PARAMS)
 
 
-# A tiny model whose loss is the mean over its micro-batch.
-def mlp_init(seed=0, d=8, h=16):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  return {"w1": jax.random.normal(k1, (d, h)) / np.sqrt(d), "w2": jax.random.normal(k2, (h, 1)) / np.sqrt(h)}
-
-
-def mlp_loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
-
-
-def mlp_batch(n=16, d=8, seed=1):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  return jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n, 1))
-
-
 @OPTAX_BIAS_CORRECTION
 def test_microbatch_step_equals_k_updates_by_hand():
   k = 4
@@ -198,21 +178,12 @@ def _applying_every_micro_step(loss, tx, k):
   return step
 
 
-def _three_steps(steps, params, tx):
-  """``[(params, opt_state, metrics)]`` of each step after three jitted calls from the same
-  start, on the batches of seeds 0, 1, 2."""
-  runs = [(params, tx.init(params))] * len(steps)
-  for seed in range(3):
-    runs = [jax.jit(step)(p, s, mlp_batch(seed=seed)) for step, (p, s, *_) in zip(steps, runs)]
-  return runs
-
-
 @pytest.mark.parametrize("k", [1, 4])
 @OPTAX_BIAS_CORRECTION
 def test_microbatch_step_applies_one_update_bit_for_bit(k):
   tx = lm.adamaw(1e-2, k, weight_decay=0.1)
   params = mlp_init()
-  runs = _three_steps([lm.microbatch_step(mlp_loss, tx, k),
+  runs = three_steps([lm.microbatch_step(mlp_loss, tx, k),
                        _applying_every_micro_step(mlp_loss, tx, k)], params, tx)
   exact(runs[0], runs[1])
 
@@ -297,7 +268,7 @@ def test_microbatch_step_applies_every_update_under_a_skipping_wrapper():
   k = 4
   tx = optax.conditionally_mask(lm.adamaw(1e-2, k), lambda n: n != 1)
   params = mlp_init()
-  runs = _three_steps([lm.microbatch_step(mlp_loss, tx, k),
+  runs = three_steps([lm.microbatch_step(mlp_loss, tx, k),
                        _applying_every_micro_step(mlp_loss, tx, k)], params, tx)
   exact(runs[0], runs[1])
   assert not np.array_equal(runs[0][0]["w1"], params["w1"])
@@ -326,55 +297,6 @@ def test_microbatch_steps_one_update_holds_no_more_than_one_inside_the_loop():
   assert temps["once"] <= temps["accumulate"] - 0.85 * grad_bytes, temps
 
 
-class _LinenMLP(flax.linen.Module):
-  @flax.linen.compact
-  def __call__(self, x):
-    x = jnp.tanh(flax.linen.Dense(16)(x))
-    return flax.linen.Dense(1)(jnp.tanh(flax.linen.Dense(16)(x)))
-
-
-@pytest.mark.parametrize("where", [None, lambda path, leaf: path[-1].key == "kernel"],
-                         ids=["every leaf", "kernels"])
-@OPTAX_BIAS_CORRECTION
-def test_fold_in_backward_of_any_pytree_equals_folding_after_the_backward(where):
-  """A non-scanned Flax linen model: bit for bit in float32 (NNX: test_nnx.py)."""
-  k = 4
-  model = _LinenMLP()
-  params = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
-  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
-  tx = lm.adamaw(1e-2, k)
-  options = optim.FoldInBackward(key=None, where=where)
-  runs = _three_steps([lm.microbatch_step(loss, tx, k, fold_in_backward=f)
-                       for f in (None, options)], params, tx)
-  exact(runs[0], runs[1])
-
-
-@OPTAX_BIAS_CORRECTION
-def test_fold_in_backward_never_holds_the_whole_gradient():
-  """On the H100 target, in the compiled buffers at the step's peak."""
-  k = 4
-  params = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 8
-  batch = (jax.ShapeDtypeStruct((4 * 256, 1024), jnp.float32),) * 2
-  tx = lm.adamaw(1e-3, k)
-  step = jax.jit(lm.microbatch_step(dense_stack_loss, tx, k, fold_in_backward=True),
-                 donate_argnums=(0, 1))
-  peak = lm.memory.report(step, params, jax.eval_shape(tx.init, params), batch, target="h100")
-  assert peak.at_peak["gradients"] <= 0.25 * lm.memory.tree_bytes(params), peak.at_peak
-
-
-def test_fold_in_backward_bad_options():
-  with pytest.raises(ValueError, match="where"):
-    optim.FoldInBackward(key=None, where=3)
-  with pytest.raises(ValueError, match="where"):
-    optim.FoldInBackward(where=lambda path, leaf: True)  # key="layers": the scanned path
-  with pytest.raises(ValueError, match="fold_in_backward"):
-    lm.microbatch_step(mlp_loss, lm.adama(2), 2, fold_in_backward="yes")
-  step = lm.microbatch_step(mlp_loss, lm.adama(2), 2,
-                            fold_in_backward=optim.FoldInBackward(None, where=lambda *_: False))
-  with pytest.raises(ValueError, match="selects no leaf"):
-    step(mlp_init(), lm.adama(2).init(mlp_init()), mlp_batch())
-
-
 @OPTAX_BIAS_CORRECTION
 def test_microbatch_step_accumulates_for_other_optimizers():
   k = 4
@@ -384,13 +306,6 @@ def test_microbatch_step_accumulates_for_other_optimizers():
   s2 = tx.init(params)
   updates, s2 = tx.update(jax.grad(mlp_loss)(params, batch), s2)
   chex.assert_trees_all_close((p1, s1), (optax.apply_updates(params, updates), s2), rtol=1e-5, atol=1e-7)
-
-
-def stateful_loss(params, state, batch):
-  """mlp_loss with the prediction scaled by a running state, which each micro-batch updates."""
-  x, y = batch
-  loss = jnp.mean(((1 + state) * (jnp.tanh(x @ params["w1"]) @ params["w2"]) - y) ** 2)
-  return loss, 0.5 * state + jnp.mean(x)
 
 
 @pytest.mark.parametrize("folded", [True, False], ids=["adama", "adam"])
@@ -496,88 +411,6 @@ def test_apply_if_finite_with_k1_is_adams():
   assert int(s1.total_notfinite) == int(s2.total_notfinite) == 1
 
 
-# A scanned model: stacked residual layers between an input and an output matrix.
-def scanned_init(layers=3, d=8, h=16, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  return {"inp": jax.random.normal(ks[0], (d, d)) / np.sqrt(d),
-          "layers": {"w1": jax.random.normal(ks[1], (layers, d, h)) / np.sqrt(d),
-                     "w2": jax.random.normal(ks[2], (layers, h, d)) / np.sqrt(h)},
-          "out": jax.random.normal(ks[3], (d, 1)) / np.sqrt(d)}
-
-
-def layer(p, h):
-  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
-
-
-def scanned_loss(params, batch, moments=None):
-  x, y = batch
-  h = lm.optim.scan_layers(layer, x @ params["inp"], params["layers"], moments)
-  return jnp.mean((h @ params["out"] - y) ** 2)
-
-
-@pytest.mark.parametrize("nu_scale", optim.NU_SCALES)
-@OPTAX_BIAS_CORRECTION
-def test_fold_in_backward_equals_folding_after_backward(nu_scale):
-  fold = lm.MomentFold(2, nu_scale=nu_scale)
-  tx = optax.chain(lm.adama(fold), optax.scale_by_learning_rate(1e-2))
-  params, batch = scanned_init(), mlp_batch()
-  plain = jax.jit(lm.microbatch_step(scanned_loss, tx, fold))
-  in_backward = jax.jit(lm.microbatch_step(scanned_loss, tx, fold,
-                                           fold_in_backward=lm.optim.FoldInBackward("layers")))
-  p1, s1 = p2, s2 = params, tx.init(params)
-  for _ in range(3):
-    p1, s1, m1 = plain(p1, s1, batch)
-    p2, s2, m2 = in_backward(p2, s2, batch)
-  chex.assert_trees_all_close((p1, s1, m1), (p2, s2, m2), rtol=1e-5, atol=1e-7)
-  assert float(jnp.max(jnp.abs(s2[0].mu["layers"]["w1"]))) > 0
-
-
-@OPTAX_BIAS_CORRECTION
-def test_fold_in_backward_with_state_takes_moments_last():
-  k = 2
-  tx = optax.chain(lm.adama(k), optax.scale_by_learning_rate(1e-2))
-  counting = lambda params, state, batch, moments: (scanned_loss(params, batch, moments), state + 1)
-  params, batch = scanned_init(), mlp_batch()
-  p1, calls, s1, _ = jax.jit(lm.microbatch_step(
-      counting, tx, k, has_state=True, fold_in_backward=lm.optim.FoldInBackward()))(
-          params, jnp.zeros([], jnp.int32), tx.init(params), batch)
-  p2, s2, _ = jax.jit(lm.microbatch_step(scanned_loss, tx, k))(params, tx.init(params), batch)
-  chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-5, atol=1e-7)
-  assert int(calls) == k
-
-
-@pytest.mark.parametrize("options", [optim.FoldInBackward(key=None), optim.FoldInBackward("layers")],
-                         ids=["any pytree", "scan_layers"])
-@OPTAX_BIAS_CORRECTION
-def test_fold_in_backward_apply_if_finite_skips_a_non_finite_micro_batch(options):
-  """As without fold_in_backward: the NaN micro-batch is skipped (moments and params kept)
-  and counted in total_notfinite. Every leaf folds in backward, so no gradient that reaches
-  ``tx.update`` is computed as usual."""
-  k = 4
-  tx = optax.apply_if_finite(lm.adamaw(1e-2, k), max_consecutive_errors=3)
-  params = {"layers": scanned_init()["layers"]}
-  loss = lambda p, b, moments=None: jnp.mean(
-      (lm.optim.scan_layers(layer, b[0], p["layers"], moments) - b[1]) ** 2)
-  x, y = mlp_batch()
-  poisoned = (x.at[1].set(jnp.nan), y)  # row 1: micro-batch 1 (strided)
-  runs = [(params, tx.init(params))] * 2
-  for batch in (poisoned, mlp_batch(seed=2)):
-    runs = [jax.jit(lm.microbatch_step(loss, tx, k, fold_in_backward=f))(p, s, batch)
-            for f, (p, s, *_) in zip((None, options), runs)]
-  chex.assert_trees_all_close(runs[0][:2], runs[1][:2], rtol=1e-5, atol=1e-7)
-  assert int(runs[1][1].total_notfinite) == 1
-  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(runs[1][:2]))
-
-
-def test_scan_layers_gradient_of_input_matches_plain_scan():
-  params, (x, _) = scanned_init(), mlp_batch()
-  moments = optim.LayerMoments(*(jax.tree.map(jnp.zeros_like, params["layers"]),) * 2,
-                               jnp.asarray(True), optim.MomentFold(2))
-  f = lambda m: lambda x: jnp.sum(jnp.sin(lm.optim.scan_layers(layer, x, params["layers"], m)))
-  chex.assert_trees_all_close(f(moments)(x), f(None)(x), rtol=1e-6)
-  chex.assert_trees_all_close(jax.grad(f(moments))(x), jax.grad(f(None))(x), rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("k", [0, -1, 2.0, True, "4"])
 def test_bad_k(k):
   with pytest.raises(ValueError, match="`k`"):
@@ -613,69 +446,3 @@ def test_bad_arguments():
     step(scanned_init(), tx.init(scanned_init()), mlp_batch())
 
 
-@OPTAX_BIAS_CORRECTION
-def test_adama_step_holds_no_accumulator_in_compiled_memory():
-  """XLA's compiled peak on the H100 target (abstract shapes). A scanned model's backward makes
-  the stacked layers' gradient whole, so AdamA alone saves little there (the unscanned stack
-  above saves nearly all of it); folding in the layers' backward rule saves the gradient."""
-  k = 4
-  params = jax.eval_shape(lambda: scanned_init(layers=4, d=256, h=1024))
-  batch = (jax.ShapeDtypeStruct((8, 256), jnp.float32), jax.ShapeDtypeStruct((8, 1), jnp.float32))
-  grad_bytes = lm.memory.tree_bytes(params)
-  peaks = {}
-  for name, tx, options in [
-      ("accumulate", optax.adam(1e-3), None),
-      ("adama", lm.adama(k), None),
-      ("fold-in-backward", lm.adama(k), lm.optim.FoldInBackward())]:
-    step = jax.jit(lm.microbatch_step(scanned_loss, tx, k, fold_in_backward=options),
-                   donate_argnums=(0, 1))
-    peaks[name] = lm.memory.analyze(step, params, jax.eval_shape(tx.init, params), batch,
-                                    target="h100").peak_bytes
-  assert peaks["adama"] <= peaks["accumulate"], peaks
-  assert peaks["fold-in-backward"] <= peaks["accumulate"] - 0.9 * grad_bytes, peaks
-
-
-@OPTAX_BIAS_CORRECTION
-def test_one_moment_fold_for_both_halves_of_adama():
-  """One MomentFold given to adama and microbatch_step: the backward folds with its
-  rates, bit for bit what folding after the backward with the same adama gives."""
-  k = 4
-  model = _LinenMLP()
-  params = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
-  loss = lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
-  fold = lm.MomentFold(k, b1=0.8, b2=0.99, nu_scale="mean")
-  tx = lm.adamaw(1e-2, fold)
-  runs = _three_steps([lm.microbatch_step(loss, tx, fold, fold_in_backward=f)
-                       for f in (None, True)], params, tx)
-  exact(runs[0], runs[1])
-  default = _three_steps([lm.microbatch_step(loss, lm.adamaw(1e-2, k), k)], params,
-                         lm.adamaw(1e-2, k))
-  assert not np.allclose(jax.tree.leaves(runs[0])[0], jax.tree.leaves(default[0])[0])
-
-
-@OPTAX_BIAS_CORRECTION
-def test_adama_refuses_a_fold_that_differs_from_the_backward():
-  params = {"w": jnp.ones((8, 4))}
-  loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
-  x = jnp.ones((4, 8))
-  tx = optax.chain(lm.adama(2, b1=0.95), optax.scale_by_learning_rate(0.1))
-  with pytest.raises(ValueError, match="give it to both"):  # an int k folds with MomentFold(2)
-    lm.microbatch_step(loss, tx, 2, fold_in_backward=True)(params, tx.init(params), x)
-  agreeing = lm.MomentFold(2, b1=0.95)
-  lm.microbatch_step(loss, tx, agreeing, fold_in_backward=True)(params, tx.init(params), x)
-  hyper = optax.inject_hyperparams(lm.adama, static_args=("k", "b1", "b2"))(k=2, b1=0.9)
-  lm.microbatch_step(loss, hyper, 2, fold_in_backward=True)(params, hyper.init(params), x)
-  with pytest.raises(ValueError, match="`nu_scale`='mean' differs"):
-    lm.adama(lm.MomentFold(2), b1=0.9, nu_scale="mean")  # b1: the default, taken as the fold's
-  assert lm.adama(lm.MomentFold(2, b1=0.8)).init(params).mu["w"].shape == (8, 4)
-  # An injected b1 cannot reach the backward's fixed rule: refused (it was ignored under jit).
-  traced = optax.inject_hyperparams(lm.adama, static_args=("k",))(k=2, b1=0.9)
-  assert set(traced.init(params).hyperparams) >= {"b1", "b2", "eps"}
-  with pytest.raises(ValueError, match="traced"):
-    jax.jit(lm.microbatch_step(loss, traced, 2, fold_in_backward=True))(
-        params, traced.init(params), x)
-  with pytest.raises(ValueError, match="static_args"):
-    optax.inject_hyperparams(lm.adama, static_args=("k",))(k=lm.MomentFold(2), b1=0.5).init(
-        params)
-  with pytest.raises(ValueError, match="`k` must be a positive"):
-    lm.adamaw(0.1, 0)

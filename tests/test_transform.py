@@ -7,7 +7,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -15,25 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import lowmem_jax as lm
 import plain_vit  # benchmarks/, on sys.path in conftest.py
+from transform_checks import (KEY, LABELS, TOL, VOCAB, close, float_residuals, log_softmax_at,
+                              normal)
 from third_party_promotion import FLAX_NORM, JAX_DOT_PRODUCT_ATTENTION
-
-KEY = jax.random.key(0)
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
-
-
-def _normal(shape, dtype=jnp.float32, key=KEY, scale=1.0):
-  return (scale * jax.random.normal(key, shape)).astype(dtype)
-
-
-def _close(a, b, tol):
-  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), a),
-                              jax.tree.map(lambda x: x.astype(jnp.float32), b),
-                              atol=tol, rtol=tol)
-
-
-def _float_residuals(fn, *args):
-  return [r for r in lm.memory.saved_residuals(fn, *args).rows
-          if jnp.issubdtype(r.dtype, jnp.floating) and not r.is_argument]
 
 
 ACTIVATIONS = {  # form: (function, the project's op it becomes)
@@ -55,21 +38,21 @@ ACTIVATIONS = {  # form: (function, the project's op it becomes)
 @pytest.mark.parametrize("form", list(ACTIVATIONS))
 def test_activation_rewritten_with_same_forward_and_the_ops_backward(form, dtype):
   fn, op = ACTIVATIONS[form]
-  x = _normal((4, 8, 64), dtype, scale=3.0)
+  x = normal((4, 8, 64), dtype, scale=3.0)
   loss = lambda x: jnp.sum(fn(x).astype(jnp.float32) * jnp.arange(64.0)[None, None])
   fast = lm.lowmem(loss, activations="approx")
   assert fast.explain(x).counts == {"activation": 1}
-  _close(fast(x), loss(x), TOL[dtype] * 10)
+  close(fast(x), loss(x), TOL[dtype] * 10)
   if op == "tanh":  # the tanh GELU keeps its forward and takes ReGELU2's backward
     op = lm.activations.regelu2_tanh
   twin = lambda x: jnp.sum(op(x).astype(jnp.float32) * jnp.arange(64.0)[None, None])
   chex.assert_trees_all_equal(jax.grad(fast)(x), jax.grad(twin)(x))
-  saved = [r for r in _float_residuals(fast, x) if r.shape == x.shape]
+  saved = [r for r in float_residuals(fast, x) if r.shape == x.shape]
   assert not saved, "a float activation input is still saved"
 
 
 def test_relu_gradient_is_exact():
-  x = _normal((8, 32))
+  x = normal((8, 32))
   loss = lambda x: jnp.sum(jax.nn.relu(x) ** 2)
   chex.assert_trees_all_close(jax.grad(lm.lowmem(loss))(x), jax.grad(loss)(x), atol=1e-6)
 
@@ -104,15 +87,15 @@ def _perturbed(params):
 @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
 def test_linen_norm_folded_into_its_matmuls(norm, dtype):
   model = _PreLN(norm, dtype)
-  x = _normal((4, 16, 32), scale=2.0) + 1.0
+  x = normal((4, 16, 32), scale=2.0) + 1.0
   params = _perturbed(model.init(KEY, x))
   loss = lambda p, x: model.apply(p, x)
   fast = lm.lowmem(loss)
   (rewrite,) = fast.explain(params, x)
   assert rewrite.kind == "norm" and "fold into 2 matmuls" in rewrite.op, rewrite
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
-  _close(jax.jit(fast)(params, x), jax.jit(loss)(params, x), tol)
-  _close(*(jax.jit(jax.grad(f, (0, 1)))(params, x) for f in (fast, loss)), tol * 10)
+  close(jax.jit(fast)(params, x), jax.jit(loss)(params, x), tol)
+  close(*(jax.jit(jax.grad(f, (0, 1)))(params, x) for f in (fast, loss)), tol * 10)
   names = {r.name for r in lm.memory.saved_residuals(fast, params, x).rows}
   assert {"norm_out", "norm_rstd"} <= names
   # the parameter tree is the user's: pretrained weights load as they are
@@ -146,52 +129,52 @@ def _rms_over_sqrt(p, x):
 
 @pytest.mark.parametrize("norm", [_hand_ln, _hand_rms, _var_over_sqrt_ln, _rms_over_sqrt])
 def test_hand_written_norm(norm):
-  p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)), "w": _normal((32, 8)),
-       "c": _normal((8,))}
-  x = _normal((4, 16, 32), scale=3.0)
+  p = {"g": 1 + normal((32,), scale=0.2), "b": normal((32,)), "w": normal((32, 8)),
+       "c": normal((8,))}
+  x = normal((4, 16, 32), scale=3.0)
   loss = lambda p, x: jnp.sum(jnp.tanh(norm(p, x) @ p["w"] + p["c"][None, None]))
   fast = lm.lowmem(loss, activations=None)
   assert fast.explain(p, x).counts == {"norm": 1}
-  _close(jax.jit(fast)(p, x), jax.jit(loss)(p, x), 1e-5)
-  _close(*(jax.jit(jax.grad(f, (0, 1)))(p, x) for f in (fast, loss)), 1e-4)
-  shapes = [r.shape for r in _float_residuals(fast, p, x) if r.name is None]
+  close(jax.jit(fast)(p, x), jax.jit(loss)(p, x), 1e-5)
+  close(*(jax.jit(jax.grad(f, (0, 1)))(p, x) for f in (fast, loss)), 1e-4)
+  shapes = [r.shape for r in float_residuals(fast, p, x) if r.name is None]
   assert x.shape not in shapes, "the norm's input is still saved"
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.int8, jnp.bfloat16])
 def test_no_fold_into_a_narrower_weight(w_dtype):
   """g * W rounded to an int8 or bfloat16 weight would change a float32 matmul's result."""
-  p = {"g": 1 + _normal((32,), scale=0.2), "b": _normal((32,)),
-       "w": (_normal((32, 8)) * 20).astype(w_dtype)}
-  x = _normal((4, 16, 32), scale=3.0)
+  p = {"g": 1 + normal((32,), scale=0.2), "b": normal((32,)),
+       "w": (normal((32, 8)) * 20).astype(w_dtype)}
+  x = normal((4, 16, 32), scale=3.0)
   loss = lambda p, x: jnp.sum(jnp.sin(jax.lax.dot_general(
       _hand_ln(p, x), p["w"], (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)))
   fast = lm.lowmem(loss, activations=None)
   (rewrite,) = fast.explain(p, x)
   assert "fold" not in rewrite.op and "affine kept" in rewrite.op, rewrite
-  _close(fast(p, x), loss(p, x), 1e-5)
+  close(fast(p, x), loss(p, x), 1e-5)
 
 
 def test_post_ln_keeps_the_affine_on_the_residual_path():
   model = _PostLN()
-  x = _normal((4, 16, 32))
+  x = normal((4, 16, 32))
   params = _perturbed(model.init(KEY, x))
   loss = lambda p, x: model.apply(p, x)
   fast = lm.lowmem(loss)
   (rewrite,) = fast.explain(params, x)
   assert "affine kept" in rewrite.op
-  _close(jax.grad(fast)(params, x), jax.grad(loss)(params, x), 1e-4)
+  close(jax.grad(fast)(params, x), jax.grad(loss)(params, x), 1e-4)
 
 
 def test_unbiased_variance_is_not_a_layer_norm():
-  x = _normal((4, 32))
+  x = normal((4, 32))
   loss = lambda x: jnp.sum((x - x.mean(-1, keepdims=True)) / jnp.sqrt(
       jnp.var(x, -1, ddof=1, keepdims=True) + 1e-5) @ jnp.ones((32, 4)))
   assert lm.lowmem(loss).explain(x).counts == {}
 
 
 def test_a_users_own_scalar_guard_on_the_variance_is_kept():
-  x = _normal((4, 32))
+  x = normal((4, 32))
 
   def loss(x, ok):
     mu = x.mean(-1, keepdims=True)
@@ -203,7 +186,7 @@ def test_a_users_own_scalar_guard_on_the_variance_is_kept():
 
 
 def test_norm_like_expression_over_the_wrong_axis_is_left():
-  x = _normal((16, 32))
+  x = normal((16, 32))
   def loss(x):
     mu = x.mean(0, keepdims=True)
     y = (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(0, keepdims=True) + 1e-5)
@@ -213,7 +196,7 @@ def test_norm_like_expression_over_the_wrong_axis_is_left():
 
 L = 32
 MASK = jnp.tril(jnp.ones((L, L), bool))[None, None]
-BIAS = _normal((1, 4, L, L), key=jax.random.key(3))
+BIAS = normal((1, 4, L, L), key=jax.random.key(3))
 
 
 def _einsum_attention(q, k, v):
@@ -237,18 +220,18 @@ ATTENTIONS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("form", list(ATTENTIONS))
 def test_attention_rewritten_without_an_lxl_residual(form):
-  q, k, v = _normal((3, 2, L, 4, 16))
+  q, k, v = normal((3, 2, L, 4, 16))
   loss = lambda q, k, v: jnp.sum(ATTENTIONS[form](q, k, v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
-  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
-  lxl = [r for r in _float_residuals(fast, q, k, v) if r.shape[-2:] == (L, L)]
+  close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
+  close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
+  lxl = [r for r in float_residuals(fast, q, k, v) if r.shape[-2:] == (L, L)]
   assert not lxl, lxl
 
 
 HEAD_MASK = jax.random.bernoulli(jax.random.key(5), 0.7, (2, 8, L, L)) | jnp.eye(L, dtype=bool)
-HEAD_BIAS = _normal((1, 8, L, L), key=jax.random.key(6))
+HEAD_BIAS = normal((1, 8, L, L), key=jax.random.key(6))
 
 
 def _grouped_by_hand(q, k, v):
@@ -270,156 +253,49 @@ GROUPED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("form", list(GROUPED))
 def test_grouped_query_attention_rewritten_without_an_lxl_residual(form):
-  q = _normal((2, L, 8, 16))
-  k, v = _normal((2, 2, L, 2, 16), key=jax.random.key(1))
+  q = normal((2, L, 8, 16))
+  k, v = normal((2, 2, L, 2, 16), key=jax.random.key(1))
   loss = lambda q, k, v: jnp.sum(GROUPED[form](q, k, v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
-  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
-  scores = [r for r in _float_residuals(fast, q, k, v) if np.prod(r.shape) == 2 * 8 * L * L]
+  close(jax.jit(fast)(q, k, v), jax.jit(loss)(q, k, v), 1e-5)
+  close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
+  scores = [r for r in float_residuals(fast, q, k, v) if np.prod(r.shape) == 2 * 8 * L * L]
   assert not scores, scores  # the [1, 8, L, L] bias, a constant here, has another size
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_output_projection_contracts_the_attention_output_as_saved(dtype):
-  q, k, v = _normal((3, 2, L, 4, 16), dtype)
-  w = _normal((64, 24), dtype, scale=0.1)
+  q, k, v = normal((3, 2, L, 4, 16), dtype)
+  w = normal((64, 24), dtype, scale=0.1)
   loss = lambda q, k, v, w: jnp.sum(
       (_einsum_attention(q, k, v).reshape(2, L, 64) @ w).astype(jnp.float32) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v, w).counts == {"attention": 1, "layout": 1}
-  _close(jax.jit(fast)(q, k, v, w), jax.jit(loss)(q, k, v, w), 1e-5 if dtype == jnp.float32 else 2e-2)
+  close(jax.jit(fast)(q, k, v, w), jax.jit(loss)(q, k, v, w), 1e-5 if dtype == jnp.float32 else 2e-2)
   grads = [jax.jit(jax.grad(f, (0, 1, 2, 3)))(q, k, v, w) for f in (fast, loss)]
   scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for g in grads[1])
-  _close(*jax.tree.map(lambda g: g / scale, grads), 1e-4 if dtype == jnp.float32 else 3e-2)
-  saved = [r.shape for r in _float_residuals(fast, q, k, v, w)]
+  close(*jax.tree.map(lambda g: g / scale, grads), 1e-4 if dtype == jnp.float32 else 3e-2)
+  saved = [r.shape for r in float_residuals(fast, q, k, v, w)]
   assert (2, L, 4, 16) in saved and (2, L, 64) not in saved, saved
 
 
 def test_attention_of_a_single_query():
-  q = _normal((2, 1, 4, 16))
-  k, v = _normal((2, 2, L, 4, 16), key=jax.random.key(1))
+  q = normal((2, 1, 4, 16))
+  k, v = normal((2, 2, L, 4, 16), key=jax.random.key(1))
   loss = lambda q, k, v: jnp.sum(jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(
       jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -1), v) ** 2)
   fast = lm.lowmem(loss)
   assert fast.explain(q, k, v).counts == {"attention": 1}
-  _close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
+  close(*(jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v) for f in (fast, loss)), 1e-4)
 
 
 def test_softmax_not_followed_by_a_matmul_is_left():
-  q, k = _normal((2, 2, L, 4, 16))
+  q, k = normal((2, 2, L, 4, 16))
   loss = lambda q, k: jnp.sum(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1) ** 2)
   rewrites = lm.lowmem(loss).explain(q, k)
   assert rewrites.counts == {}
   assert [r.kind for r in rewrites] == ["attention"] and "matmul" in rewrites[0].left
-
-
-VOCAB, WIDTH = 40, 16
-LABELS = jax.random.randint(jax.random.key(7), (2, 24), 0, VOCAB)
-
-
-def _log_softmax_at(logits, labels):
-  return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1)[..., 0]
-
-
-LOSS_HEADS = {  # form: (per-token loss of (h, w, labels), w's shape)
-    "log_softmax + take_along_axis": (lambda h, w, y: _log_softmax_at(h @ w, y), (WIDTH, VOCAB)),
-    "optax, integer labels": (lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
-        (h @ w).astype(jnp.float32), y), (WIDTH, VOCAB)),
-    "optax, flattened tokens": (lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
-        (h @ w).reshape(-1, VOCAB), y.reshape(-1)).reshape(y.shape), (WIDTH, VOCAB)),
-    "tied embedding": (lambda h, e, y: optax.softmax_cross_entropy_with_integer_labels(
-        jnp.einsum("btd,vd->btv", h, e), y), (VOCAB, WIDTH)),
-    "flax Dense with bias": (lambda h, w, y: _log_softmax_at(nn.Dense(VOCAB).apply(
-        {"params": {"kernel": w, "bias": jnp.linspace(-1.0, 1.0, VOCAB)}}, h), y),
-        (WIDTH, VOCAB)),
-}
-
-
-@pytest.mark.parametrize("form", list(LOSS_HEADS))
-def test_loss_head_rewritten_without_the_logits(form):
-  per_token, w_shape = LOSS_HEADS[form]
-  h, w = _normal((2, 24, WIDTH)), _normal(w_shape, key=jax.random.key(1), scale=0.3)
-  loss = lambda h, w: jnp.mean(per_token(h, w, LABELS))
-  fast = lm.lowmem(loss)
-  rewrites = fast.explain(h, w)
-  assert rewrites.counts == {"loss": 1} and "test_transform.py" in rewrites[0].source
-  _close(jax.jit(fast)(h, w), jax.jit(loss)(h, w), 1e-5)
-  _close(*(jax.jit(jax.grad(f, (0, 1)))(h, w) for f in (fast, loss)), 1e-4)
-  logits = [r for r in _float_residuals(fast, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
-  assert not logits, logits
-  assert [r for r in _float_residuals(loss, h, w) if np.prod(r.shape) >= LABELS.size * VOCAB]
-
-
-@pytest.mark.slow
-def test_loss_head_labels_out_of_range_give_the_gathers_nan():
-  h, w = _normal((2, 24, WIDTH)), _normal((WIDTH, VOCAB), key=jax.random.key(1), scale=0.3)
-  labels = LABELS.at[0, 0].set(-1).at[0, 1].set(VOCAB).at[1, 0].set(-VOCAB - 3)
-  per_token = lambda h, w: _log_softmax_at(h @ w, labels)
-  fast, plain = lm.lowmem(per_token)(h, w), per_token(h, w)
-  assert lm.lowmem(per_token).explain(h, w).counts == {"loss": 1}
-  np.testing.assert_array_equal(np.isnan(fast), np.isnan(plain))
-  assert np.isnan(plain[0, 1]) and not np.isnan(plain[0, 0])  # -1 wraps to the last class
-  _close(jnp.nan_to_num(fast), jnp.nan_to_num(plain), 1e-5)
-  kept = jnp.isfinite(plain)
-  masked = lambda f: lambda h, w: jnp.sum(jnp.where(kept, f(h, w), 0.0))
-  _close(jax.grad(masked(lm.lowmem(per_token)), (0, 1))(h, w),
-         jax.grad(masked(per_token), (0, 1))(h, w), 1e-4)
-  # optax's form adds the NaN to the log-sum-exp, whose gradient stays
-  optax_form = lambda h, w: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(h @ w, labels))
-  assert np.isnan(lm.lowmem(optax_form)(h, w))
-  _close(jax.grad(lm.lowmem(optax_form), (0, 1))(h, w), jax.grad(optax_form, (0, 1))(h, w), 1e-4)
-
-
-def _by_hand_without_keepdims(logits, labels):
-  """A log-softmax whose max and log-sum-exp broadcast along the first axis (a user's bug)."""
-  shifted = logits - jnp.max(logits, -1)[None, :]
-  log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), -1))[None, :]
-  return -jnp.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
-
-
-def test_loss_head_left_where_it_saves_nothing_or_the_logits_are_used():
-  h, y = _normal((2, 24, WIDTH)), LABELS % 8
-  narrow = lambda h, w: jnp.mean(_log_softmax_at(h @ w, y))
-  rewrites = lm.lowmem(narrow).explain(h, _normal((WIDTH, 8)))
-  assert rewrites.counts == {} and "no wider" in rewrites[0].left
-  w = _normal((WIDTH, VOCAB))
-
-  def reused(h, w):
-    logits = h @ w
-    return jnp.mean(_log_softmax_at(logits, LABELS)) + jnp.mean(logits ** 2)
-  rewrites = lm.lowmem(reused).explain(h, w)
-  assert rewrites.counts == {} and "used elsewhere" in rewrites[0].left
-  square = _normal((VOCAB, WIDTH))  # as many tokens as classes: the shapes alone do not tell
-  square_labels = jnp.arange(VOCAB)[::-1]
-  shifted_by_column = lambda h, w: jnp.mean(_by_hand_without_keepdims(h @ w, square_labels))
-  assert lm.lowmem(shifted_by_column).explain(square, w).counts == {}
-  bias_by_row = lambda h, w: jnp.mean(_log_softmax_at(
-      h @ w + jnp.arange(VOCAB, dtype=jnp.float32).reshape(VOCAB, 1), square_labels))
-  assert lm.lowmem(bias_by_row).explain(square, w).counts == {}
-  int8 = lambda h, w: jnp.mean(_log_softmax_at(jnp.matmul(
-      h, w, preferred_element_type=jnp.float32), LABELS))
-  rewrites = lm.lowmem(int8).explain(h.astype(jnp.int8), w.astype(jnp.int8))
-  assert rewrites.counts == {} and "float32, bfloat16 and float16" in rewrites[0].left
-  smoothed = lambda h, w: jnp.mean(optax.softmax_cross_entropy(
-      h @ w, optax.smooth_labels(jax.nn.one_hot(LABELS, VOCAB), 0.1)))
-  assert lm.lowmem(smoothed).explain(h, w).counts == {}
-  assert lm.lowmem(lambda h, w: jnp.mean(_log_softmax_at(h @ w, LABELS)),
-                   loss=None).explain(h, w).counts == {}
-
-
-@pytest.mark.slow
-def test_llama_head_rewritten_as_the_fused_loss():
-  wl = lm.models.workload("llama-100m", batch=1, seq=16, dtype=jnp.float32)
-  wl = dataclasses.replace(wl, model=wl.model.clone(config=dataclasses.replace(
-      wl.model.config, dim=32, n_layers=1, n_heads=2, ffn_dim=64, vocab_size=128)))
-  params = wl.init(KEY)
-  tokens, labels = wl.batch(jax.random.key(1))
-  fast = lm.lowmem(wl.loss, activations=None)
-  assert fast.explain(params, tokens, labels).counts == {"attention": 1, "norm": 3, "loss": 1}
-  _close(jax.jit(fast)(params, tokens, labels), jax.jit(wl.loss)(params, tokens, labels), 1e-5)
-  _close(*(jax.jit(jax.grad(f))(params, tokens, labels) for f in (fast, wl.loss)), 1e-4)
 
 
 class _Block(nnx.Module):
@@ -441,7 +317,7 @@ class _Block(nnx.Module):
 def test_nnx_block_of_stock_modules():
   graphdef, state = nnx.split(_Block(nnx.Rngs(0)))
   state = _perturbed(state)
-  x = _normal((2, 16, 32))
+  x = normal((2, 16, 32))
   loss = lambda state, x: jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
   rewrites = lm.lowmem(loss, activations="approx").explain(state, x)
   assert rewrites.counts == {"attention": 1, "norm": 2, "activation": 1}
@@ -449,13 +325,13 @@ def test_nnx_block_of_stock_modules():
   assert {r.source.split(":")[0] for r in rewrites} == {"test_transform.py"}, rewrites
   exact = lm.lowmem(loss)  # the default: the GELU recomputed from its input, exact too
   assert exact.explain(state, x).counts == {"attention": 1, "norm": 2, "activation": 1}
-  _close(jax.jit(exact)(state, x), jax.jit(loss)(state, x), 1e-5)
-  _close(*(jax.jit(jax.grad(f))(state, x) for f in (exact, loss)), 1e-4)
+  close(jax.jit(exact)(state, x), jax.jit(loss)(state, x), 1e-5)
+  close(*(jax.jit(jax.grad(f))(state, x) for f in (exact, loss)), 1e-4)
 
 
 def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
-  ws = _normal((3, 32, 32), scale=0.2)
-  x = _normal((4, 32))
+  ws = normal((3, 32, 32), scale=0.2)
+  x = normal((4, 32))
   policy = jax.checkpoint_policies.save_only_these_names("act_code")
 
   @jax.jit
@@ -470,7 +346,7 @@ def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
 
   fast = lm.lowmem(loss, activations="approx")
   assert fast.explain(ws, x).counts == {"activation": 3}
-  _close(fast(ws, x), loss(ws, x), 1e-5)
+  close(fast(ws, x), loss(ws, x), 1e-5)
   jaxpr = str(jax.make_jaxpr(fast)(ws, x))
   assert jaxpr.count("custom_vjp_call") == 3 and "remat" in jaxpr and "scan" in jaxpr
   grads = jax.jit(jax.grad(fast))(ws, x)
@@ -478,11 +354,11 @@ def test_nested_scan_checkpoint_cond_and_jit_are_rewritten():
 
 
 def test_composes_with_vmap_and_jit():
-  x = _normal((3, 8, 64))
+  x = normal((3, 8, 64))
   fn = lambda x: jnp.sum(jax.nn.gelu(x) ** 2)
   fast = jax.jit(jax.vmap(jax.grad(lm.lowmem(fn, activations="approx"))))
   twin = jax.vmap(jax.grad(lambda x: jnp.sum(lm.activations.regelu2_tanh(x) ** 2)))
-  _close(fast(x), twin(x), 1e-6)
+  close(fast(x), twin(x), 1e-6)
 
 
 def _block_loss(p, x, labels, keep):
@@ -493,7 +369,7 @@ def _block_loss(p, x, labels, keep):
   o = jax.nn.dot_product_attention(q, k, v, mask=keep, is_causal=True)
   x = x + o.reshape(x.shape) @ p["o"]
   x = x + jax.nn.relu(x @ p["up"]) @ p["down"]
-  return jnp.mean(_log_softmax_at(x @ p["head"], labels))
+  return jnp.mean(log_softmax_at(x @ p["head"], labels))
 
 
 BLOCK_SHARDINGS = {  # layout: the specs of the inputs and of the parameters
@@ -511,9 +387,9 @@ def test_sharded_block_is_rewritten_and_explained_as_unsharded(axis_type, layout
   shapes = {"ln": {"g": (32,), "b": (32,)}, "q": (32, 32), "k": (32, 32), "v": (32, 32),
             "o": (32, 32), "up": (32, 64), "down": (64, 32), "head": (32, VOCAB)}
   keys = iter(jax.random.split(KEY, 9))
-  params = jax.tree.map(lambda s: _normal(s, key=next(keys), scale=0.3), shapes,
+  params = jax.tree.map(lambda s: normal(s, key=next(keys), scale=0.3), shapes,
                         is_leaf=lambda s: isinstance(s, tuple))
-  x, labels = _normal((8, 16, 32), key=jax.random.key(1)), LABELS[:, :16].repeat(4, 0)
+  x, labels = normal((8, 16, 32), key=jax.random.key(1)), LABELS[:, :16].repeat(4, 0)
   keep = (jnp.arange(16)[None] < jnp.arange(8, 16)[:, None])[:, None, None]  # padded keys
   want = lm.lowmem(_block_loss).explain(params, x, labels, keep)
   assert want.counts == {"loss": 1, "attention": 1, "layout": 1, "norm": 1, "activation": 1}
@@ -529,12 +405,12 @@ def test_sharded_block_is_rewritten_and_explained_as_unsharded(axis_type, layout
             *(put(a, batch_spec) for a in (x, labels, keep)))
     assert fast.explain(*args) == want
     got, ref = (jax.jit(jax.value_and_grad(f))(*args) for f in (fast, loss))
-  _close(got, ref, 1e-4)
+  close(got, ref, 1e-4)
 
 
 def test_nothing_to_rewrite_gives_the_same_jaxpr():
   fn = lambda x, w: jnp.sum(jnp.tanh(x @ w) * 2.0 + 1.0)
-  x, w = _normal((4, 8)), _normal((8, 8))
+  x, w = normal((4, 8)), normal((8, 8))
   assert str(jax.make_jaxpr(lm.lowmem(fn))(x, w)) == str(jax.make_jaxpr(fn)(x, w))
 
 
@@ -543,7 +419,7 @@ def test_jaxs_softmax_and_logsumexp_left_keep_their_own_derivative():
   the matchers: where no match takes one, the call is bound again (its derivative rule and
   residuals kept, no mark of the inlining left), under a nested `lowmem` and ``where`` too.
   Each function also holds an attention the rewrite takes, so that it rewrites at all."""
-  x, w = _normal((64, 512)), _normal((512, 8))
+  x, w = normal((64, 512)), normal((512, 8))
   q = lambda x: x.reshape(1, 64, 8, 64)
   attention = lambda x: jnp.sum(jax.nn.dot_product_attention(q(x), q(x), q(x)) ** 2)
   lefts = [lambda x: jnp.sum(jax.nn.softmax(x) @ w),
@@ -565,7 +441,7 @@ def test_jaxs_softmax_and_logsumexp_left_keep_their_own_derivative():
 
 
 def test_options_turn_rewrites_off_and_bad_options_raise():
-  x = _normal((4, 16, 32))
+  x = normal((4, 16, 32))
   fn = lambda x: jnp.sum(jax.nn.gelu(nn.LayerNorm().apply({"params": {"scale": jnp.ones(32),
                                                                       "bias": jnp.zeros(32)}}, x)))
   assert lm.lowmem(fn, norms=None, activations="approx").explain(x).counts == {"activation": 1}
@@ -581,7 +457,7 @@ def test_options_turn_rewrites_off_and_bad_options_raise():
 
 
 def test_explain_counts_the_bytes_and_prints_a_table():
-  q, k, v = _normal((3, 2, L, 4, 16))
+  q, k, v = normal((3, 2, L, 4, 16))
   loss = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2)
   rewrites = lm.lowmem(loss).explain(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)))
   plain = lm.memory.saved_residuals(loss, q, k, v).total_bytes
@@ -592,7 +468,7 @@ def test_explain_counts_the_bytes_and_prints_a_table():
 
 
 def test_rewrites_is_a_frozen_sequence():
-  x = _normal((4, 8, 64))
+  x = normal((4, 8, 64))
   rewrites = lm.lowmem(lambda x: jnp.sum(jax.nn.gelu(x) ** 2), activations="approx").explain(x)
   assert isinstance(rewrites, lm.Rewrites) and dataclasses.is_dataclass(rewrites)
   assert len(rewrites) == 1 and rewrites[0] == rewrites.rewrites[0] == next(iter(rewrites))
@@ -642,8 +518,8 @@ def test_per_block_memory_of_a_plain_vit_on_the_h100_target():
 
 
 def test_memory_report_names_the_rewritten_residuals():
-  params = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": _normal((64, 256)),
-            "w2": _normal((256, 64))}
+  params = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": normal((64, 256)),
+            "w2": normal((256, 64))}
   x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
   fast = lm.lowmem(lambda p, x: jnp.mean(
       jax.nn.gelu(_hand_ln(p, x) @ p["w1"], approximate=False) @ p["w2"]), activations="approx")
@@ -658,9 +534,9 @@ def test_default_keeps_the_gradient_and_approx_changes_it():
   """The default rewrites only what keeps the gradient: the GELU and SiLU recomputed from
   their input (one residual each, not autodiff's several), ReLU's 1-bit mask; "approx"
   takes ReGELU2 and ReSiLU2, marked approximate."""
-  p = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": _normal((64, 256), scale=0.1),
-       "w2": _normal((256, 64), scale=0.1)}
-  x = _normal((32, 64))
+  p = {"g": jnp.ones(64), "b": jnp.zeros(64), "w1": normal((64, 256), scale=0.1),
+       "w2": normal((256, 64), scale=0.1)}
+  x = normal((32, 64))
   loss = lambda p, x: jnp.mean(jax.nn.relu(jax.nn.silu(jax.nn.gelu(
       _hand_ln(p, x) @ p["w1"]) @ p["w2"]) @ p["w1"]))
   exact, approx = lm.lowmem(loss), lm.lowmem(loss, activations="approx")
@@ -670,7 +546,7 @@ def test_default_keeps_the_gradient_and_approx_changes_it():
       "tanh GELU and the matmul it feeds, recomputed from its input",
       "SiLU and the matmul it feeds, recomputed from its input", "relu"]
   assert "exact gradient" in str(rewrites)
-  _close(jax.grad(exact)(p, x), jax.grad(loss)(p, x), 1e-5)
+  close(jax.grad(exact)(p, x), jax.grad(loss)(p, x), 1e-5)
   sizes = [lm.memory.saved_residuals(f, p, x).activation_bytes for f in (exact, loss)]
   assert sizes[0] < sizes[1] - 4 * 32 * 256 * 4  # the GELU's and SiLU's extra arrays gone
   assert abs(exact.gradient_cosine(p, x) - 1.0) < 1e-5

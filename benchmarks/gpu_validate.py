@@ -83,7 +83,7 @@ DRY_LLAMA3_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
 # each with XLA's update and with the fused kernel; the 1B's plain step with full remat (the
 # same FLOPs, its head's backward in one pass too) is their time ratio's baseline.
 SPEED_BASELINE = "all+fused-ce+ce-one-pass+8bit+bf16-params+remat:full"
-_EVERY_LEAF, _WHOLE = "+update-slice:1073741824", "+update-slice:67108864"  # fits' slice terms
+_EVERY_LEAF = "+update-slice:1073741824"  # fits' slice term
 _STREAMED_1B = ("all+fused-ce+8bit+bf16-params+ce-one-pass+stream:device+whole-layer"
                 f"+mlp-chunk:off{_EVERY_LEAF}")
 _SET_8B = "bf16+ms-norm+attention+fused-ce+8bit+bf16-params+ce-one-pass"
@@ -93,7 +93,7 @@ SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                   for k in ("", "+fused-update")
                   for t in ("stream:host+offload-opt+prefetch:2+whole-layer+mlp-chunk:off",
                             f"stream:device+whole-layer+mlp-chunk:off{_EVERY_LEAF}",
-                            f"stream:host+offload-opt+mlp-chunk:off{_WHOLE}",
+                            "stream:host+offload-opt+part-inputs+mlp-chunk:off",
                             "stream:host+offload-opt")])
 DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)
                    for t in (SPEED_BASELINE, _STREAMED_1B)]

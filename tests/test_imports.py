@@ -277,6 +277,7 @@ TESTED_IN = {
     "lowmem_jax.ops._lowbit_reference": "test_pallas_adam8bit.py",
     "lowmem_jax.optim.rounding": "test_lowbit.py",
     "lowmem_jax.optim.steps": "test_optim.py",
+    "lowmem_jax.optim.streamed_state": "test_streamed.py",
     "lowmem_jax.transform.api": "test_transform.py", "lowmem_jax.transform.rewrites": "test_transform.py",
     "lowmem_jax.transform.attention": "test_transform_attention_patterns.py",
 }

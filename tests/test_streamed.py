@@ -113,18 +113,21 @@ def test_adamw_equals_optax_on_the_whole_gradient(tied):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("state,slice_elements", [("device", 2 ** 24), ("host", 128)],
-                         ids=["device", "host-sliced"])
-def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elements):
+@pytest.mark.parametrize("state,slice_elements,kept", [
+    ("device", 2 ** 24, False), ("host", 128, False), ("host", 128, True)],
+    ids=["device", "host-sliced", "host-sliced-part-inputs"])
+def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elements, kept):
   """Each part's parameters updated after its backward: the shared norm after the first
   part's (both gradients summed), a leaf no part reads with a zero gradient (weight decay
-  still moves it), the stacks updated in place a slice at a time."""
+  still moves it), the stacks updated in place a slice at a time; with ``kept``, each
+  part's input kept on the host by the forward, not recomputed."""
   model = stack_in_parts()
   params = params_of(jax.random.key(6))
   params["layers"]["unread"] = jnp.ones((LAYERS, DIM))
   batches = [batch_of(jax.random.key(i)) for i in range(3)]
+  places = dict(saved_inputs="host", keep_part_inputs=True) if kept else {}
   got, want, _ = run_both(model, optax.adamw(1e-2, weight_decay=0.1), params, batches,
-                          state=state, slice_elements=slice_elements)
+                          state=state, slice_elements=slice_elements, **places)
   assert_close(got, want)
   one = jax.tree.map(lambda x: x[0], params["layers"])
   h = jnp.zeros((2, 8, DIM))
@@ -132,6 +135,19 @@ def test_a_layer_in_parts_equals_optax_on_the_whole_gradient(state, slice_elemen
           for part in model.parts] == [{"norm", "w1"}, {"norm", "w2"}]
   for name in ("norm", "w1", "w2", "unread"):
     assert not np.allclose(got["layers"][name], params["layers"][name]), name
+
+
+def test_kept_part_inputs_give_the_same_step_with_the_first_parts_forward_once():
+  """``keep_part_inputs``: the forward keeps the second part's input, so the backward runs
+  the first part's forward (its two matmuls) once, inside its backward, not also before."""
+  model, params = stack_in_parts(), params_of(jax.random.key(6))
+  tx, batch = optax.adamw(1e-2, weight_decay=0.1), batch_of(jax.random.key(1))
+  steps = [streamed.layer_streamed(model, tx, keep_part_inputs=kept) for kept in (False, True)]
+  dots = [sum(e.primitive.name == "dot_general" for e, _ in _jaxpr.walk(
+      jax.make_jaxpr(s.step)(params, s.init(params), batch).jaxpr)) for s in steps]
+  assert dots[0] - dots[1] == 2, dots
+  got, want = (jax.jit(s.step)(params, s.init(params), batch)[0] for s in steps)
+  assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _not_norms(params):
@@ -399,6 +415,8 @@ def test_bad_input_names_what_is_wrong():
     streamed.layer_streamed(model.loss, optax.adam(1e-3))
   with pytest.raises(TypeError, match="`gather_params` must be a bool"):
     streamed.layer_streamed(model, optax.adam(1e-3), gather_params="fsdp")
+  with pytest.raises(TypeError, match="`keep_part_inputs` must be a bool"):
+    streamed.layer_streamed(model, optax.adam(1e-3), keep_part_inputs=1)
   with pytest.raises(TypeError, match="StreamedState"):
     layered.step(params, optax.adam(1e-3).init(params), batch_of(jax.random.key(0)))
   by_tree = optax.adamw(1e-3, mask=jax.tree.map(lambda x: x.ndim > 1, params))

@@ -79,11 +79,9 @@ def test_update_slice_sets_the_streamed_steps_slice_elements():
   assert "slice_elements=2097152" in app.parse(
       "8bit+stream:device+update-slice:2097152").python(job)
   assert "slice_elements" not in app.parse("8bit+stream:device").python(job)
-  texts = app.ladder(2, language_model=True)  # in each family: with the state on the device
+  texts = app.ladder(2, language_model=True)  # in each family, with the state on the device
   assert sum(t.endswith(f"+stream:device+mlp-chunk:off+update-slice:{2 ** 30}")
              for t in texts) == 2
-  assert sum(t.endswith(f"+stream:host+offload-opt+mlp-chunk:off+update-slice:{2 ** 26}")
-             for t in texts) == 2  # and on the host
   with pytest.raises(app.TechniqueError, match="update-slice needs stream"):
     app.parse("8bit+update-slice:2097152").check_together()
 
@@ -200,6 +198,26 @@ def test_whole_layer_is_the_streamed_step_with_one_attention_forward_less():
 
 
 @OPTAX_BIAS_CORRECTION
+def test_part_inputs_keeps_the_mlp_halfs_input_and_runs_the_attention_forward_once():
+  """``part-inputs`` is `layer_streamed`'s ``keep_part_inputs``: the attention half's forward
+  runs once a layer in the backward, as with ``whole-layer``, the layer still in two parts
+  (the same matmuls and attention probabilities as ``whole-layer``); a whole layer has no
+  other input to keep."""
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  split, kept = "8bit+stream:host", "8bit+stream:host+part-inputs"
+  whole = "8bit+stream:host+whole-layer"
+  assert "keep_part_inputs=True" in app.parse(kept).python(job)
+  assert "keep_part_inputs" not in app.parse(split).python(job)
+  count = lambda text, op: _jaxpr(job, text).count(op)
+  for op in ("dot_general", ",16,16]"):
+    assert count(kept, op) == count(whole, op) < count(split, op), op
+  with pytest.raises(app.TechniqueError, match="part-inputs needs stream"):
+    app.parse("8bit+part-inputs").check_together()
+  with pytest.raises(app.TechniqueError, match="whole-layer"):
+    app.parse(whole + "+part-inputs").check_together()
+
+
+@OPTAX_BIAS_CORRECTION
 def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   # llama-tiny's leaves all hold under 2^24 elements: its bigger slices' rungs' steps are the
   # same sets' without the term, equation for equation, and are left out (whole-layer's kept
@@ -209,12 +227,12 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))
   bigger = [t for t in full if "update-slice" in t and "whole-layer" not in t]
   whole = [t for t in full if "whole-layer" in t and "update-slice" in t]
-  assert len(bigger) == 4 and len(whole) == 2
+  assert len(bigger) == 2 and len(whole) == 2
   assert kept == [t[:t.index("+update-slice")] if t in whole else t for t in full
                   if t not in bigger]
 
-  for text in bigger[:2]:  # the state on the device, on the host
-    assert _jaxpr(tiny, text) == _jaxpr(tiny, text[:text.index("+update-slice")])
+  text = bigger[0]
+  assert _jaxpr(tiny, text) == _jaxpr(tiny, text[:text.index("+update-slice")])
 
 
 @OPTAX_BIAS_CORRECTION
@@ -471,15 +489,15 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   on_device = min(app.device_argument_bytes(job, app.parse(
       t.replace("+remat:plan", ""))) for t in texts[:k])
   assert floor < on_device
-  assert texts[k] == texts[k + 3] + app.fits.WHOLE
+  assert texts[k] == texts[k + 3].replace("+mlp-chunk:off", "+part-inputs+mlp-chunk:off")
   two_ahead = "+prefetch:2+whole-layer+mlp-chunk:off"
   assert texts[k + 1].endswith(two_ahead)
   assert texts[k + 2] == texts[k + 1][:-len(two_ahead)]
   assert texts[k + 3] == texts[k + 2] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  # MLPs whole in bigger slices, the state brought over two layers ahead, one (MLPs whole
-  # is the same step at 64 tokens, one chunk: left out)
+  # MLPs whole with the halves' inputs kept, the state brought over two layers ahead, one
+  # (MLPs whole is the same step at 64 tokens, one chunk: left out)
   assert tried == texts[k:k + 3]
   sets, _ = app.ladder_of(job)  # without stream:device, the same step as with mlp-chunk:off
   assert [t for t, _ in fit.skipped] == sets[:sets.index(texts[k])] != texts[:k]

@@ -13,14 +13,6 @@ from lowmem_jax.ops.token_chunks import mlp_chunks
 from lowmem_jax.optim.streamed import SLICE_ELEMENTS
 
 
-WHOLE = f"+update-slice:{2 ** 26}"
-"""The host-state rung's bigger update slices: 2^26 elements, each of Llama-3.1-8B's MLP
-weights (58.7M) updated whole. Its ``stream:host+offload-opt+mlp-chunk:off`` step at 2 x 2,048
-tokens on the ``rtx4090`` target: 2,642.7 ms and 17.46 GiB estimated, against 2,698.5 ms and
-16.85 GiB at the default 2^24 (jax 0.12.0.1; docs/benchmarks.md, session 46). Not every
-leaf: a whole head's or embedding's state crosses the host link with nothing to hide it
-under."""
-
 EVERY_LEAF = f"+update-slice:{2 ** 30}"
 """The device-state rung's: 2^30 elements, every leaf of Llama-3.1-8B updated whole, its head
 and embedding (525M) too. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 tokens on the
@@ -49,7 +41,11 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   backward), then over chunks of 1,024 tokens (``stream``'s own: less memory for many
   tokens); its saved inputs on the host, then with ``late-embed`` (it lowers some rows'
   peaks and raises others': XLA's schedule); then its state on the host too: a layer ahead
-  with each MLP whole in bigger update slices (`WHOLE`), then brought over two layers
+  with each MLP whole and each layer half's input kept (``part-inputs``: one attention forward
+  less a layer, the layer still in two parts; Llama-3.1-8B at 2 x 2,048 tokens on the
+  ``rtx4090`` target 2,564.9 ms and 16.99 GiB, against 2,655.9 ms and 16.85 GiB without it
+  and 2,599.9 ms and 17.46 GiB in the update slices of 2^26 elements this rung had before;
+  on the ``h100`` the two-ahead rung next is faster at 17.65 GiB), then brought over two layers
   ahead, each layer's backward and MLP whole (in two banks the rows' reads and writes hide
   under the whole layer: Llama-3.1-8B at 2 x 2,048 tokens on the ``h100`` target 730.9 ms
   and 17.65 GiB against 790.3 ms and 17.84 GiB split and over chunks), then one, then one
@@ -74,7 +70,7 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
                      f"{streamed}:device+mlp-chunk:off{EVERY_LEAF}",
                      f"{streamed}:device+mlp-chunk:off", f"{streamed}:device",
                      f"{streamed}:host", f"{streamed}:host+late-embed",
-                     f"{streamed}:host+offload-opt+mlp-chunk:off{WHOLE}",
+                     f"{streamed}:host+offload-opt+part-inputs+mlp-chunk:off",
                      f"{streamed}:host+offload-opt+prefetch:2+whole-layer+mlp-chunk:off",
                      f"{streamed}:host+offload-opt",
                      f"{streamed}:host+offload-opt+mlp-chunk:off"]
@@ -89,8 +85,7 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device); without
-  a set that compiles another one's program: the bigger slices' terms (`WHOLE`,
-  `EVERY_LEAF`) where no parameter leaf holds more than the default slice
+  a set that compiles another one's program: the bigger slices' term (`EVERY_LEAF`) where no parameter leaf holds more than the default slice
   (`_over_default_slice`; of two rungs then the same, the later kept), and the later of two
   streamed sets that differ in ``mlp-chunk:off`` alone where the stream's MLP runs in one
   chunk (`_one_chunk`). For a
@@ -99,9 +94,9 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)
   if job.make_step is None:
     texts = [t for t in texts if job.devices == 1 or "offload-opt" not in t]
-    bigger = [t for t in texts if WHOLE in t or EVERY_LEAF in t]
+    bigger = [t for t in texts if EVERY_LEAF in t]
     if bigger and not _over_default_slice(job, parse(bigger[0])):
-      texts = [t.replace(WHOLE, "").replace(EVERY_LEAF, "") for t in texts]
+      texts = [t.replace(EVERY_LEAF, "") for t in texts]
       texts = [t for k, t in enumerate(texts) if t not in texts[k + 1:]]
     chunked = next((t for t in texts if "+stream:" in t and "mlp-chunk" not in t), None)
     if chunked and _one_chunk(job, parse(chunked)):
@@ -118,7 +113,7 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
 def _over_default_slice(job: Job, techniques: TechniqueSet) -> bool:
   """Whether a leaf of ``job``'s parameters (a stack of layers' leaves as one) holds more
   than `SLICE_ELEMENTS`, the streamed step's default update slice. Where none does, every
-  leaf is updated whole under every slice size of `SLICE_ELEMENTS` or more, so a `WHOLE` or
+  leaf is updated whole under every slice size of `SLICE_ELEMENTS` or more, so an
   `EVERY_LEAF` rung compiles the program of the same set without it. (A stack over the bound
   whose layers are within it keeps the rungs: a compile more, never one less.)"""
   params = techniques.workload(job).abstract_params()

@@ -231,6 +231,15 @@ TECHNIQUES = {t.term: t for t in (
               "stream:device step at 2 x 2,048 tokens on the h100: 123.2 ms estimated, 127.0 "
               "in two parts, the same peak; docs/benchmarks.md)",
               needs=(("stream", "only the streamed step takes a layer's backward in parts"),)),
+    Technique("part-inputs", "with stream: the forward keeps each layer half's input (the "
+              "attention's and the MLP's), not only the layer's, where stream keeps them: the "
+              "backward runs the attention half's forward once, not twice, and still updates "
+              "the MLP's parameters before the attention's backward (layer_streamed's "
+              "keep_part_inputs; one more [batch, length, dim] a layer kept, and one more "
+              "brought over; docs/benchmarks.md)",
+              needs=(("stream", "only the streamed step keeps a layer's inputs"),),
+              excludes=(("whole-layer", "a whole layer is one part: it has no other input "
+                         "to keep"),)),
     Technique("prefetch", "with stream and offload-opt: how many layers ahead the streamed "
               "step brings the host state over (layer_streamed's prefetch): 1, the default, "
               "holds the least, the read and the write each under part of a layer's "
@@ -251,8 +260,8 @@ TECHNIQUES = {t.term: t for t in (
               "updates at once, 2^20 or more (layer_streamed's slice_elements; 16777216 = 2^24 "
               "without it); a bigger leaf is updated in slices along its first axis, one "
               "after the other (whole where no such split fits). Bigger slices take "
-              "fewer kernels for more temporaries (plan's ladder tries bigger ones: "
-              "lowmem_jax.app.fits.EVERY_LEAF, WHOLE)",
+              "fewer kernels for more temporaries (plan's ladder tries a bigger one: "
+              "lowmem_jax.app.fits.EVERY_LEAF)",
               value="<elements>", parse=_elements,
               needs=(("stream", "it is the streamed step's update"),)),
     Technique("mlp-chunk", "LLaMA: each layer's MLP over chunks of at most this many "
@@ -466,7 +475,8 @@ class TechniqueSet:
           state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream"),
           **fsdp, **({"prefetch": self.get("prefetch")} if "prefetch" in self else {}),
           **({"slice_elements": self.get("update-slice")} if "update-slice" in self else {}),
-          **({"update_impl": "pallas"} if "fused-update" in self else {})),
+          **({"update_impl": "pallas"} if "fused-update" in self else {}),
+          **({"keep_part_inputs": True} if "part-inputs" in self else {})),
           "the optimizer inside the backward, a layer at a time"),)
       train_step = code.Name("streamed.step")
     else:

@@ -392,7 +392,8 @@ def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
   ``split_layer`` the layer is two parts, the attention half and the MLP half
   (`LayerStack.layer`): the streamed step then updates the MLP's parameters
   before the attention's backward, so their copy and gradient are not held
-  through it, at the cost of one more forward of the attention half.
+  through it, at the cost of one more forward of the attention half (none where the
+  step keeps each part's input: `layer_streamed`'s ``keep_part_inputs``).
   """
   check_switches(model.activation, model.norm, model.attention)
   check_loss(model.loss)

@@ -209,7 +209,8 @@ def check_state(expected: StreamedState, opt_state: StreamedState, place: str) -
 
 
 def check_args(stack: Any, tx: Any, state: Any, saved_inputs: Any, slice_elements: Any,
-               prefetch: Any, gather_params: Any, update_impl: Any) -> tuple[str, str]:
+               prefetch: Any, gather_params: Any, update_impl: Any,
+               keep_part_inputs: Any) -> tuple[str, str]:
   """`lowmem_jax.optim.streamed.layer_streamed`'s arguments checked, each refused by name:
   ``(state, saved_inputs)``, the places named."""
   if not isinstance(stack, LayerStack):
@@ -218,8 +219,9 @@ def check_args(stack: Any, tx: Any, state: Any, saved_inputs: Any, slice_element
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
   state = checked(Place, state, "`state`")
   saved_inputs = checked(Place, saved_inputs, "`saved_inputs`")
-  if not isinstance(gather_params, bool):
-    raise TypeError(f"`gather_params` must be a bool, got {type(gather_params).__name__}.")
+  for name, flag in (("gather_params", gather_params), ("keep_part_inputs", keep_part_inputs)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__}.")
   if not is_int(slice_elements) or slice_elements < 1:
     raise ValueError(f"`slice_elements` must be a positive int, got {slice_elements!r}.")
   if not is_int(prefetch) or prefetch not in (1, 2):

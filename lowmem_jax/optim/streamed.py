@@ -9,9 +9,10 @@ optimizer to that layer's slice of the parameters and of the state right
 there. The whole-model gradient never exists, and no optimizer temporary is
 larger than one layer's. A layer given as consecutive parts (attention, then the
 MLP) goes a part at a time: the backward recomputes the parts' inputs from the
-layer's, then takes each part's backward from the last, updating the
-parameters it reads right after, so one part's parameter copy and gradient are
-held at a time, not the layer's (one more forward of the earlier parts). The
+layer's (or takes those the forward kept, ``keep_part_inputs``), then takes each part's
+backward from the last, updating the parameters it reads right after, so one part's
+parameter copy and gradient are held at a time, not the layer's (one more forward of the
+earlier parts, where their inputs are not kept). The
 parameters and the device state are updated in place in their stacks, a slice
 at a time, never copied out a layer at a time. The parameters only the head reads are updated
 after the head's backward; those the embedding reads (a tied embedding: the
@@ -59,7 +60,6 @@ References:
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -69,11 +69,10 @@ import optax
 from lowmem_jax import _sharding
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.ops import dispatch
-from lowmem_jax.optim import fused_update, hoisted, lowbit, offload, slicing
+from lowmem_jax.optim import fused_update, hoisted, lowbit, slicing, streamed_state
 from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_args,
-                                          check_layer, check_state, layer_count, shape_text,
-                                          split, wheres)
-from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice, reads
+                                          check_layer, check_state, layer_count, wheres)
+from lowmem_jax.optim.per_leaf import reads
 
 SLICE_ELEMENTS = 2 ** 24
 """`layer_streamed`'s default ``slice_elements``: a leaf of more elements is updated in slices."""
@@ -82,7 +81,8 @@ SLICE_ELEMENTS = 2 ** 24
 def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    state: str = "device", saved_inputs: str = "device",
                    slice_elements: int = SLICE_ELEMENTS, prefetch: int = 1,
-                   gather_params: bool = False, update_impl: str | None = None) -> LayerStreamed:
+                   gather_params: bool = False, update_impl: str | None = None,
+                   keep_part_inputs: bool = False) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
   The other parameters are updated once their gradient is complete: after the
@@ -139,6 +139,10 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       XLA's propagation may move activations between devices instead.
     update_impl: "pallas": `lowbit.adamw_8bit`'s update with ``bfloat16_params`` as one
       kernel a leaf, in place (`fused_update`); else as `lowmem_jax.ops.dispatch` says.
+    keep_part_inputs: for a layer in parts, the forward keeps each part's input, not only
+      the layer's, where ``saved_inputs`` says: the backward runs each part's forward once
+      (inside its backward), not the earlier parts' twice, for one more ``[batch, length,
+      dim]`` a layer and part kept (Llama-3.1-8B's figures: docs/benchmarks.md).
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -157,20 +161,20 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     ()
   """
   s = _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
-                update_impl)
+                update_impl, keep_part_inputs)
   return LayerStreamed(s.init, s.step, s.abstract)
 
 
 def _streamer(stack, tx, state, saved_inputs, slice_elements, prefetch, gather_params,
-              update_impl):
+              update_impl, keep_part_inputs):
   """`layer_streamed`'s arguments checked, each refused by name (`check_args`), as a
   `_Streamer`."""
   state, saved_inputs = check_args(stack, tx, state, saved_inputs, slice_elements, prefetch,
-                                   gather_params, update_impl)
+                                   gather_params, update_impl, keep_part_inputs)
   return _Streamer(stack, optax.with_extra_args_support(tx), state, saved_inputs,
                    slice_elements, prefetch,
                    _sharding.gathered if gather_params else lambda tree: tree,
-                   getattr(tx, "fused", None), update_impl)
+                   getattr(tx, "fused", None), update_impl, keep_part_inputs)
 
 
 def _last_first(out: tuple) -> tuple:
@@ -198,13 +202,14 @@ class _Backward(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Streamer:
+class _Streamer(streamed_state.StateMaking):
   """`layer_streamed`'s ``init`` and ``step``, in stages: the forward (`forward`), the
   head's parameters' update (`update_head`), which part of a layer reads and updates which
   leaves (`backward_plan`), the layers' backward a layer at a time (`layer_backward`: its
-  parts' inputs recomputed by `part_inputs`, each part's backward `part_backward`), the
+  parts' inputs recomputed or brought over by `part_inputs`, each part's backward
+  `part_backward`), the
   embedding's update (`update_embedding`); each leaf updated by `update_leaf`, in slices
-  where it is big."""
+  where it is big; the state made and checked by `streamed_state.StateMaking`."""
   stack: LayerStack
   tx: optax.GradientTransformationExtraArgs
   state: str  # where the optimizer state lives: "device" or "host"
@@ -214,84 +219,7 @@ class _Streamer:
   gather: Callable  # a tree made whole on every device (FSDP), or left as it is
   fused: lowbit.FusedAdamW8bit | None  # ``tx``'s, where a leaf's update can be one kernel
   update_impl: str | None  # `layer_streamed`'s
-
-  def checked(self, params):
-    """``(rest, layers, one_layer)``, the transformation checked on one layer, and on each
-    leaf updated in slices (`check_slices`)."""
-    rest, layers = split(params, self.stack.key)
-    layer_count(layers)
-    one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), rest)
-    check_per_leaf(self.tx, {**shapes, self.stack.key: one_layer})  # at the whole tree's paths
-    rest_where, layers_where = wheres(params, self.stack.key)
-    jax.tree.map(self.check_slices, shapes, rest_where)
-    jax.tree.map(lambda x, where: self.check_slices(x, where.index(0)), one_layer, layers_where)
-    return rest, layers, one_layer
-
-  def check_slices(self, x, where):
-    """Raises a ValueError where leaf ``x`` is updated in slices and ``tx``'s update of a
-    slice reads another slice (`per_leaf.check_per_slice`): a statistic of the whole leaf
-    would be taken per slice."""
-    n = slices(jnp.shape(x), self.slice_elements)
-    if n == 1:
-      return
-    update = lambda g, s, p: self.tx.update(where.nest(g), s, where.nest(p),
-                                            positions=where.nest(where.at))
-    mixed = check_per_slice(update, x, jax.eval_shape(self.tx.init, where.nest(x)), n)
-    if mixed is not None:
-      raise ValueError(
-          f"The optimizer's update of the parameter at {list(where.path)} ({shape_text(x)}, "
-          f"updated in {n} slices of at most `slice_elements`={self.slice_elements} elements) "
-          f"reads across its slices (first at {mixed}): a statistic of the whole leaf (muon's "
-          "orthogonalization, lamb's trust ratio, optax.clip_by_block_rms) would be taken per "
-          f"slice. Give `slice_elements` >= {math.prod(jnp.shape(x))} to update it whole, or "
-          "a transformation that works element by element.")
-
-  def leaf_init(self, x, where):
-    n = slices(jnp.shape(x), self.slice_elements)
-
-    def init(x):
-      try:
-        return self.tx.init(where.nest(x))
-      except (ValueError, TypeError) as e:
-        raise type(e)(f"`tx.init` of the parameter at {list(where.path)} alone failed: "
-                      "layer_streamed gives `tx` one leaf at a time, at its path, so a mask "
-                      "or label tree (not a function of the params) cannot match it; give a "
-                      f"function. ({e})") from e
-
-    return init(x) if n == 1 else jax.vmap(init)(slicing.sliced(x, n))
-
-  def init(self, params):
-    rest, layers, _ = self.checked(params)
-    rest_where, layers_where = wheres(params, self.stack.key)
-    init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
-    return StreamedState(slicing.layer_states(init_layer, layers, self.state, self.prefetch),
-                         jax.tree.map(self.rest_init, rest, rest_where),
-                         slicing.to(self.state, jnp.zeros((), jnp.int32)))
-
-  def abstract(self, params):
-    """`LayerStreamed.abstract`."""
-    if any(len(getattr(x, "sharding", None) and x.sharding.device_set or ()) > 1
-           for x in jax.tree.leaves(params)):
-      raise ValueError("`abstract` gives one device's state; for params sharded over a mesh, "
-                       "restore into `init(params)` (the state made where it is kept).")
-    shapes = jax.eval_shape(self.init, params)
-    if self.state == "device":
-      return shapes
-    # In a one-device mesh: orbax builds the arrays it restores with
-    # `jax.make_array_from_single_device_arrays`, which types an array as host memory only
-    # under a `NamedSharding` (under a `SingleDeviceSharding` in pinned host memory it is
-    # typed as device memory, and the step refuses it). The step gives its new state a
-    # `SingleDeviceSharding`, so the first step after a restore compiles once more.
-    return offload.in_host_memory(shapes)
-
-  def rest_init(self, x, where):
-    """The state of a leaf outside the layers, where it is kept: a stack of its slices'
-    states where it is updated in slices (on the host in two banks, so each slice's read and
-    write run at once: its update is short)."""
-    n = slices(jnp.shape(x), self.slice_elements)
-    return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
-            else slicing.stacked(self.state, self.leaf_init(x, where), n, 2))
+  keep_part_inputs: bool  # the forward keeps each part's input, not only the layer's
 
   def update(self, g, s, p, where, ok, defer=False):
     """``(p, s, ok)``: ``tx`` on one leaf (or slice), given as the only leaf of its path
@@ -473,13 +401,20 @@ class _Streamer:
 
   def forward(self, rest, layers, batch):
     """``(embed_vjp, saved, loss, head_grads, dh)``: the forward, each layer's input kept in
-    `saved_inputs`, and the head's backward."""
+    `saved_inputs` (with `keep_part_inputs`, a tuple: each part's), and the head's
+    backward."""
     stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
     check_layer(stack, layers, h, batch)
-    h, saved = jax.lax.scan(lambda h, p: (stack.run_layer(gather(p), h, batch),
-                                          slicing.to(self.saved_inputs, h)),
-                            h, layers)
+
+    def layer(h, p):
+      p, kept = gather(p), []
+      for part in stack.parts if self.keep_part_inputs else (stack.run_layer,):
+        kept.append(slicing.to(self.saved_inputs, h))
+        h = part(p, h, batch)
+      return h, tuple(kept) if self.keep_part_inputs else kept[0]
+
+    h, saved = jax.lax.scan(layer, h, layers)
     loss, head_vjp = jax.vjp(lambda r, h: stack.head(gather(r), h, batch), rest, h)
     if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
       raise TypeError("`LayerStack.head` must return a float scalar loss (as jax.grad needs), "
@@ -523,7 +458,10 @@ class _Streamer:
     return _Backward(batch, part_reads, owner, layers_at, tables)
 
   def part_inputs(self, p, h, batch):
-    """Each part's input in layer ``p`` from the layer's input ``h``: the forward recomputed."""
+    """Each part's input in layer ``p``: those the forward kept (``h``, a tuple, with
+    `keep_part_inputs`), or from the layer's input ``h``, the forward recomputed."""
+    if self.keep_part_inputs:
+      return [slicing.to("device", x) for x in h]
     inputs = [slicing.to("device", h)]
     for part in self.stack.parts[:-1]:
       inputs.append(part(self.gather(p), inputs[-1], batch))

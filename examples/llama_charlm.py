@@ -293,5 +293,6 @@ def main(argv: list[str] | None = None) -> dict:
                                                 for row, r in results.items()},
           "shared_params": shared, "seconds": seconds, "text": text}
 
+
 if __name__ == "__main__":
   main()

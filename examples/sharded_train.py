@@ -364,14 +364,7 @@ def main(argv=None) -> dict:
   state = jax.jit(init, out_shardings=state_sharding)(key)
 
   text = text_bytes()
-  global_shape = (args.batch, args.seq + 1)
-  index_map = batch_sharding.addressable_devices_indices_map(global_shape)
-  row_blocks = sorted({idx[0].indices(args.batch) for idx in index_map.values()})
-  local_rows = np.concatenate([np.arange(*block) for block in row_blocks])  # in device order
-
-  def batch_at(i):
-    local = batch_rows(text, i, local_rows, args.batch, args.seq, args.seed)
-    return jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
+  batch_at = sharded_batches(args, batch_sharding, text)
 
   def train_step(state, batch):
     params, opt_state, metrics = compiled(*state, batch)
@@ -403,13 +396,7 @@ def main(argv=None) -> dict:
     reference, memory["single"] = single_device_run(args, step, init, key, (*abstract, tokens),
                                                     text)
     result["seconds"]["single"] = reference.pop("seconds")
-    result.update(reference)
-    result["init_param_diff"] = max_abs_diff(result.pop("reference_init"), init_host)
-    result["max_param_diff"] = max_abs_diff(to_host(state[0]), result["reference_state"][0])
-    result["max_moment_diff"] = max_abs_diff(to_host(state[1]), result["reference_state"][1])
-    result["max_loss_rel_diff"] = float(np.max(np.abs(np.subtract(result["losses"],
-                                                                  result["reference_losses"]))
-                                               / np.abs(result["reference_losses"])))
+    result.update(compared(result["losses"], to_host(state), init_host, reference))
   result["memory"] = memory
   text_out = markdown(result, args, argv)
   print(text_out)
@@ -417,6 +404,32 @@ def main(argv=None) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sharded_train.md").write_text(text_out + "\n")
   return result
+
+
+def sharded_batches(args, batch_sharding, text: np.ndarray):
+  """``batch_at(i)``: training batch i (``int32[batch, seq + 1]``), each process building only
+  the rows its devices hold (`batch_rows`), as one array sharded by ``batch_sharding``."""
+  global_shape = (args.batch, args.seq + 1)
+  index_map = batch_sharding.addressable_devices_indices_map(global_shape)
+  row_blocks = sorted({idx[0].indices(args.batch) for idx in index_map.values()})
+  local_rows = np.concatenate([np.arange(*block) for block in row_blocks])  # in device order
+
+  def batch_at(i):
+    local = batch_rows(text, i, local_rows, args.batch, args.seq, args.seed)
+    return jax.make_array_from_process_local_data(batch_sharding, local, global_shape)
+  return batch_at
+
+
+def compared(losses: list, state: tuple, init_host, reference: dict) -> dict:
+  """The reference run's entries of `main`'s result and the differences from it of the sharded
+  run's ``losses``, final ``state`` and initial params (all on the host)."""
+  ref_losses = reference["reference_losses"]
+  return {"reference_losses": ref_losses, "reference_state": reference["reference_state"],
+          "init_param_diff": max_abs_diff(reference["reference_init"], init_host),
+          "max_param_diff": max_abs_diff(state[0], reference["reference_state"][0]),
+          "max_moment_diff": max_abs_diff(state[1], reference["reference_state"][1]),
+          "max_loss_rel_diff": float(np.max(np.abs(np.subtract(losses, ref_losses))
+                                            / np.abs(ref_losses)))}
 
 
 def single_device_run(args, step, init, key, abstract, text) -> tuple[dict, dict]:

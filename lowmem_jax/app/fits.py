@@ -85,8 +85,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device); without
-  a set that compiles another one's program: the bigger slices' term (`EVERY_LEAF`) where no parameter leaf holds more than the default slice
-  (`_over_default_slice`; of two rungs then the same, the later kept), and the later of two
+  a set that compiles another one's program: the bigger slices' term (`EVERY_LEAF`) where no
+  parameter leaf holds more than the default slice (`_over_default_slice`; of two rungs then the same, the later kept), and the later of two
   streamed sets that differ in ``mlp-chunk:off`` alone where the stream's MLP runs in one
   chunk (`_one_chunk`). For a
   user's step, each set without the techniques whose options ``make_step`` does not take

@@ -142,7 +142,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     keep_part_inputs: for a layer in parts, the forward keeps each part's input, not only
       the layer's, where ``saved_inputs`` says: the backward runs each part's forward once
       (inside its backward), not the earlier parts' twice, for one more ``[batch, length,
-      dim]`` a layer and part kept (Llama-3.1-8B's figures: docs/benchmarks.md).
+      dim]`` a layer and part kept (Llama-3.1-8B's figures: docs/benchmarks.md). A layer of
+      one part has no other input: the same step either way.
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.

@@ -49,7 +49,10 @@ layer, where the stacked leaf's count may pass it.
 Where they live: the parameters on the device; the state and the saved layer
 inputs on the device or in pinned host memory (``"host"``), brought over one
 layer at a time, the next layer's while the current one computes. Per step the
-host link carries the state twice and the saved inputs twice.
+host link carries the state twice and the saved inputs twice. A big leaf outside the
+layers (the head, the embedding), updated in slices, has its slices' host rows in two
+arrays whatever ``prefetch`` says: a slice's update is too short to hide one transfer, let
+alone two in turn.
 
 References:
   Lv et al., 2023, "Full Parameter Fine-tuning for Large Language Models with
@@ -118,32 +121,26 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       ``positions`` (each part's `lowmem_jax.optim.lowbit.Position` in the whole tree).
     state: where the optimizer state lives between steps, "device" or "host"
       (pinned host memory, brought over a layer, or a slice of another leaf, at a time).
-    saved_inputs: where the forward keeps each layer's input for the backward,
-      "device" or "host".
+    saved_inputs: where the forward keeps each layer's input, "device" or "host".
     slice_elements: the most elements a leaf is updated in at once, a positive int.
     prefetch: with ``state="host"``, how many layers ahead the layers' state is brought
       over, its rows dealt over as many arrays (`lowmem_jax.optim.packed_rows.PackedRows`),
       each written back a layer late: 1, the read under the layer's backward before its
       first update and the write under the rest (one array: the read first; the least
       device memory); or 2, both under the whole layer's compute, for another layer's
-      state on the device. A big leaf outside the layers (the head, the embedding), updated
-      in slices, has its slices' rows in two arrays either way: a slice's update is too
-      short to hide one transfer, let alone two in turn (Llama-3.1-8B's figures for each:
-      docs/benchmarks.md). The same step bit for bit; a
-      state made with one is refused by the other's step, and a saved one restores into a
-      state made with either (its rows dealt again).
-    gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set
-      for tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and
-      the head's, made whole on every device where they are used, as ZeRO-3 gathers
-      them (Rajbhandari et al., 2020, https://arxiv.org/abs/1910.02054); without it
-      XLA's propagation may move activations between devices instead.
+      state on the device (Llama-3.1-8B's figures: docs/benchmarks.md). The same step bit
+      for bit; a state made with one is refused by the other's step, and a saved one
+      restores into a state made with either (its rows dealt again).
+    gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set for
+      tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and the head's,
+      made whole on every device where they are used, as ZeRO-3 gathers them (Rajbhandari et
+      al., 2020, https://arxiv.org/abs/1910.02054); else XLA may move activations instead.
     update_impl: "pallas": `lowbit.adamw_8bit`'s update with ``bfloat16_params`` as one
       kernel a leaf, in place (`fused_update`); else as `lowmem_jax.ops.dispatch` says.
-    keep_part_inputs: for a layer in parts, the forward keeps each part's input, not only
-      the layer's, where ``saved_inputs`` says: the backward runs each part's forward once
-      (inside its backward), not the earlier parts' twice, for one more ``[batch, length,
-      dim]`` a layer and part kept (Llama-3.1-8B's figures: docs/benchmarks.md). A layer of
-      one part has no other input: the same step either way.
+    keep_part_inputs: the forward keeps each part's input, not only the layer's (at
+      ``saved_inputs``): the backward runs each part's forward once, not the earlier parts'
+      twice, for one more ``[batch, length, dim]`` a layer and part (a one-part layer: the
+      same step).
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.

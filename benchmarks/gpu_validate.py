@@ -93,6 +93,7 @@ SPEED_CASES = ([("llama-3.2-1b", dict(batch=2, seq=2048), "bfloat16", t)
                   for k in ("", "+fused-update")
                   for t in ("stream:host+offload-opt+prefetch:2+whole-layer+mlp-chunk:off",
                             f"stream:device+whole-layer+mlp-chunk:off{_EVERY_LEAF}",
+                            f"stream:device+whole-layer+mlp-hidden+mlp-chunk:off{_EVERY_LEAF}",
                             "stream:host+offload-opt+part-inputs+mlp-chunk:off",
                             "stream:host+offload-opt")])
 DRY_SPEED_CASES = [("llama-tiny", dict(batch=2, seq=64), "bfloat16", t)

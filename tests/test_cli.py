@@ -338,6 +338,7 @@ def test_fused_ce_for_language_models(capsys):
                            + micro("all", (2, 4)))
   every = f"+update-slice:{2 ** 30}"
   streamed = [f"ce-one-pass+stream:{place}" for place in (
+      f"device+whole-layer+mlp-hidden+mlp-chunk:off{every}",
       f"device+whole-layer+mlp-chunk:off{every}", f"device+mlp-chunk:off{every}",
       "device+mlp-chunk:off", "device", "host", "host+late-embed",
       "host+offload-opt+part-inputs+mlp-chunk:off",

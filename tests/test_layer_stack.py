@@ -50,11 +50,24 @@ def test_check_state_names_the_first_leaf_that_differs():
     layer_stack.check_state(state, on_host, "device")
 
 
-def test_check_layer_names_a_part_that_changes_the_hidden_state():
+def test_part_input_shapes_names_a_layer_that_changes_the_hidden_state():
+  """A layer's parts may hand any pytree on between them (each part's input is returned);
+  the last must return the hidden state as the layer takes it."""
   h = jax.ShapeDtypeStruct((2, 5, 4), jnp.float32)
+  one = jax.tree.map(lambda x: x[0], LAYERS)
   good = lambda p, h, b: h @ p["w"]
-  layer_stack.check_layer(layer_stack.LayerStack(good, good, good), LAYERS, h, None)
+  assert layer_stack.part_input_shapes(layer_stack.LayerStack(good, good, good), one, h,
+                                       None) == [h]
+  split = lambda p, h, b: (h, h[..., :2])
+  joined = lambda p, x, b: x[0] + jnp.sum(x[1], -1, keepdims=True)
+  inputs = layer_stack.part_input_shapes(
+      layer_stack.LayerStack(good, (good, split, joined), good), one, h, None)
+  assert inputs == [h, h, (h, jax.ShapeDtypeStruct((2, 5, 2), jnp.float32))]
   halves = layer_stack.LayerStack(good, (good, lambda p, h, b: h[..., :2]), good)
-  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[1\] must return the hidden state .*"
-                     r"float32\[2, 5, 4\]; got float32\[2, 5, 2\]"):
-    layer_stack.check_layer(halves, LAYERS, h, None)
+  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[-1\] must return the hidden state "
+                     r".*float32\[2, 5, 4\]; got float32\[2, 5, 2\]"):
+    layer_stack.part_input_shapes(halves, one, h, None)
+  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[2\] must take \(layer_params, x, "
+                     r"batch\)"):
+    layer_stack.part_input_shapes(layer_stack.LayerStack(good, (good, split, good), good), one,
+                                  h, None)

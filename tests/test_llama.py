@@ -13,7 +13,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 from lowmem_jax import models
 from lowmem_jax.models import llama
 from lowmem_jax.models.llama import Llama, LlamaConfig, RopeScaling
-from lowmem_jax.optim import per_leaf
+from lowmem_jax.optim import layer_stack as layer_stack_module, per_leaf
 
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
                    rope_scaling=RopeScaling(factor=4.0, original_max_position=64))
@@ -58,6 +58,13 @@ def test_unrolled_layers_are_the_same_model():
     llama.layer_stack(unrolled)
   with pytest.raises(TypeError, match="split_layer must be a bool, got 'yes'"):
     llama.layer_stack(scanned, split_layer="yes")
+  with pytest.raises(TypeError, match="split_at_mlp_hidden must be a bool, got 1"):
+    llama.layer_stack(scanned, split_layer=False, split_at_mlp_hidden=1)
+  with pytest.raises(ValueError, match="cuts the whole layer .* give split_layer=False"):
+    llama.layer_stack(scanned, split_at_mlp_hidden=True)
+  with pytest.raises(ValueError, match="keeps the MLP's hidden layer whole: .*got 4"):
+    llama.layer_stack(scanned.clone(mlp_chunk_tokens=4), split_layer=False,
+                      split_at_mlp_hidden=True)
   block = llama.TransformerBlock(TINY, "exact", "plain", "recompute", jnp.float32, jnp.float32,
                                  part="mlp")
   with pytest.raises(ValueError, match="TransformerBlock.part must be one of"):
@@ -127,27 +134,42 @@ def _stacked_loss(stack, params, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied,loss,remat,split_layer", [
-    (False, "plain", False, False), (True, "fused", True, False), (False, "fused", True, True)],
-    ids=["untied-plain", "tied-fused-remat", "untied-fused-remat-split"])
-def test_layer_stack_is_the_model(tied, loss, remat, split_layer):
+@pytest.mark.parametrize("tied,loss,remat,cut", [
+    (False, "plain", False, "whole"), (True, "fused", True, "whole"),
+    (False, "fused", True, "halves"), (True, "fused", False, "mlp_hidden")],
+    ids=["untied-plain", "tied-fused-remat", "untied-fused-remat-split", "tied-fused-mlp-hidden"])
+def test_layer_stack_is_the_model(tied, loss, remat, cut):
+  """The layer whole, in halves (``split_layer``), or cut at the MLP's hidden layer
+  (``split_at_mlp_hidden``: the second part reads the MLP's last matmul alone, its input the
+  stream and the two ``[batch, length, ffn_dim]`` pre-activations)."""
   config = dataclasses.replace(TINY, tie_embeddings=tied)
   model = Llama(config, loss=loss, remat=remat,
                 remat_policy=jax.checkpoint_policies.nothing_saveable if remat else None)
   tokens = _tokens()
   batch = (tokens, jnp.roll(tokens, -1, axis=1))
   params = model.init(jax.random.key(1), tokens)["params"]
-  stack = llama.layer_stack(model, split_layer=split_layer)
-  assert stack.key == "layers" and len(stack.parts) == (2 if split_layer else 1)
+  stack = llama.layer_stack(model, split_layer=cut == "halves",
+                            split_at_mlp_hidden=cut == "mlp_hidden")
+  assert stack.key == "layers" and len(stack.parts) == (1 if cut == "whole" else 2)
   want = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, *batch)))(params)
   got = jax.jit(jax.value_and_grad(lambda p: _stacked_loss(stack, p, batch)))(params)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
   one = jax.tree.map(lambda x: x[0], params["layers"])
   h = jnp.zeros((2, 8, config.dim))
   halves = [{"attention", "attention_norm"}, {"feed_forward", "ffn_norm"}]
-  for part, half in zip(stack.parts, halves if split_layer else [set().union(*halves)]):
-    reads = per_leaf.reads(lambda p, h: part(p, h, batch), one, h)  # remat looked into
+  reads_by_cut = {"whole": [set().union(*halves)], "halves": halves,
+                  "mlp_hidden": [set().union(*halves), {"feed_forward"}]}
+  inputs = layer_stack_module.part_input_shapes(stack, one, h, batch)
+  if cut == "mlp_hidden":
+    hidden = jax.ShapeDtypeStruct((2, 8, config.ffn_dim), jnp.float32)
+    assert inputs[1] == (jax.ShapeDtypeStruct(h.shape, h.dtype), hidden, hidden)
+  for part, x, half in zip(stack.parts, inputs, reads_by_cut[cut]):
+    reads = per_leaf.reads(lambda p, x: part(p, x, batch), one, x)  # remat looked into
     assert {k for k, v in reads.items() if any(jax.tree.leaves(v))} == half
+    if cut == "mlp_hidden" and half == {"feed_forward"}:
+      assert list(reads["feed_forward"]) == ["w1", "w2", "w3"]
+      assert [any(jax.tree.leaves(reads["feed_forward"][w])) for w in ("w1", "w2", "w3")] == [
+          False, True, False]
   eqns = jax.make_jaxpr(stack.run_layer)(one, h, batch).jaxpr.eqns
   policies = [e.params["policy"] for e in eqns if "policy" in e.params]
   assert policies == [jax.checkpoint_policies.nothing_saveable] * remat * len(stack.parts)

@@ -444,8 +444,8 @@ def test_a_layer_of_the_wrong_signature_or_return_is_refused_by_name():
   """Both made scan's carry error, which names neither the layer nor what it should be."""
   whole, params, batch = stack(), params_of(jax.random.key(0)), batch_of(jax.random.key(1))
   for layer, message in (
-      (lambda p, h: h, r"`LayerStack.layer` must take \(layer_params, h, batch\)"),
-      (lambda p, h, b: (h, None), r"must return the hidden state as it takes it, "
+      (lambda p, h: h, r"`LayerStack.layer` must take \(layer_params, x, batch\)"),
+      (lambda p, h, b: (h, None), r"must return the hidden state as the layer takes it, "
                                   r"float32\[4, 8, 16\]; got \("),
       (lambda p, h, b: h.astype(jnp.bfloat16), r"float32\[4, 8, 16\]; got bfloat16\[4, 8, 16\]")):
     layered = streamed.layer_streamed(streamed.LayerStack(whole.embed, layer, whole.head),
@@ -454,7 +454,7 @@ def test_a_layer_of_the_wrong_signature_or_return_is_refused_by_name():
       layered.step(params, layered.init(params), batch)
   parts = streamed.LayerStack(whole.embed, (whole.layer, lambda p, h, b: h[..., :2]), whole.head)
   layered = streamed.layer_streamed(parts, optax.adam(1e-3))
-  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[1\] must return the hidden state"):
+  with pytest.raises(TypeError, match=r"`LayerStack.layer`\[-1\] must return the hidden state"):
     layered.step(params, layered.init(params), batch)
 
 

@@ -217,6 +217,26 @@ def test_part_inputs_keeps_the_mlp_halfs_input_and_runs_the_attention_forward_on
     app.parse(whole + "+part-inputs").check_together()
 
 
+def test_mlp_hidden_cuts_the_whole_layer_and_keeps_its_parts_inputs():
+  """``mlp-hidden`` is `layer_stack`'s ``split_at_mlp_hidden`` with `layer_streamed`'s
+  ``keep_part_inputs`` (tests/test_streamed_llama.py: the same step, two matmuls fewer);
+  it needs the whole layer (which part-inputs refuses) and the MLP whole."""
+  job = app.Job("llama-tiny", batch=2, seq=16, target="cpu")
+  text = "8bit+stream:device+whole-layer+mlp-hidden+mlp-chunk:off"
+  code = app.parse(text).python(job)
+  assert ("wl.layer_stack(split_layer=False, split_at_mlp_hidden=True)" in code
+          and "keep_part_inputs=True" in code), code
+  app.parse(text).check(job)
+  for bad, why in (("8bit+stream:device+mlp-hidden+mlp-chunk:off", "needs whole-layer"),
+                   ("8bit+mlp-hidden", "needs stream"),
+                   ("8bit+stream:device+whole-layer+mlp-hidden", "needs mlp-chunk:off"),
+                   ("8bit+stream:device+whole-layer+mlp-hidden+mlp-chunk:512",
+                    "needs mlp-chunk:off"),
+                   (text + "+part-inputs", "part-inputs does not take whole-layer")):
+    with pytest.raises(app.TechniqueError, match=why):
+      app.parse(bad).check_together()
+
+
 @OPTAX_BIAS_CORRECTION
 def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   # llama-tiny's leaves all hold under 2^24 elements: its bigger slices' rungs' steps are the
@@ -227,7 +247,7 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   full, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=16, target="cpu"))
   bigger = [t for t in full if "update-slice" in t and "whole-layer" not in t]
   whole = [t for t in full if "whole-layer" in t and "update-slice" in t]
-  assert len(bigger) == 2 and len(whole) == 2
+  assert len(bigger) == 2 and len(whole) == 4  # with mlp-hidden or not, exact or not
   assert kept == [t[:t.index("+update-slice")] if t in whole else t for t in full
                   if t not in bigger]
 

@@ -240,6 +240,17 @@ TECHNIQUES = {t.term: t for t in (
               needs=(("stream", "only the streamed step keeps a layer's inputs"),),
               excludes=(("whole-layer", "a whole layer is one part: it has no other input "
                          "to keep"),)),
+    Technique("mlp-hidden", "with stream, whole-layer and mlp-chunk:off: each layer cut at "
+              "its MLP's hidden layer, whose two pre-activations the forward keeps with the "
+              "layer's input, where stream keeps them: the backward runs no forward matmul of "
+              "the MLP, for two [batch, length, ffn_dim] kept a layer (layer_stack's "
+              "split_at_mlp_hidden, layer_streamed's keep_part_inputs; Llama-3.1-8B's "
+              "stream:device step at 2 x 2,048 tokens on the h100: 519.4 ms estimated, 552.9 "
+              "without, 39.53 GiB against 32.53; over the host link, slower: "
+              "docs/benchmarks.md)",
+              needs=(("stream", "only the streamed step keeps a layer's inputs"),
+                     ("whole-layer", "it cuts the whole layer, not its attention half and "
+                      "MLP half"))),
     Technique("prefetch", "with stream and offload-opt: how many layers ahead the streamed "
               "step brings the host state over (layer_streamed's prefetch): 1, the default, "
               "holds the least, the read and the write each under part of a layer's "
@@ -371,6 +382,9 @@ class TechniqueSet:
       for other, why in technique.excludes:
         if other in self:
           raise TechniqueError(f"{self.label!r}: {term} does not take {other}: {why}.")
+    if "mlp-hidden" in self and self.get("mlp-chunk") != 0:
+      raise TechniqueError(f"{self.label!r}: mlp-hidden needs mlp-chunk:off: it keeps each "
+                           "layer's MLP hidden layer whole.")
 
   def with_value(self, term: str, value: Any) -> "TechniqueSet":
     """The set with ``term`` at ``value``, its label saying so (``...+remat:dots``)."""
@@ -470,13 +484,15 @@ class TechniqueSet:
       fsdp = {"gather_params": True} if job.devices > 1 else {}
       streamed = (("streamed", code.Call.of(
           "lm.optim.layer_streamed", code.Call.of(
-              "wl.layer_stack", **({"split_layer": False} if "whole-layer" in self else {})),
+              "wl.layer_stack", **({"split_layer": False} if "whole-layer" in self else {}),
+              **({"split_at_mlp_hidden": True} if "mlp-hidden" in self else {})),
           code.Name("tx"),
           state="host" if "offload-opt" in self else "device", saved_inputs=self.get("stream"),
           **fsdp, **({"prefetch": self.get("prefetch")} if "prefetch" in self else {}),
           **({"slice_elements": self.get("update-slice")} if "update-slice" in self else {}),
           **({"update_impl": "pallas"} if "fused-update" in self else {}),
-          **({"keep_part_inputs": True} if "part-inputs" in self else {})),
+          **({"keep_part_inputs": True} if "part-inputs" in self or "mlp-hidden" in self
+             else {})),
           "the optimizer inside the backward, a layer at a time"),)
       train_step = code.Name("streamed.step")
     else:

@@ -86,14 +86,15 @@ class Workload:
     ``dense``."""
     return dataclasses.replace(self, model=self.model.clone(density=None)).abstract_params()
 
-  def layer_stack(self, split_layer: bool = True) -> optim.LayerStack:
+  def layer_stack(self, split_layer: bool = True,
+                  split_at_mlp_hidden: bool = False) -> optim.LayerStack:
     """The LLaMA model as `lowmem_jax.optim.LayerStack` (`lowmem_jax.models.llama.layer_stack`,
-    each layer in two parts with ``split_layer``), for the layer-streamed step; its batch is
-    ``(inputs, labels)``."""
+    each layer in two parts with ``split_layer`` or ``split_at_mlp_hidden``), for the
+    layer-streamed step; its batch is ``(inputs, labels)``."""
     if not isinstance(self.model, Llama):
       raise ValueError(f"The layer-streamed step takes the LLaMA models' stacked layers; "
                        f"{self.name} is not one.")
-    return llama.layer_stack(self.model, split_layer)
+    return llama.layer_stack(self.model, split_layer, split_at_mlp_hidden)
 
   def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx``, wrapped in `lowmem_jax.optim.sparse.sparse_storage` where the model is `sparse`."""

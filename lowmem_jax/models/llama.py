@@ -192,22 +192,30 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+  """The SwiGLU MLP, ``w2(silu(x w1) * (x w3))``, in two stages: `hidden` and `out`."""
   config: LlamaConfig
   activation: str
   dtype: Any
   param_dtype: Any
 
-  @nn.compact
+  def setup(self):
+    dense = lambda n: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+    self.w1, self.w3, self.w2 = (dense(self.config.ffn_dim), dense(self.config.ffn_dim),
+                                 dense(self.config.dim))
+
+  def hidden(self, x):
+    """``(x w1, x w3)``: the hidden layer's two pre-activations, ``[..., ffn_dim]`` each."""
+    return tuple(checkpoint_name(w(x), names.MLP_HIDDEN) for w in (self.w1, self.w3))
+
+  def out(self, gate, up):
+    """``w2(silu(gate) * up)``: the MLP's output from `hidden`'s, ``[..., dim]``."""
+    return self.w2(checkpoint_name(silu(gate, self.activation) * up, names.MLP_ACT))
+
   def __call__(self, x):
-    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
-                                     param_dtype=self.param_dtype, name=name)
-    gate = checkpoint_name(dense(self.config.ffn_dim, "w1")(x), names.MLP_HIDDEN)
-    gate = silu(gate, self.activation)
-    up = checkpoint_name(dense(self.config.ffn_dim, "w3")(x), names.MLP_HIDDEN)
-    return dense(self.config.dim, "w2")(checkpoint_name(gate * up, names.MLP_ACT))
+    return self.out(*self.hidden(x))
 
 
-PARTS = ("all", "attention", "feed_forward")
+PARTS = ("all", "attention", "feed_forward", "to_mlp_hidden", "from_mlp_hidden")
 
 
 class TransformerBlock(nn.Module):
@@ -225,7 +233,11 @@ class TransformerBlock(nn.Module):
 
   ``part`` runs only the attention half (``"attention"``, its residual added) or
   only the MLP half (``"feed_forward"``), for `layer_stack`'s layer in two parts;
-  ``"all"``: both.
+  ``"all"``: both. Or the layer cut at the MLP's hidden layer (`layer_stack`'s
+  ``split_at_mlp_hidden``; the MLP whole): ``"to_mlp_hidden"`` takes ``x`` and returns
+  ``(x, gate, up)``, the stream after the attention and the hidden layer's two
+  pre-activations (`FeedForward.hidden`); ``"from_mlp_hidden"`` takes those and returns
+  the stream with the MLP's output added.
   """
   config: LlamaConfig
   activation: str
@@ -244,7 +256,7 @@ class TransformerBlock(nn.Module):
   def __call__(self, x):
     if self.part not in PARTS:
       raise ValueError(f"TransformerBlock.part must be one of {PARTS}, got {self.part!r}.")
-    if self.part != "feed_forward":
+    if self.part in ("all", "attention", "to_mlp_hidden"):
       x = checkpoint_name(x, names.BLOCK_IN)
       x = x + Attention(self.config, self.attention, self.dtype, self.param_dtype,
                         name="attention")(self._normed(x, "attention_norm"))
@@ -252,6 +264,14 @@ class TransformerBlock(nn.Module):
       return x
     feed_forward = FeedForward(self.config, self.activation, self.dtype, self.param_dtype,
                                name="feed_forward")
+    if self.part in ("to_mlp_hidden", "from_mlp_hidden"):
+      if self.mlp_chunk_tokens is not None:
+        raise ValueError(f"TransformerBlock.part {self.part!r} keeps the MLP whole: give "
+                         f"mlp_chunk_tokens=None, got {self.mlp_chunk_tokens!r}.")
+      if self.part == "to_mlp_hidden":
+        return x, *feed_forward.hidden(self._normed(x, "ffn_norm"))
+      x, gate, up = x
+      return x + feed_forward.out(gate, up)
     if len(token_chunks(x, self.mlp_chunk_tokens)[0]) == 1:
       return x + feed_forward(self._normed(x, "ffn_norm"))
     norm = norm_layer(self.norm, self.config.norm_eps, self.dtype, self.param_dtype, "ffn_norm",
@@ -378,7 +398,8 @@ class Llama(TransformerSwitches):
     return Output(cfg.vocab_size, self.loss, self.dtype, self.param_dtype, name="output")(x, labels)
 
 
-def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
+def layer_stack(model: Llama, split_layer: bool = True,
+                split_at_mlp_hidden: bool = False) -> LayerStack:
   """``model`` as pure functions over its params, for the layer-streamed step.
 
   With ``batch = (tokens, labels)`` (``int32[batch, length]`` each) and
@@ -393,15 +414,28 @@ def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
   (`LayerStack.layer`): the streamed step then updates the MLP's parameters
   before the attention's backward, so their copy and gradient are not held
   through it, at the cost of one more forward of the attention half (none where the
-  step keeps each part's input: `layer_streamed`'s ``keep_part_inputs``).
+  step keeps each part's input: `layer_streamed`'s ``keep_part_inputs``). With
+  ``split_at_mlp_hidden`` (and ``split_layer=False``, no ``mlp_chunk_tokens``) the layer is
+  two parts cut at the MLP's hidden layer: the attention and the MLP's first two matmuls,
+  then the MLP's activation and last matmul, whose input is the stream and the hidden
+  layer's two pre-activations (`TransformerBlock`'s ``"to_mlp_hidden"``). Where the step
+  keeps each part's input, the backward then runs no forward matmul of the MLP, for two
+  ``[batch, length, ffn_dim]`` kept a layer.
   """
   check_switches(model.activation, model.norm, model.attention)
   check_loss(model.loss)
   check_mlp_chunk_tokens(model.mlp_chunk_tokens)
   if not model.scan:
     raise ValueError("model must stack its layers (scan=True) for layer_stack, got scan=False.")
-  if not isinstance(split_layer, bool):
-    raise TypeError(f"split_layer must be a bool, got {split_layer!r}.")
+  for name, flag in (("split_layer", split_layer), ("split_at_mlp_hidden", split_at_mlp_hidden)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}.")
+  if split_at_mlp_hidden and split_layer:
+    raise ValueError("split_at_mlp_hidden cuts the whole layer at the MLP's hidden layer: give "
+                     "split_layer=False.")
+  if split_at_mlp_hidden and model.mlp_chunk_tokens is not None:
+    raise ValueError(f"split_at_mlp_hidden keeps the MLP's hidden layer whole: give the model "
+                     f"mlp_chunk_tokens=None, got {model.mlp_chunk_tokens!r}.")
   cfg = model.config
   embedding, final_norm = _embedding(model), _final_norm(model)
 
@@ -429,6 +463,9 @@ def layer_stack(model: Llama, split_layer: bool = True) -> LayerStack:
       kernel = rest["output"]["kernel"]
     return lm_head(h, kernel, batch[1], model.loss, model.dtype)
 
-  layer = (tuple(map(layer_part, ("attention", "feed_forward"))) if split_layer
-           else layer_part("all"))
+  if split_layer or split_at_mlp_hidden:
+    layer = tuple(map(layer_part, ("attention", "feed_forward") if split_layer
+                      else ("to_mlp_hidden", "from_mlp_hidden")))
+  else:
+    layer = layer_part("all")
   return LayerStack(embed, layer, head)

@@ -1,7 +1,7 @@
 """The model the layer-streamed step takes and the state it keeps: `LayerStack` (stacked
 layers between an embedding and a head), `StreamedState`, `LayerStreamed` (``init``,
 ``step``, ``abstract``), and the checks that name what does not fit them (`split`,
-`layer_count`, `check_state`, `check_layer`, `check_args`), and where each leaf lies in the
+`layer_count`, `check_state`, `part_input_shapes`, `check_args`), and where each leaf lies in the
 whole tree (`Where`, `wheres`). The step itself:
 `lowmem_jax.optim.streamed.layer_streamed`."""
 
@@ -35,7 +35,8 @@ class LayerStack:
       differentiated (positions, masks). Or a tuple of such functions, the layer's
       consecutive parts (attention, then the MLP): `layer_streamed` then updates
       the parameters a part reads once that part's backward is done
-      (`run_layer` composes them).
+      (`run_layer` composes them). A part may hand the next any pytree of arrays (the
+      hidden state and more), as long as the layer takes and returns ``h``.
     head: ``(rest, h, batch) -> loss``, a float32 scalar (the mean over the batch).
     key: the entry of ``params`` that holds the stacked layers.
   """
@@ -239,22 +240,27 @@ def check_args(stack: Any, tx: Any, state: Any, saved_inputs: Any, slice_element
   return state, saved_inputs
 
 
-def check_layer(stack: LayerStack, layers: Any, h: jax.Array, batch: Any) -> None:
-  """Raises a TypeError naming `LayerStack.layer` where a part does not take ``(params, h,
-  batch)`` or returns another hidden state than it takes (a scan's carry error otherwise)."""
-  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
+def part_input_shapes(stack: LayerStack, one_layer: Any, h: Any, batch: Any) -> list:
+  """Each part's input in a layer of params ``one_layer`` (arrays or
+  ``jax.ShapeDtypeStruct``) that takes ``h``, as ``jax.ShapeDtypeStruct`` trees. Raises a
+  TypeError naming `LayerStack.layer` where a part does not take ``(params, x, batch)``, or
+  where the layer does not return the hidden state as it takes it (a scan's carry error
+  otherwise)."""
   want = jax.ShapeDtypeStruct(jnp.shape(h), jnp.result_type(h))
-  x = want
+  inputs = [want]
   for j, part in enumerate(stack.parts):
     name = "`LayerStack.layer`" + (f"[{j}]" if isinstance(stack.layer, tuple) else "")
     try:
-      x = jax.eval_shape(lambda p, x: part(p, x, batch), one, x)
-    except TypeError as e:
-      raise TypeError(f"{name} must take (layer_params, h, batch) and return the new h: "
-                      f"{e}") from e
-    if not hasattr(x, "shape") or (x.shape, x.dtype) != (want.shape, want.dtype):
-      raise TypeError(f"{name} must return the hidden state as it takes it, "
-                      f"{shape_text(want)}; got {jax.tree.map(shape_text, x)}.")
+      inputs.append(jax.eval_shape(lambda p, x: part(p, x, batch), one_layer, inputs[-1]))
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"{name} must take (layer_params, x, batch), x the layer's h or the "
+                      f"part before's output: {e}") from e
+  x = inputs.pop()
+  if not hasattr(x, "shape") or (x.shape, x.dtype) != (want.shape, want.dtype):
+    raise TypeError(f"`LayerStack.layer`{'[-1]' if isinstance(stack.layer, tuple) else ''} "
+                    f"must return the hidden state as the layer takes it, "
+                    f"{shape_text(want)}; got {jax.tree.map(shape_text, x)}.")
+  return inputs
 
 
 def shape_text(a) -> str:

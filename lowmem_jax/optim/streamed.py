@@ -74,7 +74,7 @@ from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.ops import dispatch
 from lowmem_jax.optim import fused_update, hoisted, lowbit, slicing, streamed_state
 from lowmem_jax.optim.layer_stack import (LayerStack, LayerStreamed, StreamedState, check_args,
-                                          check_layer, check_state, layer_count, wheres)
+                                          check_state, layer_count, part_input_shapes, wheres)
 from lowmem_jax.optim.per_leaf import reads
 
 SLICE_ELEMENTS = 2 ** 24
@@ -140,7 +140,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
     keep_part_inputs: the forward keeps each part's input, not only the layer's (at
       ``saved_inputs``): the backward runs each part's forward once, not the earlier parts'
       twice, for one more ``[batch, length, dim]`` a layer and part (a one-part layer: the
-      same step).
+      same step); a part's input that holds more, more (`LayerStack.layer`: a Llama layer cut
+      at its MLP's hidden layer keeps two ``[batch, length, ffn_dim]``, and its backward runs
+      no forward matmul of the MLP).
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.
@@ -360,7 +362,7 @@ class _Streamer(streamed_state.StateMaking):
     check_state(jax.eval_shape(self.init, params), opt_state, self.state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
     rest_at, layers_at = wheres(params, self.stack.key)
-    embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, batch)
+    embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, one_layer, batch)
     new_rest, rest_states, dh, head_ok = self.update_head(
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))
     plan = self.backward_plan(one_layer, dh, batch, layers_at,
@@ -397,17 +399,21 @@ class _Streamer(streamed_state.StateMaking):
       out.append(s)
     return jax.tree.unflatten(treedef, out)
 
-  def forward(self, rest, layers, batch):
+  def forward(self, rest, layers, one_layer, batch):
     """``(embed_vjp, saved, loss, head_grads, dh)``: the forward, each layer's input kept in
     `saved_inputs` (with `keep_part_inputs`, a tuple: each part's), and the head's
-    backward."""
+    backward; ``one_layer``: a layer's params, the parts checked on them."""
     stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
-    check_layer(stack, layers, h, batch)
+    part_input_shapes(stack, one_layer, h, batch)
 
     def layer(h, p):
       p, kept = gather(p), []
       for part in stack.parts if self.keep_part_inputs else (stack.run_layer,):
+        if self.keep_part_inputs and self.saved_inputs == "device":
+          # Made once, then kept and read: a matmul's output XLA would write into the saved
+          # stack and make again for the next part (the h100's 8B: 39 ms a step).
+          h = jax.lax.optimization_barrier(h)
         kept.append(slicing.to(self.saved_inputs, h))
         h = part(p, h, batch)
       return h, tuple(kept) if self.keep_part_inputs else kept[0]
@@ -449,8 +455,9 @@ class _Streamer(streamed_state.StateMaking):
     """Which leaves each part of a layer reads, and after which part's backward each is
     updated: the first part that reads it (a leaf no part reads: part 0's, with a zero
     gradient)."""
-    part_reads = [jax.tree.leaves(reads(lambda p, h: part(p, h, batch), one_layer, dh))
-                  for part in self.stack.parts]
+    part_reads = [jax.tree.leaves(reads(lambda p, x: part(p, x, batch), one_layer, x))
+                  for part, x in zip(self.stack.parts,
+                                     part_input_shapes(self.stack, one_layer, dh, batch))]
     owner = [next((j for j, r in enumerate(part_reads) if r[k]), 0)
              for k in range(len(part_reads[0]))]
     return _Backward(batch, part_reads, owner, layers_at, tables)

@@ -47,11 +47,12 @@ target, no GPU tests), which the test suite does to check this script.
 each with the head's backward in one pass): Llama-3.2-1B's plain step with full remat, its
 streamed step with the state on the device and each layer's backward whole, with XLA's update
 and with the fused kernel (``fused-update``); Llama-3.1-8B's streamed steps with the state on
-the host (two layers ahead, each layer's backward and MLP whole; one, each MLP whole in bigger
-update slices; one) and on the device (each layer's backward whole), with XLA's update, then
-each with the kernel. Issue 50's two measured targets first (4,000 tokens/s with the state on
-the host, 5,500 on the device): the fastest host row by the estimate, then the device row,
-then the other host rows (jax 0.11.2, h100: 730.9, 552.9, 818.2 and 863.0 ms). Its report
+the host (two layers ahead, each layer's backward and MLP whole; one, each MLP whole and each
+layer half's input kept; one) and on the device (each layer's backward whole; the same, its
+MLP's hidden layer kept: ``mlp-hidden``), with XLA's update, then each with the kernel. Issue
+50's two measured targets first (4,000 tokens/s with the state on the host, 5,500 on the
+device): the fastest host row by the estimate, then the device rows, then the other host
+rows (jax 0.11.2, h100: 730.9, 552.9, 519.4, 871.8 and 863.0 ms). Its report
 is ``docs/gpu_speed.md`` (rows in ``docs/gpu_speed.jsonl``; append them to ``docs/gpu.jsonl``
 for ``benchmarks/step_time.py`` to set each estimate beside its measurement).
 """

@@ -69,5 +69,5 @@ def test_part_input_shapes_names_a_layer_that_changes_the_hidden_state():
     layer_stack.part_input_shapes(halves, one, h, None)
   with pytest.raises(TypeError, match=r"`LayerStack.layer`\[2\] must take \(layer_params, x, "
                      r"batch\)"):
-    layer_stack.part_input_shapes(layer_stack.LayerStack(good, (good, split, good), good), one,
-                                  h, None)
+    layer_stack.part_input_shapes(
+        layer_stack.LayerStack(good, (good, split, lambda p, x: x[0]), good), one, h, None)

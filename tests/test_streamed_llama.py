@@ -25,6 +25,7 @@ def _matmuls(layered, params, batch) -> int:
   return len(re.findall(r"= \S+ dot\(", text))
 
 
+@pytest.mark.slow
 @OPTAX_BIAS_CORRECTION
 @pytest.mark.parametrize("place", ["device", "host"])
 def test_a_layer_cut_at_the_mlp_hidden_equals_adamw_without_the_mlps_forward_matmuls(place):

@@ -41,8 +41,9 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   backward), first of all with the MLP's hidden layer kept too (``mlp-hidden``: no forward
   matmul of the MLP in the backward; Llama-3.1-8B at 2 x 2,048 tokens on the ``h100``
   target 519.4 ms and 39.53 GiB against 552.9 ms and 32.53 GiB), then over chunks of
-  1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the host, then with ``late-embed`` (it lowers some rows'
-  peaks and raises others': XLA's schedule); then its state on the host too: a layer ahead
+  1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the
+  host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
+  schedule); then its state on the host too: a layer ahead
   with each MLP whole and each layer half's input kept (``part-inputs``: one attention forward
   less a layer, the layer still in two parts; Llama-3.1-8B at 2 x 2,048 tokens on the
   ``rtx4090`` target 2,564.9 ms and 16.99 GiB, against 2,655.9 ms and 16.85 GiB without it

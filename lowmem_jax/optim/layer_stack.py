@@ -252,7 +252,7 @@ def part_input_shapes(stack: LayerStack, one_layer: Any, h: Any, batch: Any) -> 
     name = "`LayerStack.layer`" + (f"[{j}]" if isinstance(stack.layer, tuple) else "")
     try:
       inputs.append(jax.eval_shape(lambda p, x: part(p, x, batch), one_layer, inputs[-1]))
-    except (TypeError, ValueError) as e:
+    except TypeError as e:
       raise TypeError(f"{name} must take (layer_params, x, batch), x the layer's h or the "
                       f"part before's output: {e}") from e
   x = inputs.pop()

@@ -65,6 +65,10 @@ def test_unrolled_layers_are_the_same_model():
   with pytest.raises(ValueError, match="keeps the MLP's hidden layer whole: .*got 4"):
     llama.layer_stack(scanned.clone(mlp_chunk_tokens=4), split_layer=False,
                       split_at_mlp_hidden=True)
+  second = llama.layer_stack(scanned, split_layer=False, split_at_mlp_hidden=True).parts[1]
+  with pytest.raises(TypeError, match=r"'from_mlp_hidden' takes \(x, gate, up\), .*got "
+                     r"\(1, 8, 32\)"):
+    second(jax.tree.map(lambda x: x[0], params["layers"]), jnp.ones((1, 8, 32)), None)
   block = llama.TransformerBlock(TINY, "exact", "plain", "recompute", jnp.float32, jnp.float32,
                                  part="mlp")
   with pytest.raises(ValueError, match="TransformerBlock.part must be one of"):

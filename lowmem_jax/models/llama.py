@@ -270,6 +270,9 @@ class TransformerBlock(nn.Module):
                          f"mlp_chunk_tokens=None, got {self.mlp_chunk_tokens!r}.")
       if self.part == "to_mlp_hidden":
         return x, *feed_forward.hidden(self._normed(x, "ffn_norm"))
+      if not isinstance(x, tuple) or len(x) != 3:
+        raise TypeError(f"TransformerBlock.part 'from_mlp_hidden' takes (x, gate, up), "
+                        f"'to_mlp_hidden''s output; got {jax.tree.map(jnp.shape, x)}.")
       x, gate, up = x
       return x + feed_forward.out(gate, up)
     if len(token_chunks(x, self.mlp_chunk_tokens)[0]) == 1:

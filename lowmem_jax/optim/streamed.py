@@ -139,8 +139,8 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       kernel a leaf, in place (`fused_update`); else as `lowmem_jax.ops.dispatch` says.
     keep_part_inputs: the forward keeps each part's input, not only the layer's (at
       ``saved_inputs``): the backward runs each part's forward once, not the earlier parts'
-      twice, for each part's input kept a layer (a one-part layer: the same step; a Llama
-      layer cut at its MLP's hidden layer keeps two ``[batch, length, ffn_dim]`` more).
+      twice, for one more ``[batch, length, dim]`` a layer and later part (a one-part layer:
+      the same step; a Llama layer cut at its MLP's hidden layer: two ``[b, l, ffn_dim]``).
 
   Returns:
     A `LayerStreamed`: ``init(params)`` and ``step(params, state, batch)``.

@@ -40,9 +40,9 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   attention forward less a layer, the MLP's gradient held through the attention's
   backward), first of all with the MLP's hidden layer kept too (``mlp-hidden``: no forward
   matmul of the MLP in the backward; Llama-3.1-8B at 2 x 2,048 tokens on the ``h100``
-  target 519.4 ms and 39.53 GiB against 552.9 ms and 32.53 GiB), then over chunks of
-  1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs on the
-  host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
+  target 519.4 ms and a 39.53 GiB compiled peak against 552.9 ms and 32.53), then over
+  chunks of 1,024 tokens (``stream``'s own: less memory for many tokens); its saved inputs
+  on the host, then with ``late-embed`` (it lowers some rows' peaks and raises others': XLA's
   schedule); then its state on the host too: a layer ahead
   with each MLP whole and each layer half's input kept (``part-inputs``: one attention forward
   less a layer, the layer still in two parts; Llama-3.1-8B at 2 x 2,048 tokens on the
@@ -90,9 +90,9 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
   hold state in host memory (``offload-opt``: such a step compiles for one device); without
   a set that compiles another one's program: the bigger slices' term (`EVERY_LEAF`) where no
-  parameter leaf holds more than the default slice (`_over_default_slice`; of two rungs then the same, the later kept), and the later of two
-  streamed sets that differ in ``mlp-chunk:off`` alone where the stream's MLP runs in one
-  chunk (`_one_chunk`). For a
+  parameter leaf holds more than the default slice (`_over_default_slice`; of two rungs then
+  the same, the later kept), and the later of two streamed sets that differ in
+  ``mlp-chunk:off`` alone where the stream's MLP runs in one chunk (`_one_chunk`). For a
   user's step, each set without the techniques whose options ``make_step`` does not take
   (`Job.without_missing`), once, and those techniques."""
   texts = ladder(job.batch, job.language_model, step=job.make_step is not None)

@@ -246,7 +246,7 @@ TECHNIQUES = {t.term: t for t in (
               "the MLP, for two [batch, length, ffn_dim] kept a layer (layer_stack's "
               "split_at_mlp_hidden, layer_streamed's keep_part_inputs; Llama-3.1-8B's "
               "stream:device step at 2 x 2,048 tokens on the h100: 519.4 ms estimated, 552.9 "
-              "without, 39.53 GiB against 32.53; over the host link, slower: "
+              "without, 39.53 GiB compiled peak against 32.53; over the host link, slower: "
               "docs/benchmarks.md)",
               needs=(("stream", "only the streamed step keeps a layer's inputs"),
                      ("whole-layer", "it cuts the whole layer, not its attention half and "

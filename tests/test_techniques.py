@@ -255,6 +255,20 @@ def test_the_ladder_has_the_bigger_slice_rungs_only_where_a_leaf_is_sliced():
   assert _jaxpr(tiny, text) == _jaxpr(tiny, text[:text.index("+update-slice")])
 
 
+def test_a_gpu_targets_ladder_tries_the_fused_update_after_its_xla_twin():
+  """On a GPU target the one-ahead host-state rung (the rtx4090's) is tried with each leaf's
+  update one Pallas kernel too, right after it, in each family; a CPU target has no kernel."""
+  gpu, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=1024, target="h100"))
+  cpu, _ = app.ladder_of(app.Job("llama-100m", batch=2, seq=1024, target="cpu"))
+  fused = [t for t in gpu if "fused-update" in t]
+  assert len(fused) == 2 and not any("fused-update" in t for t in cpu)
+  assert [t for t in gpu if t not in fused] == cpu
+  for text in fused:
+    assert text == gpu[gpu.index(text) - 1] + "+fused-update"
+    assert "part-inputs" in text and "offload-opt" in text
+    app.parse(text).check_together()
+
+
 @OPTAX_BIAS_CORRECTION
 def test_the_ladder_leaves_out_mlp_chunk_off_where_the_stream_runs_one_chunk():
   # 2 x 16 tokens are one chunk of the stream's 1,024: a streamed set and the same set with

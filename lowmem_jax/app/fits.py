@@ -20,6 +20,16 @@ and embedding (525M) too. Its ``stream:device+mlp-chunk:off`` step at 2 x 2,048 
 32.44 GiB at the default 2^24 (jax 0.11.2; docs/benchmarks.md, session 47)."""
 
 
+FUSED = "+fused-update"
+"""The rung a GPU target's ladder adds after each `_FUSED_AFTER` rung (`ladder_of`): each
+leaf's 8-bit update one Pallas kernel (`lowmem_jax.optim.fused_update`). Measured slower than
+XLA's update on an H100 (Llama-3.1-8B, the state on the device: 694.9 ms against 657.3;
+docs/benchmarks.md, session 40), estimated faster on the ``rtx4090`` target (Llama-3.1-8B at
+2 x 2,048 tokens, the state on the host: 2,504.3 ms against 2,564.9, both at a 16.99 GiB
+compiled peak; jax 0.12.0.1; docs/benchmarks.md, session 53): the estimate picks."""
+_FUSED_AFTER = "+offload-opt+part-inputs+mlp-chunk:off"
+
+
 def ladder(batch: int | None, language_model: bool = False, step: bool = False) -> list[str]:
   """Technique sets `cheapest_fit` tries, in order: the exact ones (`TechniqueSet.exact`:
   training as the plain step's up to rounding), then those that are not, tried only where
@@ -88,7 +98,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
 
 def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
   """``(sets, left out)``: `ladder` for ``job``, over several devices without the sets that
-  hold state in host memory (``offload-opt``: such a step compiles for one device); without
+  hold state in host memory (``offload-opt``: such a step compiles for one device); on a GPU
+  target with each `_FUSED_AFTER` set's `FUSED` twin after it (the kernel is Triton's); without
   a set that compiles another one's program: the bigger slices' term (`EVERY_LEAF`) where no
   parameter leaf holds more than the default slice (`_over_default_slice`; of two rungs then
   the same, the later kept), and the later of two streamed sets that differ in
@@ -102,6 +113,8 @@ def ladder_of(job: Job) -> tuple[list[str], tuple[str, ...]]:
     if bigger and not _over_default_slice(job, parse(bigger[0])):
       texts = [t.replace(EVERY_LEAF, "") for t in texts]
       texts = [t for k, t in enumerate(texts) if t not in texts[k + 1:]]
+    if job.target.platform == "cuda":
+      texts = [u for t in texts for u in ([t, t + FUSED] if t.endswith(_FUSED_AFTER) else [t])]
     chunked = next((t for t in texts if "+stream:" in t and "mlp-chunk" not in t), None)
     if chunked and _one_chunk(job, parse(chunked)):
       first = {}  # each set by its text without mlp-chunk:off, the first in ladder order

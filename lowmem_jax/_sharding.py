@@ -28,6 +28,20 @@ def in_auto_mesh() -> bool:
   return not mesh.empty and all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
+def mesh_of(tree) -> jax.sharding.Mesh | None:
+  """The mesh of more than one device that ``tree``'s arrays lie on (each leaf a concrete
+  `jax.Array` under a `jax.sharding.NamedSharding` of that mesh), where no mesh is set for
+  tracing (`jax.set_mesh`); else None."""
+  leaves = jax.tree.leaves(tree)
+  if not jax.sharding.get_abstract_mesh().empty or not leaves or any(
+      isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
+      or not isinstance(x.sharding, jax.sharding.NamedSharding) for x in leaves):
+    return None
+  meshes = {x.sharding.mesh for x in leaves}
+  mesh = meshes.pop()
+  return mesh if not meshes and mesh.size > 1 else None
+
+
 def gathered(tree):
   """Each leaf of ``tree`` whole on every device of the `in_auto_mesh` mesh: FSDP's
   all-gather of parameters before their use. The constraint's transpose constrains the

@@ -12,8 +12,8 @@ import pytest
 from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
-from lowmem_jax import _jaxpr
-from lowmem_jax.optim import per_leaf, streamed
+from lowmem_jax import _jaxpr, _sharding
+from lowmem_jax.optim import packed_rows, per_leaf, streamed
 
 pytestmark = OPTAX_BIAS_CORRECTION
 
@@ -530,6 +530,31 @@ def _fsdp(mesh, x):
   if x.ndim and x.shape[-1] % 8 == 0:
     spec[-1] = "fsdp"
   return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+@pytest.mark.parametrize("place", ["device", "host"])
+def test_init_of_params_sharded_over_a_mesh_makes_the_state_on_it(place):
+  """``init`` of params sharded over 8 devices, no mesh set: the state lies on the 8 (on one,
+  the step refused it beside the params), and the step equals the one-device step."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = params_of(jax.random.key(6))
+  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
+  assert _sharding.mesh_of(sharded) is mesh and _sharding.mesh_of(params) is None
+  with jax.set_mesh(mesh):
+    assert _sharding.mesh_of(sharded) is None  # set for tracing: the caller's
+  layered = streamed.layer_streamed(stack(), optax.adamw(1e-2), slice_elements=256,
+                                    state=place)
+  batch = batch_of(jax.random.key(0), n=8)
+  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
+  state = layered.init(sharded)
+  assert all(x.sharding.device_set == set(mesh.devices.flat) for x in jax.tree.leaves(state))
+  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
+  assert_close(got, one)
+  rows = lambda x: isinstance(x, packed_rows.PackedRows)
+  trees = lambda state: jax.tree.map(lambda x: x.unstacked() if rows(x) else x, state,
+                                     is_leaf=rows)  # a host state's rows as their trees
+  assert_close(trees(got_state), trees(one_state), atol=1e-6)
 
 
 @pytest.mark.slow

@@ -95,7 +95,8 @@ class LayerStreamed:
   """A layer-streamed train step and the state it takes (`layer_streamed`).
 
   Attributes:
-    init: ``params -> StreamedState``, placed where the step keeps it.
+    init: ``params -> StreamedState``, placed where the step keeps it; for params sharded
+      over a mesh, on that mesh's devices (as under ``jax.set_mesh`` of it).
     step: ``(params, state, batch) -> (params, state, {"loss": loss, "finite": ok})``,
       one call per (micro-)batch; ``ok`` (bool[]) where the loss and every gradient were
       finite, the whole update applied. Jit it with ``donate_argnums=(0, 1)`` so the

@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax import _sharding
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.optim import offload, slicing
 from lowmem_jax.optim.layer_stack import StreamedState, layer_count, shape_text, split, wheres
@@ -66,6 +67,13 @@ class StateMaking:
     return init(x) if n == 1 else jax.vmap(init)(slicing.sliced(x, n))
 
   def init(self, params):
+    """`LayerStreamed.init`. Params sharded over a mesh (`_sharding.mesh_of`): the state is
+    made on that mesh, as `jax.set_mesh` of it would (each leaf where XLA places it),
+    not on one device, which the step would refuse beside the params."""
+    mesh = _sharding.mesh_of(params)
+    if mesh is not None:
+      with jax.set_mesh(mesh):
+        return self.init(params)
     rest, layers, _ = self.checked(params)
     rest_where, layers_where = wheres(params, self.stack.key)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)

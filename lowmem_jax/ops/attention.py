@@ -32,6 +32,27 @@ As in `jax.nn.dot_product_attention`, a row with every key masked attends
 uniformly to all its keys: its output is the mean of value, and query, key
 and the bias get no gradient through it. So does a row with every key
 biased to -inf (NaN in `jax.nn`).
+
+`attention`'s implementations (`IMPLS`, `lowmem_jax.ops.dispatch`'s vocabulary):
+"xla" is the chunked `custom_vjp` here, any backend (not `jax.nn`'s "xla", which is
+`attention_reference`). "cudnn" is `jax.nn.dot_product_attention(implementation=
+"cudnn")`: NVIDIA GPU, float16 or bfloat16; it raises where cuDNN does not support the
+call, e.g. a mask or bias that broadcasts along a length axis; cuDNN adds a mask as a
+bias in query's dtype and does not treat -inf biases as masks. "auto" takes cuDNN on a
+GPU where it accepts the call and both lengths are even (its training constraint with
+a bias, which JAX's cuDNN rule sees under `jax.checkpoint` even without one; so a
+one-token decoding step takes "xla" too), else "xla". "xla"'s transient memory,
+forward and backward, beyond float32 accumulators of query's, key's and value's size,
+is a few float32 arrays of ``[batch, heads, q_length, min(chunk_size, kv_length)]``.
+
+Dropout on the probabilities (`attention`'s ``dropout_rate``): the keep-mask is flax's
+draw, ``jax.random.bernoulli(dropout_rng, 1 - dropout_rate, shape)``, and the kept
+probabilities are divided by ``1 - dropout_rate``, so the output equals
+`flax.linen.dot_product_attention` (``deterministic=False``) with the same key. The
+mask is drawn again in the backward from the key, not saved: once per call in the
+forward and once in the backward it is a transient of 1 byte an element of ``shape``,
+sliced per key chunk; drawing it takes what `jax.random.bernoulli` takes (on XLA:CPU
+16 bytes an element of ``shape`` while it draws). Dropout always takes "xla".
 """
 
 import dataclasses
@@ -69,11 +90,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
   (the first three raise where given), plus ``chunk_size`` and dropout on the
   probabilities under `flax.linen.dot_product_attention`'s names.
 
-  The output is named `names.ATTN_OUT` for `jax.checkpoint` policies. Under
-  "xla" the saved residuals are query, key, value, the output, the float32
-  log-sum-exp of each row (`names.ATTN_LSE`) and ``mask`` and ``bias`` as
-  given: for causal attention pass ``is_causal=True`` rather than a mask,
-  which would be an L×L residual. cuDNN's own residuals carry no names.
+  Under "xla" the saved residuals are those of the module docstring: for causal attention
+  pass ``is_causal=True``, not a mask, which would be an L×L one. cuDNN's carry no names.
 
   Args:
     query: ``[batch, q_length, heads, head_dim]``, float16/bfloat16/float32.
@@ -84,41 +102,16 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
       gradient, reduced to its own shape. A bias of -inf masks a key, as
       ``mask`` does.
     mask: optional boolean, broadcastable like ``bias``; False masks a key out.
-    scale: the logits' factor, a Python number; ``None`` is
-      ``1 / sqrt(head_dim)``.
+    scale: the logits' factor, a Python number; ``None`` is ``1 / sqrt(head_dim)``.
     is_causal: mask keys after the query's position, aligned at the top left
       as in `jax.nn.dot_product_attention` (query i sees keys 0..i).
-    query_seq_lengths, key_value_seq_lengths, local_window_size: not
-      supported; anything but ``None`` raises `NotImplementedError`.
-    implementation: a name of `lowmem_jax.ops.dispatch`'s vocabulary that
-      attention offers (`IMPLS`): "xla" (the chunked `custom_vjp` here, any
-      backend; not `jax.nn`'s "xla", which is `attention_reference`),
-      "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`:
-      NVIDIA GPU, float16 or bfloat16; raises where cuDNN does not support
-      the call, e.g. a mask or bias that broadcasts along a length axis;
-      cuDNN adds a mask as a bias in query's dtype and does not treat -inf
-      biases as masks) or "auto": cuDNN on a GPU where it accepts the call
-      and both lengths are even (its training constraint with a bias,
-      which JAX's cuDNN rule sees under `jax.checkpoint` even without
-      one; so a one-token decoding step takes "xla" too), else "xla". ``None`` reads ``$LOWMEM_JAX_IMPL`` where it
-      names one of these, else is "auto".
-    chunk_size: keys per chunk of the "xla" implementation. Beyond float32
-      accumulators of query's, key's and value's size, its transient
-      memory, forward and backward, is a few float32 arrays of ``[batch,
-      heads, q_length, min(chunk_size, kv_length)]``; a kv_length that is
-      not a multiple is fine.
+    implementation: "xla", "cudnn" or "auto" (`IMPLS`; module docstring); ``None`` reads
+      ``$LOWMEM_JAX_IMPL`` where it names one of these, else is "auto".
+    chunk_size: keys per chunk of the "xla" implementation (its transient memory: module
+      docstring); a kv_length that is not a multiple is fine.
     dropout_rate: the probability of dropping a probability, a Python float in
-      [0, 1); 0 is no dropout.
-    dropout_rng: the key of the draw, needed where ``dropout_rate`` > 0. The
-      keep-mask is flax's draw, ``jax.random.bernoulli(dropout_rng, 1 -
-      dropout_rate, shape)``, and the kept probabilities are divided by ``1 -
-      dropout_rate``, so the output equals `flax.linen.dot_product_attention`
-      (``deterministic=False``) with the same key. The mask is drawn again in
-      the backward from the key, not saved: once per call in the forward and
-      once in the backward it is a transient of 1 byte an element of
-      ``shape``, sliced per key chunk; drawing it takes what
-      `jax.random.bernoulli` takes (on XLA:CPU 16 bytes an element of
-      ``shape`` while it draws). Dropout always takes "xla".
+      [0, 1); 0 is no dropout (flax's draw, drawn again in the backward: module docstring).
+    dropout_rng: the key of the draw, needed where ``dropout_rate`` > 0.
     broadcast_dropout: as flax's: the mask's ``shape`` is ``[1, 1, q_length,
       kv_length]``, shared by the batch and heads; False draws ``[batch,
       heads, q_length, kv_length]``.
@@ -129,8 +122,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Arra
     value's dtype for the second matmul.
 
   Raises:
-    NotImplementedError: ``query_seq_lengths``, ``key_value_seq_lengths``
-      or ``local_window_size`` given, or dropout with ``implementation="cudnn"``.
+    NotImplementedError: the three unsupported arguments given, or dropout under "cudnn".
   """
   _check_qkv(query, key, value)
   _refuse_unsupported(query_seq_lengths=query_seq_lengths,

@@ -20,6 +20,32 @@ the square of the whole sum; ``nu_scale`` picks the weight w:
 
 With k = 1 both are Adam, bit for bit against `optax.adam`.
 
+In a chain, every transformation after `adama` runs on every micro-step, so it
+must map zero updates to zero and keep no per-call state that should count
+optimizer steps: ``add_decayed_weights`` would decay the weights k times per
+step, and a schedule would advance k times faster. Wrap such transformations in
+`on_kth_micro_step`, as `adamaw` does.
+
+Folded moments: `adama`'s ``update`` takes the extra argument ``folded``, a
+pytree with the gradient's structure whose leaves are either None (fold that
+leaf's gradient here) or a ``(mu, nu)`` pair already folded for this
+micro-batch, e.g. by `scan_layers` in the backward pass; the gradient of such a
+leaf is ignored. Folded pairs arrive in the moments' storage dtypes, so with a
+low-precision ``mu_dtype`` their direction is computed from the rounded mu (the
+plain path uses the unrounded one, as `optax.scale_by_adam` does).
+``folded_with`` is the `MomentFold` that folded them (`microbatch_step` passes
+its own); one that differs from this AdamA's in k, b1, b2 or nu_scale is an
+error. Give both the same `MomentFold` as ``k`` and they agree by construction.
+
+8-bit moments (``state_bits=8``): stored block-wise in 8 bits
+(`lowmem_jax.optim.lowbit`: leaves of at least ``lowbit.MIN_SIZE`` elements,
+smaller ones in float32), rounded stochastically, keyed by the seed, the step and
+the micro-step, each element's bits drawn at its place in the tree
+(`lowmem_jax.optim.lowbit.rounding_bits`; the extra argument ``positions`` as in
+`lowmem_jax.optim.lowbit.scale_by_adam_8bit`), dequantised to float32 to fold
+each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
+``fold_in_backward``).
+
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
   Activations and Gradients for Large-scale DNN Training"
@@ -145,18 +171,10 @@ def as_moment_fold(k: "int | MomentFold", b1: Any = 0.9, b2: Any = 0.999,
   return k
 
 
-def adama(
-    k: "int | MomentFold",
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    *,
-    mu_dtype: Any | None = None,
-    nu_scale: str = "mean_sq",
-    state_bits: int | None = None,
-    seed: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+def adama(k: "int | MomentFold", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          eps_root: float = 0.0, *, mu_dtype: Any | None = None, nu_scale: str = "mean_sq",
+          state_bits: int | None = None,
+          seed: int | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Scale updates by AdamA: Adam over k micro-batches without a gradient accumulator.
 
   Call ``update`` once per micro-batch with that micro-batch's gradient. It
@@ -164,24 +182,9 @@ def adama(
   :math:`\hat m / (\sqrt{\hat v + \epsilon_{root}} + \epsilon)` on the k-th,
   so ``optax.chain(adama(k), optax.scale_by_learning_rate(lr))`` is the full
   optimizer. A learning-rate schedule there counts micro-steps: `adamaw`
-  counts optimizer steps.
-
-  Every transformation after ``adama`` in a chain runs on every micro-step, so
-  it must map zero updates to zero and keep no per-call state that should
-  count optimizer steps: ``add_decayed_weights`` would decay the weights k
-  times per step, and a schedule would advance k times faster. Wrap such
-  transformations in `on_kth_micro_step`, as `adamaw` does.
-
-  Extra argument: ``folded``, a pytree with the gradient's structure whose
-  leaves are either None (fold that leaf's gradient here) or a ``(mu, nu)``
-  pair already folded for this micro-batch, e.g. by `scan_layers` in the
-  backward pass; the gradient of such a leaf is ignored. Folded pairs arrive
-  in the moments' storage dtypes, so with a low-precision ``mu_dtype`` their
-  direction is computed from the rounded mu (the plain path uses the
-  unrounded one, as `optax.scale_by_adam` does). ``folded_with``: the
-  `MomentFold` that folded them (`microbatch_step` passes its own); one that
-  differs from this AdamA's in k, b1, b2 or nu_scale is an error. Give both
-  the same `MomentFold` as ``k`` and they agree by construction.
+  counts optimizer steps; a transformation after it in a chain must pass zero updates
+  on (module docstring). Extra arguments: ``folded`` and ``folded_with``, moments
+  folded elsewhere (module docstring, "Folded moments").
 
   Args:
     k: micro-batches per optimizer step, a positive Python int; or a
@@ -194,16 +197,10 @@ def adama(
     mu_dtype: dtype of the first moment; None keeps the params' dtypes.
     nu_scale: "mean_sq" (w = 1/k^2) or "mean" (w = 1/k): the weight of each
       squared micro-batch gradient in v (module docstring).
-    state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8
-      for moments stored block-wise in 8 bits (`lowmem_jax.optim.lowbit`: leaves of
-      at least ``lowbit.MIN_SIZE`` elements, smaller ones in float32,
-      stochastic rounding keyed by
-      ``seed``, the step and the micro-step, each element's bits drawn at its
-      place in the tree: `lowmem_jax.optim.lowbit.rounding_bits`; the extra argument
-      ``positions`` as in `lowmem_jax.optim.lowbit.scale_by_adam_8bit`), dequantised to
-      float32 to fold each micro-batch in. Not with ``folded`` moments (`microbatch_step`'s
-      ``fold_in_backward``). A Python int: under `optax.inject_hyperparams`
-      list it in ``static_args``.
+    state_bits: None (moments in the params' dtypes, or ``mu_dtype``), or 8 for
+      moments stored block-wise in 8 bits (module docstring; the extra argument
+      ``positions``). A Python int: under `optax.inject_hyperparams` list it in
+      ``static_args``.
     seed: the 8-bit moments' rounding seed, an int (None: 0).
 
   Returns:
@@ -239,7 +236,6 @@ def adama(
     _check_update(updates, state, fold, folded, folded_with, state_bits)
     if folded is None:
       folded = jax.tree.map(lambda _: None, updates)
-    last = state.micro_step == k - 1
     mu, nu, updates, scales = _folded_moments(fold, updates, state, folded, state_bits)
     count_inc = optax.safe_int32_increment(state.count)
     # With 8-bit moments, in the gradient's dtype, not the dequantised moments' float32.
@@ -251,15 +247,23 @@ def adama(
                                     scales=scales)
     else:
       mu, nu = otu.tree_cast(mu, mu_dtype), otu.tree_cast_like(nu, state.nu)
-    if k == 1:
-      return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu, state.k)
-    direction = jax.tree.map(lambda d: jnp.where(last, d, jnp.zeros_like(d)), direction)
-    return direction, AdamAState(
-        micro_step=jnp.where(last, 0, state.micro_step + 1).astype(jnp.int32),
-        count=jnp.where(last, count_inc, state.count),
-        mu=mu, nu=nu, k=state.k)
+    return _after_micro_step(k, state, direction, mu, nu, count_inc)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _after_micro_step(k: int, state: AdamAState, direction: Any, mu: Any, nu: Any,
+                      count_inc: jax.Array) -> tuple[Any, AdamAState]:
+  """``(updates, state)`` after a micro-step of ``k``: Adam's ``direction`` and the step
+  counted (``count_inc``) at the k-th micro-step, zero updates and the next micro-step before
+  it; the new moments ``mu``, ``nu`` (stored) either way."""
+  if k == 1:
+    return direction, AdamAState(jnp.zeros([], jnp.int32), count_inc, mu, nu, state.k)
+  last = state.micro_step == k - 1
+  direction = jax.tree.map(lambda d: jnp.where(last, d, jnp.zeros_like(d)), direction)
+  return direction, AdamAState(
+      micro_step=jnp.where(last, 0, state.micro_step + 1).astype(jnp.int32),
+      count=jnp.where(last, count_inc, state.count), mu=mu, nu=nu, k=state.k)
 
 
 def _folded_moments(fold: "MomentFold", updates: Any, state: AdamAState, folded: Any,

@@ -13,6 +13,24 @@ The weights stay stored dense with a bool mask beside them, so this saves no
 memory; `storage_bytes` accounts for it honestly. `lowmem_jax.optim.sparse` stores
 them sparse (values and positions), with a per-leaf budget.
 
+The move (`dynamic_sparsity`), on steps t = count + 1 that are multiples of
+``update_every`` (and t <= ``stop_after`` if given), on the new weights
+w = params + updates: the K active entries of smallest |w| (in float32) over all
+sparse leaves are pruned, ties going to the entry first in `jax.tree.leaves`
+order, then row-major. Then K positions inactive before the pruning are regrown
+at zero, sampled without replacement with weights making each leaf's expected
+share roughly proportional to its surviving weights (exactly so for a single
+draw); a leaf left with none gets only what the others have no room for. Each
+update thus moves exactly K entries and the active count stays exactly B.
+
+The optimizer before it in the chain sees dense gradients: its moments keep
+accumulating at inactive positions, and a regrown weight starts at zero with
+them. (A sparse storage format would hold no moments there; DSR trains with
+momentum SGD on the active weights.) After `lowmem_jax.adama` over k micro-batches
+(`lowmem_jax.microbatch_step`) ``update`` runs once a micro-batch, so ``count``
+and ``update_every`` count micro-batches: give a multiple of k, and the masks
+move at the k-th micro-batch, where the optimizer step lands.
+
 References:
   Mostafa & Wang, 2019, "Parameter Efficient Training of Deep Convolutional
   Neural Networks by Dynamic Sparse Reparameterization"
@@ -85,46 +103,20 @@ def _prune_and_regrow(masks, weights, key, moves):
   return [n.reshape(m.shape) for n, m in zip(jnp.split(new, offsets), masks)]
 
 
-def dynamic_sparsity(
-    density: float,
-    *,
-    update_every: int = 100,
-    prune_fraction: float = 0.2,
-    stop_after: int | None = None,
-    sparse: Callable[[Any], Any] | None = None,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
-  """Keeps a fixed global budget of active weights and moves it every ``update_every`` steps.
+def dynamic_sparsity(density: float, *, update_every: int = 100, prune_fraction: float = 0.2,
+                     stop_after: int | None = None, sparse: Callable[[Any], Any] | None = None,
+                     seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """Keeps a fixed global budget of active weights and moves it every ``update_every`` steps
+  (Mostafa & Wang, 2019).
 
   Put it last in an ``optax.chain``, after the optimizer and the learning
   rate: it rewrites the final updates so that ``optax.apply_updates(params,
   new_updates)`` is zero outside the masks (``where(mask, updates, -params)``
   on sparse leaves; dense leaves pass through). The first step thus also zeroes
-  the initial params outside the masks.
-
-  On steps t = count + 1 that are multiples of ``update_every`` (and t <=
-  ``stop_after`` if given) the masks are updated on the new weights
-  w = params + updates: the K = round(prune_fraction * B) active entries of
-  smallest |w| (in float32) over all sparse leaves are pruned, ties going to
-  the entry first in `jax.tree.leaves` order, then row-major. Then K positions
-  inactive before the pruning are regrown at zero, sampled without
-  replacement with weights making each leaf's expected share roughly
-  proportional to its surviving weights (exactly so for a single draw); a
-  leaf left with none gets only what the others have no room for. Each
-  update thus moves exactly K entries and the active count stays exactly B.
-
-  The masks of the state hold a bool array, the leaf's shape, for each sparse
-  leaf and None for each dense one (nothing to store there).
-
-  The optimizer before it in the chain sees dense gradients: its moments keep
-  accumulating at inactive positions, and a regrown weight starts at zero with
-  them. (A sparse storage format would hold no moments there; DSR trains with
-  momentum SGD on the active weights.)
-
-  After `lowmem_jax.adama` over k micro-batches (`lowmem_jax.microbatch_step`)
-  ``update`` runs once a micro-batch, so ``count`` and ``update_every`` count
-  micro-batches: give a multiple of k, and the masks move at the k-th
-  micro-batch, where the optimizer step lands.
+  the initial params outside the masks. Every ``update_every`` steps the
+  K = round(prune_fraction * B) active entries of smallest magnitude are pruned and K
+  regrown at zero (module docstring, "The move"); the optimizer before it sees dense
+  gradients, and under AdamA ``update_every`` counts micro-batches (module docstring).
 
   Args:
     density: in (0, 1], the fraction of each sparse leaf active at init.
@@ -136,8 +128,9 @@ def dynamic_sparsity(
     seed: seeds the initial masks and the regrowth.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with state `SparsityState`; ``update``
-    needs ``params``, and the updates of sparse leaves in the params' dtypes.
+    An `optax.GradientTransformationExtraArgs` with state `SparsityState` (its masks a
+    bool array of the leaf's shape for each sparse leaf, None for each dense one);
+    ``update`` needs ``params``, and the updates of sparse leaves in the params' dtypes.
 
   Example:
     >>> import optax, jax.numpy as jnp
@@ -149,9 +142,6 @@ def dynamic_sparsity(
     >>> params = optax.apply_updates(params, updates)
     >>> int((params["w"] != 0).sum()), int(state[-1].masks["w"].sum()), state[-1].masks["b"]
     (3, 4, None)
-
-  References:
-    Mostafa & Wang, 2019 (https://arxiv.org/abs/1902.05967).
   """
   if not (is_real(density) and 0 < density <= 1):
     raise ValueError(f"`density` must be a number in (0, 1], got {density!r}.")

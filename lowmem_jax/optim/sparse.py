@@ -19,6 +19,17 @@ The model reads the weight through `densify` inside its layers (e.g.
 `lowmem_jax.flax.linen.SparseConv`), so under `nn.remat` a dense weight exists for
 one layer at a time.
 
+Steps, as `sparse_storage` counts them: as ``inner`` completes them. Under
+`lowmem_jax.adama` over k micro-batches, as its step count moves (once per k
+updates, at the k-th). Without AdamA every ``update`` is a step: put a wrapper that
+skips steps (`optax.apply_if_finite`, `optax.MultiSteps`) around ``sparse_storage``,
+not inside it. ``update``'s extra argument ``completes_step=False``
+(`lowmem_jax.optim.COMPLETES_STEP`: what `lowmem_jax.microbatch_step` passes inside
+its loop, where AdamA over the same k, entering at micro-step 0, completes no step)
+says statically that this update completes none: the move is then not compiled, and
+the positions pass through unchanged (so XLA keeps them out of the loop); the step
+count still follows AdamA's. The argument is not passed on to ``inner``.
+
 References:
   Mocanu et al., 2018, "Scalable training of artificial neural networks with
   adaptive sparse connectivity inspired by network science" (SET),
@@ -203,15 +214,9 @@ def _zero_slots(state_leaf: Any, moved: jax.Array | None) -> Any:
   return jnp.where(moved, jnp.zeros((), state_leaf.dtype), state_leaf)
 
 
-def sparse_storage(
-    inner: optax.GradientTransformation,
-    dense: Any,
-    *,
-    update_every: int = 100,
-    prune_fraction: float = 0.2,
-    stop_after: int | None = None,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+def sparse_storage(inner: optax.GradientTransformation, dense: Any, *, update_every: int = 100,
+                   prune_fraction: float = 0.2, stop_after: int | None = None,
+                   seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """``inner`` over params with sparse leaves stored as values, moving their positions.
 
   A leaf of the params is sparse where its shape differs from ``dense``'s: it
@@ -221,18 +226,9 @@ def sparse_storage(
   step (and not after ``stop_after`` steps, if given) each sparse leaf moves
   ``round(prune_fraction * nnz)`` entries with `prune_and_regrow`, on the new
   weights ``params + updates``: the returned updates set the moved slots to
-  zero, and ``inner``'s moments there are zeroed. Steps are counted as
-  ``inner`` completes them: under `lowmem_jax.adama` over k micro-batches, as
-  its step count moves (once per k updates, at the k-th). Without AdamA every
-  ``update`` is a step: put a wrapper that skips steps (`optax.apply_if_finite`,
-  `optax.MultiSteps`) around ``sparse_storage``, not inside it.
-  ``update``'s extra argument ``completes_step=False`` (`lowmem_jax.optim.COMPLETES_STEP`:
-  what `lowmem_jax.microbatch_step` passes inside its loop, where AdamA over the
-  same k, entering at micro-step 0, completes no step) says statically that
-  this update completes none: the move is then not compiled, and the
-  positions pass through unchanged (so XLA keeps them out of the loop); the
-  step count still follows AdamA's. The argument is not passed on to
-  ``inner``.
+  zero, and ``inner``'s moments there are zeroed. Steps are counted as ``inner``
+  completes them, and the extra argument ``completes_step=False`` leaves the move out
+  (module docstring, "Steps").
 
   Give the model the positions (`find_state` ``(opt_state).positions``) and
   read each weight through `densify`.

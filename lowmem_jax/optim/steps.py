@@ -8,6 +8,24 @@ optimizer step over one batch or k. Besides AdamA's own extra arguments
 here: `COMPLETES_STEP`, to the transformations whose state asks for it
 (`takes_completes_step`).
 
+Strided micro-batches: micro-batch i holds rows i, i + k, i + 2k, ... So a batch
+sharded along its leading axis (data parallelism) splits on each device into its
+share of every micro-batch, and no rows move between devices, provided each
+device's rows are a multiple of k; contiguous blocks would put each micro-batch
+on a few devices only.
+
+An AdamA step: each call is one optimizer step, so AdamA's state must start it at
+micro-step 0, as ``tx.init`` and every call leave it. The parameters change once,
+by the k-th micro-batch's update: the micro-batches before it only fold into the
+moments, and no parameter-sized update exists inside the loop; jitted with
+``donate_argnums=(0, 1)``, XLA can free each gradient leaf once it is folded (how
+much it does depends on its schedule: docs/benchmarks.md measures 0.36 to 0.92 of
+the gradient bytes on CPU). Where ``tx`` holds a wrapper that may skip an update
+(`optax.apply_if_finite`, ``conditionally_mask``, ``conditionally_transform``,
+``MultiSteps``), every micro-batch's update is applied instead, since a skipped
+micro-batch leaves the optimizer step unfinished at the end of the call and the
+next call finishes it.
+
 References:
   Zhang et al., 2023, "Adam Accumulation to Reduce Memory Footprints of both
   Activations and Gradients for Large-scale DNN Training"
@@ -76,31 +94,17 @@ def microbatch_step(
     has_state: bool = False,
     fold_in_backward: bool | FoldInBackward | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
-  """A train step over k micro-batches in one ``lax.scan``.
+  """A train step over k micro-batches in one ``lax.scan``, strided (module docstring).
 
-  The batch's leading axis is split into k micro-batches, strided: micro-batch
-  i holds rows i, i + k, i + 2k, ... So a batch sharded along its leading axis
-  (data parallelism) splits on each device into its share of every
-  micro-batch, and no rows move between devices, provided each device's rows
-  are a multiple of k; contiguous blocks would put each micro-batch on a few
-  devices only. With an AdamA ``tx``
-  (one whose state holds an `AdamAState`), each micro-batch gradient is folded
-  into the moments inside the scan body by ``tx.update``, so no gradient
-  accumulator exists; jitted with ``donate_argnums=(0, 1)``, XLA can free each
-  gradient leaf once it is folded (how much it does depends on its schedule:
-  docs/benchmarks.md measures 0.36 to 0.92 of the gradient bytes on CPU).
-  With any other ``tx`` the step sums
-  the gradients in an accumulator and calls ``tx.update`` once with their
-  mean: plain accumulation, for comparison on the same call. Inside the
-  scan, where AdamA over the same k (its state at micro-step 0, as a step
-  leaves it) completes no step, a ``tx`` whose state asks for it
-  (`takes_completes_step`) gets the extra argument ``completes_step=False``,
-  so what it does at the end of a step stays out of the loop body.
-
-  With ``has_state``, a state that is not differentiated (batch statistics,
-  RNG counts) runs through the micro-batches in order: micro-batch i sees the
-  state micro-batch i - 1 left, as k sequential calls would.
-  `lowmem_jax.flax.nnx.microbatch_step` drives this for NNX models.
+  With an AdamA ``tx`` (one whose state holds an `AdamAState`), each micro-batch
+  gradient is folded into the moments inside the scan body by ``tx.update``, so no
+  gradient accumulator exists (module docstring). With any other ``tx`` the step sums
+  the gradients in an accumulator and calls ``tx.update`` once with their mean: plain
+  accumulation, for comparison on the same call. Inside the scan, where AdamA over the
+  same k completes no step, a ``tx`` whose state asks for it (`takes_completes_step`)
+  gets the extra argument ``completes_step=False``. With ``has_state``, a state that is
+  not differentiated (batch statistics, RNG counts) runs through the micro-batches in
+  order, as k sequential calls would (`lowmem_jax.flax.nnx.microbatch_step` drives this).
 
   Args:
     loss_fn: ``loss_fn(params, micro_batch) -> loss`` (or ``(loss, aux)`` with
@@ -110,9 +114,9 @@ def microbatch_step(
       With ``fold_in_backward``: ``moments`` comes last, e.g.
       ``loss_fn(params, micro_batch, moments)``.
     tx: the optimizer.
-    k: micro-batches per step, a positive Python int; for AdamA the same k,
-      or better the `MomentFold` given to `adama` as its ``k``, so the
-      backward folds with exactly its rule (with ``fold_in_backward``).
+    k: micro-batches per step, a positive Python int; for AdamA the ``k`` given to
+      `adama` (its state holds it, and another raises), or better the `MomentFold` given
+      as it, so the backward folds with exactly its rule (with ``fold_in_backward``).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     has_state: whether ``loss_fn`` takes and returns a state.
     fold_in_backward: fold each micro-batch gradient into the moments in the
@@ -129,25 +133,8 @@ def microbatch_step(
     loss and, with ``has_aux``, ``metrics["aux"]`` stacks the micro-batches'
     aux along a leading k axis (per-example aux ``[k, n // k, ...]``:
     ``.swapaxes(0, 1).reshape(n, ...)`` gives the batch's order back).
-
-  For AdamA, ``k`` must be the ``k`` given to `adama` (its state holds it, and
-  another raises), and each call is one optimizer step: AdamA's state must start it at
-  micro-step 0, as ``tx.init`` and every call leave it. The parameters change
-  once, by the k-th micro-batch's update: the micro-batches before it only
-  fold into the moments, and no parameter-sized update exists inside the
-  loop. Where ``tx`` holds a wrapper that may skip an update
-  (`optax.apply_if_finite`, ``conditionally_mask``, ``conditionally_transform``,
-  ``MultiSteps``), every micro-batch's update is applied instead, since a
-  skipped micro-batch leaves the optimizer step unfinished at the end of the
-  call and the next call finishes it.
   """
-  if fold_in_backward is True:
-    fold_in_backward = FoldInBackward(key=None)
-  if fold_in_backward is False:
-    fold_in_backward = None
-  if fold_in_backward is not None and not isinstance(fold_in_backward, FoldInBackward):
-    raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
-                     f"{fold_in_backward!r}.")
+  fold_in_backward = _fold_option(fold_in_backward)
   fold = as_moment_fold(k)
   k = fold.k
 
@@ -161,17 +148,7 @@ def microbatch_step(
     return loss, (aux, state)
 
   def stateful_step(params, state, opt_state, batch):
-    adama_state = find_adama_state(opt_state, k)
-    if adama_state is None and fold_in_backward is not None:
-      raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
-                       "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
-    if fold_in_backward is not None and any(
-        map(lowbit.is_quantized, jax.tree.leaves(adama_state.mu, is_leaf=lowbit.is_quantized))):
-      raise ValueError("`fold_in_backward` needs 32-bit AdamA moments; `tx` has 8-bit ones "
-                       "(adama's state_bits=8): drop one of them.")
-    if adama_state is not None and moment_structure(adama_state.mu) != jax.tree.structure(params):
-      raise ValueError("`params` and `opt_state` have different tree structures: "
-                       f"{jax.tree.structure(params)} vs {moment_structure(adama_state.mu)}.")
+    adama_state = _adama_state_of(opt_state, k, params, fold_in_backward)
     micro_batches = _split(batch, k)
     if adama_state is None:
       return _accumulate(loss_of, tx, k, params, state, opt_state, micro_batches)
@@ -185,6 +162,37 @@ def microbatch_step(
     return params, opt_state, metrics
 
   return step
+
+
+def _fold_option(fold_in_backward: bool | FoldInBackward | None) -> FoldInBackward | None:
+  """`microbatch_step`'s ``fold_in_backward`` as a `FoldInBackward` (True: every leaf), or
+  None (False, None)."""
+  if fold_in_backward is True:
+    return FoldInBackward(key=None)
+  if fold_in_backward is False or fold_in_backward is None:
+    return None
+  if not isinstance(fold_in_backward, FoldInBackward):
+    raise ValueError(f"`fold_in_backward` must be a bool, a FoldInBackward or None, got "
+                     f"{fold_in_backward!r}.")
+  return fold_in_backward
+
+
+def _adama_state_of(opt_state: Any, k: int, params: Any,
+                    fold_in_backward: FoldInBackward | None) -> Any:
+  """``opt_state``'s `AdamAState` over ``k`` (None where it has none), checked against
+  ``params`` and ``fold_in_backward``: each mismatch refused by name."""
+  adama_state = find_adama_state(opt_state, k)
+  if adama_state is None and fold_in_backward is not None:
+    raise ValueError("`fold_in_backward` is an AdamA option, but `tx` has no AdamA state; "
+                     "use `lowmem_jax.adama` in `tx` or drop `fold_in_backward`.")
+  if fold_in_backward is not None and any(
+      map(lowbit.is_quantized, jax.tree.leaves(adama_state.mu, is_leaf=lowbit.is_quantized))):
+    raise ValueError("`fold_in_backward` needs 32-bit AdamA moments; `tx` has 8-bit ones "
+                     "(adama's state_bits=8): drop one of them.")
+  if adama_state is not None and moment_structure(adama_state.mu) != jax.tree.structure(params):
+    raise ValueError("`params` and `opt_state` have different tree structures: "
+                     f"{jax.tree.structure(params)} vs {moment_structure(adama_state.mu)}.")
+  return adama_state
 
 
 def train_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation,

@@ -120,22 +120,25 @@ def lowmem(fn: Callable, *, activations: str | None = "exact", norms: str | None
     closed, arrays, _ = traced(args, kwargs)
     return rewrites(closed, arrays, count=True)
 
-  def gradient_cosine(*args, **kwargs) -> float:
-    is_float = lambda x: _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-    def grads(f):
-      of_floats, floats = _of_leaves(f, args, kwargs, is_float)
-      if not floats:
-        raise ValueError("gradient_cosine needs a float array among the arguments, got none.")
-      g = jax.grad(of_floats, argnums=tuple(range(len(floats))))(*floats)
-      return jnp.concatenate([x.astype(jnp.float32).ravel() for x in g])
-
-    got, want = grads(wrapped), grads(fn)
-    return float(jnp.vdot(got, want) / (jnp.linalg.norm(got) * jnp.linalg.norm(want)))
-
   wrapped.explain = explain
-  wrapped.gradient_cosine = gradient_cosine
+  wrapped.gradient_cosine = lambda *args, **kwargs: _gradient_cosine(wrapped, fn, args, kwargs)
   return wrapped
+
+
+def _gradient_cosine(rewritten: Callable, fn: Callable, args, kwargs) -> float:
+  """`lowmem`'s ``.gradient_cosine``: the cosine between ``rewritten``'s and ``fn``'s
+  gradients at ``args``, ``kwargs`` in every float array argument, flattened together."""
+  is_float = lambda x: _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+  def grads(f):
+    of_floats, floats = _of_leaves(f, args, kwargs, is_float)
+    if not floats:
+      raise ValueError("gradient_cosine needs a float array among the arguments, got none.")
+    g = jax.grad(of_floats, argnums=tuple(range(len(floats))))(*floats)
+    return jnp.concatenate([x.astype(jnp.float32).ravel() for x in g])
+
+  got, want = grads(rewritten), grads(fn)
+  return float(jnp.vdot(got, want) / (jnp.linalg.norm(got) * jnp.linalg.norm(want)))
 
 
 def _of_leaves(fn: Callable, args, kwargs, chosen: Callable) -> tuple[Callable, list]:

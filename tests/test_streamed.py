@@ -433,7 +433,8 @@ def test_a_state_made_for_other_params_is_refused(state):
   layered = streamed.layer_streamed(model, optax.adam(1e-3), state=state)
   more = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), params["layers"])
   batch = batch_of(jax.random.key(1))
-  with pytest.raises(ValueError, match=r"not the state `init` makes.* should be \w+\[4[\],].*got .*\[3[\],]"):
+  with pytest.raises(ValueError,
+                     match=r"not the state `init` makes.* should be \w+\[4[\],].*got .*\[3[\],]"):
     jax.eval_shape(layered.step, {**params, "layers": more}, layered.init(params), batch)
   sgd = streamed.layer_streamed(model, optax.sgd(1e-3, momentum=0.9), state=state)
   with pytest.raises(ValueError, match="not the state `init` makes"):
@@ -466,7 +467,8 @@ def test_a_head_that_returns_no_scalar_loss_is_refused():
   model = streamed.LayerStack(whole.embed, whole.layer, per_example)
   params = params_of(jax.random.key(0))
   layered = streamed.layer_streamed(model, optax.adam(1e-3))
-  with pytest.raises(TypeError, match=r"must return a float scalar loss .*, got (f32|float32)\[4\]"):
+  with pytest.raises(TypeError,
+                     match=r"must return a float scalar loss .*, got (f32|float32)\[4\]"):
     layered.step(params, layered.init(params), batch_of(jax.random.key(1)))
 
 

@@ -378,7 +378,8 @@ def test_the_default_image_side_is_the_models():
 def test_sparse_is_stored_sparse_on_the_wideresnet_only():
   sparse = app.parse("sparse:0.25")
   assert sparse.get("sparse") == 0.25
-  with pytest.raises(app.TechniqueError, match="sparse:0.25 in 'sparse:0.25': density .* applies to the WideResNet"):
+  with pytest.raises(app.TechniqueError,
+                     match="sparse:0.25 in 'sparse:0.25': density .* applies to the WideResNet"):
     sparse.workload(SMALL)
   wrn = app.Job("wrn-28-2", batch=8)
   code = sparse.python(wrn)

@@ -433,7 +433,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="vit-b16", action=_Given,
                    choices=models.NAMES if p is rep else
                    [n for n in models.NAMES if n not in models.WRN_CONFIGS])
-    p.add_argument("--batch", type=int, default=64, action=_Given, help="examples per step (default 64)")
+    p.add_argument("--batch", type=int, default=64, action=_Given,
+                   help="examples per step (default 64)")
     p.add_argument("--seq", type=int, default=512, action=_Given,
                    help="tokens per example (LLaMA, BERT; default 512)")
     p.add_argument("--image", type=int, default=None, action=_Given,
@@ -447,7 +448,8 @@ def _parser() -> argparse.ArgumentParser:
                    action=_Given,
                    help="compute dtype without the bf16 technique; parameters stay float32")
     p.add_argument("--step", metavar="SPEC",
-                   help="your own step instead of --model: FILE.py:FUNCTION or MODULE:FUNCTION, where "
+                   help="your own step instead of --model: FILE.py:FUNCTION or "
+                        "MODULE:FUNCTION, where "
                         "FUNCTION() returns (step, args) or (step, args, (loss_fn, loss_args)); "
                         "each technique calls FUNCTION with its options, e.g. FUNCTION(lowmem="
                         "...) for lowmem (see lowmem-jax report --help)")

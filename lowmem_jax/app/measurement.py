@@ -53,8 +53,8 @@ def user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Call
   if not callable(step):
     raise TechniqueError(f"{said} {describe(step)} as its step; expected a function.")
   if not isinstance(step_args, (tuple, list)):
-    raise TechniqueError(f"{said} {describe(step_args)} as the step's args; expected a tuple of its "
-                         "arguments (arrays or jax.ShapeDtypeStruct pytrees).")
+    raise TechniqueError(f"{said} {describe(step_args)} as the step's args; expected a tuple "
+                         "of its arguments (arrays or jax.ShapeDtypeStruct pytrees).")
   if not loss:
     return step, tuple(step_args), None, ()
   if not (isinstance(loss[0], (tuple, list)) and len(loss[0]) == 2 and callable(loss[0][0])

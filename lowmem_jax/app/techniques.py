@@ -570,7 +570,8 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
                            f"{', '.join(TECHNIQUES)}.")
     if name == "lowmem" and not step:
       raise TechniqueError(f"technique 'lowmem' in {text!r} applies only to --step (a step of "
-                           "your own); a reference model takes approx, relu-1bit, ms-norm, attention or all.")
+                           "your own); a reference model takes approx, relu-1bit, ms-norm, "
+                           "attention or all.")
     if technique.parse is not None:
       try:
         values[name] = technique.parse(value)
@@ -587,4 +588,5 @@ def parse(text: str, step: bool = False) -> TechniqueSet:
 
 def describe(x: Any) -> str:
   """What ``x`` is, for an error: its type, and a tuple's or list's length."""
-  return f"a {type(x).__name__} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {type(x).__name__}"
+  kind = type(x).__name__
+  return f"a {kind} of {len(x)}" if isinstance(x, (tuple, list)) else f"a {kind}"

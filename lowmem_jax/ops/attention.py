@@ -369,7 +369,8 @@ def _chunk_logits(qg, kc, mask, bias, scale, causal, i, start, chunk, kv_len):
 
 
 def _per_row(x):
-  """Per-row ``[batch, kv_heads, groups, q_length]`` as ``[batch, q_length, kv_heads, groups, 1]``."""
+  """Per-row ``[batch, kv_heads, groups, q_length]`` as ``[batch, q_length, kv_heads, groups,
+  1]``."""
   return x.transpose(0, 3, 1, 2)[..., None]
 
 

@@ -18,7 +18,8 @@ One quantise/dequantise of ``x`` in a block of scale ``s`` errs by at most
 ``2^-4 |x|`` (half a unit of the 3-bit mantissa, rounding to nearest;
 ``2^-3 |x|``, a whole unit, rounding stochastically) where ``|x| >= 2^-14 s``
 (signed) or ``2^-30 s`` (unsigned); below that, signed values err by at most
-``2^-14 s`` and unsigned ones by at most ``2^-30 s`` (`error_bound`), for finite values below 2^126 in magnitude (moments are).
+``2^-14 s`` and unsigned ones by at most ``2^-30 s`` (`error_bound`), for finite values
+below 2^126 in magnitude (moments are).
 A non-finite value makes its block's scale non-finite (NaN over infinity, on
 every backend), so its 255 neighbours decode as NaN too, for good: put
 `optax.apply_if_finite` around the optimizer where gradients may overflow.

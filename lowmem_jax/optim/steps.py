@@ -232,7 +232,8 @@ def _split(batch: Any, k: int) -> Any:
   ``[:, i]``, the rows i, i + k, ... (`_micro_batch`)."""
   def split(x):
     if x.ndim == 0 or x.shape[0] % k:
-      raise ValueError(f"`batch` leaves need a leading axis divisible by k={k}, got shape {x.shape}.")
+      raise ValueError(f"`batch` leaves need a leading axis divisible by k={k}, got shape "
+                       f"{x.shape}.")
     return x.reshape(x.shape[0] // k, k, *x.shape[1:])
   return jax.tree.map(split, batch)
 

@@ -17,8 +17,9 @@ The arithmetic is the library's, `lowmem_jax.ops._lowbit_reference`: Adam's mome
 direction, the 8-bit codes and the parameter's stochastic rounding, as the XLA update
 computes them. Each element's random bits are the Threefry-2x32 words
 `lowmem_jax.optim.lowbit.rounding_bits` draws (Salmon et al., SC 2011), computed here with
-32-bit integer operations (`threefry2x32`), as Triton has no Threefry of its own: three
-evaluations an element, 77 integer operations each, rotations as funnel shifts. The kernel
+32-bit integer operations (`threefry2x32`), as Triton has no Threefry of its own: two
+evaluations an element (the moments' codes take the two words of one, the parameter the
+first of the other), 77 integer operations each, rotations as funnel shifts. The kernel
 declares its lane operations with its bytes (`pallas_kernels._blocks.pallas_call`), which the
 step-time estimate charges at the target's vector pipes' rates. `tests/test_pallas_adam8bit.py`
 holds the kernel, in interpret mode, to the optax chain compiled as written (XLA's excess
@@ -47,7 +48,7 @@ __all__ = ["block_rows", "supports", "threefry2x32", "update"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
-_WORDS = 16  # a slice's words (`update`)
+_WORDS = 14  # a slice's words (`update`)
 
 
 def threefry2x32(key0, key1, x0, x1):
@@ -97,7 +98,7 @@ def _kernel(*refs, hyper, n, block_rows, rows_inside, steps):
   block, scale_block = (block_rows, hyper.block), (block_rows, 1)
   row = row_ref[0]
   word = lambda k: words_ref[row * _WORDS + k]
-  first = lambda k: word(8 + k).astype(jnp.int32)
+  first = lambda k: word(6 + k).astype(jnp.int32)
   p, g = _window(p_ref, first(0), block)[...], _window(g_ref, first(1), block)[...]
   old = [(_window(c, first(k), block)[...], _window(s, first(k), scale_block)[...])
          for k, c, s in ((2, mc_ref, ms_ref), (3, vc_ref, vs_ref))]
@@ -106,8 +107,9 @@ def _kernel(*refs, hyper, n, block_rows, rows_inside, steps):
   mu, nu = reference.adam_moments(mu, nu, g, b1=hyper.b1, b2=hyper.b2)
 
   tree_row, within = _counters(n, block, rows_inside)
-  tree_row, within = word(6) + tree_row, word(7) + within
-  noise = [threefry2x32(word(k), word(k + 1), tree_row, within)[0] for k in (0, 2, 4)]
+  tree_row, within = word(4) + tree_row, word(5) + within
+  noise = [*threefry2x32(word(0), word(1), tree_row, within),  # mu's and nu's codes
+           threefry2x32(word(2), word(3), tree_row, within)[0]]  # the parameter
   ok = ok_ref[0]
   direction = reference.adam_step(mu / numbers_ref[2 * row], nu / numbers_ref[2 * row + 1],
                                   eps=hyper.eps, eps_root=0.0).astype(g.dtype)
@@ -128,9 +130,9 @@ def _kernel(*refs, hyper, n, block_rows, rows_inside, steps):
 
     @pl.when(jnp.logical_and(ok, (pl.program_id(0) == 0) & (pl.program_id(1) == 0)))
     def _():  # the step taken: the count and the key the next step reads
-      count_out[row] = word(12).astype(jnp.int32)
-      key_out[2 * row] = word(13)
-      key_out[2 * row + 1] = word(14)
+      count_out[row] = word(10).astype(jnp.int32)
+      key_out[2 * row] = word(11)
+      key_out[2 * row + 1] = word(12)
 
 
 def block_rows(rows: int, block: int) -> int:
@@ -151,7 +153,7 @@ def supports(shape: tuple[int, ...], block: int) -> str | None:
 def _bytes(buffers: list[jax.Array], shape: tuple[int, ...], steps: bool) -> int:
   """Bytes the kernel moves: each buffer's slice read once, and those of the parameter and
   the moments (not the gradient's) written once; besides its row, ``ok``, its row's words
-  and numbers (77 bytes), and the count and key it writes (12, with ``steps``)."""
+  and numbers (69 bytes), and the count and key it writes (12, with ``steps``)."""
   rows = math.prod(shape[:-1])
   moved = [rows * x.shape[1] * x.dtype.itemsize * (1 if k == 1 else 2)
            for k, x in enumerate(buffers)]
@@ -181,7 +183,7 @@ def update(p: jax.Array, g: jax.Array, mu, nu, count: jax.Array | None, key: jax
       rounding keys (`lowmem_jax.optim.rounding.StochasticRoundingState`): row ``row``'s
       set to the step's (``words``) where ``ok``. Both None: left to the caller (a count
       inside a bigger buffer, a host row's, would be copied whole to be aliased).
-    words: uint32 ``[R, 16]``, a slice's: the Threefry keys of ``mu``'s, ``nu``'s and the
+    words: uint32 ``[R, 14]``, a slice's: the Threefry keys of the moments' and the
       parameter's rounding (``jax.random.key_data`` of each key folded with the leaf's index:
       two words each); its position's row and offset (`lowmem_jax.optim.lowbit.Position`);
       its first row in ``p``, ``g``, ``mu`` and ``nu``; the new count; the next key (two

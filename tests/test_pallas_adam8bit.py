@@ -43,8 +43,7 @@ def _inputs(state, at: lowbit.Position, ok: bool = True, first_rows=(0, 0, 0, 0)
   key = lowbit.step_key(SEED, count)
   folded = lambda k: jax.random.key_data(jax.random.fold_in(k, at.leaf))
   next_key, step = jax.random.split(jax.random.wrap_key_data(rounding.key, impl="threefry2x32"))
-  words = jnp.concatenate([folded(jax.random.fold_in(key, True)),
-                           folded(jax.random.fold_in(key, False)), folded(step),
+  words = jnp.concatenate([folded(jax.random.fold_in(key, True)), folded(step),
                            jnp.array([at.row, at.offset, *first_rows, count], jnp.uint32),
                            jax.random.key_data(next_key), jnp.zeros(1, jnp.uint32)])
   numbers = jnp.array([1 - HYPER.b1 ** count, 1 - HYPER.b2 ** count], jnp.float32)
@@ -193,7 +192,7 @@ def test_a_step_that_is_not_ok_keeps_every_value():
   mu = lowbit.quantize(jax.random.normal(jax.random.key(2), shape), signed=True)
   nu = lowbit.moments_zeros(p)[1]
   count, key = jnp.array([4, 9], jnp.int32), jnp.arange(4, dtype=jnp.uint32).reshape(2, 2)
-  words = jnp.stack([jnp.arange(16, dtype=jnp.uint32).at[8:12].set(0)] * 2)
+  words = jnp.stack([jnp.arange(14, dtype=jnp.uint32).at[6:10].set(0)] * 2)
   numbers = jnp.array([[0.1, 0.001]] * 2, jnp.float32)
   got = adam8bit.update(jnp.copy(p), jnp.ones(shape, jnp.bfloat16), jax.tree.map(jnp.copy, mu),
                         jax.tree.map(jnp.copy, nu), jnp.copy(count), jnp.copy(key), words,
@@ -210,7 +209,7 @@ def test_the_step_writes_its_rows_count_and_key_and_no_other():
   p = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
   mu, nu = lowbit.moments_zeros(p)
   count, key = jnp.array([4, 9, 2], jnp.int32), jnp.arange(6, dtype=jnp.uint32).reshape(3, 2)
-  words = jnp.zeros((3, 16), jnp.uint32).at[:, 12:15].set(
+  words = jnp.zeros((3, 14), jnp.uint32).at[:, 10:13].set(
       jnp.array([[5, 70, 71], [10, 80, 81], [3, 90, 91]], jnp.uint32))
   numbers = jnp.array([[0.1, 0.001], [0.5, 0.01], [0.2, 0.002]], jnp.float32)
   run = lambda row: adam8bit.update(
@@ -240,7 +239,7 @@ def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter
       lambda *a: adam8bit.update(*a, hyper=HYPER, shape=shape), stack,
       jax.ShapeDtypeStruct(shape, jnp.bfloat16), mu, nu,
       *[jax.ShapeDtypeStruct(s, d) for s, d in (
-          ((layers,), jnp.int32), ((layers, 2), jnp.uint32), ((layers, 16), jnp.uint32),
+          ((layers,), jnp.int32), ((layers, 2), jnp.uint32), ((layers, 14), jnp.uint32),
           ((layers, 2), jnp.float32), ((), jnp.int32), ((), jnp.bool_))],
       donate_argnums=(0, 2, 3, 4, 5))
   text = compiled.as_text()
@@ -248,20 +247,21 @@ def test_the_kernel_compiles_for_gpu_targets_in_one_pass_of_10_bytes_a_parameter
   estimate = step_time.estimate(text, target)
   assert estimate.kernels == 1
   layer = shape[0] * shape[1]
-  assert estimate.device_bytes == 10 * layer + 2 * 2 * 4 * layer // lowbit.BLOCK + 89
-  # Its declared integer work, three Threefry evaluations of 77 operations an element and the
-  # codes', bounds it: the step-time estimate charges it at the integer pipe's rate (times
-  # the calibrated 1 / `pallas_alu_efficiency`, a Pallas kernel's).
+  assert estimate.device_bytes == 10 * layer + 2 * 2 * 4 * layer // lowbit.BLOCK + 81
+  # Its declared integer work, two Threefry evaluations of 77 operations an element (the
+  # moments' codes share one) and the codes', bounds it: the step-time estimate charges it at
+  # the integer pipe's rate, scaled by the calibrated efficiency of a Pallas kernel's.
   declared = int(re.search(r"int_ops\\22: \\22(\d+)", text).group(1))
-  assert 3 * 77 * layer < declared < 400 * layer
+  assert 2 * 77 * layer < declared < 300 * layer
   assert estimate.bound == "ALU"
-  assert estimate.seconds_by_bound["ALU"] >= declared / target.lane_ops_per_s["int"]
+  assert estimate.seconds_by_bound["ALU"] >= 0.999 * declared / (
+      target.lane_ops_per_s["int"] * step_time.CALIBRATION.pallas_alu_efficiency)
 
 
 def test_bad_inputs_are_refused_by_name():
   p = jnp.zeros((16, 256), jnp.bfloat16)  # min_size elements: 8-bit moments
   mu, nu = lowbit.moments_zeros(p)
-  args = (jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.uint32), jnp.zeros((1, 16), jnp.uint32),
+  args = (jnp.zeros(1, jnp.int32), jnp.zeros((1, 2), jnp.uint32), jnp.zeros((1, 14), jnp.uint32),
           jnp.zeros((1, 2), jnp.float32), jnp.int32(0), jnp.bool_(True))
   run = lambda *a, **k: adam8bit.update(*a, *args, options=INTERPRET, **k)
   with pytest.raises(ValueError, match="`p` must be bfloat16"):
@@ -272,6 +272,6 @@ def test_bad_inputs_are_refused_by_name():
     run(p, p, mu, nu, hyper=dataclasses.replace(HYPER, block=100), shape=(16, 256))
   with pytest.raises(ValueError, match="not whole blocks of 256"):
     run(p, p, mu, nu, hyper=HYPER, shape=(8, 128))
-  with pytest.raises(ValueError, match=r"`words` must be of shape \(1, 16\)"):
+  with pytest.raises(ValueError, match=r"`words` must be of shape \(1, 14\)"):
     adam8bit.update(p, p, mu, nu, *args[:2], jnp.zeros((1, 8), jnp.uint32), *args[3:],
                     hyper=HYPER, shape=(16, 256), options=INTERPRET)

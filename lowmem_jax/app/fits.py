@@ -25,7 +25,7 @@ FUSED = "+fused-update"
 leaf's 8-bit update one Pallas kernel (`lowmem_jax.optim.fused_update`). Measured slower than
 XLA's update on an H100 (Llama-3.1-8B, the state on the device: 694.9 ms against 657.3;
 docs/benchmarks.md, session 40), estimated faster on the ``rtx4090`` target (Llama-3.1-8B at
-2 x 2,048 tokens, the state on the host: 2,504.3 ms against 2,564.9, both at a 16.99 GiB
+2 x 2,048 tokens, the state on the host: 2,466.0 ms against 2,633.7, both at a 16.99 GiB
 compiled peak; jax 0.12.0.1; docs/benchmarks.md, session 53): the estimate picks."""
 _FUSED_AFTER = "+offload-opt+part-inputs+mlp-chunk:off"
 

@@ -45,7 +45,7 @@ class Table(NamedTuple):
   scalar work (its count read, keys folded and split, bias corrections) runs on its own.
 
   Fields:
-    words: uint32 ``[R, 16]``, a row a slice, the slices of the stack's counts in order.
+    words: uint32 ``[R, 14]``, a row a slice, the slices of the stack's counts in order.
     numbers: float32 ``[R, 2]``.
   """
   words: jax.Array
@@ -147,7 +147,7 @@ def _next(state, s_index):
 
 
 def _words_at(fused, state, s_index, p, p_index, rows, at):
-  """``(words, numbers)``: uint32 ``[16]`` and float32 ``[2]``, the kernel's for the slice of
+  """``(words, numbers)``: uint32 ``[14]`` and float32 ``[2]``, the kernel's for the slice of
   ``p`` at ``p_index`` (`slicing.at`, with ``rows``), its state at ``s_index`` of ``state``,
   its position ``at``: the keys and bias corrections the chain's ``update`` makes."""
   new_count, next_key, step = _next(state, s_index)
@@ -157,9 +157,9 @@ def _words_at(fused, state, s_index, p, p_index, rows, at):
   firsts = [_first_row(p, p_index, rows), jnp.int32(0),
             *[_first_row(q.codes, s_index, None) for q in (mu, nu)]]
   words = jnp.concatenate([
-      folded(jax.random.fold_in(key, True)), folded(jax.random.fold_in(key, False)),
-      folded(step), jnp.stack([jnp.asarray(at.row, jnp.int32), jnp.asarray(at.offset, jnp.int32),
-                               *firsts, new_count]).astype(jnp.uint32),
+      folded(jax.random.fold_in(key, True)), folded(step),
+      jnp.stack([jnp.asarray(at.row, jnp.int32), jnp.asarray(at.offset, jnp.int32),
+                 *firsts, new_count]).astype(jnp.uint32),
       next_key, jnp.zeros((1,), jnp.uint32)])
   numbers = jnp.stack([1 - fused.b1 ** new_count, 1 - fused.b2 ** new_count])
   return words, numbers.astype(jnp.float32)
@@ -189,7 +189,7 @@ def _step(fused, options, g, state, s_index, p, p_index, rows, at, ok, shape, ta
     count, key_data = counts.reshape(jnp.shape(adam.count)), keys.reshape(jnp.shape(rounding.key))
   else:  # the step's count and key, from its words
     count, key_data = slicing.at((adam.count, rounding.key), *s_index)
-    new_count, next_key = table.words[0, 12].astype(jnp.int32), table.words[0, 13:15]
+    new_count, next_key = table.words[0, 10].astype(jnp.int32), table.words[0, 11:13]
     count, key_data = jnp.where(ok, new_count, count), jnp.where(ok, next_key, key_data)
     if s_index:
       count, key_data = slicing.put((adam.count, rounding.key), (count, key_data), *s_index)

@@ -94,17 +94,20 @@ def _unblocked(blocks: jax.Array, shape: tuple) -> jax.Array:
 
 
 def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK, key: jax.Array | None = None,
-             position: Position = Position()) -> QuantizedArray:
+             position: Position = Position(), word: int = 0) -> QuantizedArray:
   """``x`` (float, any shape) as a `QuantizedArray`; ``signed`` False needs ``x >= 0``.
 
   The mantissa rounds to nearest, or with a PRNG ``key`` stochastically (up or
   down with the probabilities that make the code's expected value ``x``, in
   the normal range), which an exponential moving average needs: its per-step
   change is often below half a code's spacing, and nearest rounding would
-  leave it where it is. The bits are `rounding_bits` of ``x`` at ``position``.
+  leave it where it is. The bits are `rounding_bits` of ``x`` at ``position``: the
+  evaluation's first word, or with ``word=1`` its second (as `moments_store` rounds ``nu``).
   """
   _check(block)
-  noise = None if key is None else rounding_bits(key, jnp.shape(x), position)
+  if word not in (0, 1):
+    raise ValueError(f"`word` must be 0 or 1, got {word!r}.")
+  noise = None if key is None else rounding_bits(key, jnp.shape(x), position, words=2)[word]
   return _quantize(x, signed=signed, block=block, noise=noise)
 
 
@@ -192,8 +195,9 @@ def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positio
                   min_size: int = MIN_SIZE, block: int = BLOCK,
                   scales: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
   """float32 ``(mu, nu)`` stored as `moments_zeros` makes them for ``like``'s leaves (the
-  gradient), rounding stochastically with keys folded from ``key`` (None: to nearest) at
-  ``positions`` (`positions_of`), with ``scales`` (`moments_step`'s; None: made here)."""
+  gradient), rounding stochastically (None: to nearest) with the two words of one Threefry
+  evaluation an element under ``key`` folded with True (`rounding_bits`), ``mu`` the first,
+  at ``positions`` (`positions_of`), with ``scales`` (`moments_step`'s; None: made here)."""
   treedef = jax.tree.structure(like)
   where = treedef.flatten_up_to(jax.tree.unflatten(treedef, positions_of(like, positions)))
   scales = scales or (None, None)
@@ -205,10 +209,10 @@ def moments_store(mu: Any, nu: Any, like: Any, *, key: jax.Array | None, positio
     if p.size < min_size:
       out.append((m, v))
       continue
-    out.append(tuple(
-        _quantize(x, signed=signed, block=block, scales=s, noise=None if key is None else
-                  rounding_bits(jax.random.fold_in(key, signed), jnp.shape(p), at))
-        for x, signed, s in ((m, True, sm), (v, False, sv))))
+    bits = ((None, None) if key is None else
+            rounding_bits(jax.random.fold_in(key, True), jnp.shape(p), at, words=2))
+    out.append(tuple(_quantize(x, signed=signed, block=block, scales=s, noise=b)
+                     for x, signed, s, b in ((m, True, sm, bits[0]), (v, False, sv, bits[1]))))
   return tuple(jax.tree.unflatten(treedef, [pair[k] for pair in out]) for k in (0, 1))
 
 

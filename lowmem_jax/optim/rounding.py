@@ -75,13 +75,14 @@ def _threefry(key: jax.Array) -> jax.Array:
   return jax.random.wrap_key_data(jax.random.bits(key, (2,), jnp.uint32), impl="threefry2x32")
 
 
-def rounding_bits(key: jax.Array, shape: tuple[int, ...],
-                  position: Position = Position()) -> jax.Array:
+def rounding_bits(key: jax.Array, shape: tuple[int, ...], position: Position = Position(),
+                  words: int = 1) -> jax.Array | tuple[jax.Array, jax.Array]:
   """``uint32[shape]`` uniform bits for the array at ``position`` of a tree drawn with
   ``key`` (another implementation's key made into a Threefry-2x32 one, `_threefry`):
   element ``i`` of row ``r`` of the leaf gets the
   first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
-  folded with the leaf's index, as ``jax.random.bits`` hashes a counter."""
+  folded with the leaf's index, as ``jax.random.bits`` hashes a counter. ``words=2``: both
+  words, a pair of such arrays (two draws for one evaluation)."""
   key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
@@ -94,7 +95,10 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...],
   row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
   row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  return threefry2x32_p.bind(data[0], data[1], row, within)[0]
+  if words not in (1, 2):
+    raise ValueError(f"`words` must be 1 or 2, got {words!r}.")
+  pair = threefry2x32_p.bind(data[0], data[1], row, within)
+  return pair[0] if words == 1 else tuple(pair)
 
 
 def positions_of(tree: Any, positions: Any = None) -> list[Position]:

@@ -25,8 +25,9 @@ The tests run on both ends of the range (`.ci/run`).
   (what `jax.ad_checkpoint.print_saved_residuals` prints, as data), `hlo_cost_analysis`
   and `hlo_module_from_text` (XLA's HLO cost analysis on the host, for a compile-only
   target's FLOPs), `compile_stablehlo` (a program compiled for a compile-only device with
-  arguments in host memory, which `jax.jit` cannot place there) and `attached_config` (the
-  attached GPU's target config).
+  arguments in host memory, which `jax.jit` cannot place there), `attached_config` (the
+  attached GPU's target config) and `tracing` (whether a function is being traced, where
+  `jax.set_mesh` is refused: the layer-streamed state's ``init``).
 """
 
 import contextlib
@@ -35,6 +36,7 @@ from typing import Any
 import jax
 import jaxlib.version
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
 from jax._src import compiler as _compiler
 from jax._src.core import eval_context  # noqa: F401  (re-exported: see the module docstring)
 from jax._src import source_info_util  # noqa: F401  (re-exported: see the module docstring)
@@ -47,6 +49,12 @@ OWN_HOST_TRANSFER_STREAMS = jaxlib.version.__version_info__ >= (0, 12)
 jax-cuda12-plugin 0.12.0.1 name ``MemcpyStreamId``, those of 0.10.2 and 0.11.2 do not."""
 COST_ANALYSIS_ERRORS = (NotImplementedError, jax.errors.JaxRuntimeError)
 """What a compiled program's ``cost_analysis()`` raises where its backend gives none."""
+
+
+def tracing() -> bool:
+  """Whether JAX is tracing a function now (``jax.jit``, ``jax.eval_shape``, ``jax.vmap``):
+  arrays the function closes over are concrete there, yet ``jax.set_mesh`` is refused."""
+  return not _core.trace_state_clean()
 
 
 def scan_counts(params: dict) -> tuple[int, int]:

@@ -1,9 +1,12 @@
-"""Shardings: where a mesh's explicit axes make them part of an array's type, and whether a
+"""Shardings: where a mesh's explicit axes make them part of an array's type, whether a
 mesh of Auto axes is set for tracing (`jax.set_mesh`), under which the layer-streamed step
-gathers parameters and token blocks are taken position-major."""
+gathers parameters and token blocks are taken position-major, and the mesh a tree of arrays
+lies on (`mesh_of`), on which the layer-streamed state is made."""
 
 import jax
 import numpy as np
+
+from lowmem_jax import _jax
 
 
 def explicit(x: jax.Array) -> jax.sharding.NamedSharding | None:
@@ -29,17 +32,18 @@ def in_auto_mesh() -> bool:
 
 
 def mesh_of(tree) -> jax.sharding.Mesh | None:
-  """The mesh of more than one device that ``tree``'s arrays lie on (each leaf a concrete
-  `jax.Array` under a `jax.sharding.NamedSharding` of that mesh), where no mesh is set for
-  tracing (`jax.set_mesh`); else None."""
+  """The mesh of more than one device, its axes all ``Auto``, that ``tree``'s arrays lie on
+  (each leaf a concrete `jax.Array` under a `jax.sharding.NamedSharding` of that mesh), where
+  nothing is being traced and no mesh is set for tracing (`jax.set_mesh`); else None."""
   leaves = jax.tree.leaves(tree)
-  if not jax.sharding.get_abstract_mesh().empty or not leaves or any(
-      isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
+  if _jax.tracing() or not jax.sharding.get_abstract_mesh().empty or not leaves or any(
+      not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
       or not isinstance(x.sharding, jax.sharding.NamedSharding) for x in leaves):
     return None
   meshes = {x.sharding.mesh for x in leaves}
   mesh = meshes.pop()
-  return mesh if not meshes and mesh.size > 1 else None
+  auto = all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  return mesh if not meshes and mesh.size > 1 and auto else None
 
 
 def gathered(tree):

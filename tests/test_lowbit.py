@@ -322,10 +322,12 @@ def test_the_second_word_is_the_evaluations_other_and_bad_words_are_refused():
   x = jax.random.uniform(jax.random.key(1), (64, 256))
   codes = [lowbit.quantize(x, signed=False, key=key, position=at, word=w).codes for w in (0, 1)]
   assert np.mean(np.asarray(codes[0]) != np.asarray(codes[1])) > 0.1
-  with pytest.raises(ValueError, match="`words` must be 1 or 2"):
-    lowbit.rounding_bits(key, (4,), at, words=3)
-  with pytest.raises(ValueError, match="`word` must be 0 or 1"):
-    lowbit.quantize(x, signed=False, key=key, word=2)
+  for words in (3, True):
+    with pytest.raises(ValueError, match="`words` must be 1 or 2"):
+      lowbit.rounding_bits(key, (4,), at, words=words)
+  for word in (2, True):
+    with pytest.raises(ValueError, match="`word` must be 0 or 1"):
+      lowbit.quantize(x, signed=False, key=key, word=word)
 
 
 def test_rounding_bits_of_a_part_are_the_whole_leafs_there():

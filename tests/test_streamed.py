@@ -544,8 +544,15 @@ def test_init_of_params_sharded_over_a_mesh_makes_the_state_on_it(place):
   assert _sharding.mesh_of(sharded) is mesh and _sharding.mesh_of(params) is None
   with jax.set_mesh(mesh):
     assert _sharding.mesh_of(sharded) is None  # set for tracing: the caller's
+  explicit = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  assert _sharding.mesh_of(jax.tree.map(functools.partial(_fsdp, explicit), params)) is None
   layered = streamed.layer_streamed(stack(), optax.adamw(1e-2), slice_elements=256,
                                     state=place)
+  # Traced, the arrays closed over are concrete, and jax.set_mesh is refused there.
+  traced = []
+  jax.eval_shape(lambda: traced.append(_sharding.mesh_of(sharded)))
+  assert traced == [None]
+  jax.eval_shape(lambda: layered.init(sharded))
   batch = batch_of(jax.random.key(0), n=8)
   one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
   state = layered.init(sharded)

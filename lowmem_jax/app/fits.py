@@ -57,7 +57,8 @@ def ladder(batch: int | None, language_model: bool = False, step: bool = False) 
   with each MLP whole and each layer half's input kept (``part-inputs``: one attention forward
   less a layer, the layer still in two parts; Llama-3.1-8B at 2 x 2,048 tokens on the
   ``rtx4090`` target 2,564.9 ms and 16.99 GiB, against 2,655.9 ms and 16.85 GiB without it
-  and 2,599.9 ms and 17.46 GiB in the update slices of 2^26 elements this rung had before;
+  and 2,599.9 ms and 17.46 GiB in the update slices of 2^26 elements this rung had before, in
+  session 51; on a GPU target then with `FUSED`, `ladder_of`;
   on the ``h100`` the two-ahead rung next is faster at 17.65 GiB), then brought over two layers
   ahead, each layer's backward and MLP whole (in two banks the rows' reads and writes hide
   under the whole layer: Llama-3.1-8B at 2 x 2,048 tokens on the ``h100`` target 730.9 ms

@@ -105,7 +105,7 @@ def quantize(x: jax.Array, *, signed: bool, block: int = BLOCK, key: jax.Array |
   evaluation's first word, or with ``word=1`` its second (as `moments_store` rounds ``nu``).
   """
   _check(block)
-  if word not in (0, 1):
+  if isinstance(word, bool) or word not in (0, 1):
     raise ValueError(f"`word` must be 0 or 1, got {word!r}.")
   noise = None if key is None else rounding_bits(key, jnp.shape(x), position, words=2)[word]
   return _quantize(x, signed=signed, block=block, noise=noise)

@@ -83,6 +83,8 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...], position: Position = P
   first word of Threefry-2x32 (Salmon et al., 2011) of ``(r, i)`` under ``key``
   folded with the leaf's index, as ``jax.random.bits`` hashes a counter. ``words=2``: both
   words, a pair of such arrays (two draws for one evaluation)."""
+  if isinstance(words, bool) or words not in (1, 2):
+    raise ValueError(f"`words` must be 1 or 2, got {words!r}.")
   key = _threefry(key)
   shape = tuple(shape)
   across = position.rows and len(shape) > 0
@@ -95,8 +97,6 @@ def rounding_bits(key: jax.Array, shape: tuple[int, ...], position: Position = P
   row, within = jnp.broadcast_to(row, shape), jnp.broadcast_to(within, shape)
   row, within = row + (within & 0), within + (row & 0)  # one batch axis, under jax.vmap too
   data = jax.random.key_data(jax.random.fold_in(key, position.leaf))
-  if words not in (1, 2):
-    raise ValueError(f"`words` must be 1 or 2, got {words!r}.")
   pair = threefry2x32_p.bind(data[0], data[1], row, within)
   return pair[0] if words == 1 else tuple(pair)
 

@@ -531,9 +531,10 @@ def test_cheapest_fit_skips_a_set_whose_arguments_alone_exceed_the_budget():
   assert texts[k + 3] == texts[k + 2] + "+mlp-chunk:off"
   tried = []
   fit = app.cheapest_fit(job, on_device - 1, tried.append)
-  # MLPs whole with the halves' inputs kept, the state brought over two layers ahead, one
-  # (MLPs whole is the same step at 64 tokens, one chunk: left out)
-  assert tried == texts[k:k + 3]
+  # MLPs whole with the halves' inputs kept, with XLA's update and (a GPU target's) the fused
+  # one, the state brought over two layers ahead, one (MLPs whole is the same step at 64
+  # tokens, one chunk: left out)
+  assert tried == [texts[k], texts[k] + "+fused-update", *texts[k + 1:k + 3]]
   sets, _ = app.ladder_of(job)  # without stream:device, the same step as with mlp-chunk:off
   assert [t for t, _ in fit.skipped] == sets[:sets.index(texts[k])] != texts[:k]
   assert fit.fixed_bytes == floor

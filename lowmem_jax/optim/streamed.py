@@ -360,10 +360,11 @@ class _Streamer(streamed_state.StateMaking):
     check_state(jax.eval_shape(self.init, params), opt_state, self.state)
     embed_reads = jax.tree.leaves(reads(lambda r: self.stack.embed(r, batch), rest))
     rest_at, layers_at = wheres(params, self.stack.key)
-    embed_vjp, saved, loss, head_grads, dh = self.forward(rest, layers, one_layer, batch)
+    embed_vjp, saved, loss, head_grads, dh, inputs = self.forward(rest, layers, one_layer,
+                                                                  batch)
     new_rest, rest_states, dh, head_ok = self.update_head(
         head_grads, opt_state.rest, rest, rest_at, embed_reads, dh, jnp.isfinite(loss))
-    plan = self.backward_plan(one_layer, dh, batch, layers_at,
+    plan = self.backward_plan(one_layer, inputs, batch, layers_at,
                               self.layer_tables(layers, opt_state.layers, layers_at))
     flag_rows = jnp.zeros((layer_count(layers), sum(
         hoisted.flag_count(t) for t in plan.tables if isinstance(t, hoisted.Table))), bool)
@@ -398,12 +399,13 @@ class _Streamer(streamed_state.StateMaking):
     return jax.tree.unflatten(treedef, out)
 
   def forward(self, rest, layers, one_layer, batch):
-    """``(embed_vjp, saved, loss, head_grads, dh)``: the forward, each layer's input kept in
-    `saved_inputs` (with `keep_part_inputs`, a tuple: each part's), and the head's
-    backward; ``one_layer``: a layer's params, the parts checked on them."""
+    """``(embed_vjp, saved, loss, head_grads, dh, inputs)``: the forward, each layer's input
+    kept in `saved_inputs` (with `keep_part_inputs`, a tuple: each part's), the head's
+    backward, and each part's input shapes (`part_input_shapes`: the parts checked on
+    ``one_layer``, a layer's params)."""
     stack, gather = self.stack, self.gather
     h, embed_vjp = jax.vjp(lambda r: stack.embed(gather(r), batch), rest)
-    part_input_shapes(stack, one_layer, h, batch)
+    inputs = part_input_shapes(stack, one_layer, h, batch)
 
     def layer(h, p):
       p, kept = gather(p), []
@@ -422,7 +424,7 @@ class _Streamer(streamed_state.StateMaking):
       raise TypeError("`LayerStack.head` must return a float scalar loss (as jax.grad needs), "
                       f"got {jax.typeof(loss).str_short()}; average a per-example loss first.")
     head_grads, dh = head_vjp(jnp.ones_like(loss))
-    return embed_vjp, saved, loss, head_grads, dh
+    return embed_vjp, saved, loss, head_grads, dh, inputs
 
   def update_head(self, head_grads, states, rest, rest_at, embed_reads, dh, ok):
     """``(new_rest, states, dh, ok)``: the parameters the embedding does not read, updated
@@ -449,13 +451,12 @@ class _Streamer(streamed_state.StateMaking):
                             new_rest, embedded)
     return new_rest, states, ok
 
-  def backward_plan(self, one_layer, dh, batch, layers_at, tables) -> _Backward:
-    """Which leaves each part of a layer reads, and after which part's backward each is
-    updated: the first part that reads it (a leaf no part reads: part 0's, with a zero
-    gradient)."""
+  def backward_plan(self, one_layer, inputs, batch, layers_at, tables) -> _Backward:
+    """Which leaves each part of a layer reads (its input shapes ``inputs``), and after
+    which part's backward each is updated: the first part that reads it (a leaf no part
+    reads: part 0's, with a zero gradient)."""
     part_reads = [jax.tree.leaves(reads(lambda p, x: part(p, x, batch), one_layer, x))
-                  for part, x in zip(self.stack.parts,
-                                     part_input_shapes(self.stack, one_layer, dh, batch))]
+                  for part, x in zip(self.stack.parts, inputs)]
     owner = [next((j for j, r in enumerate(part_reads) if r[k]), 0)
              for k in range(len(part_reads[0]))]
     return _Backward(batch, part_reads, owner, layers_at, tables)

@@ -1,7 +1,8 @@
 """Shardings: where a mesh's explicit axes make them part of an array's type, whether a
 mesh of Auto axes is set for tracing (`jax.set_mesh`), under which the layer-streamed step
 gathers parameters and token blocks are taken position-major, and the mesh a tree of arrays
-lies on (`mesh_of`), on which the layer-streamed state is made."""
+lies on (`mesh_of`), on which the layer-streamed state is made, each leaf split as its
+parameter (`split_as`)."""
 
 import jax
 import numpy as np
@@ -44,6 +45,26 @@ def mesh_of(tree) -> jax.sharding.Mesh | None:
   mesh = meshes.pop()
   auto = all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   return mesh if not meshes and mesh.size > 1 and auto else None
+
+
+def split_as(x: jax.Array, param: jax.Array) -> jax.Array:
+  """``x``, a state leaf of ``param`` (on its mesh, a `jax.sharding.NamedSharding`), split over
+  the mesh as ``param`` is on each trailing axis the two have of one size, whole along the
+  others, in ``x``'s memory kind: ZeRO's optimizer state, each device's share beside its
+  parameters' (Rajbhandari et al., 2020). Adam's moments ``[n, len / n, ...]`` of a leaf
+  ``[len, ...]`` split along ``...`` as the leaf; 8-bit codes as their leaf, their block
+  scales ``[..., 1]`` whole. As the step's update writes them, so its second call does not
+  compile again."""
+  spec = tuple(param.sharding.spec) + (None,) * (param.ndim - len(param.sharding.spec))
+  axes = [None] * x.ndim
+  for k in range(1, min(x.ndim, param.ndim) + 1):
+    if x.shape[-k] == param.shape[-k]:
+      axes[-k] = spec[-k]
+  while axes and axes[-1] is None:  # P() as the step's outputs have it, not P(None): one key
+    axes.pop()
+  sharding = jax.sharding.NamedSharding(param.sharding.mesh, jax.sharding.PartitionSpec(*axes),
+                                        memory_kind=x.sharding.memory_kind)
+  return jax.device_put(x, sharding)
 
 
 def gathered(tree):

@@ -534,10 +534,29 @@ def _fsdp(mesh, x):
   return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
 
 
+def test_a_state_leaf_is_split_as_its_parameter_on_each_trailing_axis_of_its_size():
+  """`_sharding.split_as`: a moment in slices ``[2, 8, 64]`` of a leaf ``[16, 64]`` split
+  along 64 keeps that split; its block scales ``[2, 8, 1]``, and any axis the leaf does not
+  share in size (16 cut into 2 × 8), whole on each device; the memory kind kept."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec
+  put = lambda x, *axes: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec(*axes)))
+  moment, scales = jnp.zeros((2, 8, 64)), jnp.zeros((2, 8, 1))
+  by_column, by_row = put(jnp.ones((16, 64)), None, "fsdp"), put(jnp.ones((16, 64)), "fsdp")
+  assert _sharding.split_as(moment, by_column).sharding.spec == spec(None, None, "fsdp")
+  assert _sharding.split_as(scales, by_column).sharding.spec == spec()
+  assert _sharding.split_as(moment, by_row).sharding.spec == spec()
+  on_host = jax.device_put(moment, jax.sharding.NamedSharding(mesh, spec(),
+                                                              memory_kind="pinned_host"))
+  assert _sharding.split_as(on_host, by_column).sharding.memory_kind == "pinned_host"
+
+
 @pytest.mark.parametrize("place", ["device", "host"])
 def test_init_of_params_sharded_over_a_mesh_makes_the_state_on_it(place):
   """``init`` of params sharded over 8 devices, no mesh set: the state lies on the 8 (on one,
-  the step refused it beside the params), and the step equals the one-device step."""
+  the step refused it beside the params), each moment split as its parameter, the step's new
+  state as its old (a second call compiles nothing), and the step equals the one-device
+  step."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   params = params_of(jax.random.key(6))
   sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
@@ -557,8 +576,13 @@ def test_init_of_params_sharded_over_a_mesh_makes_the_state_on_it(place):
   one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
   state = layered.init(sharded)
   assert all(x.sharding.device_set == set(mesh.devices.flat) for x in jax.tree.leaves(state))
+  # Each moment split as its parameter (ZeRO), as the step writes it: no second compile.
+  mu = state.rest["norm"][0].mu["norm"]  # [DIM], split as the norm's scale (_fsdp)
+  assert mu.addressable_shards[0].data.size == DIM // 8
   data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
   got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
+  assert jax.tree.map(lambda x: x.sharding, got_state) == jax.tree.map(lambda x: x.sharding,
+                                                                       state)
   assert_close(got, one)
   rows = lambda x: isinstance(x, packed_rows.PackedRows)
   trees = lambda state: jax.tree.map(lambda x: x.unstacked() if rows(x) else x, state,

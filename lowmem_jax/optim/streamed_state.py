@@ -13,6 +13,7 @@ from lowmem_jax import _sharding
 from lowmem_jax.ops.token_chunks import slices
 from lowmem_jax.optim import offload, slicing
 from lowmem_jax.optim.layer_stack import StreamedState, layer_count, shape_text, split, wheres
+from lowmem_jax.optim.packed_rows import PackedRows
 from lowmem_jax.optim.per_leaf import check_per_leaf, check_per_slice
 
 
@@ -68,12 +69,16 @@ class StateMaking:
 
   def init(self, params):
     """`LayerStreamed.init`. Params sharded over a mesh (`_sharding.mesh_of`): the state is
-    made on that mesh, as `jax.set_mesh` of it would (each leaf where XLA places it),
-    not on one device, which the step would refuse beside the params."""
+    made on that mesh, as `jax.set_mesh` of it would, not on one device, which the step
+    would refuse beside the params; each leaf of a parameter's state then split as the
+    parameter is (`_sharding.split_as`; a host state's packed rows whole on each device)."""
     mesh = _sharding.mesh_of(params)
     if mesh is not None:
       with jax.set_mesh(mesh):
-        return self.init(params)
+        state = self.init(params)
+      rest, layers = split(params, self.stack.key)
+      return state._replace(layers=_split_as(state.layers, layers),
+                            rest=_split_as(state.rest, rest))
     rest, layers, _ = self.checked(params)
     rest_where, layers_where = wheres(params, self.stack.key)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
@@ -104,3 +109,12 @@ class StateMaking:
     n = slices(jnp.shape(x), self.slice_elements)
     return (slicing.to(self.state, self.leaf_init(x, where)) if n == 1
             else slicing.stacked(self.state, self.leaf_init(x, where), n, 2))
+
+
+def _split_as(states, params):
+  """``states``, a tree of each leaf of ``params``'s state, each leaf split as its parameter
+  (`_sharding.split_as`); packed rows (`PackedRows`) as they are."""
+  if isinstance(states, PackedRows):
+    return states
+  return jax.tree.map(lambda p, s: s if isinstance(s, PackedRows) else jax.tree.map(
+      lambda x: _sharding.split_as(x, p), s), params, states)

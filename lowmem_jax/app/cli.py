@@ -483,7 +483,7 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
 
   ``quiet_plugin_load`` makes the context the GPU target's plugin loads in: the console
   script (`lowmem_jax_cli.main`) gives its filter of CUDA's notes."""
-  console = Console(width=None if sys.stdout.isatty() else 200)
+  console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
   argv = sys.argv[1:] if argv is None else list(argv)
   args = None
   try:

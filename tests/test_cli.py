@@ -16,7 +16,7 @@ from third_party_promotion import FLAX_NORM, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
 import lowmem_jax_cli
-from lowmem_jax import app, names
+from lowmem_jax import _text, app, names
 from lowmem_jax.app import cli, step_options
 from lowmem_jax.compile import memory
 
@@ -263,6 +263,23 @@ def test_cli_report_table(capsys):
           "params and opt_state, or by type)") in legend
   assert "saved: the reference peak over this row's, and the reference peak less this row's" in (
       legend.replace("× less and saved", "saved"))
+
+
+def test_the_summary_counts_throughput_in_tokens_for_sequences_and_names_no_missing_column():
+  """BERT's rate in tokens/s as LLaMA's (it was labelled images/s); a step of the user's own
+  has no rate column, and its caption names none."""
+  row = dict(techniques="baseline", parameters=1, optimizer_state=1, gradients=1, activations=1,
+             other=1, peak_bytes=2**20, host_bytes=0, collective_bytes=None, extra_flops=0.0,
+             transfer_floor_s=None, reduction=1.0, peak_saved_bytes=0, step_s=0.004, mfu=0.5,
+             bound="compute")
+  for model, unit, rate in (("minilm-l6", "tokens/s", 2 * 32 / 0.004),
+                            ("llama-tiny", "tokens/s", 2 * 32 / 0.004),
+                            ("vit-tiny", "images/s", 2 / 0.004)):
+    text = _text.render(cli._summary([row], "", app.Job(model, batch=2, seq=32, target="cpu")))
+    assert unit in text and f"{rate:,.0f}" in text, model
+  own = app.Job(make_step=lambda: None, target="cpu")
+  text = _text.render(cli._summary([row], "", own))
+  assert "/s" not in text and "MFU" in text
 
 
 @pytest.mark.parametrize("argv, message", [

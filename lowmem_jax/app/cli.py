@@ -190,9 +190,9 @@ def _summary(rows: list[dict], title: str, job: Job) -> Table:
   host = any(r["host_bytes"] for r in rows)
   shared = any(r["collective_bytes"] for r in rows)
   timed = any(r["step_s"] for r in rows)
-  items = (None if job.make_step is not None else job.batch * job.seq if job.language_model
+  items = (None if job.make_step is not None else job.batch * job.seq if job.sequences
            else job.batch)
-  unit_rate = "tokens/s" if job.language_model else "images/s"
+  unit_rate = "tokens/s" if job.sequences else "images/s"
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
                 "other: the batch, updates and XLA's temporaries (split below for the last "
                 "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
@@ -208,8 +208,9 @@ def _summary(rows: list[dict], title: str, job: Job) -> Table:
                    "the device's peak" if host else "")
                 + ("; step ms: the estimated step time (lowmem_jax.compile.memory.step_time: "
                    "the compiled program's kernels at the target's speeds, as XLA scheduled "
-                   f"them), {unit_rate} at that time, MFU: the baseline's FLOPs over it at the "
-                   "target's bfloat16 peak, bound: what most of the time goes to" if timed else "")
+                   f"them), {f'{unit_rate} at that time, ' if items else ''}MFU: the "
+                   "baseline's FLOPs over it at the target's bfloat16 peak, bound: what most of "
+                   "the time goes to" if timed else "")
                 + ("; collectives: the bytes a device's all-gathers, reduce-scatters, "
                    "all-reduces, all-to-alls and collective-permutes produce in a step (each "
                    "loop's body as many times as it runs), floor: their time at the target's "

@@ -152,6 +152,13 @@ class Job:
     return self.make_step is None and self.model in models.llama.CONFIGS
 
   @property
+  def sequences(self) -> bool:
+    """Whether the examples are sequences of ``seq`` tokens (LLaMA, BERT), counted in tokens,
+    not images."""
+    return self.make_step is None and self.model in (*models.llama.CONFIGS,
+                                                     *models.BERT_CONFIGS)
+
+  @property
   def conv_net(self) -> bool:
     """Whether the model is the WideResNet, whose techniques are the conv ones."""
     return self.make_step is None and self.model in models.WRN_CONFIGS

@@ -3,6 +3,7 @@
 
 import json
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -67,6 +68,31 @@ def raises():
 def mismatched():
   step, (params, opt_state, x), _ = make_step()
   return step, (params, opt_state, jax.ShapeDtypeStruct((1024, 32), jnp.float32))
+
+
+def short_args():
+  step, args, _ = make_step()
+  return step, args[:2]
+
+
+def chain(params, x):
+  a = jnp.sin(x * params["p"][None])
+  b = jax.ad_checkpoint.checkpoint_name(jnp.tanh(jnp.cos(a) * jnp.exp(a)), "own_act")
+  return jnp.mean(jnp.sin(b * params["q"][None]) * jnp.cos(b))
+
+
+def make_step_of_policy(policy=None):
+  tx = optax.sgd(1e-3)
+  grad = jax.grad(jax.checkpoint(chain, policy=policy) if policy else chain)
+
+  def step(params, opt_state, x):
+    updates, opt_state = tx.update(grad(params, x), opt_state)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"p": jax.ShapeDtypeStruct((256,), jnp.float32),
+            "q": jax.ShapeDtypeStruct((256,), jnp.float32)}
+  x = jax.ShapeDtypeStruct((2048, 256), jnp.float32)
+  return jax.jit(step, donate_argnums=(0, 1)), (params, jax.eval_shape(tx.init, params), x)
 '''
 STEP_PARAMS = 4 * (64 * 256 + 256 + 256 * 64)
 
@@ -202,6 +228,9 @@ def _line_of(text: str) -> int:
      f"({{file}}, line {_line_of('h = x @')}; --verbose for the traceback)"),
     (["plan", "--model", "llama-1b", "--batch", "100000000", "--budget", "24GiB", "--target", "cpu"],
      "--batch 100000000 and --seq 512 make 51,200,000,000 tokens a step, beyond the 2^31 - 1"),
+    (["report", "--step", "{file}:short_args", "--target", "cpu"],
+     ("--step {file}:short_args: TypeError: make_step.<locals>.step() missing 1 required "
+      "positional argument: 'x' (--verbose for the traceback)")),
     (["plan", "--budget=-5GiB"], "budget '-5GiB': a budget must be positive"),
     (["plan", "--budget", "-5GiB"], "budget '-5GiB': a budget must be positive"),
 ])
@@ -214,6 +243,23 @@ def test_cli_errors_of_input_and_of_a_step_are_one_line(capsys, step_file, argv,
   err = errors(capsys.readouterr().err)
   assert message.format(file=step_file) in err, err
   assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_of_a_step_that_takes_policy_alone_prints_python_that_runs(capsys, step_file):
+  """A make_step taking ``policy`` only: its remat:plan rung is the planned policy alone (it
+  was parsed as a set and refused), and the policy keeps the step's own name, which the
+  printed call makes (`lm.policies.save_only` would refuse it)."""
+  spec = f"{step_file}:make_step_of_policy"
+  assert cli.main(["report", "--step", spec, "--target", "cpu", "--techniques", "baseline",
+                   "--json"]) == 0
+  base = json.loads(capsys.readouterr().out)["rows"][0]["peak_bytes"]
+  assert cli.main(["plan", "--step", spec, "--target", "cpu", "--budget", f"{base - 1}B",
+                   "--objective", "memory"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "own_act" in next(line for line in lines if line.startswith("Fits"))
+  namespace = runpy.run_path(step_file)
+  exec("\n".join(lines[-2:]), namespace)  # the import line and the call
+  assert callable(namespace["step"])
 
 
 def test_cli_verbose_gives_the_steps_traceback(step_file):

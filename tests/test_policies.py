@@ -241,6 +241,17 @@ def test_policies_are_hashable_and_read_well():
   assert policies.describe(moved) == "offload('qkv', 'mlp_act', src='device', dst='pinned_host')"
 
 
+def test_the_code_of_a_policy_makes_it_also_for_a_steps_own_names():
+  """`policies.code`, which `plan` prints: the factory's call for the vocabulary's names; for a
+  step's own names, which `plan` keeps unchecked (the factory refuses them), the class's."""
+  for policy in (policies.save_only(names.QKV), policies.offload(names.QKV), policies.dots,
+                 policies.SaveOnly(frozenset({"unregistered_act"})),
+                 policies.SaveAllBut(frozenset({"unregistered_act"})),
+                 policies.Offload(frozenset({"unregistered_act"}), "device", "pinned_host")):
+    assert eval(policies.code(policy), {"lm": lm}) == policy, policies.code(policy)
+  assert policies.code(policies.save_only(names.QKV)) == "lm.policies.save_only('qkv')"
+
+
 @pytest.mark.parametrize("factory", [policies.save_only, policies.save_all_but, policies.offload])
 def test_unknown_names_are_refused_with_the_closest(factory):
   """A typo kept nothing (save_only) or everything (save_all_but), silently: each name is

@@ -511,12 +511,15 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
     print(f"lowmem-jax: error: {step}{e}", file=sys.stderr)
     return 2
   except Exception as e:
-    where = _users_line(e) if args is not None and args.step is not None else None
-    if where is None or args.verbose:
+    # A step of the user's: an error raised in its code, or on it (its arguments, its
+    # shapes, as JAX traces it), in one line; a reference model's is the library's own.
+    if args is None or args.step is None or args.verbose:
       raise
+    where = _users_line(e)
     message = str(e).strip().partition("\n")[0]
-    print(f"lowmem-jax: error: --step {args.step}: {type(e).__name__}: {message} ({where}; "
-          "--verbose for the traceback)", file=sys.stderr)
+    print(f"lowmem-jax: error: --step {args.step}: {type(e).__name__}: {message} ("
+          f"{'' if where is None else f'{where}; '}--verbose for the traceback)",
+          file=sys.stderr)
     return 2
 
 

@@ -147,6 +147,12 @@ def _one_chunk(job: Job, techniques: TechniqueSet) -> bool:
   return mlp_chunks(job.batch * job.seq, chunk_tokens) == 1
 
 
+def _before_plan(text: str) -> str:
+  """Set ``text`` without its ``remat:plan`` term (``baseline`` where it is the only one: a
+  user's step that takes ``policy`` alone)."""
+  return "+".join(t for t in text.split("+") if t != "remat:plan") or "baseline"
+
+
 def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
   """The set ``text``; for ``remat:plan`` with the policy `lowmem_jax.plan` picks
   for ``budget`` bytes, or None where no policy fits. A user's step is compiled
@@ -155,7 +161,7 @@ def planned(job: Job, text: str, budget: int) -> TechniqueSet | None:
   step = job.make_step is not None
   if "remat:plan" not in text:
     return parse(text, step=step)
-  techniques = parse(text.replace("+remat:plan", ""), step=step)
+  techniques = parse(_before_plan(text), step=step)
   if step:
     _, args, _, _ = user_step(job, techniques)
     donated = (0, 1)[:len(args)]
@@ -241,7 +247,7 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
   step = job.make_step is not None
   texts, not_taken = ladder_of(job)
   arguments = {} if step else {
-      text: device_argument_bytes(job, parse(text.replace("+remat:plan", ""))) for text in texts}
+      text: device_argument_bytes(job, parse(_before_plan(text))) for text in texts}
   floor = min(arguments.values(), default=0)
   tried, skipped = [], []
   fit = Fit(tried, None, floor, skipped, not_taken, objective, budget)
@@ -249,7 +255,7 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
     return fit
   exact_fits = False
   for text in texts:
-    exact = parse(text.replace("+remat:plan", ""), step=step).exact
+    exact = parse(_before_plan(text), step=step).exact
     if exact_fits and not exact:
       break  # an exact set fits: the sets that are not exact are not tried
     if arguments.get(text, 0) > budget:

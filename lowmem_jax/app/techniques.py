@@ -168,7 +168,7 @@ TECHNIQUES = {t.term: t for t in (
     Technique("remat", "nn.remat of every block with lowmem_jax.compile.policies.<policy>, one of "
               + ", ".join(policies.READY_MADE), value="<policy>", parse=_policy,
               switches=lambda policy, _: {"remat": True, "remat_policy": code.Code(
-                  policy, f"lm.policies.{policies.describe(policy)}")}),
+                  policy, policies.code(policy))}),
     Technique("adama", "AdamA over k micro-batches of the batch, each micro-batch gradient "
               "folded into the moments in its backward rule (lowmem_jax.adamaw, microbatch_step("
               "fold_in_backward=True)); with 8bit, folded in the scan body; on the LLaMA models "
@@ -415,7 +415,7 @@ class TechniqueSet:
       out["dtype"] = code.Code(jnp.bfloat16, "jnp.bfloat16")
     if "remat" in self:
       policy = self.get("remat")
-      out["policy"] = code.Code(policy, f"lm.policies.{policies.describe(policy)}")
+      out["policy"] = code.Code(policy, policies.code(policy))
     if self.adama > 1:
       bits = {"state_bits": 8} if "8bit" in self else {}
       out["adamw"] = code.Call.of("functools.partial", code.Name("lm.adamaw"), k=self.adama,

@@ -214,6 +214,16 @@ READY_MADE = {"everything": everything, "full": full, "minimal": minimal, "dots"
               "compressed": compressed}
 
 
+def code(policy) -> str:
+  """Python that makes ``policy`` where ``lowmem_jax`` is imported as ``lm``: its factory's
+  call (`describe`), or its class's where it names what the vocabulary does not (a step's
+  own names, which `lowmem_jax.plan` keeps unchecked: the factory would refuse them)."""
+  names = getattr(policy, "saveable_names", None) or getattr(policy, "names", None) or ()
+  if set(names) <= _names.known():
+    return f"lm.policies.{describe(policy)}"
+  return f"lm.policies.{policy!r}"
+
+
 def describe(policy) -> str:
   """A readable name: the ready-made name, the factory call, or the repr."""
   for name, ready in READY_MADE.items():

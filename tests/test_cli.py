@@ -301,6 +301,10 @@ def test_the_summary_counts_throughput_in_tokens_for_sequences_and_names_no_miss
     (["report", "--model", "wrn-28-2", "--techniques", "ms-norm"], "wrn-28-2 has batch norm"),
     (["report", *SMALL, "--techniques", "adama:2+offload-opt"], "offload-opt does not take adama"),
     (["report", *SMALL, "--techniques", "bf16-params"], "bf16-params needs 8bit"),
+    (["report", "--model", "llama-tiny", "--batch", "2", "--seq", "16", "--target", "cpu",
+      "--techniques", "stream:device+fused-update+8bit+bf16-params"],
+     "fused-update in 'stream:device+fused-update+8bit+bf16-params': its kernel is Triton's, "
+     "for a GPU target (h100, rtx4090, ...); target cpu is not one"),
     (["report", "--model", "bert-base", "--seq", "1024", "--techniques", "baseline"],
      "'baseline': seq must be <= 512 for bert-base, got 1024"),
     (["plan", "--model", "wrn-28-2", "--budget", "1GiB"], "invalid choice: 'wrn-28-2'"),
@@ -432,3 +436,7 @@ def test_parse_bytes():
   assert cli.parse_bytes("4096 B") == 4096
   with pytest.raises(cli.UsageError, match="give a unit, e.g. 24GiB"):
     cli.parse_bytes("24")
+  assert cli.parse_bytes("1e3MiB") == 1000 * 2**20 and cli.parse_bytes(".5GiB") == 2**29
+  for text in ("0.0000001KiB", "1e400GiB"):
+    with pytest.raises(cli.UsageError, match=rf"budget '{text}': give from 1B to 8EiB"):
+      cli.parse_bytes(text)

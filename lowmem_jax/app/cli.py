@@ -69,14 +69,18 @@ class UsageError(Exception):
 def parse_bytes(text: str) -> int:
   """``"24GiB"`` -> 25769803776; units B, KB, MB, GB, TB (powers of 10), KiB, MiB, GiB, TiB,
   one of them required."""
-  m = re.fullmatch(r"\s*([-+]?\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+  m = re.fullmatch(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-z]*)\s*", text)
   if m and float(m.group(1)) <= 0:
     raise UsageError(f"budget {text!r}: a budget must be positive, e.g. 24GiB.")
   if m and not m.group(2):
     raise UsageError(f"budget {text!r}: give a unit, e.g. {m.group(1)}GiB or {m.group(1)}B.")
   if not m or m.group(2).lower() not in _UNITS:
-    raise UsageError(f"budget {text!r}: give a positive size such as 24GiB, 500MiB or 16GB.")
-  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise UsageError(f"budget {text!r}: give a size and a unit such as 24GiB, 500MiB or 16GB "
+                     "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
+  size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+  if not 1 <= size < 2**63:
+    raise UsageError(f"budget {text!r}: give from 1B to 8EiB.")
+  return int(size)
 
 
 def load_step(spec: str) -> Callable:

@@ -372,6 +372,9 @@ class TechniqueSet:
     if "stream" in self and not job.language_model:
       raise TechniqueError(f"{self.text('stream')} in {self.label!r}: the layer-streamed step "
                            f"takes the LLaMA models' stacked layers; {job.model} is not one.")
+    if "fused-update" in self and job.target.platform != "cuda":
+      raise TechniqueError(f"fused-update in {self.label!r}: its kernel is Triton's, for a GPU "
+                           f"target (h100, rtx4090, ...); target {job.target.name} is not one.")
 
   def check_together(self) -> None:
     """Raises `TechniqueError` where the set lacks a technique one needs or holds one

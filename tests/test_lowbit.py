@@ -178,6 +178,19 @@ def test_adam_8bit_is_adam_for_small_leaves_and_close_for_big_ones():
 
 
 @OPTAX_BIAS_CORRECTION
+def test_min_size_0_quantizes_every_leaf_but_an_empty_one():
+  """``min_size=0``: each leaf's moments 8-bit, an empty leaf's float32 and empty (a block
+  scale of nothing divided by zero); its update is empty, the others' as with ``min_size=1``."""
+  params = {"w": jnp.ones((4, 8)), "empty": jnp.zeros((0, 8))}
+  tx = lowbit.scale_by_adam_8bit(block=8, min_size=0)
+  state = tx.init(params)
+  assert lowbit.is_quantized(state.mu["w"]) and state.mu["empty"].dtype == jnp.float32
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  assert updates["empty"].shape == (0, 8) and bool(jnp.all(jnp.isfinite(updates["w"])))
+  assert lowbit.adamw_8bit(1e-3, block=8, min_size=0, bfloat16_params=True).fused.min_size == 1
+
+
+@OPTAX_BIAS_CORRECTION
 def test_adamw_8bit_is_the_adamw_chain_with_8bit_moments():
   params = {"w": jnp.linspace(-1, 1, 8192).reshape(32, 256), "b": jnp.ones(4)}
   grads = jax.tree.map(lambda p: jnp.cos(3 * p), params)

@@ -390,11 +390,38 @@ def test_a_transformation_that_reads_the_whole_gradient_is_refused(tx):
     streamed.layer_streamed(stack(), tx).init(params)
 
 
-def test_per_leaf_clipping_is_taken():
-  tx = optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-3))
+def test_a_per_leaf_statistic_of_a_layer_leaf_is_the_layers():
+  """`optax.clip_by_block_rms`, engaged (every leaf's gradient RMS above the clip; before SGD,
+  whose update it scales): on a layer leaf each layer's own, as optax takes it on a model
+  whose layers are leaves of their own; elsewhere the leaf's, as on the whole tree."""
+  tx = optax.chain(optax.clip_by_block_rms(1e-4), optax.sgd(1.0))
   model, params = stack(), params_of(jax.random.key(5))
-  got, want, _ = run_both(model, tx, params, [batch_of(jax.random.key(0))])
-  assert_close(got, want)
+  batch = batch_of(jax.random.key(0))
+  grads = jax.grad(model.loss)(params, batch)
+  assert all(jnp.sqrt(jnp.mean(g ** 2)) > 1e-4 for g in jax.tree.leaves(grads))
+  apart = lambda t: {**t, "layers": [jax.tree.map(lambda x: x[i], t["layers"])
+                                     for i in range(LAYERS)]}
+  updates, _ = tx.update(apart(grads), tx.init(apart(params)))
+  want = optax.apply_updates(params, {**updates, "layers": jax.tree.map(
+      lambda *xs: jnp.stack(xs), *updates["layers"])})
+  layered = streamed.layer_streamed(model, tx)
+  got, _, _ = jax.jit(layered.step)(params, layered.init(params), batch)
+  assert_close(got, want, atol=1e-7)
+  whole, _ = tx.update(grads, tx.init(params))  # the stack's RMS: another step
+  assert not np.allclose(optax.apply_updates(params, whole)["layers"]["w1"],
+                         got["layers"]["w1"], atol=1e-7)
+
+
+def test_slices_below_the_8bit_moments_min_size_are_refused():
+  """8-bit moments of a leaf in slices each below ``min_size``: float32 moments a slice, where
+  the whole tree's leaf takes 8-bit ones (2.6 times the state, another update), refused."""
+  tx = lm.scale_by_adam_8bit(block=8, min_size=128)
+  params = params_of(jax.random.key(0))
+  streamed.layer_streamed(stack(), tx, slice_elements=128).init(params)  # each slice 8-bit
+  with pytest.raises(ValueError, match=r"parameter at \['embedding'\] \(float32\[64, 16\], "
+                     r"updated in 16 slices .* another kind of state than the whole leaf's .* "
+                     r"`slice_elements` >= 1024 to update it whole, or a `min_size` <= 64"):
+    streamed.layer_streamed(stack(), tx, slice_elements=64).init(params)
 
 
 def test_bad_input_names_what_is_wrong():
@@ -409,10 +436,18 @@ def test_bad_input_names_what_is_wrong():
     layered.init(odd)
   with pytest.raises(ValueError, match="'layers'"):
     layered.init({"embedding": params["embedding"]})
+  for where in ("norm", "layers"):  # outside the layers and in them
+    counted = {**params, where: {**params[where], "count": jnp.zeros(LAYERS, jnp.int32)}
+               if where == "layers" else jnp.zeros((), bool)}
+    with pytest.raises(TypeError, match=r"parameter at \['(layers'\]\['count|norm)'\] is "
+                       r"(int32\[3\]|bool\[\]): the step differentiates every leaf"):
+      layered.init(counted)
   with pytest.raises(ValueError, match="`state` must be one of"):
     streamed.layer_streamed(model, optax.adam(1e-3), state="cpu")
   with pytest.raises(TypeError, match="`stack`"):
     streamed.layer_streamed(model.loss, optax.adam(1e-3))
+  with pytest.raises(TypeError, match="optax.MultiSteps, .* give AdamA"):
+    streamed.layer_streamed(model, optax.MultiSteps(optax.adam(1e-3), 2))
   with pytest.raises(TypeError, match="`gather_params` must be a bool"):
     streamed.layer_streamed(model, optax.adam(1e-3), gather_params="fsdp")
   with pytest.raises(TypeError, match="`keep_part_inputs` must be a bool"):

@@ -217,6 +217,11 @@ def check_args(stack: Any, tx: Any, state: Any, saved_inputs: Any, slice_element
   ``(state, saved_inputs)``, the places named."""
   if not isinstance(stack, LayerStack):
     raise TypeError(f"`stack` must be a LayerStack, got {type(stack).__name__}.")
+  if isinstance(tx, optax.MultiSteps):
+    raise TypeError("`tx` is an optax.MultiSteps, which sums the whole tree's gradients over "
+                    "steps: the streamed step holds one layer's gradient at a time. For "
+                    "micro-batches give AdamA (`lowmem_jax.adama`, `lowmem_jax.adamaw`), whose "
+                    "moments take each micro-batch's gradient in turn.")
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(f"`tx` must be an optax.GradientTransformation, got {type(tx).__name__}.")
   state = checked(Place, state, "`state`")

@@ -305,7 +305,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Args:
     b1, b2, eps, eps_root: as in `optax.scale_by_adam`.
     block: elements a scale covers along the last axis, a positive int.
-    min_size: leaves with fewer elements keep float32 moments, an int >= 0.
+    min_size: leaves with fewer elements keep float32 moments, an int >= 0 (an empty
+      leaf's moments are empty float32 arrays whatever it says).
     seed: the stochastic rounding's seed, an int.
     stochastic: False rounds to nearest (to show the stall; not for training).
 
@@ -318,6 +319,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   _check(block)
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
     raise ValueError(f"`min_size` must be an int >= 0, got {min_size!r}.")
+  min_size = max(min_size, 1)  # an empty leaf has no block to scale
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise ValueError(f"`seed` must be an int, got {seed!r}.")
   def init_fn(params):
@@ -385,6 +387,6 @@ def adamw_8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float
   numbers = (learning_rate, b1, b2, eps, weight_decay)
   if mask is None and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                           for x in numbers):
-    tx.fused = FusedAdamW8bit(float(learning_rate), b1, b2, eps, weight_decay, block, min_size,
-                              seed)
+    tx.fused = FusedAdamW8bit(float(learning_rate), b1, b2, eps, weight_decay, block,
+                              max(min_size, 1), seed)  # as scale_by_adam_8bit takes it
   return tx

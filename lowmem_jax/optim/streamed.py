@@ -32,7 +32,8 @@ with ``optax.inject_hyperparams`` takes new hyperparameters between steps throug
 The state is `StreamedState`: the transformation initialised on each
 parameter leaf alone (a layer leaf's on each layer, ``jax.vmap`` over the
 stacked layers; a leaf updated in slices, `slices`, on each slice), so each
-has its own step counter and PRNG seed, all alike. The transformation sees each
+has its own step counter and PRNG seed, all alike (``optax.add_noise`` draws every layer's
+noise alike: not the whole tree's). The transformation sees each
 leaf as the only leaf of nested dicts along its path in the whole tree, so a mask
 or partition by path (``optax.adamw(mask=...)``, `optax.masked`, `optax.partition`)
 picks what it picks on the whole tree; a mask by shape sees one layer's (or slice's).
@@ -88,31 +89,30 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
                    keep_part_inputs: bool = False) -> LayerStreamed:
   """A train step over ``stack`` that applies ``tx`` inside the backward, one layer at a time.
 
-  The other parameters are updated once their gradient is complete: after the
-  head's backward those the embedding does not read, after the first layer's
-  the others. Each parameter leaf has its own state (``tx`` works leaf by
-  leaf: the same updates), and a leaf of more than ``slice_elements``
-  elements (a layer's, or another) is updated in equal slices along its first
-  axis, one after the other, each slice with its own state, so the
-  optimizer's float32 temporaries stay within a slice: exact for an
-  elementwise transformation and for 8-bit moments (whose blocks lie along
-  the last axis). A transformation whose update of a slice reads another slice (a
-  statistic of the whole leaf: ``optax.clip_by_block_rms``, lamb, muon, adafactor) is
-  refused for a leaf updated in slices (`lowmem_jax.optim.per_leaf.check_per_slice`); on
-  a layer leaf it is the layer's statistic, as optax takes it on each layer's leaf.
+  The other parameters are updated once their gradient is complete: after the head's backward
+  those the embedding does not read, after the first layer's the others. Each parameter leaf has
+  its own state (``tx`` works leaf by leaf: the same updates), and a leaf of more than
+  ``slice_elements`` elements (a layer's, or another) is updated in equal slices along its first
+  axis, one after the other, each slice with its own state, so the optimizer's float32
+  temporaries stay within a slice: exact for an elementwise transformation and for 8-bit moments
+  (whose blocks lie along the last axis; slices below their ``min_size`` refused). A
+  transformation whose update of a slice reads another slice (a statistic of the whole leaf:
+  ``optax.clip_by_block_rms``, lamb, muon, adafactor) is refused for a leaf updated in slices
+  (`lowmem_jax.optim.per_leaf.check_per_slice`); on a layer leaf it is the layer's statistic, as
+  optax takes it on each layer's leaf.
 
   A step whose loss is not finite (a NaN input, an infinite label) changes nothing: every
   parameter and state keeps its value, the metric ``finite`` is False and
-  ``StreamedState.total_notfinite`` counts the step, as ``optax.apply_if_finite`` does on
-  the whole tree (the backward still runs; its updates are dropped). A gradient that is not
-  finite under a finite loss stops the update where the backward meets it: the leaf whose
-  gradient it is (the slice, where a leaf is updated in slices) keeps its value and state,
-  and so do every layer part after it in the backward and the embedding; what was updated
-  before (the head's parameters, the later layers, the part's other leaves) keeps its
-  update; the step is counted as well. Each leaf's state then counts the steps it took, so
-  step counts (an Adam's bias correction) can differ between leaves. Each leaf, or slice,
-  waits only for its own gradient's check: Llama-3.1-8B's streamed steps estimate 0.6% to
-  3.9% slower for it (docs/benchmarks.md).
+  ``StreamedState.total_notfinite`` counts the step, as ``optax.apply_if_finite`` does on the
+  whole tree (the backward still runs; its updates are dropped). A gradient that is not finite
+  under a finite loss (a frozen leaf's too, as ``optax.apply_if_finite`` checks the gradients it
+  is given) stops the update where the backward meets it: the leaf whose gradient it is (the
+  slice, where a leaf is updated in slices) keeps its value and state, and so do every layer
+  part after it in the backward and the embedding; what was updated before (the head's
+  parameters, the later layers, the part's other leaves) keeps its update; the step is counted
+  as well. Each leaf's state then counts the steps it took, so step counts (an Adam's bias
+  correction) can differ between leaves. Each leaf, or slice, waits only for its own gradient's
+  check: Llama-3.1-8B's streamed steps estimate 0.6% to 3.9% slower for it (docs/benchmarks.md).
 
   Args:
     stack: the model (`LayerStack`).
@@ -129,8 +129,9 @@ def layer_streamed(stack: LayerStack, tx: optax.GradientTransformation, *,
       first update and the write under the rest (one array: the read first; the least
       device memory); or 2, both under the whole layer's compute, for another layer's
       state on the device (Llama-3.1-8B's figures: docs/benchmarks.md). The same step bit
-      for bit; a state made with one is refused by the other's step, and a saved one
-      restores into a state made with either (its rows dealt again).
+      for bit; a state made with one is refused by the other's step, and one saved with
+      `flax.serialization` restores into a state made with either (its rows dealt again;
+      orbax restores into the `abstract` of the ``prefetch`` it was saved with).
     gather_params: for parameters sharded FSDP-style over a mesh of ``Auto`` axes set for
       tracing (`jax.set_mesh`): each layer's parameters, and the embedding's and the head's,
       made whole on every device where they are used, as ZeRO-3 gathers them (Rajbhandari et

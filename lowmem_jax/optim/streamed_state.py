@@ -24,6 +24,12 @@ class StateMaking:
   def checked(self, params):
     """``(rest, layers, one_layer)``, the transformation checked on one layer, and on each
     leaf updated in slices (`check_slices`)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        raise TypeError(f"The parameter at {jax.tree_util.keystr(path)} is {shape_text(x)}: "
+                        "the step differentiates every leaf of `params`, so each must be "
+                        "floating (as for jax.grad); keep integer and bool values out of "
+                        "`params` (in the batch, or closed over by the model).")
     rest, layers = split(params, self.stack.key)
     layer_count(layers)
     one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), layers)
@@ -41,9 +47,20 @@ class StateMaking:
     n = slices(jnp.shape(x), self.slice_elements)
     if n == 1:
       return
+    whole = jax.eval_shape(self.tx.init, where.nest(x))
+    part = jax.ShapeDtypeStruct((jnp.shape(x)[0] // n, *jnp.shape(x)[1:]), x.dtype)
+    kinds = lambda tree: (jax.tree.structure(tree), [a.dtype for a in jax.tree.leaves(tree)])
+    if kinds(jax.eval_shape(self.tx.init, where.nest(part))) != kinds(whole):
+      raise ValueError(
+          f"`tx.init` of a slice of the parameter at {list(where.path)} ({shape_text(x)}, "
+          f"updated in {n} slices of at most `slice_elements`={self.slice_elements} elements) "
+          "makes another kind of state than the whole leaf's (8-bit moments whose `min_size` "
+          "a slice is below: float32 ones): give `slice_elements` >= "
+          f"{math.prod(jnp.shape(x))} to update it whole, or a `min_size` <= "
+          f"{math.prod(part.shape)}.")
     update = lambda g, s, p: self.tx.update(where.nest(g), s, where.nest(p),
                                             positions=where.nest(where.at))
-    mixed = check_per_slice(update, x, jax.eval_shape(self.tx.init, where.nest(x)), n)
+    mixed = check_per_slice(update, x, whole, n)
     if mixed is not None:
       raise ValueError(
           f"The optimizer's update of the parameter at {list(where.path)} ({shape_text(x)}, "

@@ -112,10 +112,12 @@ def test_explain_oom():
                                                    limit_bytes=2**30)
 
 
-def test_report_bad_top():
+def test_report_bad_top_and_top_0():
   loss, _, params, _, x = _mlp()
   with pytest.raises(ValueError, match="top"):
     memory.report(jax.grad(loss), params, x, top=-1)
+  assert "largest buffers live at the peak" in str(memory.report(jax.grad(loss), params, x))
+  assert "largest buffers" not in str(memory.report(jax.grad(loss), params, x, top=0))
 
 
 def _tanh_matmul(x, w):
@@ -267,7 +269,7 @@ def test_cli_report_table(capsys):
 
 def test_the_summary_counts_throughput_in_tokens_for_sequences_and_names_no_missing_column():
   """BERT's rate in tokens/s as LLaMA's (it was labelled images/s); a step of the user's own
-  has no rate column, and its caption names none."""
+  has no rate column, and its caption names none, nor a split that does not follow."""
   row = dict(techniques="baseline", parameters=1, optimizer_state=1, gradients=1, activations=1,
              other=1, peak_bytes=2**20, host_bytes=0, collective_bytes=None, extra_flops=0.0,
              transfer_floor_s=None, reduction=1.0, peak_saved_bytes=0, step_s=0.004, mfu=0.5,
@@ -279,7 +281,9 @@ def test_the_summary_counts_throughput_in_tokens_for_sequences_and_names_no_miss
     assert unit in text and f"{rate:,.0f}" in text, model
   own = app.Job(make_step=lambda: None, target="cpu")
   text = _text.render(cli._summary([row], "", own))
-  assert "/s" not in text and "MFU" in text
+  assert "/s" not in text and "MFU" in text and "split below" not in text  # plan's: none
+  text = _text.render(cli._summary([row], "", own, "each row"))  # report --details
+  assert "split below for each row" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -307,6 +311,12 @@ def test_the_summary_counts_throughput_in_tokens_for_sequences_and_names_no_miss
      "for a GPU target (h100, rtx4090, ...); target cpu is not one"),
     (["report", "--model", "bert-base", "--seq", "1024", "--techniques", "baseline"],
      "'baseline': seq must be <= 512 for bert-base, got 1024"),
+    (["report", *SMALL, "--seq", "64"],
+     "--seq is for the sequence models (LLaMA, BERT); vit-tiny takes --image."),
+    (["report", "--model", "llama-tiny", "--image", "64"],
+     "--image is for the image models (ViT, WideResNet); llama-tiny takes --seq."),
+    (["report", *SMALL, "--image", "8", "--target", "cpu"],
+     "image must be a multiple of vit-tiny's 16-pixel patch, got 8"),
     (["plan", "--model", "wrn-28-2", "--budget", "1GiB"], "invalid choice: 'wrn-28-2'"),
     (["plan", "--budget", "12 parsecs"], "budget '12 parsecs'"),
     (["plan"], "--budget"),
@@ -421,7 +431,7 @@ def test_wrn_in_the_report(capsys):
   assert cli.main(["report", "--model", "wrn-28-2", "--batch", "8", "--target", "h100",
                    "--techniques", "baseline,relu-1bit+conv:int8", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
-  assert out["image"] == 32
+  assert out["image"] == 32 and out["seq"] is None  # a shape the model does not take: None
   base, lowmem = out["rows"]
   assert lowmem["saved_activation_bytes"] < 0.7 * base["saved_activation_bytes"]
   # and the compiled peak: the convs' backward makes its full-size copy of the input when it

@@ -133,6 +133,17 @@ def check_positions(job: Job) -> None:
                      "JAX indexes in int32 (without jax_enable_x64): lower them.")
 
 
+def _check_given(given: tuple[str, ...], job: Job) -> None:
+  """`UsageError` where ``given`` (the options given) holds a shape ``job``'s model does not
+  take, which would be ignored: --seq of an image model, --image of a sequence model."""
+  if "--seq" in given and not job.sequences:
+    raise UsageError(f"--seq is for the sequence models (LLaMA, BERT); {job.model} takes "
+                     "--image.")
+  if "--image" in given and job.sequences:
+    raise UsageError(f"--image is for the image models (ViT, WideResNet); {job.model} takes "
+                     "--seq.")
+
+
 def _users_line(error: BaseException) -> str | None:
   """``FILE, line N``: where ``error`` was raised in the user's code (the innermost frame
   outside lowmem_jax and Python's installation), or None where it was not."""
@@ -189,7 +200,8 @@ def _size(nbytes: float) -> str:
   return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _summary(rows: list[dict], title: str, job: Job) -> Table:
+def _summary(rows: list[dict], title: str, job: Job, split: str | None = None) -> Table:
+  """The rows' table; ``split``: which rows' breakdowns follow it ("the last row"), if any."""
   unit, scale = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
   host = any(r["host_bytes"] for r in rows)
   shared = any(r["collective_bytes"] for r in rows)
@@ -198,8 +210,9 @@ def _summary(rows: list[dict], title: str, job: Job) -> Table:
            else job.batch)
   unit_rate = "tokens/s" if job.sequences else "images/s"
   table = Table(title=title, caption="Live at the compiled peak (XLA buffer assignment); "
-                "other: the batch, updates and XLA's temporaries (split below for the last "
-                "row); gradients and updates are estimated; 0 (none live): no gradient buffer "
+                "other: the batch, updates and XLA's temporaries"
+                + ("" if split is None else f" (split below for {split})")
+                + "; gradients and updates are estimated; 0 (none live): no gradient buffer "
                 "is live at the peak, as where XLA fuses each gradient into its update; none "
                 "found: no argument of the step is parameters or optimizer state (found by "
                 "name, params and opt_state, or by type); peak: XLA's memory analysis; × less "
@@ -269,7 +282,9 @@ def report(args, job: Job, console: Console) -> int:
   target = job.target
   if args.json:
     workload = ({"step": args.step} if job.make_step is not None else
-                {"model": job.model, "batch": job.batch, "seq": job.seq, "image": job.image_side,
+                {"model": job.model, "batch": job.batch,  # the shape the model takes, else None
+                 "seq": job.seq if job.sequences else None,
+                 "image": None if job.sequences else job.image_side,
                  "dtype": job.dtype, "devices": job.devices})
     out = {**workload, "target": target.name, "device_kind": target.device_kind,
            "target_note": target.note, "jax": jax.__version__,
@@ -277,7 +292,8 @@ def report(args, job: Job, console: Console) -> int:
            "rows": [{**r, "breakdown": b.to_dict()} for r, b in zip(rows, breakdowns)]}
     console.print_json(json.dumps(out))
     return 0
-  console.print(_summary(rows, _workload_title(args, job), job))
+  console.print(_summary(rows, _workload_title(args, job), job,
+                         "each row" if args.details else "the last row"))
   if left_out:
     console.print(left_out[1], highlight=False, soft_wrap=True)
   if target.platform == "cpu" and job.make_step is None and (
@@ -319,6 +335,9 @@ def plan(args, job: Job, console: Console) -> int:
   for text, nbytes in fit.skipped:
     console.print(f"skipped without compiling: {text} (its arguments on the device alone take "
                   f"{_size(nbytes)})", highlight=False)
+  for text in fit.unplanned:
+    console.print(f"no remat policy fits {_size(budget)}: {text} (its policies compiled, "
+                  "not in the table)", highlight=False)
   left_out = _left_out(job, list(fit.not_taken))
   if left_out:
     console.print(left_out[1], highlight=False, soft_wrap=True)
@@ -505,6 +524,7 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
       target = _target(args.target)
     job = _job(args, target)
     if job.make_step is None:
+      _check_given(args.given, job)
       check_positions(job)
     return (report if args.command == "report" else plan)(args, job, console)
   except UsageError as e:

@@ -207,6 +207,8 @@ class Fit(NamedTuple):
       device exceed the budget, in ladder order.
     not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
       as its sets write them.
+    unplanned: each ``remat:plan`` set tried for which no remat policy fits the budget
+      (compiled, not measured), in ladder order.
     objective: what ``fits`` was chosen by.
     budget: the bytes the sets had to fit.
   """
@@ -217,6 +219,7 @@ class Fit(NamedTuple):
   not_taken: tuple = ()
   objective: str = "time"
   budget: int = 0
+  unplanned: list | tuple = ()
 
   @property
   def fitting(self) -> list:
@@ -249,8 +252,8 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
   arguments = {} if step else {
       text: device_argument_bytes(job, parse(_before_plan(text))) for text in texts}
   floor = min(arguments.values(), default=0)
-  tried, skipped = [], []
-  fit = Fit(tried, None, floor, skipped, not_taken, objective, budget)
+  tried, skipped, unplanned = [], [], []
+  fit = Fit(tried, None, floor, skipped, not_taken, objective, budget, unplanned)
   if floor > budget:
     return fit
   exact_fits = False
@@ -264,6 +267,7 @@ def cheapest_fit(job: Job, budget: int, on_try: Callable[[str], None] = lambda t
     on_try(text)
     techniques = planned(job, text, budget)
     if techniques is None:
+      unplanned.append(text)
       continue
     tried.append((measure(job, techniques), techniques))
     exact_fits = exact_fits or (exact and tried[-1][0].stats.peak_bytes <= budget)

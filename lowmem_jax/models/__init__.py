@@ -211,6 +211,9 @@ def workload(name: str, *, batch: int, seq: int = 512, image: int | None = None,
   elif name in VIT_CONFIGS:
     model = ViT(**VIT_CONFIGS[name], **switches)
     image = 224 if image is None else image
+    if image % model.patch_size:  # its VALID patches would drop the border, or every pixel
+      raise ValueError(f"image must be a multiple of {name}'s {model.patch_size}-pixel patch, "
+                       f"got {image}.")
     inputs = jax.ShapeDtypeStruct((batch, image, image, 3), dtype)
     labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
   else:

@@ -415,6 +415,8 @@ def _tables(b: Breakdown) -> list:
     for layer, nbytes in b.activations_by_layer.items():
       layers.add_row(layer, _mib(nbytes))
     out.append(layers)
+  if not b.buffers:  # top=0: none asked for
+    return out
   largest = Table("MiB", "shape", "component", "name", "op", "source",
                   title="largest buffers live at the peak")
   for buf in b.buffers:

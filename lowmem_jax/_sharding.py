@@ -4,6 +4,8 @@ gathers parameters and token blocks are taken position-major, and the mesh a tre
 lies on (`mesh_of`), on which the layer-streamed state is made, each leaf split as its
 parameter (`split_as`)."""
 
+import math
+
 import jax
 import numpy as np
 
@@ -47,22 +49,36 @@ def mesh_of(tree) -> jax.sharding.Mesh | None:
   return mesh if not meshes and mesh.size > 1 and auto else None
 
 
-def split_as(x: jax.Array, param: jax.Array) -> jax.Array:
+def split_as(x: jax.Array, param: jax.Array, lead: int = 0) -> jax.Array:
   """``x``, a state leaf of ``param`` (on its mesh, a `jax.sharding.NamedSharding`), split over
-  the mesh as ``param`` is on each trailing axis the two have of one size, whole along the
-  others, in ``x``'s memory kind: ZeRO's optimizer state, each device's share beside its
-  parameters' (Rajbhandari et al., 2020). Adam's moments ``[n, len / n, ...]`` of a leaf
-  ``[len, ...]`` split along ``...`` as the leaf; 8-bit codes as their leaf, their block
-  scales ``[..., 1]`` whole. As the step's update writes them, so its second call does not
-  compile again."""
+  the mesh as ``param`` is, in ``x``'s memory kind: ZeRO's optimizer state, each device's share
+  beside its parameters' (Rajbhandari et al., 2020). ``x`` has ``param``'s axes (Adam's
+  moments, 8-bit codes; an axis of another size, as block scales' ``[..., 1]``, whole), or
+  ``param``'s axis ``lead`` in slices ``[n, len / n]`` (a leaf updated in slices; ``lead`` 1 in
+  a stack of layers), split along ``n`` as ``param`` along ``len`` where it divides (each
+  device's slices its rows'), else along ``len / n``, the axes after as above; any other
+  ``x`` whole. As the step's
+  update writes them, so its second call does not compile again."""
   spec = tuple(param.sharding.spec) + (None,) * (param.ndim - len(param.sharding.spec))
-  axes = [None] * x.ndim
-  for k in range(1, min(x.ndim, param.ndim) + 1):
-    if x.shape[-k] == param.shape[-k]:
-      axes[-k] = spec[-k]
+  mesh = param.sharding.mesh
+  parts = lambda entry: math.prod(mesh.shape[a] for a in (
+      () if entry is None else (entry,) if isinstance(entry, str) else entry))
+  sliced = (x.ndim == param.ndim + 1 and lead < param.ndim and x.shape[:lead] == param.shape[:lead]
+            and x.shape[lead] * x.shape[lead + 1] == param.shape[lead])
+  axes = [None] * x.ndim if x.ndim == param.ndim or sliced else []
+  for i, entry in enumerate(spec if axes else ()):
+    if entry is None:
+      continue
+    if sliced and i == lead:  # the slices [n, len / n] of len: split n, else len / n
+      at = next((a for a in (lead, lead + 1) if x.shape[a] % parts(entry) == 0), None)
+    else:
+      at = i + (sliced and i > lead)
+      at = at if x.shape[at] == param.shape[i] else None
+    if at is not None:
+      axes[at] = entry
   while axes and axes[-1] is None:  # P() as the step's outputs have it, not P(None): one key
     axes.pop()
-  sharding = jax.sharding.NamedSharding(param.sharding.mesh, jax.sharding.PartitionSpec(*axes),
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes),
                                         memory_kind=x.sharding.memory_kind)
   return jax.device_put(x, sharding)
 

@@ -448,5 +448,6 @@ def test_parse_bytes():
     cli.parse_bytes("24")
   assert cli.parse_bytes("1e3MiB") == 1000 * 2**20 and cli.parse_bytes(".5GiB") == 2**29
   for text in ("0.0000001KiB", "1e400GiB"):
-    with pytest.raises(cli.UsageError, match=rf"budget '{text}': give from 1B to 8EiB"):
+    with pytest.raises(cli.UsageError, match=rf"budget '{text}': give at least 1B and less "
+                       r"than 2\^63 bytes"):
       cli.parse_bytes(text)

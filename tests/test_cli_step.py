@@ -262,7 +262,7 @@ def test_plan_of_a_step_that_takes_policy_alone_prints_python_that_runs(capsys, 
   assert callable(namespace["step"])
   # A budget no policy fits: said, not left out of the table without a word.
   assert cli.main(["plan", "--step", spec, "--target", "cpu", "--budget", "1KiB"]) == 1
-  assert ("no remat policy fits 0.0 MiB: remat:plan (its policies compiled, not in the table)"
+  assert ("no remat policy fits 1.0 KiB: remat:plan (its policies compiled, not in the table)"
           in capsys.readouterr().out)
 
 

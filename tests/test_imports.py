@@ -258,7 +258,7 @@ TESTED_IN = {
     "lowmem_jax": "test_imports.py", "lowmem_jax.ops": "test_imports.py",
     "lowmem_jax.app": "test_techniques.py", "lowmem_jax.ops.attention": "test_attention_ops.py",
     "lowmem_jax.models.vit": "test_models.py", "lowmem_jax._checks": "test_optim.py",
-    "lowmem_jax._plots": "test_cli.py", "lowmem_jax._sharding": "test_streamed.py",
+    "lowmem_jax._plots": "test_cli.py", "lowmem_jax._sharding": "test_streamed_mesh.py",
     "lowmem_jax._static": "test_optim.py", "lowmem_jax._text": "test_cli.py",
     "lowmem_jax.app.fits": "test_techniques.py", "lowmem_jax.app.job": "test_techniques.py",
     "lowmem_jax.app.measurement": "test_techniques.py",

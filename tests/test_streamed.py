@@ -12,8 +12,8 @@ import pytest
 from third_party_promotion import OPTAX_APPLY_UPDATES, OPTAX_BIAS_CORRECTION
 
 import lowmem_jax as lm
-from lowmem_jax import _jaxpr, _sharding
-from lowmem_jax.optim import packed_rows, per_leaf, streamed
+from lowmem_jax import _jaxpr
+from lowmem_jax.optim import per_leaf, streamed
 
 pytestmark = OPTAX_BIAS_CORRECTION
 
@@ -398,9 +398,9 @@ def test_a_per_leaf_statistic_of_a_layer_leaf_is_the_layers():
   model, params = stack(), params_of(jax.random.key(5))
   batch = batch_of(jax.random.key(0))
   grads = jax.grad(model.loss)(params, batch)
-  assert all(jnp.sqrt(jnp.mean(g ** 2)) > 1e-4 for g in jax.tree.leaves(grads))
   apart = lambda t: {**t, "layers": [jax.tree.map(lambda x: x[i], t["layers"])
                                      for i in range(LAYERS)]}
+  assert all(jnp.sqrt(jnp.mean(g ** 2)) > 1e-4 for g in jax.tree.leaves(apart(grads)))
   updates, _ = tx.update(apart(grads), tx.init(apart(params)))
   want = optax.apply_updates(params, {**updates, "layers": jax.tree.map(
       lambda *xs: jnp.stack(xs), *updates["layers"])})
@@ -539,120 +539,6 @@ def test_llama_mlp_in_token_chunks_equals_adamw_on_the_whole_mlp():
   got, want, _ = run_both(chunked, optax.adamw(1e-2, eps=1e-4), params, [batch, batch],
                           twin=lm.models.llama.layer_stack(whole))
   assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_fsdp_over_8_devices_equals_one_device():
-  """Parameters and state sharded along their last axis over an 8-device mesh (the layers'
-  axis unsharded), the batch along its first: the same step as on one device."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  model, params = stack(), params_of(jax.random.key(6))
-  tx = optax.adamw(1e-2, weight_decay=0.1)
-  layered = streamed.layer_streamed(model, tx, slice_elements=256)
-  batch = batch_of(jax.random.key(0), n=8)
-  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
-
-  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
-  state = jax.tree.map(functools.partial(_fsdp, mesh), layered.init(sharded))
-  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-  got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
-  assert got["layers"]["w1"].sharding.spec[-1] == "fsdp"
-  assert_close(got, one)
-  assert_close(got_state, one_state, atol=1e-6)
-
-
-def _fsdp(mesh, x):
-  """``x`` on ``mesh``, split along its last axis where 8 divides it."""
-  spec = [None] * x.ndim
-  if x.ndim and x.shape[-1] % 8 == 0:
-    spec[-1] = "fsdp"
-  return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
-
-
-def test_a_state_leaf_is_split_as_its_parameter_on_each_trailing_axis_of_its_size():
-  """`_sharding.split_as`: a moment in slices ``[2, 8, 64]`` of a leaf ``[16, 64]`` split
-  along 64 keeps that split; its block scales ``[2, 8, 1]``, and any axis the leaf does not
-  share in size (16 cut into 2 × 8), whole on each device; the memory kind kept."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  spec = jax.sharding.PartitionSpec
-  put = lambda x, *axes: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec(*axes)))
-  moment, scales = jnp.zeros((2, 8, 64)), jnp.zeros((2, 8, 1))
-  by_column, by_row = put(jnp.ones((16, 64)), None, "fsdp"), put(jnp.ones((16, 64)), "fsdp")
-  assert _sharding.split_as(moment, by_column).sharding.spec == spec(None, None, "fsdp")
-  assert _sharding.split_as(scales, by_column).sharding.spec == spec()
-  assert _sharding.split_as(moment, by_row).sharding.spec == spec()
-  on_host = jax.device_put(moment, jax.sharding.NamedSharding(mesh, spec(),
-                                                              memory_kind="pinned_host"))
-  assert _sharding.split_as(on_host, by_column).sharding.memory_kind == "pinned_host"
-
-
-@pytest.mark.parametrize("place", ["device", "host"])
-def test_init_of_params_sharded_over_a_mesh_makes_the_state_on_it(place):
-  """``init`` of params sharded over 8 devices, no mesh set: the state lies on the 8 (on one,
-  the step refused it beside the params), each moment split as its parameter, the step's new
-  state as its old (a second call compiles nothing), and the step equals the one-device
-  step."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  params = params_of(jax.random.key(6))
-  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
-  assert _sharding.mesh_of(sharded) is mesh and _sharding.mesh_of(params) is None
-  with jax.set_mesh(mesh):
-    assert _sharding.mesh_of(sharded) is None  # set for tracing: the caller's
-  explicit = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
-  assert _sharding.mesh_of(jax.tree.map(functools.partial(_fsdp, explicit), params)) is None
-  layered = streamed.layer_streamed(stack(), optax.adamw(1e-2), slice_elements=256,
-                                    state=place)
-  # Traced, the arrays closed over are concrete, and jax.set_mesh is refused there.
-  traced = []
-  jax.eval_shape(lambda: traced.append(_sharding.mesh_of(sharded)))
-  assert traced == [None]
-  jax.eval_shape(lambda: layered.init(sharded))
-  batch = batch_of(jax.random.key(0), n=8)
-  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
-  state = layered.init(sharded)
-  assert all(x.sharding.device_set == set(mesh.devices.flat) for x in jax.tree.leaves(state))
-  # Each moment split as its parameter (ZeRO), as the step writes it: no second compile.
-  mu = state.rest["norm"][0].mu["norm"]  # [DIM], split as the norm's scale (_fsdp)
-  assert mu.addressable_shards[0].data.size == DIM // 8
-  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-  got, got_state, _ = jax.jit(layered.step)(sharded, state, jax.device_put(batch, data))
-  assert jax.tree.map(lambda x: x.sharding, got_state) == jax.tree.map(lambda x: x.sharding,
-                                                                       state)
-  assert_close(got, one)
-  rows = lambda x: isinstance(x, packed_rows.PackedRows)
-  trees = lambda state: jax.tree.map(lambda x: x.unstacked() if rows(x) else x, state,
-                                     is_leaf=rows)  # a host state's rows as their trees
-  assert_close(trees(got_state), trees(one_state), atol=1e-6)
-
-
-@pytest.mark.slow
-def test_llama_under_a_mesh_gathers_each_layer_and_equals_one_device():
-  """Traced under `jax.set_mesh` (as the CLI's --devices compiles) with ``gather_params``,
-  each layer's parameters are gathered where used, the MLP's token chunks and the fused
-  head's token blocks run position-major: the same step as on one device, and fewer
-  collectives than without the mesh."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  config = lm.models.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                 ffn_dim=48)
-  model = lm.models.Llama(config, loss="fused", mlp_chunk_tokens=16)
-  tokens = jax.random.randint(jax.random.key(0), (8, 9), 0, 64)
-  batch = (tokens[:, :-1], tokens[:, 1:])
-  params = model.init(jax.random.key(1), batch[0])["params"]
-  layered = streamed.layer_streamed(lm.models.llama.layer_stack(model),
-                                    optax.adamw(1e-2, eps=1e-4), gather_params=True)
-  one, one_state, _ = jax.jit(layered.step)(params, layered.init(params), batch)
-  sharded = jax.tree.map(functools.partial(_fsdp, mesh), params)
-  state = jax.tree.map(functools.partial(_fsdp, mesh), layered.init(sharded))
-  data = jax.device_put(batch,
-                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
-  step = jax.jit(layered.step)
-  with jax.set_mesh(mesh):
-    got, got_state, _ = step(sharded, state, data)
-    in_mesh = lm.memory.collective_bytes(step.lower(sharded, state, data).compile().as_text())
-  assert_close(got, one, rtol=1e-4, atol=1e-5)
-  assert_close(got_state, one_state, rtol=1e-4, atol=1e-5)
-  outside = lm.memory.collective_bytes(step.lower(sharded, state, data).compile().as_text())
-  assert in_mesh < outside
 
 
 def test_it_composes_with_lm_lowmem_and_a_remat_policy_in_the_layer():

@@ -79,7 +79,7 @@ def parse_bytes(text: str) -> int:
                      "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
   size = float(m.group(1)) * _UNITS[m.group(2).lower()]
   if not 1 <= size < 2**63:
-    raise UsageError(f"budget {text!r}: give from 1B to 8EiB.")
+    raise UsageError(f"budget {text!r}: give at least 1B and less than 2^63 bytes.")
   return int(size)
 
 
@@ -124,7 +124,7 @@ def load_step(spec: str) -> Callable:
 def check_positions(job: Job) -> None:
   """`UsageError` naming the options where a reference model's batch holds more positions
   (tokens, or an image model's pixels) than `MAX_POSITIONS`: before anything compiles."""
-  image = job.model in models.VIT_CONFIGS or job.conv_net
+  image = not job.sequences
   positions = job.batch * (job.image_side ** 2 if image else job.seq)
   if positions > MAX_POSITIONS:
     side = f"--image {job.image_side}" if image else f"--seq {job.seq}"
@@ -188,8 +188,7 @@ def _workload_title(args, job: Job) -> str:
   target = job.target.name
   if job.make_step is not None:
     return f"{args.step} training step (target {target}, jax {jax.__version__})"
-  size = (f"{job.image_side}px images" if job.model in models.VIT_CONFIGS or job.conv_net
-          else f"{job.seq} tokens")
+  size = f"{job.seq} tokens" if job.sequences else f"{job.image_side}px images"
   where = (f"FSDP over {job.devices} × {target}, figures per device" if job.devices > 1
            else f"target {target}")
   return (f"{job.model} training step, batch {job.batch} of {size}, {job.dtype} compute "
@@ -197,7 +196,8 @@ def _workload_title(args, job: Job) -> str:
 
 
 def _size(nbytes: float) -> str:
-  return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+  return (f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+          if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB")
 
 
 def _summary(rows: list[dict], title: str, job: Job, split: str | None = None) -> Table:
@@ -535,13 +535,15 @@ def main(argv=None, *, quiet_plugin_load: Callable[[], contextlib.AbstractContex
     print(f"lowmem-jax: error: {step}{e}", file=sys.stderr)
     return 2
   except Exception as e:
-    # A step of the user's: an error raised in its code, or on it (its arguments, its
-    # shapes, as JAX traces it), in one line; a reference model's is the library's own.
-    if args is None or args.step is None or args.verbose:
+    # A step of the user's: an error raised in its code, or tracing it on its arguments
+    # (`measurement.StepError`), in one line; any other is the library's own.
+    traced = isinstance(e, measurement.StepError)
+    where = (_users_line(e.__cause__ if traced else e) if args is not None
+             and args.step is not None else None)
+    if (where is None and not traced) or args.verbose:
       raise
-    where = _users_line(e)
-    message = str(e).strip().partition("\n")[0]
-    print(f"lowmem-jax: error: --step {args.step}: {type(e).__name__}: {message} ("
+    message = str(e) if traced else f"{type(e).__name__}: {str(e).strip().partition(chr(10))[0]}"
+    print(f"lowmem-jax: error: --step {args.step}: {message} ("
           f"{'' if where is None else f'{where}; '}--verbose for the traceback)",
           file=sys.stderr)
     return 2

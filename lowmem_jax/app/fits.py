@@ -207,10 +207,10 @@ class Fit(NamedTuple):
       device exceed the budget, in ladder order.
     not_taken: the techniques left out of a user's step's ladder (`Job.without_missing`),
       as its sets write them.
-    unplanned: each ``remat:plan`` set tried for which no remat policy fits the budget
-      (compiled, not measured), in ladder order.
     objective: what ``fits`` was chosen by.
     budget: the bytes the sets had to fit.
+    unplanned: each ``remat:plan`` set tried for which no remat policy fits the budget
+      (compiled, not measured), in ladder order.
   """
   tried: list
   fits: TechniqueSet | None

@@ -40,6 +40,23 @@ def check(job: Job, techniques: TechniqueSet) -> None:
                          "lowmem-jax report --help: the options of make_step).")
 
 
+class StepError(Exception):
+  """An error raised tracing a user's step on its arguments (or its loss on the loss's): the
+  step's, not the library's (its cause: the error raised)."""
+
+
+def _traced(step: Callable, step_args: tuple, loss_fn: Callable | None,
+            loss_args: tuple) -> None:
+  """Traces the step on its arguments and the loss on its own (`jax.eval_shape`; the step's
+  trace is jit's cached one its lowering reuses); raises `StepError` from any error."""
+  try:
+    jax.eval_shape(step, *step_args)
+    if loss_fn is not None:
+      jax.eval_shape(loss_fn, *loss_args)
+  except Exception as e:
+    raise StepError(f"{type(e).__name__}: {str(e).strip().partition(chr(10))[0]}") from e
+
+
 def user_step(job: Job, techniques: TechniqueSet) -> tuple[Callable, tuple, Callable | None, tuple]:
   """``(step, step_args, loss_fn, loss_args)`` of ``job.make_step`` for ``techniques``, which
   `check` has passed (``loss_fn`` None where make_step gives none)."""
@@ -99,6 +116,7 @@ def measure(job: Job, techniques: TechniqueSet, top: int | None = 10) -> memory.
   check(job, techniques)
   if job.make_step is not None:
     step, step_args, loss_fn, loss_args = user_step(job, techniques)
+    _traced(step, step_args, loss_fn, loss_args)
     return memory.report(step, *step_args, loss_fn=loss_fn, loss_args=loss_args,
                          label=techniques.label, top=top, target=job.target)
   k = techniques.adama

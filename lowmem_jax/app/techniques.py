@@ -541,8 +541,7 @@ class TechniqueSet:
 
 def _shapes(job) -> dict[str, Any]:
   """`lowmem_jax.models.workload`'s batch, size and compute dtype keywords for ``job``."""
-  size = ({"image": job.image_side} if job.model in models.VIT_CONFIGS or job.conv_net
-          else {"seq": job.seq})
+  size = {"seq": job.seq} if job.sequences else {"image": job.image_side}
   return {"batch": job.batch, **size, "dtype": code.Code(jnp.dtype(job.dtype), f"jnp.{job.dtype}")}
 
 

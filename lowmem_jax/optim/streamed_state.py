@@ -94,8 +94,8 @@ class StateMaking:
       with jax.set_mesh(mesh):
         state = self.init(params)
       rest, layers = split(params, self.stack.key)
-      return state._replace(layers=_split_as(state.layers, layers),
-                            rest=_split_as(state.rest, rest))
+      return state._replace(layers=_split_as(state.layers, layers, lead=1),
+                            rest=_split_as(state.rest, rest, lead=0))
     rest, layers, _ = self.checked(params)
     rest_where, layers_where = wheres(params, self.stack.key)
     init_layer = lambda p: jax.tree.map(self.leaf_init, p, layers_where)
@@ -128,10 +128,11 @@ class StateMaking:
             else slicing.stacked(self.state, self.leaf_init(x, where), n, 2))
 
 
-def _split_as(states, params):
+def _split_as(states, params, lead: int):
   """``states``, a tree of each leaf of ``params``'s state, each leaf split as its parameter
-  (`_sharding.split_as`); packed rows (`PackedRows`) as they are."""
+  (`_sharding.split_as` at ``lead``: 1 for the layers' stacks); packed rows (`PackedRows`) as
+  they are."""
   if isinstance(states, PackedRows):
     return states
   return jax.tree.map(lambda p, s: s if isinstance(s, PackedRows) else jax.tree.map(
-      lambda x: _sharding.split_as(x, p), s), params, states)
+      lambda x: _sharding.split_as(x, p, lead), s), params, states)

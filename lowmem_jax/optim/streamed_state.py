@@ -54,8 +54,8 @@ class StateMaking:
       raise ValueError(
           f"`tx.init` of a slice of the parameter at {list(where.path)} ({shape_text(x)}, "
           f"updated in {n} slices of at most `slice_elements`={self.slice_elements} elements) "
-          "makes another kind of state than the whole leaf's (8-bit moments whose `min_size` "
-          "a slice is below: float32 ones): give `slice_elements` >= "
+          "makes another kind of state than the whole leaf's (as 8-bit moments make float32 "
+          "ones for a slice below their `min_size`): give `slice_elements` >= "
           f"{math.prod(jnp.shape(x))} to update it whole, or a `min_size` <= "
           f"{math.prod(part.shape)}.")
     update = lambda g, s, p: self.tx.update(where.nest(g), s, where.nest(p),
